@@ -1,0 +1,27 @@
+# Two commands on a fresh machine with Python >= 3.10:
+#   make run    set everything up, then run the main job on defaults
+#   make test   set everything up, then run the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  := torch==2.13.0
+
+.PHONY: run test install clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(PY) -m attnkit info
+	$(PY) -m attnkit demo
+
+test: install
+	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,65 @@
+"""attnkit: every attention behind one API and one mask contract.
+
+Shape legend (used in every docstring and shape comment):
+    B   batch size                 Hq / Hkv  query heads / key-value heads (Hq % Hkv == 0)
+    Tq  query length               Tk        key/value length
+    D   query/key head dim         Dv        value head dim
+
+Tour::
+
+    import torch, attnkit
+    q = torch.randn(1, 8, 128, 64); k = v = torch.randn(1, 2, 128, 64)    # GQA: 8 query, 2 kv heads
+    out = attnkit.attention(q, k, v, mask=attnkit.Causal())              # (1, 8, 128, 64)
+    print(attnkit.explain(q, k, v, mask=attnkit.Causal()))               # which backend, and why
+    out = attnkit.attention(q, k, v, mask=attnkit.SlidingWindow(32, 0), backend="naive")
+    with attnkit.use_backend("naive"):                                   # scoped choice
+        out, lse = attnkit.attention(q, k, v, return_lse=True)
+    keep = torch.rand(1, 1, 128, 128) > 0.5                              # True = attend
+    out = attnkit.attention(q, k, v, mask=keep & attnkit.Causal().materialize(128, 128))
+"""
+
+from .dispatch import NoBackendError, explain, use_backend
+from .functional import attention, attention_weights
+from .inputs import AttentionInputs
+from .masks import (
+    And,
+    BlockStatus,
+    Causal,
+    Custom,
+    Dense,
+    Document,
+    KeyPadding,
+    Mask,
+    Or,
+    SlidingWindow,
+    as_mask,
+    from_key_padding_mask,
+)
+from .registry import Backend, backends, get_backend, register_backend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "attention_weights",
+    "explain",
+    "use_backend",
+    "NoBackendError",
+    "AttentionInputs",
+    "Mask",
+    "BlockStatus",
+    "Causal",
+    "SlidingWindow",
+    "KeyPadding",
+    "Document",
+    "Dense",
+    "Custom",
+    "And",
+    "Or",
+    "as_mask",
+    "from_key_padding_mask",
+    "Backend",
+    "backends",
+    "get_backend",
+    "register_backend",
+]

@@ -1,0 +1,1 @@
+"""Command line: ``python -m attnkit info | demo | ...``."""

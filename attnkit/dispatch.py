@@ -1,0 +1,172 @@
+"""Choosing a backend: the priority policy, ``select``, ``explain`` and ``use_backend``.
+
+Rules:
+
+* ``backend="auto"`` takes the first backend of :func:`priority` that is exact, available and has no
+  reasons against the input. Approximate backends (``exact = False``) run only when named.
+* A named backend is checked, never silently replaced: if it cannot run, ``NoBackendError`` says why.
+* ``with use_backend("tiled"):`` makes ``"auto"`` mean ``"tiled"`` inside the block (a ContextVar,
+  so threads and async tasks keep their own choice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from .inputs import AttentionInputs
+from .masks import Causal
+from .registry import Backend, backends, get_backend
+
+__all__ = ["NoBackendError", "select", "explain", "use_backend", "priority", "Explanation"]
+
+_SCOPED: ContextVar[tuple[str, ...] | None] = ContextVar("attnkit_backend", default=None)
+
+# Above this many materialized mask/score elements per call (B*H*Tq*Tk), a backend that builds the
+# whole (Tq, Tk) mask costs more memory than a tiled one: 2**26 bool elements = 64 MiB.
+# The benchmark issue replaces these constants with per-machine measured crossovers.
+MATERIALIZE_LIMIT = 2**26
+
+
+class NoBackendError(ValueError):
+    """No backend can run the input; the message lists every backend with its reasons."""
+
+
+def mask_needs_materializing(inp: AttentionInputs) -> bool:
+    """True when SDPA would need the mask as a dense (Tq, Tk) tensor: anything but no mask, a
+    causal mask aligned like SDPA's ``is_causal`` (top-left, i.e. ``q_offset == kv_offset``), or a
+    causal mask that hides nothing (every query at or after the last key)."""
+    mask = inp.mask
+    if mask is None:
+        return False
+    if type(mask) is Causal:
+        return not (inp.q_offset == inp.kv_offset or inp.q_offset >= inp.kv_offset + inp.Tk - 1)
+    return True
+
+
+def priority(inp: AttentionInputs) -> list[str]:
+    """The order in which ``auto`` tries backends for this input (the whole policy).
+
+    1. SDPA first: PyTorch's fused kernels are the fastest exact path for dense and causal masks.
+    2. A mask SDPA would have to materialize over a large score matrix goes to ``tiled`` first,
+       which evaluates the mask per tile in O(Tq + Tk) memory.
+    3. ``naive`` last: it runs everything (LSE, bias, dropout), but in O(Tq * Tk) memory.
+    Backends registered later and not named here are tried before ``naive``.
+    """
+    order = ["sdpa", "tiled"]
+    if mask_needs_materializing(inp) and inp.B * inp.Hq * inp.Tq * inp.Tk > MATERIALIZE_LIMIT:
+        order = ["tiled", "sdpa"]
+    known = backends()
+    order += [name for name in known if name not in order and name != "naive"]
+    order.append("naive")
+    return [name for name in order if name in known]
+
+
+def _candidates(backend: str) -> tuple[list[str], bool]:
+    """Names to try and whether they were named explicitly (by argument or ``use_backend``)."""
+    if backend != "auto":
+        get_backend(backend)
+        return [backend], True
+    scoped = _SCOPED.get()
+    if scoped is not None:
+        return list(scoped), True
+    return [], False
+
+
+def select(inp: AttentionInputs, backend: str = "auto") -> type[Backend]:
+    """The backend that will run ``inp``; ``NoBackendError`` with every reason if none can."""
+    names, named = _candidates(backend)
+    known = backends()
+    if named:
+        for name in names:
+            if not known[name].not_supported_reasons(inp):
+                return known[name]
+    else:
+        for name in priority(inp):
+            impl = known[name]
+            if impl.exact and not impl.not_supported_reasons(inp):
+                return impl
+    raise NoBackendError(_no_backend_message(inp, names if named else list(known)))
+
+
+def _describe(inp: AttentionInputs) -> str:
+    mask = "no mask" if inp.mask is None else repr(inp.mask)
+    return (
+        f"q {tuple(inp.q.shape)}, k {tuple(inp.k.shape)}, v {tuple(inp.v.shape)}, {inp.dtype}, "
+        f"{inp.device.type}, {mask}, q_offset={inp.q_offset}, kv_offset={inp.kv_offset}"
+    )
+
+
+def _no_backend_message(inp: AttentionInputs, names: Sequence[str]) -> str:
+    known = backends()
+    lines = [f"no attention backend can run this input ({_describe(inp)}):"]
+    for name in names:
+        reasons = known[name].not_supported_reasons(inp)
+        if not known[name].exact and not reasons:
+            reasons = ["approximate: runs only when named, e.g. backend='%s'" % name]
+        lines.append(f"  {name}: {'; '.join(reasons) or 'can run'}")
+    lines.append("Fix: relax the unsupported option, or name a backend that lists no reasons above.")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What ``auto`` (or a named backend) would do for an input, and why."""
+
+    chosen: str | None
+    reasons: dict[str, list[str]]  # backend name -> reasons it cannot run ([] = it could)
+    order: list[str]  # the order tried
+    description: str
+
+    def __str__(self) -> str:
+        lines = [f"input: {self.description}"]
+        lines.append(f"chosen: {self.chosen}" if self.chosen else "chosen: none (no backend can run this input)")
+        for name in self.order:
+            why = self.reasons[name]
+            if name == self.chosen:
+                lines.append(f"  {name}: runs (first in priority order with no reasons against it)")
+            elif why:
+                lines.append(f"  {name}: not used: {'; '.join(why)}")
+            else:
+                lines.append(f"  {name}: could run, but comes after {self.chosen} in priority order")
+        return "\n".join(lines)
+
+
+def explain(q, k, v, *, backend: str = "auto", **kwargs) -> Explanation:
+    """Say which backend ``attention(q, k, v, **kwargs)`` would run and why the others would not.
+
+    Takes the same keyword arguments as :func:`attnkit.attention`; runs nothing."""
+    inp = AttentionInputs.create(q, k, v, **kwargs)
+    known = backends()
+    names, named = _candidates(backend)
+    order = names if named else priority(inp)
+    reasons = {}
+    for name in known:
+        why = list(known[name].not_supported_reasons(inp))
+        if not named and not known[name].exact:
+            why.append("approximate: runs only when named")
+        reasons[name] = why
+    order = order + [name for name in known if name not in order]
+    chosen = next((name for name in (names if named else priority(inp)) if not reasons[name]), None)
+    return Explanation(chosen, reasons, order, _describe(inp))
+
+
+@contextlib.contextmanager
+def use_backend(*names: str | Sequence[str]) -> Iterator[None]:
+    """Within the block, ``backend="auto"`` means the first of ``names`` that can run.
+
+    ``with use_backend("tiled"):`` or ``with use_backend("sliding_window", "tiled"):``."""
+    flat: list[str] = []
+    for name in names:
+        flat.extend([name] if isinstance(name, str) else list(name))
+    if not flat:
+        raise ValueError("use_backend: expected at least one backend name, e.g. use_backend('tiled').")
+    for name in flat:
+        get_backend(name)
+    token = _SCOPED.set(tuple(flat))
+    try:
+        yield
+    finally:
+        _SCOPED.reset(token)

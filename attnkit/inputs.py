@@ -1,0 +1,231 @@
+"""AttentionInputs: one validated, immutable description of an attention call.
+
+``attention()`` validates its arguments once, here; backends and dispatch read the derived
+properties (shapes, dtype, whether gradients are needed) and never re-check them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .masks import Mask, as_mask
+
+__all__ = ["AttentionInputs", "FLOAT_DTYPES"]
+
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _check_tensor(name: str, x, expected: str) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor of shape {expected}, got {type(x).__name__}.")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name}: expected a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}. "
+            f"Fix: convert with {name}.float()."
+        )
+    if x.dim() != 4:
+        raise ValueError(
+            f"{name}: expected 4 dims {expected}, got shape {tuple(x.shape)}. "
+            "Fix: attnkit uses (batch, heads, length, head_dim); from (B, T, H, D) use .transpose(1, 2)."
+        )
+
+
+def _check_int(name: str, value, *, minimum: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} ({value!r}).")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}.")
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionInputs:
+    """Validated attention arguments. Shapes: q ``(B, Hq, Tq, D)``, k ``(B, Hkv, Tk, D)``,
+    v ``(B, Hkv, Tk, Dv)``; ``bias`` broadcastable to ``(B, Hq, Tq, Tk)``.
+
+    Queries sit at absolute positions ``q_offset .. q_offset+Tq-1`` and keys at
+    ``kv_offset .. kv_offset+Tk-1``."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    mask: Mask | None
+    bias: Tensor | None
+    scale: float
+    dropout_p: float
+    q_offset: int
+    kv_offset: int
+    return_lse: bool
+
+    @classmethod
+    def create(
+        cls,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask=None,
+        bias: Tensor | None = None,
+        scale: float | None = None,
+        dropout_p: float = 0.0,
+        q_offset: int | None = None,
+        kv_offset: int = 0,
+        return_lse: bool = False,
+    ) -> AttentionInputs:
+        """Validate the arguments of ``attention()`` and fill in defaults."""
+        _check_tensor("q", q, "(B, Hq, Tq, D)")
+        _check_tensor("k", k, "(B, Hkv, Tk, D)")
+        _check_tensor("v", v, "(B, Hkv, Tk, Dv)")
+        B, Hq, Tq, D = q.shape
+        Bk, Hkv, Tk, Dk = k.shape
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise TypeError(
+                f"q, k, v: expected one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}. Fix: cast them to one dtype."
+            )
+        if k.device != q.device or v.device != q.device:
+            raise ValueError(
+                f"q, k, v: expected one device, got q on {q.device}, k on {k.device}, v on {v.device}. "
+                "Fix: move them with .to(q.device)."
+            )
+        if Bk != B or v.shape[0] != B:
+            raise ValueError(
+                f"batch size: q has {B}, k has {Bk}, v has {v.shape[0]}; expected one batch size. "
+                "Fix: broadcast with .expand() before the call."
+            )
+        if Dk != D:
+            raise ValueError(f"head dim: q has D={D} but k has D={Dk}; q and k must share the head dim.")
+        if v.shape[1] != Hkv or v.shape[2] != Tk:
+            raise ValueError(
+                f"v: expected shape (B, Hkv, Tk, Dv) with Hkv={Hkv}, Tk={Tk} like k, got {tuple(v.shape)}."
+            )
+        if Hkv == 0 or Hq % Hkv != 0:
+            raise ValueError(
+                f"heads: q has Hq={Hq} heads, k/v have Hkv={Hkv}; grouped-query attention needs Hq % Hkv == 0. "
+                f"Fix: use a number of key/value heads that divides {Hq}."
+            )
+        for name, size in (("Tq (q.shape[2])", Tq), ("Tk (k.shape[2])", Tk), ("D (q.shape[3])", D), ("Dv (v.shape[3])", v.shape[3])):
+            if size == 0:
+                raise ValueError(f"{name}: expected at least 1, got 0. Fix: skip the call for empty inputs.")
+        if scale is None:
+            scale = D**-0.5 if D > 0 else 1.0
+        elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            raise TypeError(f"scale: expected a float or None (= D ** -0.5), got {type(scale).__name__}.")
+        scale = float(scale)
+        if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
+            raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}.")
+        if not 0.0 <= dropout_p < 1.0:
+            raise ValueError(f"dropout_p: expected a value in [0, 1), got {dropout_p}. Fix: use 0.0 for no dropout.")
+        _check_int("kv_offset", kv_offset, minimum=0)
+        if q_offset is None:
+            q_offset = kv_offset + Tk - Tq  # bottom-right: the last query sees the last key
+        else:
+            # The default may be negative (Tq > Tk: the first Tq - Tk queries precede every key
+            # and a causal mask hides all keys from them); an explicit offset is a position.
+            _check_int("q_offset", q_offset, minimum=0)
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}.")
+        if mask is not None:
+            mask = as_mask(mask, "mask")
+            mask.validate(B, Hq, Tq, Tk, q_offset, kv_offset)
+        if bias is not None:
+            if not isinstance(bias, Tensor):
+                raise TypeError(f"bias: expected a float tensor broadcastable to (B, Hq, Tq, Tk), got {type(bias).__name__}.")
+            if not bias.is_floating_point():
+                raise TypeError(
+                    f"bias: expected a floating dtype (an additive score bias), got {bias.dtype}. "
+                    "Fix: boolean masks go to mask=, not bias=."
+                )
+            if bias.device != q.device:
+                raise ValueError(f"bias: expected device {q.device} like q, got {bias.device}.")
+            try:
+                shape = torch.broadcast_shapes(bias.shape, (B, Hq, Tq, Tk))
+            except RuntimeError:
+                shape = None
+            if shape != (B, Hq, Tq, Tk) or bias.dim() > 4:
+                raise ValueError(
+                    f"bias: shape {tuple(bias.shape)} does not broadcast to (B, Hq, Tq, Tk) = ({B}, {Hq}, {Tq}, {Tk})."
+                )
+        return cls(q, k, v, mask, bias, scale, float(dropout_p), q_offset, kv_offset, return_lse)
+
+    # -- derived properties -----------------------------------------------------------------
+    @property
+    def B(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def Hq(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def Hkv(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def Tq(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def Tk(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def D(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def Dv(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head (1 = plain multi-head)."""
+        return self.Hq // self.Hkv
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch.is_grad_enabled() and (
+            self.q.requires_grad
+            or self.k.requires_grad
+            or self.v.requires_grad
+            or (self.bias is not None and self.bias.requires_grad)
+        )
+
+    def materialize_mask(self) -> Tensor | None:
+        """The mask as a bool tensor broadcastable to ``(B, Hq, Tq, Tk)``, or None."""
+        if self.mask is None:
+            return None
+        return self.mask.materialize(self.Tq, self.Tk, q_offset=self.q_offset, kv_offset=self.kv_offset, device=self.device)
+
+    def kv_for(self, keep: Tensor | None, k: Tensor | None = None, v: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """K and V with the keys that no query may attend (under ``keep``) zeroed, so NaN/Inf in
+        padding or unwritten cache slots cannot leak into outputs or gradients through ``0 * NaN``.
+
+        ``k``/``v`` default to the inputs' (``Hkv`` heads); pass expanded ones to match ``keep``."""
+        k = self.k if k is None else k
+        v = self.v if v is None else v
+        if keep is None:
+            return k, v
+        dead = ~keep.any(dim=-2)  # (B|1, H|1, Tk): keys no query sees
+        H = k.shape[1]
+        if dead.shape[1] not in (1, H):  # per-query-head mask, grouped K/V: dead for the whole group
+            dead = dead.view(dead.shape[0], H, -1, dead.shape[-1]).all(dim=2)
+        if not bool(dead.any()):
+            return k, v
+        dead = dead[..., None]
+        return k.masked_fill(dead, 0), v.masked_fill(dead, 0)
+
+    def expand_kv(self) -> tuple[Tensor, Tensor]:
+        """K and V with their heads repeated to ``Hq`` (for backends without native GQA)."""
+        if self.groups == 1:
+            return self.k, self.v
+        return self.k.repeat_interleave(self.groups, dim=1), self.v.repeat_interleave(self.groups, dim=1)

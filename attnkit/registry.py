@@ -1,0 +1,144 @@
+"""Backends: capabilities as class data, one ``not_supported_reasons`` function each.
+
+A backend is a stateless class. Its capabilities (devices, dtypes, mask kinds, GQA, dropout, bias,
+backward, offsets, LSE) are checked generically by :meth:`Backend.not_supported_reasons`; a backend
+adds input-specific reasons by overriding :meth:`Backend.extra_reasons`. Register with
+``@register_backend``; ``attnkit/backends/__init__.py`` imports each module by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import is_dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from .inputs import FLOAT_DTYPES, AttentionInputs
+from .masks import And, Mask, Or
+
+__all__ = ["Backend", "register_backend", "get_backend", "backends", "ALL_DEVICES"]
+
+ALL_DEVICES = frozenset({"cpu", "cuda", "mps", "xpu"})
+
+_REGISTRY: dict[str, type[Backend]] = {}
+
+
+def _mask_leaves(mask: Mask) -> list[Mask]:
+    if isinstance(mask, (And, Or)):
+        return [leaf for part in mask.parts for leaf in _mask_leaves(part)]
+    return [mask]
+
+
+class Backend:
+    """Base class of attention backends. Subclasses set the class data and ``forward``."""
+
+    name: ClassVar[str]
+    #: False for approximations (linear, performer, lsh): never chosen by ``auto``.
+    exact: ClassVar[bool] = True
+    devices: ClassVar[frozenset[str]] = ALL_DEVICES
+    dtypes: ClassVar[frozenset[torch.dtype]] = FLOAT_DTYPES
+    #: Mask classes the backend honours; ``None`` means every mask. And/Or are checked by leaves.
+    mask_kinds: ClassVar[frozenset[type[Mask]] | None] = None
+    supports_gqa: ClassVar[bool] = True  # False: dispatch expands K/V to Hq heads first
+    supports_dropout: ClassVar[bool] = False
+    supports_bias: ClassVar[bool] = False
+    supports_backward: ClassVar[bool] = True
+    supports_lse: ClassVar[bool] = False
+    #: Optional packages the backend needs (checked with importlib, never imported here).
+    requires: ClassVar[tuple[str, ...]] = ()
+    #: Dataclass of hyper-parameters accepted through ``attention(..., options=...)``.
+    Options: ClassVar[type | None] = None
+    #: One line for ``attnkit info``.
+    summary: ClassVar[str] = ""
+
+    @classmethod
+    def available(cls) -> bool:
+        return all(importlib.util.find_spec(pkg) is not None for pkg in cls.requires)
+
+    @classmethod
+    def not_supported_reasons(cls, inp: AttentionInputs) -> list[str]:
+        """Why this backend cannot run ``inp``; an empty list means it can."""
+        reasons: list[str] = []
+        missing = [pkg for pkg in cls.requires if importlib.util.find_spec(pkg) is None]
+        if missing:
+            reasons.append(f"needs the package(s) {', '.join(missing)}")
+        if inp.device.type not in cls.devices:
+            reasons.append(f"runs on {sorted(cls.devices)}, not {inp.device.type}")
+        if inp.dtype not in cls.dtypes:
+            reasons.append(f"supports dtypes {sorted(str(d).removeprefix('torch.') for d in cls.dtypes)}, not {inp.dtype}")
+        if inp.mask is not None and cls.mask_kinds is not None:
+            bad = sorted({type(m).__name__ for m in _mask_leaves(inp.mask) if not isinstance(m, tuple(cls.mask_kinds))})
+            if bad:
+                names = sorted(k.__name__ for k in cls.mask_kinds)
+                reasons.append(f"cannot apply mask kind(s) {', '.join(bad)} (supports {', '.join(names) or 'no mask'})")
+        if inp.dropout_p > 0 and not cls.supports_dropout:
+            reasons.append("has no dropout (dropout_p > 0)")
+        if inp.bias is not None and not cls.supports_bias:
+            reasons.append("takes no additive bias")
+        if inp.return_lse and not cls.supports_lse:
+            reasons.append("cannot return the log-sum-exp (return_lse=True)")
+        if inp.requires_grad and not cls.supports_backward:
+            reasons.append("has no backward pass (inputs require grad)")
+        reasons.extend(cls.extra_reasons(inp))
+        return reasons
+
+    @classmethod
+    def extra_reasons(cls, inp: AttentionInputs) -> list[str]:
+        """Input-specific limits beyond the class data (override in subclasses)."""
+        return []
+
+    @classmethod
+    def forward(cls, inp: AttentionInputs, options) -> Tensor | tuple[Tensor, Tensor]:
+        """Return ``out (B, Hq, Tq, Dv)``, or ``(out, lse (B, Hq, Tq))`` when ``inp.return_lse``."""
+        raise NotImplementedError
+
+    @classmethod
+    def capabilities(cls) -> dict[str, object]:
+        """The class data as a plain dict (for ``attnkit info`` and docs)."""
+        return {
+            "name": cls.name,
+            "exact": cls.exact,
+            "available": cls.available(),
+            "devices": sorted(cls.devices),
+            "dtypes": sorted(str(d).removeprefix("torch.") for d in cls.dtypes),
+            "masks": "any" if cls.mask_kinds is None else sorted(k.__name__ for k in cls.mask_kinds) or ["none"],
+            "gqa": cls.supports_gqa,
+            "dropout": cls.supports_dropout,
+            "bias": cls.supports_bias,
+            "backward": cls.supports_backward,
+            "lse": cls.supports_lse,
+            "summary": cls.summary,
+        }
+
+
+def register_backend(cls: type[Backend]) -> type[Backend]:
+    """Class decorator adding a backend to the registry under ``cls.name``."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register_backend: {cls.__name__} needs a class attribute `name` (a non-empty str).")
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+        raise ValueError(f"register_backend: a backend named {name!r} is already registered ({_REGISTRY[name].__name__}).")
+    if cls.Options is not None and not is_dataclass(cls.Options):
+        raise TypeError(f"register_backend: {cls.__name__}.Options must be a dataclass, got {cls.Options!r}.")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def backends() -> dict[str, type[Backend]]:
+    """All registered backends by name, in registration order."""
+    importlib.import_module(f"{__package__}.backends")  # registers the built-in backends (once)
+
+    return dict(_REGISTRY)
+
+
+def get_backend(name: str) -> type[Backend]:
+    """The backend registered as ``name``; ``ValueError`` listing the known names otherwise."""
+    if not isinstance(name, str):
+        raise TypeError(f"backend: expected a backend name (str), got {type(name).__name__}.")
+    known = backends()
+    if name not in known:
+        raise ValueError(f"backend: unknown backend {name!r}; expected 'auto' or one of {sorted(known)}.")
+    return known[name]
