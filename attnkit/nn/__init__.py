@@ -1,0 +1,5 @@
+"""Modules built on :func:`attnkit.attention`."""
+
+from .attention import AttentionConfig, MultiHeadAttention
+
+__all__ = ["AttentionConfig", "MultiHeadAttention"]
