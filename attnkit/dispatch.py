@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .inputs import AttentionInputs
 from .masks import Causal
-from .registry import Backend, backends, get_backend
+from .registry import Backend, get_backend, list_backends
 
 __all__ = ["NoBackendError", "select", "explain", "use_backend", "priority", "Explanation"]
 
@@ -58,7 +58,7 @@ def priority(inp: AttentionInputs) -> list[str]:
     order = ["sdpa", "tiled"]
     if mask_needs_materializing(inp) and inp.B * inp.Hq * inp.Tq * inp.Tk > MATERIALIZE_LIMIT:
         order = ["tiled", "sdpa"]
-    known = backends()
+    known = list_backends()
     order += [name for name in known if name not in order and name != "naive"]
     order.append("naive")
     return [name for name in order if name in known]
@@ -78,7 +78,7 @@ def _candidates(backend: str) -> tuple[list[str], bool]:
 def select(inp: AttentionInputs, backend: str = "auto") -> type[Backend]:
     """The backend that will run ``inp``; ``NoBackendError`` with every reason if none can."""
     names, named = _candidates(backend)
-    known = backends()
+    known = list_backends()
     if named:
         for name in names:
             if not known[name].not_supported_reasons(inp):
@@ -100,7 +100,7 @@ def _describe(inp: AttentionInputs) -> str:
 
 
 def _no_backend_message(inp: AttentionInputs, names: Sequence[str]) -> str:
-    known = backends()
+    known = list_backends()
     lines = [f"no attention backend can run this input ({_describe(inp)}):"]
     for name in names:
         reasons = known[name].not_supported_reasons(inp)
@@ -139,7 +139,7 @@ def explain(q, k, v, *, backend: str = "auto", **kwargs) -> Explanation:
 
     Takes the same keyword arguments as :func:`attnkit.attention`; runs nothing."""
     inp = AttentionInputs.create(q, k, v, **kwargs)
-    known = backends()
+    known = list_backends()
     names, named = _candidates(backend)
     order = names if named else priority(inp)
     reasons = {}

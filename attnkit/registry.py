@@ -19,7 +19,7 @@ from torch import Tensor
 from .inputs import FLOAT_DTYPES, AttentionInputs
 from .masks import And, Mask, Or
 
-__all__ = ["Backend", "register_backend", "get_backend", "backends", "ALL_DEVICES"]
+__all__ = ["Backend", "register_backend", "get_backend", "list_backends", "ALL_DEVICES"]
 
 ALL_DEVICES = frozenset({"cpu", "cuda", "mps", "xpu"})
 
@@ -127,7 +127,7 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
     return cls
 
 
-def backends() -> dict[str, type[Backend]]:
+def list_backends() -> dict[str, type[Backend]]:
     """All registered backends by name, in registration order."""
     importlib.import_module(f"{__package__}.backends")  # registers the built-in backends (once)
 
@@ -138,7 +138,7 @@ def get_backend(name: str) -> type[Backend]:
     """The backend registered as ``name``; ``ValueError`` listing the known names otherwise."""
     if not isinstance(name, str):
         raise TypeError(f"backend: expected a backend name (str), got {type(name).__name__}.")
-    known = backends()
+    known = list_backends()
     if name not in known:
         raise ValueError(f"backend: unknown backend {name!r}; expected 'auto' or one of {sorted(known)}.")
     return known[name]
