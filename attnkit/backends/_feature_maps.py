@@ -49,7 +49,7 @@ def favor_logits(x: Tensor, projection: Tensor, scale: float) -> Tensor:
     """``wᵀx' - |x'|²/2`` with ``x' = x · scale^½`` for each random feature ``w`` (rows of
     ``projection``), so that ``E[exp(logit(q)) exp(logit(k))] = exp(scale · qᵀk)``."""
     x = x * math.sqrt(scale)
-    return torch.matmul(x, projection.t().to(x.dtype)) - 0.5 * (x * x).sum(-1, keepdim=True)  # (B, H, T, M)
+    return torch.matmul(x, projection.transpose(-2, -1).to(x.dtype)) - 0.5 * (x * x).sum(-1, keepdim=True)  # (B, H, T, M)
 
 
 def favor_query_features(x: Tensor, projection: Tensor, scale: float) -> Tensor:
@@ -70,6 +70,13 @@ def favor_key_features(x: Tensor, keep: Tensor | None, projection: Tensor, scale
     return torch.exp(logits - log_scale[..., None, None]) / math.sqrt(projection.shape[0]), log_scale
 
 
+def safe_divide(num: Tensor, den: Tensor) -> Tensor:
+    """``num / den`` for kernel sums ``den >= 0``. Rows with ``den = 0`` (nothing visible) give 0;
+    ``den`` is floored at ``sqrt(tiny)`` (1e-19 in float32) so a row whose features underflowed
+    (extreme norms in Performer) stays finite, in the output and in its gradient."""
+    return num / den.clamp_min(torch.finfo(den.dtype).tiny ** 0.5)
+
+
 # -- the quadratic twin ---------------------------------------------------------------------------
 def quadratic_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, keep: Tensor | None = None) -> Tensor:
     """The naive twin: ``A = φ(Q) φ(K)ᵀ`` (masked by ``keep``), rows normalized, times ``V``.
@@ -77,8 +84,7 @@ def quadratic_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, keep: Tensor | 
     a = torch.matmul(phi_q, phi_k.transpose(-2, -1))  # (B, H, Tq, Tk)
     if keep is not None:
         a = a.masked_fill(~keep, 0.0)
-    den = a.sum(-1, keepdim=True)
-    return torch.matmul(a, v) / torch.where(den > 0, den, 1.0)
+    return safe_divide(torch.matmul(a, v), a.sum(-1, keepdim=True))
 
 
 # -- masks ----------------------------------------------------------------------------------------
@@ -128,8 +134,7 @@ def noncausal(phi_q: Tensor, phi_k: Tensor, v: Tensor) -> Tensor:
     kv = torch.matmul(phi_k.transpose(-2, -1), v)  # (B, H, M, Dv)
     z = phi_k.sum(-2)  # (B, H, M)
     num = torch.matmul(phi_q, kv)
-    den = (phi_q * z[..., None, :]).sum(-1, keepdim=True)
-    return num / torch.where(den > 0, den, 1.0)
+    return safe_divide(num, (phi_q * z[..., None, :]).sum(-1, keepdim=True))
 
 
 def causal_segment(phi_q: Tensor, phi_k: Tensor, v: Tensor, kv: Tensor, z: Tensor, chunk: int) -> Tensor:
@@ -155,7 +160,7 @@ def causal_segment(phi_q: Tensor, phi_k: Tensor, v: Tensor, kv: Tensor, z: Tenso
     a = torch.matmul(qc, kc.transpose(-2, -1)).tril()  # (B, H, N, chunk, chunk)
     num = num + torch.matmul(a, vc)
     den = den + a.sum(-1, keepdim=True)
-    out = num / torch.where(den > 0, den, 1.0)
+    out = safe_divide(num, den)
     return out.reshape(B, H, N * chunk, Dv)[:, :, :T]
 
 

@@ -56,13 +56,12 @@ def draw_projection(
     gauss = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64)
     if not orthogonal:
         return gauss.to(device=device, dtype=dtype)
-    blocks = []
-    for start in range(0, num_features, head_dim):
-        g = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)
-        q, r = torch.linalg.qr(g)
-        q = q * torch.sign(torch.diagonal(r))  # Haar-distributed (sign fix)
-        blocks.append(q.t()[: num_features - start])  # rows orthonormal
-    w = torch.cat(blocks) * gauss.norm(dim=1, keepdim=True)  # Gaussian row norms (chi, head_dim dof)
+    n_blocks = -(-num_features // head_dim)
+    g = torch.randn(n_blocks, head_dim, head_dim, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(g)
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[:, None, :]  # Haar-distributed (sign fix)
+    rows = q.transpose(-2, -1).reshape(n_blocks * head_dim, head_dim)[:num_features]  # orthonormal within a block
+    w = rows * gauss.norm(dim=1, keepdim=True)  # Gaussian row norms (chi, head_dim dof)
     return w.to(device=device, dtype=dtype)
 
 
@@ -166,8 +165,8 @@ class Performer(Backend):
 
 def kernel_estimate(q: Tensor, k: Tensor, projection: Tensor, scale: float = 1.0) -> Tensor:
     """The FAVOR+ estimate of ``exp(scale · qᵀk)`` for every pair: ``(…, Tq, Tk)`` (unstabilized;
-    for tests and error studies)."""
-    m = projection.shape[0]
+    for tests and error studies). ``projection (…, M, D)`` may hold a batch of draws."""
+    m = projection.shape[-2]
     fq = torch.exp(fm.favor_logits(q, projection, scale)) / math.sqrt(m)
     fk = torch.exp(fm.favor_logits(k, projection, scale)) / math.sqrt(m)
     return fq @ fk.transpose(-2, -1)
