@@ -1,0 +1,207 @@
+"""Kernelized attention shared by ``linear`` and ``performer``: feature maps and prefix sums.
+
+Both backends compute ``out_i = φ(q_i)ᵀ S_i / φ(q_i)ᵀ z_i`` with ``S_i = Σ_j φ(k_j) v_jᵀ`` and
+``z_i = Σ_j φ(k_j)`` over the keys ``j`` that query ``i`` may see — the naive twin is the quadratic
+form ``A = φ(Q) φ(K)ᵀ`` masked, row-normalized, times ``V`` (:func:`quadratic_attention`).
+
+Key features may carry a *log-scale*: the stored sums are ``Σ φ(k) · exp(-log_scale)`` so that
+Performer's ``exp(·)`` features never overflow. A constant factor over the keys a query sees
+cancels between numerator and denominator, so rescaling is exact (up to rounding).
+
+Causal attention never materializes an ``(n, M, Dv)`` tensor: keys are processed in segments of
+``segment`` tokens carried by a :class:`~attnkit.recurrent.RecurrentState`; inside a segment,
+chunks of ``chunk`` tokens use the quadratic form against themselves and an exclusive prefix sum
+of per-chunk states ``(segment / chunk, M, Dv)`` for the earlier chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..inputs import AttentionInputs
+from ..masks import And, Causal, Dense, KeyPadding, Mask
+
+#: ``queries(q (B, H, T, D)) -> (B, H, T, M)`` (any positive per-row factor is allowed: it cancels).
+FeatureFn = Callable[[Tensor], Tensor]
+#: ``keys(k (B, H, T, D), keep (B|1, H|1, T) | None) -> (features (B, H, T, M), log_scale (B, H) | None)``:
+#: the true features are ``features · exp(log_scale)``; masked keys get features 0 and do not
+#: take part in choosing ``log_scale``.
+KeyFeatureFn = Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor | None]]
+
+
+# -- feature maps ---------------------------------------------------------------------------------
+def elu_features(x: Tensor) -> Tensor:
+    """φ(x) = elu(x) + 1 (Katharopoulos et al. 2020): positive, so every normalizer is > 0."""
+    return F.elu(x) + 1.0
+
+
+def elu_key_features(x: Tensor, keep: Tensor | None) -> tuple[Tensor, None]:
+    phi = elu_features(x)
+    return (phi if keep is None else phi.masked_fill(~keep[..., None], 0.0)), None
+
+
+def favor_logits(x: Tensor, projection: Tensor, scale: float) -> Tensor:
+    """``wᵀx' - |x'|²/2`` with ``x' = x · scale^½`` for each random feature ``w`` (rows of
+    ``projection``), so that ``E[exp(logit(q)) exp(logit(k))] = exp(scale · qᵀk)``."""
+    x = x * math.sqrt(scale)
+    return torch.matmul(x, projection.transpose(-2, -1).to(x.dtype)) - 0.5 * (x * x).sum(-1, keepdim=True)  # (B, H, T, M)
+
+
+def favor_query_features(x: Tensor, projection: Tensor, scale: float) -> Tensor:
+    """Positive random features of queries, stabilized by each row's max (a per-query constant,
+    which cancels in the normalization)."""
+    logits = favor_logits(x, projection, scale)
+    return torch.exp(logits - logits.amax(-1, keepdim=True).detach()) / math.sqrt(projection.shape[0])
+
+
+def favor_key_features(x: Tensor, keep: Tensor | None, projection: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Positive random features of keys, divided by ``exp(log_scale)`` with ``log_scale (B, H)``
+    the max over the kept keys and features of the call (one constant per head: it cancels)."""
+    logits = favor_logits(x, projection, scale)
+    if keep is not None:
+        logits = logits.masked_fill(~keep[..., None], float("-inf"))
+    log_scale = logits.detach().amax(dim=(-2, -1))  # (B, H); -inf when every key is masked
+    log_scale = log_scale.masked_fill(torch.isinf(log_scale), 0.0)
+    return torch.exp(logits - log_scale[..., None, None]) / math.sqrt(projection.shape[0]), log_scale
+
+
+def safe_divide(num: Tensor, den: Tensor) -> Tensor:
+    """``num / den`` for kernel sums ``den >= 0``. Rows with ``den = 0`` (nothing visible) give 0;
+    ``den`` is floored at ``sqrt(tiny)`` (1e-19 in float32) so a row whose features underflowed
+    (extreme norms in Performer) stays finite, in the output and in its gradient."""
+    return num / den.clamp_min(torch.finfo(den.dtype).tiny ** 0.5)
+
+
+# -- the quadratic twin ---------------------------------------------------------------------------
+def quadratic_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, keep: Tensor | None = None) -> Tensor:
+    """The naive twin: ``A = φ(Q) φ(K)ᵀ`` (masked by ``keep``), rows normalized, times ``V``.
+    O(Tq · Tk) memory; rows with nothing kept give 0."""
+    a = torch.matmul(phi_q, phi_k.transpose(-2, -1))  # (B, H, Tq, Tk)
+    if keep is not None:
+        a = a.masked_fill(~keep, 0.0)
+    return safe_divide(torch.matmul(a, v), a.sum(-1, keepdim=True))
+
+
+# -- masks ----------------------------------------------------------------------------------------
+def split_mask(mask: Mask | None) -> tuple[bool, list[Mask]]:
+    """``(causal, key_masks)``: the causal flag and the per-key parts (KeyPadding, Dense over keys)."""
+    parts = [] if mask is None else (list(mask.parts) if isinstance(mask, And) else [mask])
+    causal = any(isinstance(p, Causal) for p in parts)
+    return causal, [p for p in parts if not isinstance(p, Causal)]
+
+
+def mask_reasons(inp: AttentionInputs) -> list[str]:
+    """Reasons a kernelized backend cannot honour ``inp.mask`` (it needs masks that are causal
+    and/or per key: the prefix sums cannot skip arbitrary (query, key) pairs)."""
+    mask = inp.mask
+    if mask is None:
+        return []
+    parts = list(mask.parts) if isinstance(mask, And) else [mask]
+    for p in parts:
+        if isinstance(p, Dense) and p.keep.shape[2] != 1:
+            return [
+                "can only apply a bool mask that is the same for every query (shape (B|1, H|1, 1, Tk), "
+                "e.g. from_key_padding_mask); kernelized attention sums over keys, it cannot drop single pairs"
+            ]
+        if not isinstance(p, (Causal, KeyPadding, Dense)):
+            return [f"can apply only Causal, KeyPadding and per-key bool masks (and their And), not {type(p).__name__}"]
+    return []
+
+
+def key_keep(inp: AttentionInputs, key_masks: list[Mask]) -> Tensor | None:
+    """Per-key keep ``(B|1, H|1, Tk)`` from the per-key masks, or None."""
+    keep = None
+    for m in key_masks:
+        part = m.materialize(1, inp.Tk, q_offset=inp.kv_offset, kv_offset=inp.kv_offset, device=inp.device)[:, :, 0]
+        keep = part if keep is None else keep & part
+    return keep
+
+
+# -- forward --------------------------------------------------------------------------------------
+def _rescale(log_scale: Tensor | None, target: Tensor | None) -> Tensor | float:
+    if log_scale is None or target is None:
+        return 1.0
+    return torch.exp(log_scale - target)[..., None, None]
+
+
+def noncausal(phi_q: Tensor, phi_k: Tensor, v: Tensor) -> Tensor:
+    """``φ(Q) (φ(K)ᵀ V) / φ(Q) Σφ(K)`` in O(T · M · Dv); padded keys must have φ = 0."""
+    kv = torch.matmul(phi_k.transpose(-2, -1), v)  # (B, H, M, Dv)
+    z = phi_k.sum(-2)  # (B, H, M)
+    num = torch.matmul(phi_q, kv)
+    return safe_divide(num, (phi_q * z[..., None, :]).sum(-1, keepdim=True))
+
+
+def causal_segment(phi_q: Tensor, phi_k: Tensor, v: Tensor, kv: Tensor, z: Tensor, chunk: int) -> Tensor:
+    """Causal attention of aligned queries/keys ``(B, H, T, ·)`` (query ``i`` sees keys ``<= i``)
+    on top of earlier keys summarized by ``kv (B, H, M, Dv)`` and ``z (B, H, M)`` (same scale)."""
+    B, H, T, M = phi_q.shape
+    Dv = v.shape[-1]
+    pad = (-T) % chunk
+    if pad:  # zero features: padded keys add nothing, padded queries are dropped below
+        phi_q, phi_k, v = (F.pad(x, (0, 0, 0, pad)) for x in (phi_q, phi_k, v))
+    N = (T + pad) // chunk
+    qc = phi_q.reshape(B, H, N, chunk, M)
+    kc = phi_k.reshape(B, H, N, chunk, M)
+    vc = v.reshape(B, H, N, chunk, Dv)
+    # Earlier chunks: exclusive prefix sum of per-chunk states, plus the carried state.
+    chunk_kv = torch.matmul(kc.transpose(-2, -1), vc)  # (B, H, N, M, Dv)
+    prefix_kv = torch.cumsum(chunk_kv, dim=2) - chunk_kv + kv[:, :, None]
+    chunk_z = kc.sum(-2)  # (B, H, N, M)
+    prefix_z = torch.cumsum(chunk_z, dim=2) - chunk_z + z[:, :, None]
+    num = torch.matmul(qc, prefix_kv)  # (B, H, N, chunk, Dv)
+    den = torch.matmul(qc, prefix_z[..., None])  # (B, H, N, chunk, 1)
+    # Inside a chunk: the masked quadratic form.
+    a = torch.matmul(qc, kc.transpose(-2, -1)).tril()  # (B, H, N, chunk, chunk)
+    num = num + torch.matmul(a, vc)
+    den = den + a.sum(-1, keepdim=True)
+    out = safe_divide(num, den)
+    return out.reshape(B, H, N * chunk, Dv)[:, :, :T]
+
+
+def kernel_attention(
+    inp: AttentionInputs,
+    queries: FeatureFn,
+    keys: KeyFeatureFn,
+    *,
+    chunk: int,
+    segment: int,
+) -> Tensor:
+    """Run kernelized attention for validated inputs: the body of ``linear`` and ``performer``.
+
+    Features and sums are in float32 (float64 for float64 inputs); the output is cast back."""
+    from ..recurrent import RecurrentState
+
+    acc = torch.promote_types(inp.dtype, torch.float32)
+    causal, key_masks = split_mask(inp.mask)
+    k, v = inp.expand_kv()  # (B, Hq, Tk, D), (B, Hq, Tk, Dv)
+    keep = key_keep(inp, key_masks)
+    q, k, v = inp.q.to(acc), k.to(acc), v.to(acc)
+    if keep is not None:  # masked keys: zero features and zero values (NaN there cannot leak)
+        v = v.masked_fill(~keep[..., None], 0.0)
+        k = k.masked_fill(~keep[..., None], 0.0)
+    if not causal:
+        phi_k, _ = keys(k, keep)
+        return noncausal(queries(q), phi_k, v).to(inp.dtype)
+
+    # Causal with offsets: query i sits at position q_offset + i and sees keys at positions <= it.
+    # Keys before the first query form the initial state; the rest are aligned with the queries.
+    p = inp.q_offset - inp.kv_offset  # key index aligned with query 0
+    state = RecurrentState(queries, keys, chunk=chunk, segment=segment)
+    if p > 0:
+        state.absorb(k[:, :, :p], v[:, :, :p], None if keep is None else keep[..., :p])
+    lo, hi = max(p, 0), max(min(p + inp.Tq, inp.Tk), max(p, 0))
+    k_al, v_al = k[:, :, lo:hi], v[:, :, lo:hi]
+    keep_al = None if keep is None else keep[..., lo:hi]
+    left = min(max(-p, 0), inp.Tq)  # queries before every key: left-pad keys with masked ones
+    right = inp.Tq - left - k_al.shape[2]
+    if left or right:
+        k_al, v_al = F.pad(k_al, (0, 0, left, right)), F.pad(v_al, (0, 0, left, right))
+        kk = torch.ones(*k_al.shape[:2], hi - lo, dtype=torch.bool, device=k.device) if keep_al is None else keep_al
+        keep_al = F.pad(kk.expand(*k_al.shape[:2], -1), (left, right), value=False)
+    return state.step_features(q, k_al, v_al, keep_al).to(inp.dtype)
