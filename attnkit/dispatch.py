@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from . import calibration
 from .inputs import AttentionInputs
 from .masks import Causal
 from .registry import Backend, get_backend, list_backends
@@ -55,7 +56,14 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
        which evaluates the mask per tile in O(Tq + Tk) memory.
     3. ``naive`` last: it runs everything (LSE, bias, dropout), but in O(Tq * Tk) memory.
     Backends registered later and not named here are tried before ``naive``.
+
+    A measured table (``python -m attnkit bench --calibrate``, see :mod:`attnkit.calibration`)
+    replaces rules 1-2: when it has an entry for this device/dtype/mask kind/pass, its ranking of
+    backends at the nearest measured length comes first (a cached dict + bisect lookup, no tensor reads).
     """
+    measured = calibration.preferred(inp)
+    if measured is not None:
+        return _order(measured, tuple(list_backends()))
     big = mask_needs_materializing(inp) and inp.B * inp.Hq * inp.Tq * inp.Tk > MATERIALIZE_LIMIT
     return _order(("tiled", "sdpa") if big else ("sdpa", "tiled"), tuple(list_backends()))
 
@@ -124,6 +132,7 @@ class Explanation:
     reasons: dict[str, list[str]]  # backend name -> reasons it cannot run ([] = it could)
     order: list[str]  # the order tried
     description: str
+    measured: str = ""  # the measured figures behind auto's order, or why built-in defaults apply
 
     def __str__(self) -> str:
         lines = [f"input: {self.description}"]
@@ -136,6 +145,8 @@ class Explanation:
                 lines.append(f"  {name}: not used: {'; '.join(why)}")
             else:
                 lines.append(f"  {name}: could run, but comes after {self.chosen} in priority order")
+        if self.measured:
+            lines.append(f"policy: {self.measured}")
         return "\n".join(lines)
 
 
@@ -155,7 +166,7 @@ def explain(q, k, v, *, backend: str = "auto", **kwargs) -> Explanation:
         reasons[name] = why
     order = order + [name for name in known if name not in order]
     chosen = next((name for name in (names if named else priority(inp)) if not reasons[name]), None)
-    return Explanation(chosen, reasons, order, _describe(inp))
+    return Explanation(chosen, reasons, order, _describe(inp), "" if named else calibration.describe(inp))
 
 
 @contextlib.contextmanager

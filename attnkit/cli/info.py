@@ -12,6 +12,7 @@ import argparse
 
 import torch
 
+from .. import calibration
 from ..dispatch import explain
 from ..masks import Causal, KeyPadding, Mask, SlidingWindow
 from ..registry import list_backends
@@ -77,11 +78,23 @@ def backend_table() -> str:
     return _table(rows, ["backend", "avail", "kind", "devices", "dtypes", "masks", "features"])
 
 
+def policy_line() -> str:
+    """Whether ``auto`` follows a measured calibration of this machine or the built-in defaults."""
+    data = calibration.load()
+    if data is None:
+        return (f"auto policy: built-in defaults (no calibration at {calibration.calibration_path()}; "
+                "measure this machine with `python -m attnkit bench --calibrate`)")
+    return (f"auto policy: measured on this machine ({len(data['entries'])} device/dtype/mask/pass entries "
+            f"in {calibration.calibration_path()}, from `{data.get('command', 'attnkit bench --calibrate')}`)")
+
+
 def run(args: argparse.Namespace) -> int:
     print(f"attnkit on torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
           f"CUDA {'available' if torch.cuda.is_available() else 'not available'}")
     print()
     print(backend_table())
+    print()
+    print(policy_line())
     if args.shape is None:
         print("\nFor a choice explained: python -m attnkit info --shape B,H,T,D --mask causal")
         return 0

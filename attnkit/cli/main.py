@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 # command name -> module under attnkit.cli (each defines add_arguments(parser) and run(args) -> int)
 COMMANDS = {
     "info": "info",
     "demo": "demo",
+    "bench": "bench",
 }
 
 
@@ -25,4 +27,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)[1:]  # the command's own flags (bench records them)
     return int(args._module.run(args) or 0)

@@ -1,0 +1,162 @@
+"""What ``attnkit bench`` measures: the configuration, mask specs, cases, and their predicted cost.
+
+A case is one (backend, length, mask, dtype, pass) point at shape ``(B, H, n, D)`` with ``Tq = Tk = n``.
+Its useful FLOPs count only kept (query, key) pairs: ``4 * B * H * n^2 * D * density`` for the
+forward pass (``Q Kᵀ`` and ``P V``), 3.5x that for forward+backward (the convention of flash-attn's
+``benchmarks/benchmark_flash_attention.py``: backward = 2.5x forward). Approximate backends are
+credited with the same exact-attention FLOPs, so their GFLOP/s reads as "exact-attention work per
+second" and compares directly with the exact ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..masks import Causal, KeyPadding, Mask, SlidingWindow
+
+__all__ = ["BenchConfig", "MaskSpec", "Case", "MASK_SPECS", "mask_spec", "density", "useful_flops", "estimate_bytes"]
+
+PASSES = ("forward", "train")  # train = forward + backward
+BACKWARD_FACTOR = 3.5  # fwd+bwd FLOPs / fwd FLOPs (flash-attn benchmark convention)
+
+
+@dataclass
+class BenchConfig:
+    """Everything one sweep needs (the CLI fills it from its flags; defaults fit ~1 minute on 2 cores)."""
+
+    backends: list[str] | None = None  # None: every registered backend, plus "auto"
+    lengths: list[int] = field(default_factory=lambda: [256, 1024])
+    masks: list[str] = field(default_factory=lambda: ["none", "causal", "window", "bigbird", "longformer", "padding"])
+    dtypes: list[str] = field(default_factory=lambda: ["float32"])
+    passes: list[str] = field(default_factory=lambda: list(PASSES))
+    device: str = "cpu"
+    batch: int = 1
+    heads: int = 4
+    head_dim: int = 64
+    window: int = 256  # SlidingWindow(window, 0), and the Longformer/BigBird window width
+    block: int = 64  # BlockSparse block size for the BigBird/Longformer patterns
+    time_budget_s: float = 0.25  # skip a case whose predicted time per call exceeds this
+    memory_budget_bytes: int = 4 * 2**30  # skip a case whose predicted peak memory exceeds this
+    min_run_time: float = 0.05  # torch.utils.benchmark blocked_autorange per case
+    error_rows: int = 64  # error vs the float64 reference on the last rows (O(rows * n) cost)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """A named mask family: ``build(n, config)`` gives the mask for length n (None = no mask)."""
+
+    name: str
+    label: str
+    build: Callable[[int, BenchConfig], Mask | None]
+    unavailable: str = ""  # non-empty: why this mask cannot be built here (every case is skipped)
+
+
+def _pattern(name: str) -> tuple[Callable[[int, BenchConfig], Mask | None], str]:
+    """The BigBird/Longformer builders from attnkit.masks when present (the structured-sparsity
+    issue adds them); otherwise a reason to skip."""
+    try:
+        from .. import masks
+        builder = getattr(masks, name)
+    except (ImportError, AttributeError):
+        return (lambda n, c: None), f"attnkit.masks.{name} is not available in this build"
+
+    def build(n: int, c: BenchConfig) -> Mask | None:
+        if name == "longformer":
+            return builder(n, block_size=c.block, window=c.window, global_tokens=[0])
+        return builder(n, block_size=c.block, window=c.window, num_global=1, num_random=1, seed=c.seed)
+
+    return build, ""
+
+
+def _mask_specs() -> dict[str, MaskSpec]:
+    specs = [
+        MaskSpec("none", "dense", lambda n, c: None),
+        MaskSpec("causal", "causal", lambda n, c: Causal()),
+        MaskSpec("window", "sliding window", lambda n, c: SlidingWindow(c.window, 0)),
+        MaskSpec("padding", "key padding 25%", lambda n, c: KeyPadding([n - n // 4] * c.batch)),
+    ]
+    for name, label in (("bigbird", "BigBird"), ("longformer", "Longformer")):
+        build, why = _pattern(name)
+        specs.append(MaskSpec(name, label, build, why))
+    return {s.name: s for s in specs}
+
+
+MASK_SPECS = _mask_specs()
+
+
+def mask_spec(name: str) -> MaskSpec:
+    if name not in MASK_SPECS:
+        raise ValueError(f"--masks: unknown mask {name!r}; expected some of {sorted(MASK_SPECS)}.")
+    return MASK_SPECS[name]
+
+
+@dataclass(frozen=True)
+class Case:
+    backend: str
+    n: int
+    mask: str
+    dtype: str
+    passes: str  # "forward" or "train"
+
+    @property
+    def series(self) -> tuple[str, str, str, str]:
+        """The curve this case belongs to (everything but n)."""
+        return (self.backend, self.mask, self.dtype, self.passes)
+
+
+def density(mask: Mask | None, n: int, rows: int = 256) -> float:
+    """Fraction of kept (query, key) pairs at Tq = Tk = n, estimated on ``rows`` evenly spaced query
+    rows (exact when n <= rows): O(rows * n), so it is cheap at any length."""
+    if mask is None:
+        return 1.0
+    q_idx = torch.linspace(0, n - 1, min(rows, n)).round().long().view(1, 1, -1, 1)
+    kv_idx = torch.arange(n).view(1, 1, 1, -1)
+    zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    keep = mask.mask_mod(zero, zero, q_idx, kv_idx, q_offset=0, kv_offset=0)
+    return float(torch.broadcast_to(keep, (1, 1, q_idx.shape[2], n)).float().mean())
+
+
+def useful_flops(config: BenchConfig, n: int, dens: float, passes: str) -> float:
+    fwd = 4.0 * config.batch * config.heads * n * n * config.head_dim * dens
+    return fwd * (BACKWARD_FACTOR if passes == "train" else 1.0)
+
+
+def estimate_bytes(config: BenchConfig, backend: str, n: int, mask: Mask | None, dtype: torch.dtype, passes: str) -> int:
+    """A rough upper estimate of the extra memory a case allocates, used only to skip cases that
+    would not fit (the reported peak is measured). Backends that build score matrices (naive; any
+    backend that is given a mask it must materialize) pay O(B * H * n^2); the rest O(B * H * n * D)."""
+    B, H, D = config.batch, config.heads, config.head_dim
+    item = torch.empty((), dtype=dtype).element_size()
+    linear = 8 * B * H * n * D * item * (3 if passes == "train" else 1)
+    quadratic = 0
+    if backend == "naive":
+        # fp32 scores + probabilities (+ their gradients and saved copies for backward)
+        quadratic = B * H * n * n * 8 * (3 if passes == "train" else 1)
+    if mask is not None and backend in ("naive", "sdpa") and not (type(mask) is Causal and backend == "sdpa"):
+        quadratic += B * n * n  # the materialized bool mask
+    if backend == "sdpa" and mask is not None and type(mask) is not Causal:
+        # SDPA with an attn_mask may fall back to the math kernel: scores in the input dtype
+        quadratic += B * H * n * n * max(item, 4) * (3 if passes == "train" else 1)
+    return linear + quadratic
+
+
+def predicted_seconds(previous: dict[int, float], n: int) -> float | None:
+    """Extrapolate a series' measured time to length n assuming quadratic growth from the largest
+    measured length below n (an upper bound for the linear-time backends); None if nothing measured."""
+    below = [m for m in previous if m < n]
+    if not below:
+        return None
+    m = max(below)
+    return previous[m] * (n / m) ** 2
+
+
+def describe_bytes(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"

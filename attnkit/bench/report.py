@@ -1,0 +1,150 @@
+"""Turn sweep results into a terminal table, crossover tables, JSON and a short Markdown report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .cases import describe_bytes, mask_spec
+
+__all__ = ["terminal_table", "crossovers", "crossover_table", "write_json", "write_markdown", "auto_ratios"]
+
+
+def _table(rows: list[list[str]], header: list[str], markdown: bool = False) -> str:
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g}"
+
+
+def terminal_table(results: dict, markdown: bool = False, group_skips: bool = False) -> str:
+    """One line per case that ran, then one per skipped case with its reason (``group_skips``: one
+    line per backend and reason, with the lengths, for the terminal)."""
+    rows, skipped = [], []
+    for r in results["results"]:
+        name = r["backend"] + (f"->{r['chosen']}" if r["backend"] == "auto" and r["status"] == "ok" else "")
+        head = [r["dtype"], r["passes"], r["mask"], str(r["n"]), name]
+        if r["status"] == "ok":
+            mem = "-" if r["peak_bytes"] is None else describe_bytes(r["peak_bytes"])
+            rows.append(head + [_ms(r["median_s"]), _ms(r["iqr_s"]), mem, f"{r['gflops']:.1f}",
+                                f"{r['pct_of_matmul_peak']:.0f}%", f"{r['error']:.1e} {'abs' if r['exact'] else 'rel'}"])
+        else:
+            skipped.append(head + [r["status"] + ": " + (r["group"] if group_skips else r["reason"])])
+    out = _table(rows, ["dtype", "pass", "mask", "n", "backend", "median ms", "IQR ms", "peak mem", "GFLOP/s",
+                        "% peak", "error"], markdown)
+    if skipped and group_skips:
+        groups: dict[tuple[str, str], list[str]] = {}
+        for dtype, passes, mask, n, name, why in skipped:
+            groups.setdefault((name, why), []).append(f"{dtype}/{passes}/{mask}/{n}")
+        rows = [[name, str(len(where)), why[:110]] for (name, why), where in groups.items()]
+        out += f"\n\n{len(skipped)} cases skipped (every reason in results.json and report.md):\n"
+        out += _table(rows, ["backend", "cases", "skipped because"], markdown)
+    elif skipped:
+        out += "\n\n" + _table(skipped, ["dtype", "pass", "mask", "n", "backend", "skipped because"], markdown)
+    return out
+
+
+def crossovers(results: dict, exact_only: bool = True) -> dict[tuple[str, str, str], list[tuple[int, str, float, str]]]:
+    """Per (dtype, pass, mask): for each length the fastest backend, its speed-up over the second
+    fastest, and that second backend's name."""
+    points: dict[tuple[str, str, str, int], dict[str, float]] = {}
+    for r in results["results"]:
+        if r["status"] != "ok" or r["backend"] == "auto" or (exact_only and not r["exact"]):
+            continue
+        points.setdefault((r["dtype"], r["passes"], r["mask"], r["n"]), {})[r["backend"]] = r["median_s"]
+    out: dict[tuple[str, str, str], list] = {}
+    for (dtype, passes, mask, n), times in sorted(points.items()):
+        order = sorted(times, key=times.get)
+        second = order[1] if len(order) > 1 else order[0]
+        out.setdefault((dtype, passes, mask), []).append((n, order[0], times[second] / times[order[0]], second))
+    return out
+
+
+def crossover_table(results: dict, markdown: bool = False) -> str:
+    """Fastest exact backend per length (x = its speed-up over the runner-up), and where it changes."""
+    rows = []
+    for (dtype, passes, mask), pts in crossovers(results).items():
+        cells = [f"{n}: {best} {x:.2f}x vs {second}" if second != best else f"{n}: {best} (alone)"
+                 for n, best, x, second in pts]
+        changes = [f"{a[1]}->{b[1]} in ({a[0]}, {b[0]}]" for a, b in zip(pts, pts[1:]) if a[1] != b[1]]
+        rows.append([dtype, passes, mask_spec(mask).label, "; ".join(cells), ", ".join(changes) or "none"])
+    return _table(rows, ["dtype", "pass", "mask", "fastest exact backend per n", "crossovers"], markdown)
+
+
+def auto_ratios(results: dict) -> list[dict]:
+    """From the sweep itself: auto's time over the best exact backend's at each point (auto and
+    the others were timed back to back, not interleaved; ``verify`` in a calibration run is the
+    interleaved measurement)."""
+    if results.get("auto_verification"):
+        return results["auto_verification"]
+    best: dict[tuple, dict] = {}
+    auto: dict[tuple, dict] = {}
+    for r in results["results"]:
+        if r["status"] != "ok":
+            continue
+        key = (r["n"], r["mask"], r["dtype"], r["passes"])
+        if r["backend"] == "auto":
+            auto[key] = r
+        elif r["exact"] and (key not in best or r["median_s"] < best[key]["median_s"]):
+            best[key] = r
+    return [
+        {"n": k[0], "mask": k[1], "dtype": k[2], "passes": k[3], "best": best[k]["backend"],
+         "auto_chose": auto[k]["chosen"], "auto_over_best": auto[k]["median_s"] / best[k]["median_s"]}
+        for k in sorted(auto) if k in best
+    ]
+
+
+def auto_table(results: dict, markdown: bool = False) -> str:
+    rows = [[r["dtype"], r["passes"], r["mask"], str(r["n"]), r["best"], r["auto_chose"], f"{r['auto_over_best']:.2f}"]
+            for r in auto_ratios(results)]
+    return _table(rows, ["dtype", "pass", "mask", "n", "best", "auto chose", "auto/best"], markdown)
+
+
+def write_json(results: dict, path: Path) -> Path:
+    path.write_text(json.dumps(results, indent=1, default=str))
+    return path
+
+
+def write_markdown(results: dict, out_dir: Path, plots: list[Path], claims: str | None = None) -> Path:
+    machine = results["machine"]
+    peaks = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in results["matmul_peak_gflops"].items())
+    lines = [
+        "# attnkit bench",
+        "",
+        f"Command: `{results.get('command', 'python -m attnkit bench')}`  ",
+        f"Machine: {machine['processor']}, {machine['cpu_count']} CPUs ({machine['torch_threads']} torch threads), "
+        f"device {machine['device']}{', ' + machine['gpu'] if 'gpu' in machine else ''}; torch {machine['torch']}, "
+        f"Python {machine['python']}  ",
+        f"Measured matmul peak: {peaks}. Run took {results['elapsed_s']:.0f} s.",
+        "",
+        f"* Time: median and interquartile range of `torch.utils.benchmark` blocked_autorange "
+        f"(min_run_time {results['config']['min_run_time']} s) after one warm-up call. A shared or busy "
+        "machine makes these noisy: compare ratios within one run, and repeat.",
+        f"* Peak memory: {results['memory_method']}.",
+        f"* GFLOP/s: {results['flops_convention']}.",
+        f"* Error: {results['error_convention']}.",
+        f"* All figures: [results.json](results.json).",
+        "",
+        "## Fastest exact backend per length (crossovers)",
+        "",
+        crossover_table(results, markdown=True),
+        "",
+        "## auto vs the best backend",
+        "",
+        auto_table(results, markdown=True) if auto_ratios(results) else "(auto was not measured in this run)",
+        "",
+    ]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    if claims:
+        lines += ["## The seeds' claims, measured", "", claims, ""]
+    lines += ["## Every case", "", terminal_table(results, markdown=True), ""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,271 @@
+"""Run a sweep: time, memory, throughput and error per case; skip what would not fit; calibrate.
+
+Timing is ``torch.utils.benchmark.Timer.blocked_autorange`` (it synchronizes CUDA itself) after one
+warm-up call; we keep the median, the interquartile range and the number of timed runs. Backends at
+one (length, mask, dtype, pass) point are timed back to back, so they share the machine's state.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+
+import torch
+import torch.utils.benchmark as tb
+
+from .. import calibration
+from ..dispatch import NoBackendError, select
+from ..functional import attention
+from ..inputs import AttentionInputs
+from ..registry import list_backends
+from .cases import (
+    BenchConfig,
+    Case,
+    describe_bytes,
+    density,
+    estimate_bytes,
+    mask_spec,
+    predicted_seconds,
+    useful_flops,
+)
+from .memory import PeakMemory
+
+__all__ = ["run_sweep", "machine_description", "matmul_peak", "build_calibration", "verify_auto"]
+
+
+def machine_description(device: str) -> dict:
+    info = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+    }
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(torch.device(device))
+        info.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda)
+    return info
+
+
+def _time(fn: Callable[[], object], min_run_time: float) -> tb.Measurement:
+    return tb.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time)
+
+
+def matmul_peak(device: str, dtype: torch.dtype, min_run_time: float = 0.2) -> float:
+    """The machine's achievable matmul throughput in GFLOP/s for ``dtype`` (a square torch.mm;
+    measured once per run, the denominator of "% of peak")."""
+    slow = torch.device(device).type == "cpu" and dtype == torch.float16  # no fast fp16 GEMM on CPU
+    n = 256 if slow else (4096 if torch.device(device).type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    m = _time(lambda: torch.mm(a, b), min_run_time)
+    return 2 * n**3 / m.median / 1e9
+
+
+def _inputs(config: BenchConfig, n: int, dtype: torch.dtype, grad: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (config.batch, config.heads, n, config.head_dim)
+    q, k, v = (torch.randn(shape, generator=gen).to(device=config.device, dtype=dtype) for _ in range(3))
+    if grad:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    return q, k, v
+
+
+def _error(name: str, exact: bool, q, k, v, mask, rows: int) -> tuple[float, str]:
+    """Error of ``name``'s forward output on the last ``rows`` query rows against the naive backend
+    in float64 on the same rows (absolute positions keep the mask identical): O(rows * n)."""
+    n = q.shape[2]
+    r = min(rows, n)
+    with torch.no_grad():
+        out = attention(q, k, v, mask=mask, backend=name)[:, :, n - r :].double()
+        q64, k64, v64 = (t.detach().double().cpu() for t in (q, k, v))
+        ref = attention(q64[:, :, n - r :], k64, v64, mask=mask, q_offset=n - r, backend="naive")
+    out = out.cpu()
+    if exact:
+        return float((out - ref).abs().max()), "max abs"
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-300)), "relative"
+
+
+def _skip(case: Case, reason: str, group: str | None = None, **extra) -> dict:
+    """A skipped case; ``group`` is the short reason the terminal summary groups by (default: reason)."""
+    return {**asdict(case), "status": "skipped", "reason": reason, "group": group or reason, **extra}
+
+
+def run_sweep(config: BenchConfig, progress: Callable[[Iterable], Iterable] | None = None) -> dict:
+    """Measure every case of ``config``; returns the JSON-ready results dict."""
+    registry = list_backends()
+    names = list(config.backends) if config.backends is not None else list(registry) + ["auto"]
+    for name in names:
+        if name != "auto" and name not in registry:
+            raise ValueError(f"--backends: unknown backend {name!r}; expected 'auto' or some of {sorted(registry)}.")
+    specs = [mask_spec(m) for m in config.masks]
+    dtypes = {name: getattr(torch, name) for name in config.dtypes}
+    memory = PeakMemory(config.device)
+    start = time.perf_counter()
+    peaks = {name: matmul_peak(config.device, dt) for name, dt in dtypes.items()}
+    cases = [
+        Case(b, n, s.name, dt, p)
+        for dt in config.dtypes for p in config.passes for n in sorted(config.lengths) for s in specs for b in names
+    ]
+    measured: dict[tuple, dict[int, float]] = {}
+    rows = []
+    iterator = progress(cases) if progress else cases
+    for case in iterator:
+        rows.append(_run_case(case, config, registry, dtypes[case.dtype], peaks[case.dtype], memory, measured))
+    return {
+        "schema": "attnkit.bench/1",
+        "machine": machine_description(config.device),
+        "config": asdict(config),
+        "memory_method": memory.method,
+        "matmul_peak_gflops": peaks,
+        "flops_convention": "useful (kept pairs) exact-attention FLOPs: 4*B*H*n^2*D*density forward, x3.5 forward+backward",
+        "error_convention": f"forward output on the last {config.error_rows} query rows vs naive float64: exact backends max abs, approximate relative (Frobenius)",
+        "elapsed_s": time.perf_counter() - start,
+        "results": rows,
+    }
+
+
+def _run_case(case, config, registry, dtype, peak, memory, measured) -> dict:
+    spec = mask_spec(case.mask)
+    if spec.unavailable:
+        return _skip(case, spec.unavailable)
+    n, grad = case.n, case.passes == "train"
+    mask = spec.build(n, config)
+    q, k, v = _inputs(config, n, dtype, grad, config.seed + n)
+    inp = AttentionInputs.create(q, k, v, mask=mask)
+    if case.backend == "auto":
+        try:
+            impl = select(inp)
+        except NoBackendError as err:
+            return _skip(case, str(err).splitlines()[0])
+        chosen = impl.name
+    else:
+        impl = registry[case.backend]
+        reasons = impl.not_supported_reasons(inp)
+        if reasons:
+            return _skip(case, "; ".join(reasons))
+        chosen = impl.name
+    dens = density(mask, n)
+    estimate = estimate_bytes(config, chosen, n, mask, dtype, case.passes)
+    if estimate > config.memory_budget_bytes:
+        return _skip(case, f"predicted memory {describe_bytes(estimate)} > budget {describe_bytes(config.memory_budget_bytes)}",
+                     "predicted memory over budget", memory_estimate_bytes=estimate)
+    guess = predicted_seconds(measured.get(case.series, {}), n)
+    if guess is not None and guess > config.time_budget_s:
+        return _skip(case, f"predicted {guess:.2g} s per call > budget {config.time_budget_s:g} s "
+                     "(quadratic extrapolation from the shorter lengths)", "predicted time over budget", predicted_s=guess)
+    backend = case.backend
+    if grad:
+        g = torch.randn_like(q)
+
+        def fn():
+            out = attention(q, k, v, mask=mask, backend=backend)
+            return torch.autograd.grad(out, (q, k, v), g)
+    else:
+
+        def fn():
+            with torch.no_grad():
+                return attention(q, k, v, mask=mask, backend=backend)
+
+    try:
+        fn()  # warm-up (and the first sign of an error)
+        peak_bytes = memory.measure(fn)
+        m = _time(fn, config.min_run_time)
+        err, err_kind = _error(backend, impl.exact, q, k, v, mask, config.error_rows)
+    except Exception as exc:  # a backend bug must not end the sweep: record it
+        return {**asdict(case), "status": "error", "reason": f"{type(exc).__name__}: {exc}", "group": type(exc).__name__}
+    measured.setdefault(case.series, {})[n] = m.median
+    flops = useful_flops(config, n, dens, case.passes)
+    gflops = flops / m.median / 1e9
+    return {
+        **asdict(case),
+        "status": "ok",
+        "chosen": chosen,
+        "exact": bool(impl.exact),
+        "median_s": m.median,
+        "iqr_s": m.iqr,
+        "runs": len(m.times),
+        "peak_bytes": peak_bytes,
+        "memory_estimate_bytes": estimate,
+        "density": dens,
+        "flops": flops,
+        "gflops": gflops,
+        "pct_of_matmul_peak": 100 * gflops / peak,
+        "error": err,
+        "error_kind": err_kind,
+    }
+
+
+def ok_rows(results: dict) -> list[dict]:
+    return [r for r in results["results"] if r["status"] == "ok"]
+
+
+def build_calibration(results: dict) -> dict:
+    """Rank the exact backends per (device, dtype, mask kind, pass) and length from a sweep.
+
+    Mask specs of one kind (BigBird and Longformer are both ``BlockSparse``) are pooled: a
+    backend's time is the sum over the specs, counted only for backends that ran all of them."""
+    config = results["config"]
+    registry = list_backends()
+    cfg = BenchConfig(**config)
+    grouped: dict[tuple[str, int], dict[str, dict[str, float]]] = {}
+    for r in ok_rows(results):
+        if r["backend"] == "auto" or not registry.get(r["backend"]) or not registry[r["backend"]].exact:
+            continue
+        kind = calibration.mask_kind(mask_spec(r["mask"]).build(r["n"], cfg))
+        key = calibration.entry_key(torch.device(config["device"]).type, r["dtype"], kind, r["passes"])
+        grouped.setdefault((key, r["n"]), {}).setdefault(r["mask"], {})[r["backend"]] = r["median_s"]
+    entries: dict[str, list[dict]] = {}
+    for (key, n), per_mask in sorted(grouped.items()):
+        common = set.intersection(*(set(t) for t in per_mask.values()))
+        times = {b: sum(t[b] for t in per_mask.values()) for b in common}
+        order = sorted(times, key=times.get)
+        entries.setdefault(key, []).append({"n": n, "order": order, "times": times})
+    return {"machine": results["machine"], "entries": entries}
+
+
+def verify_auto(results: dict, config: BenchConfig, rounds: int = 3) -> list[dict]:
+    """After calibrating: time ``auto`` and the measured best backend interleaved at every point
+    (``rounds`` alternations) and report the median ratio auto / best."""
+    best: dict[tuple, dict] = {}
+    for r in ok_rows(results):
+        if r["backend"] == "auto" or not r["exact"]:
+            continue
+        key = (r["n"], r["mask"], r["dtype"], r["passes"])
+        if key not in best or r["median_s"] < best[key]["median_s"]:
+            best[key] = r
+    out = []
+    for (n, mask_name, dtype_name, passes), row in sorted(best.items()):
+        mask = mask_spec(mask_name).build(n, config)
+        grad = passes == "train"
+        q, k, v = _inputs(config, n, getattr(torch, dtype_name), grad, config.seed + n)
+        chosen = select(AttentionInputs.create(q, k, v, mask=mask)).name
+        g = torch.randn_like(q) if grad else None
+
+        def make(backend):
+            if grad:
+                return lambda: torch.autograd.grad(attention(q, k, v, mask=mask, backend=backend), (q, k, v), g)
+
+            def fwd():
+                with torch.no_grad():
+                    return attention(q, k, v, mask=mask, backend=backend)
+
+            return fwd
+
+        fa, fb = make("auto"), make(row["backend"])
+        fa()
+        ratios = []
+        for _ in range(rounds):
+            ta = _time(fa, config.min_run_time).median
+            tb_ = _time(fb, config.min_run_time).median
+            ratios.append(ta / tb_)
+        out.append({"n": n, "mask": mask_name, "dtype": dtype_name, "passes": passes, "best": row["backend"],
+                    "auto_chose": chosen, "auto_over_best": statistics.median(ratios)})
+    return out
