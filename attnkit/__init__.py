@@ -35,6 +35,7 @@ from .masks import (
     as_mask,
     from_key_padding_mask,
 )
+from .patterns import BlockSparse, GlobalTokens, longformer
 from .registry import Backend, backends, get_backend, register_backend
 
 __version__ = "0.1.0"
@@ -54,6 +55,9 @@ __all__ = [
     "Document",
     "Dense",
     "Custom",
+    "BlockSparse",
+    "GlobalTokens",
+    "longformer",
     "And",
     "Or",
     "as_mask",
