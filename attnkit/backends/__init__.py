@@ -1,3 +1,3 @@
 """Built-in backends; importing this package registers them (in this order)."""
 
-from . import naive, sdpa, sliding_window, tiled  # noqa: F401
+from . import block_sparse, naive, sdpa, sliding_window, tiled  # noqa: F401

@@ -21,6 +21,7 @@ from ..inputs import AttentionInputs
 from ..masks import And, Causal, Mask, Or, SlidingWindow
 from ..patterns import GlobalTokens
 from ..registry import Backend, register_backend
+from ._common import grouped, kv_finite, mask_on, softmax_lse
 
 NEG_INF = float("-inf")
 
@@ -62,13 +63,6 @@ def band_of(mask: Mask | None) -> tuple[int, int, Tensor | None] | None:
     return left, right, glob
 
 
-def _grouped(x: Tensor, Hkv: int) -> Tensor:
-    """``(B|1, Hq|1, nC, c, L)`` -> ``(B|1, Hkv|1, nC, G|1, c, L)`` matching the grouped scores."""
-    if x.shape[1] == 1:
-        return x.unsqueeze(3)
-    return x.view(x.shape[0], Hkv, -1, *x.shape[2:]).transpose(2, 3)
-
-
 def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk: int, glob: Tensor | None):
     B, Hq, Tq, D = inp.q.shape
     Hkv, Tk, Dv, G = inp.Hkv, inp.Tk, inp.Dv, inp.groups
@@ -81,21 +75,19 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
     pad_r = max(0, start0 + pad_l + (nC - 1) * c + L - (Tk + pad_l))
     kidx = start0 + c * torch.arange(nC, device=dev)[:, None] + torch.arange(L, device=dev)  # (nC, L)
     qpos = inp.q_offset + torch.arange(nC * c, device=dev).view(nC, c)
-    q5, k5 = qpos.view(1, 1, nC, c, 1), (inp.kv_offset + kidx).view(1, 1, nC, 1, L)
-    b = torch.arange(band_mask.batch_size or 1, device=dev).view(-1, 1, 1, 1, 1)
-    h = torch.arange(band_mask.num_heads or 1, device=dev).view(1, -1, 1, 1, 1)
-    keep = band_mask.mask_mod(b, h, q5, k5, q_offset=inp.q_offset, kv_offset=inp.kv_offset)
+    k5 = (inp.kv_offset + kidx).view(1, 1, nC, 1, L)
+    keep = mask_on(band_mask, inp, qpos, inp.kv_offset + kidx)
     keep = keep & ((kidx >= 0) & (kidx < Tk)).view(1, 1, nC, 1, L)
     if glob is not None:  # global keys are scored in their own columns: drop them from the band
         keep = keep & ~torch.isin(k5, glob.to(dev))
-    keep = _grouped(keep, Hkv)  # (B|1, Hkv|1, nC, G|1, c, L)
+    keep = grouped(keep, Hkv)  # (B|1, Hkv|1, nC, G|1, c, L)
 
     def windows(x: Tensor) -> Tensor:  # (B, Hkv, Tk, E) -> (B, Hkv, nC, L, E), a strided view
         x = F.pad(x, (0, 0, pad_l, pad_r))[:, :, start0 + pad_l :]
         return x.unfold(2, L, c)[:, :, :nC].transpose(-2, -1)
 
     kw, vw = windows(inp.k), windows(inp.v)
-    if not inp_finite(inp):  # zero keys that no query of a chunk attends: NaN there must not leak
+    if not kv_finite(inp):  # zero keys that no query of a chunk attends: NaN there must not leak
         dead = ~keep.any(dim=4).any(dim=3)[..., None]  # (B|1, Hkv|1, nC, L, 1)
         kw, vw = kw.masked_fill(dead, 0), vw.masked_fill(dead, 0)
     qp = F.pad(inp.q, (0, 0, 0, nC * c - Tq)).view(B, Hkv, G, nC, c, D).transpose(2, 3)  # (B, Hkv, nC, G, c, D)
@@ -110,12 +102,8 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
         sg = torch.matmul(qg, kg[:, :, None].transpose(-2, -1)).to(acc).mul(inp.scale)
         parts.append(sg.view(B, Hkv, nC, G, c, -1))
     scores = torch.cat(parts, dim=-1) if len(parts) > 1 else s
-    row_max = scores.amax(dim=-1, keepdim=True).detach()
-    row_max = row_max.masked_fill(torch.isinf(row_max), 0.0)
-    e = torch.exp(scores - row_max)
-    denom = e.sum(dim=-1, keepdim=True)
-    p = (e / torch.where(denom == 0, 1.0, denom)).to(inp.dtype)
-    lse = torch.log(denom) + row_max
+    p, lse = softmax_lse(scores)
+    p = p.to(inp.dtype)
     out = torch.matmul(p[..., :L].reshape(B, Hkv, nC, G * c, L), vw)  # (B, Hkv, nC, G*c, Dv)
     if glob is not None:
         out = out + torch.matmul(p[..., L:].reshape(B, Hkv, nC, G * c, -1), vg[:, :, None])
@@ -137,10 +125,6 @@ def _global_rows(inp: AttentionInputs, glob: Tensor, out: Tensor, lse: Tensor):
     rows_lse = torch.logsumexp(s, dim=-1)
     rows = torch.matmul(torch.softmax(s, dim=-1).to(inp.dtype), v)
     return out.index_copy(2, qi, rows), lse.index_copy(2, qi, rows_lse)
-
-
-def inp_finite(inp: AttentionInputs) -> bool:
-    return bool(torch.isfinite(inp.k).all()) and bool(torch.isfinite(inp.v).all())
 
 
 @register_backend
