@@ -36,6 +36,7 @@ from .masks import (
     as_mask,
     from_key_padding_mask,
 )
+from .patterns import BlockSparse, GlobalTokens, longformer
 from .recurrent import RecurrentState
 from .registry import Backend, get_backend, list_backends, register_backend
 
@@ -56,6 +57,9 @@ __all__ = [
     "Document",
     "Dense",
     "Custom",
+    "BlockSparse",
+    "GlobalTokens",
+    "longformer",
     "And",
     "Or",
     "as_mask",

@@ -30,6 +30,11 @@ _SCOPED: ContextVar[tuple[str, ...] | None] = ContextVar("attnkit_backend", defa
 # whole (Tq, Tk) mask costs more memory than a tiled one: 2**26 bool elements = 64 MiB.
 # The benchmark issue replaces these constants with per-machine measured crossovers.
 MATERIALIZE_LIMIT = 2**26
+# From this many scores per head (Tq*Tk), a structured sparse backend (sliding_window, block_sparse)
+# that skips the masked-out work beats SDPA over the materialized mask (about 512 x 512 on CPU).
+SPARSE_MIN_SCORES = 2**18
+# Structured backends, tried in this order; each lists a reason against masks it cannot use.
+STRUCTURED = ("sliding_window", "block_sparse")
 
 
 class NoBackendError(ValueError):
@@ -52,20 +57,27 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
     """The order in which ``auto`` tries backends for this input (the whole policy).
 
     1. SDPA first: PyTorch's fused kernels are the fastest exact path for dense and causal masks.
-    2. A mask SDPA would have to materialize over a large score matrix goes to ``tiled`` first,
-       which evaluates the mask per tile in O(Tq + Tk) memory.
-    3. ``naive`` last: it runs everything (LSE, bias, dropout), but in O(Tq * Tk) memory.
+    2. A structured sparse mask (a finite band, a BlockSparse layout) over at least
+       SPARSE_MIN_SCORES scores per head goes to the backend that skips its masked-out work.
+    3. Any other mask SDPA would have to materialize over a large score matrix goes to ``tiled``,
+       which evaluates the mask per tile (skipping EMPTY tiles) in O(Tq + Tk) memory.
+    4. ``naive`` last: it runs everything (LSE, bias, dropout), but in O(Tq * Tk) memory.
     Backends registered later and not named here are tried before ``naive``.
 
     A measured table (``python -m attnkit bench --calibrate``, see :mod:`attnkit.calibration`)
-    replaces rules 1-2: when it has an entry for this device/dtype/mask kind/pass, its ranking of
+    replaces rules 1-3: when it has an entry for this device/dtype/mask kind/pass, its ranking of
     backends at the nearest measured length comes first (a cached dict + bisect lookup, no tensor reads).
     """
     measured = calibration.preferred(inp)
     if measured is not None:
         return _order(measured, tuple(list_backends()))
-    big = mask_needs_materializing(inp) and inp.B * inp.Hq * inp.Tq * inp.Tk > MATERIALIZE_LIMIT
-    return _order(("tiled", "sdpa") if big else ("sdpa", "tiled"), tuple(list_backends()))
+    order = ("sdpa", "tiled")
+    if mask_needs_materializing(inp):
+        if inp.B * inp.Hq * inp.Tq * inp.Tk > MATERIALIZE_LIMIT:
+            order = ("tiled", "sdpa")
+        if inp.Tq * inp.Tk >= SPARSE_MIN_SCORES:
+            order = STRUCTURED + order  # they decline (with a reason) masks they cannot use
+    return _order(order, tuple(list_backends()))
 
 
 @functools.lru_cache(maxsize=64)

@@ -56,18 +56,20 @@ class MaskSpec:
 
 
 def _pattern(name: str) -> tuple[Callable[[int, BenchConfig], Mask | None], str]:
-    """The BigBird/Longformer builders from attnkit.masks when present (the structured-sparsity
-    issue adds them); otherwise a reason to skip."""
+    """BigBird / Longformer block layouts from ``attnkit.patterns.BlockSparse`` when this build has
+    them (bidirectional, ``window // block`` blocks each side, block 0 global; BigBird adds one
+    random block per row), otherwise a reason to skip."""
     try:
-        from .. import masks
-        builder = getattr(masks, name)
+        from ..patterns import BlockSparse
+        builder = getattr(BlockSparse, name)
     except (ImportError, AttributeError):
-        return (lambda n, c: None), f"attnkit.masks.{name} is not available in this build"
+        return (lambda n, c: None), f"attnkit.patterns.BlockSparse.{name} is not available in this build"
 
     def build(n: int, c: BenchConfig) -> Mask | None:
+        blocks, window = -(-n // c.block), max(1, c.window // c.block)
         if name == "longformer":
-            return builder(n, block_size=c.block, window=c.window, global_tokens=[0])
-        return builder(n, block_size=c.block, window=c.window, num_global=1, num_random=1, seed=c.seed)
+            return builder(blocks, c.block, window=window, global_blocks=(0,))
+        return builder(blocks, c.block, window=window, global_blocks=1, random_blocks=1, seed=c.seed)
 
     return build, ""
 

@@ -1,0 +1,40 @@
+"""Helpers shared by the gathered backends (sliding_window, block_sparse)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..inputs import AttentionInputs
+
+
+def grouped(x: Tensor, Hkv: int) -> Tensor:
+    """``(B|1, Hq|1, N, c, L)`` -> ``(B|1, Hkv|1, N, G|1, c, L)`` (query head h uses kv head h // G)."""
+    if x.shape[1] == 1:
+        return x.unsqueeze(3)
+    return x.view(x.shape[0], Hkv, -1, *x.shape[2:]).transpose(2, 3)
+
+
+def softmax_lse(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax over the last dim of masked (``-inf``) scores and its log-sum-exp; rows with nothing
+    kept give weights 0 and LSE ``-inf`` with finite gradients (the max is detached and 0 there)."""
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = row_max.masked_fill(torch.isinf(row_max), 0.0)
+    e = torch.exp(scores - row_max)
+    denom = e.sum(dim=-1, keepdim=True)
+    return e / torch.where(denom == 0, 1.0, denom), (torch.log(denom) + row_max).squeeze(-1)
+
+
+def kv_finite(inp: AttentionInputs) -> bool:
+    """True when K and V hold no NaN/Inf, so dead keys need no zeroing."""
+    return bool(torch.isfinite(inp.k).all()) and bool(torch.isfinite(inp.v).all())
+
+
+def mask_on(mask, inp: AttentionInputs, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """``mask.mask_mod`` on gathered absolute positions ``q_pos (N, c)`` × ``k_pos (N, L)``:
+    a bool tensor ``(B|1, Hq|1, N, c, L)``."""
+    b = torch.arange(mask.batch_size or 1, device=q_pos.device).view(-1, 1, 1, 1, 1)
+    h = torch.arange(mask.num_heads or 1, device=q_pos.device).view(1, -1, 1, 1, 1)
+    keep = mask.mask_mod(b, h, q_pos[None, None, :, :, None], k_pos[None, None, :, None, :],
+                         q_offset=inp.q_offset, kv_offset=inp.kv_offset)
+    return keep.expand(torch.broadcast_shapes(keep.shape, (1, 1, *q_pos.shape, k_pos.shape[-1])))

@@ -1,0 +1,245 @@
+"""Flash-style tiled attention in pure PyTorch: O(Tq + Tk) memory, forward and backward.
+
+Equals ``naive``: ``softmax(q kᵀ · scale + bias, masked) v``, computed one (query tile × key tile)
+at a time with the online softmax of FlashAttention (Dao et al. 2022, https://arxiv.org/abs/2205.14135):
+a running row max ``m``, row sum ``l`` and output accumulator, all in float32. The mask is asked
+per tile through ``mask.block_status``: EMPTY tiles are skipped, FULL tiles run unmasked, PARTIAL
+tiles evaluate ``mask.evaluate`` on the tile only. The backward pass is a custom autograd function
+that recomputes each tile's probabilities from the saved log-sum-exp, so training needs O(Tq + Tk)
+memory too (plus the gradient of a full-size ``bias`` when one is given).
+
+GQA is native: the ``Hq // Hkv`` query heads that share a key/value head are stacked into one
+``(G * tile_q, D)`` matrix, so every tile is one batched matmul over all heads and K/V are never
+repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..inputs import AttentionInputs
+from ..masks import BlockStatus, Mask
+from ..registry import Backend, register_backend
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class TiledOptions:
+    """Tile sizes. Large tiles keep CPU matmuls efficient (one tile's scores are
+    ``B * Hq * block_q * block_k`` floats: 16 MiB at B=1, Hq=8 and the defaults)."""
+
+    block_q: int = 512
+    block_k: int = 1024
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"TiledOptions({name}={value!r}): expected a positive int, e.g. {name}=256.")
+
+
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    """Everything the tile loops need besides the tensors (hashable-free, passed to autograd)."""
+
+    mask: Mask | None
+    scale: float
+    q_offset: int
+    kv_offset: int
+    block_q: int
+    block_k: int
+    finite_kv: bool  # K and V hold no NaN/Inf: no need to zero keys that no query attends
+
+    def tiles(self, Tq: int, Tk: int):
+        """Yield ``(q0, q1, [(k0, k1, status), ...])`` per query tile, EMPTY key tiles left out."""
+        for q0 in range(0, Tq, self.block_q):
+            q1 = min(q0 + self.block_q, Tq)
+            row = []
+            for k0 in range(0, Tk, self.block_k):
+                k1 = min(k0 + self.block_k, Tk)
+                status = BlockStatus.FULL
+                if self.mask is not None:
+                    status = self.mask.block_status(
+                        (self.q_offset + q0, self.q_offset + q1),
+                        (self.kv_offset + k0, self.kv_offset + k1),
+                        q_offset=self.q_offset,
+                        kv_offset=self.kv_offset,
+                    )
+                if status is not BlockStatus.EMPTY:
+                    row.append((k0, k1, status))
+            yield q0, q1, row
+
+    def keep(self, q0, q1, k0, k1, Hkv: int, device) -> Tensor:
+        """The tile's keep-tensor shaped ``(B|1, Hkv|1, G|1, n, m)`` to match the grouped scores."""
+        keep = self.mask.evaluate(
+            (self.q_offset + q0, self.q_offset + q1),
+            (self.kv_offset + k0, self.kv_offset + k1),
+            q_offset=self.q_offset,
+            kv_offset=self.kv_offset,
+            device=device,
+        )
+        return _group(keep, Hkv)
+
+
+def _group(x: Tensor, Hkv: int) -> Tensor:
+    """``(B|1, Hq|1, n, m)`` -> ``(B|1, Hkv|1, G|1, n, m)`` (query head h = kv head h // G)."""
+    if x.shape[1] == 1:
+        return x.unsqueeze(2)
+    return x.reshape(x.shape[0], Hkv, x.shape[1] // Hkv, x.shape[2], x.shape[3])
+
+
+def _bias_tile(bias: Tensor | None, q0, q1, k0, k1, Hkv: int) -> Tensor | None:
+    if bias is None:
+        return None
+    b = bias[:, :, q0:q1] if bias.shape[2] > 1 else bias
+    b = b[..., k0:k1] if bias.shape[3] > 1 else b
+    return _group(b, Hkv)
+
+
+def _scores(plan: _Plan, qt, kt, vt, keep, acc_dtype):
+    """Scaled, biased, masked scores ``(B, Hkv, G, n, m)`` in ``acc_dtype``, and K/V tiles with the
+    keys no query of the tile attends zeroed (so NaN/Inf there cannot leak through ``0 * NaN``)."""
+    if keep is not None and not plan.finite_kv:
+        dead = ~keep.any(dim=3).any(dim=2, keepdim=False)  # (B|1, Hkv|1, m)
+        kt = kt.masked_fill(dead[..., None], 0)
+        vt = vt.masked_fill(dead[..., None], 0)
+    s = torch.matmul(qt, kt.transpose(-2, -1)).to(acc_dtype)  # (B, Hkv, G*n, m)
+    return s.mul_(plan.scale), kt, vt
+
+
+def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    q5 = q.view(B, Hkv, G, Tq, D)
+    out = q.new_zeros(B, Hkv, G, Tq, Dv)
+    lse = torch.full((B, Hkv, G, Tq), NEG_INF, dtype=acc_dtype, device=q.device)
+    for q0, q1, row in plan.tiles(Tq, Tk):
+        if not row:
+            continue  # every key masked for these queries: output 0, LSE -inf
+        n = q1 - q0
+        qt = q5[:, :, :, q0:q1].reshape(B, Hkv, G * n, D)
+        m_run = torch.full((B, Hkv, G, n), NEG_INF, dtype=acc_dtype, device=q.device)
+        l_run = torch.zeros((B, Hkv, G, n), dtype=acc_dtype, device=q.device)
+        acc = torch.zeros((B, Hkv, G * n, Dv), dtype=acc_dtype, device=q.device)
+        for k0, k1, status in row:
+            keep = plan.keep(q0, q1, k0, k1, Hkv, q.device) if status is BlockStatus.PARTIAL else None
+            s, kt, vt = _scores(plan, qt, k[:, :, k0:k1], v[:, :, k0:k1], keep, acc_dtype)
+            s5 = s.view(B, Hkv, G, n, k1 - k0)
+            bias_t = _bias_tile(bias, q0, q1, k0, k1, Hkv)
+            if bias_t is not None:
+                s5.add_(bias_t)
+            if keep is not None:
+                s5.masked_fill_(~keep, NEG_INF)
+            m_new = torch.maximum(m_run, s5.amax(dim=-1))
+            # A row with nothing kept so far has max -inf: shift by 0 instead, so exp() sees
+            # exp(-inf - 0) = 0 rather than exp(-inf - (-inf)) = NaN.
+            m_safe = m_new.masked_fill(m_new == NEG_INF, 0.0)
+            s5.sub_(m_safe[..., None]).exp_()  # s5 now holds p
+            alpha = torch.exp(m_run - m_safe)  # 0 where m_run = -inf
+            l_run.mul_(alpha).add_(s5.sum(dim=-1))
+            acc.view(B, Hkv, G, n, Dv).mul_(alpha[..., None])
+            acc.add_(torch.matmul(s.to(v.dtype), vt))  # p in the input dtype, accumulated in fp32
+            m_run = m_new
+        l_safe = torch.where(l_run == 0, 1.0, l_run)
+        out[:, :, :, q0:q1] = (acc.view(B, Hkv, G, n, Dv) / l_safe[..., None]).to(q.dtype)
+        lse[:, :, :, q0:q1] = torch.where(l_run == 0, NEG_INF, m_run + torch.log(l_safe))
+    return out.view(B, Hq, Tq, Dv), lse.view(B, Hq, Tq)
+
+
+def _backward(plan: _Plan, q, k, v, bias, out, lse, dout, dlse, need_dbias: bool):
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv
+    acc_dtype = lse.dtype
+    # delta_i = sum_j p_ij dp_ij = rowsum(dout * out); the LSE's own gradient enters as -dlse
+    # (d lse_i / d s_ij = p_ij), so ds = p * (dp - delta + dlse).
+    delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # (B, Hq, Tq)
+    if dlse is not None:
+        delta = delta - dlse.to(acc_dtype)
+    lse_safe = lse.masked_fill(lse == NEG_INF, 0.0).view(B, Hkv, G, Tq)
+    delta = delta.view(B, Hkv, G, Tq)
+    q5, do5 = q.view(B, Hkv, G, Tq, D), dout.reshape(B, Hkv, G, Tq, Dv)
+    dq = torch.zeros((B, Hkv, G, Tq, D), dtype=acc_dtype, device=q.device)
+    dk = torch.zeros((B, Hkv, Tk, D), dtype=acc_dtype, device=q.device)
+    dv = torch.zeros((B, Hkv, Tk, Dv), dtype=acc_dtype, device=q.device)
+    dbias = torch.zeros(bias.shape, dtype=acc_dtype, device=q.device) if need_dbias else None
+    for q0, q1, row in plan.tiles(Tq, Tk):
+        n = q1 - q0
+        qt = q5[:, :, :, q0:q1].reshape(B, Hkv, G * n, D)
+        dot = do5[:, :, :, q0:q1].reshape(B, Hkv, G * n, Dv)
+        dqt = torch.zeros((B, Hkv, G * n, D), dtype=acc_dtype, device=q.device)
+        for k0, k1, status in row:
+            m = k1 - k0
+            keep = plan.keep(q0, q1, k0, k1, Hkv, q.device) if status is BlockStatus.PARTIAL else None
+            s, kt, vt = _scores(plan, qt, k[:, :, k0:k1], v[:, :, k0:k1], keep, acc_dtype)
+            s5 = s.view(B, Hkv, G, n, m)
+            bias_t = _bias_tile(bias, q0, q1, k0, k1, Hkv)
+            if bias_t is not None:
+                s5.add_(bias_t)
+            if keep is not None:
+                s5.masked_fill_(~keep, NEG_INF)
+            s5.sub_(lse_safe[:, :, :, q0:q1, None]).exp_()  # p; 0 for masked keys and rows
+            p = s.to(q.dtype)
+            dv[:, :, k0:k1] += torch.matmul(p.transpose(-2, -1), dot).to(acc_dtype)
+            dp = torch.matmul(dot, vt.transpose(-2, -1)).to(acc_dtype).view(B, Hkv, G, n, m)
+            ds5 = dp.sub_(delta[:, :, :, q0:q1, None]).mul_(s5)  # (B, Hkv, G, n, m)
+            if dbias is not None:
+                _add_bias_grad(dbias, ds5.view(B, Hq, n, m), q0, q1, k0, k1)
+            ds = ds5.view(B, Hkv, G * n, m).to(q.dtype)
+            dqt += torch.matmul(ds, kt).to(acc_dtype)
+            dk[:, :, k0:k1] += torch.matmul(ds.transpose(-2, -1), qt).to(acc_dtype)
+        dq[:, :, :, q0:q1] = dqt.view(B, Hkv, G, n, D)
+    dq = (dq * plan.scale).view(B, Hq, Tq, D).to(q.dtype)
+    dk = (dk * plan.scale).to(k.dtype)
+    return dq, dk, dv.to(v.dtype), None if dbias is None else dbias.to(bias.dtype)
+
+
+def _add_bias_grad(dbias: Tensor, ds: Tensor, q0, q1, k0, k1) -> None:
+    """Add the tile's ``ds (B, Hq, n, m)`` into ``dbias``, summed over its broadcast dims."""
+    qs = slice(q0, q1) if dbias.shape[2] > 1 else slice(None)
+    ks = slice(k0, k1) if dbias.shape[3] > 1 else slice(None)
+    dims = [d for d in range(4) if dbias.shape[d] == 1 and ds.shape[d] > 1]
+    dbias[:, :, qs, ks] += ds.sum(dim=dims, keepdim=True) if dims else ds
+
+
+class _TiledFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, plan):
+        out, lse = _forward(plan, q, k, v, bias)
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.plan = plan
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        need_dbias = bias is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dbias = _backward(ctx.plan, q, k, v, bias, out, lse, dout, dlse, need_dbias)
+        return dq, dk, dv, dbias, None
+
+
+@register_backend
+class Tiled(Backend):
+    name = "tiled"
+    summary = "flash-style online softmax over tiles in PyTorch: any mask, O(n) memory fwd+bwd, skips empty tiles"
+    supports_bias = True
+    supports_lse = True
+    Options = TiledOptions
+
+    @classmethod
+    def forward(cls, inp: AttentionInputs, options: TiledOptions | None):
+        options = options or TiledOptions()
+        bias = inp.bias
+        if bias is not None:
+            bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        finite_kv = bool(torch.isfinite(inp.k).all()) and bool(torch.isfinite(inp.v).all())
+        plan = _Plan(inp.mask, inp.scale, inp.q_offset, inp.kv_offset, options.block_q, options.block_k, finite_kv)
+        q, k, v = inp.q.contiguous(), inp.k.contiguous(), inp.v.contiguous()
+        out, lse = _TiledFunction.apply(q, k, v, bias, plan)
+        return (out, lse) if inp.return_lse else out

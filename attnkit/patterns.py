@@ -1,0 +1,233 @@
+"""Structured sparsity: ``BlockSparse`` layouts with seeded pattern builders, and ``GlobalTokens``.
+
+``BlockSparse(layout, block_size)`` keeps query position ``i`` and key position ``j`` (absolute)
+when ``layout[h, i // block_size, j // block_size]`` is True. Builders (all classmethods, seeded
+where random, ``causal=True`` returns ``BlockSparse(...) & Causal()``):
+
+* ``BlockSparse.longformer``  — window of blocks + global blocks (Beltagy et al. 2020)
+* ``BlockSparse.bigbird``     — window + global + random blocks (Zaheer et al. 2020)
+* ``BlockSparse.fixed`` / ``BlockSparse.strided`` — Sparse Transformer (Child et al. 2019)
+* ``BlockSparse.random``      — each block on with a given probability
+
+``layout_string()`` draws one character per block, ``density()`` is the kept fraction. For exact
+element-level Longformer use :func:`longformer` = ``SlidingWindow(w, w) | GlobalTokens(ids)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .masks import BlockStatus, Causal, Mask, SlidingWindow, _as_long_tensor
+
+__all__ = ["BlockSparse", "GlobalTokens", "longformer"]
+
+
+@dataclass(frozen=True, eq=False)
+class BlockSparse(Mask):
+    """Block-level mask: ``layout`` is bool ``(nQB, nKB)`` or ``(H, nQB, nKB)``; block ``(r, c)``
+    covers absolute query positions ``r*bs .. r*bs+bs-1`` and keys ``c*bs .. c*bs+bs-1``.
+    ``block_status`` answers in O(1) from summed-area tables of the layout."""
+
+    layout: Tensor
+    block_size: int
+    _any: Tensor = field(init=False, repr=False)  # summed-area table of layout.any(heads)
+    _all: Tensor = field(init=False, repr=False)  # summed-area table of layout.all(heads)
+
+    def __post_init__(self):
+        layout = self.layout
+        if not isinstance(layout, Tensor) or layout.dtype != torch.bool:
+            raise TypeError(
+                f"BlockSparse(layout): expected a torch.bool tensor (nQB, nKB) or (H, nQB, nKB), got "
+                f"{getattr(layout, 'dtype', type(layout).__name__)}. Fix: pass layout.bool()."
+            )
+        if layout.dim() not in (2, 3) or layout.numel() == 0:
+            raise ValueError(f"BlockSparse(layout): expected shape (nQB, nKB) or (H, nQB, nKB), got {tuple(layout.shape)}.")
+        bs = self.block_size
+        if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
+            raise ValueError(f"BlockSparse(block_size={bs!r}): expected a positive int, e.g. 64.")
+        layout = layout.reshape((1,) * (3 - layout.dim()) + tuple(layout.shape)).cpu()
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "num_heads", layout.shape[0])
+        object.__setattr__(self, "_any", _summed_area(layout.any(0)))
+        object.__setattr__(self, "_all", _summed_area(layout.all(0)))
+
+    # -- Mask interface ---------------------------------------------------------------------
+    def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
+        layout = self.layout.to(q_idx.device)
+        h = h.clamp(max=layout.shape[0] - 1)
+        return layout[h, q_idx // self.block_size, kv_idx // self.block_size]
+
+    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0):
+        bs = self.block_size
+        r0, r1 = q_range[0] // bs, (q_range[1] - 1) // bs + 1
+        c0, c1 = kv_range[0] // bs, (kv_range[1] - 1) // bs + 1
+        area = (r1 - r0) * (c1 - c0)
+        if _box(self._any, r0, r1, c0, c1) == 0:
+            return BlockStatus.EMPTY
+        return BlockStatus.FULL if _box(self._all, r0, r1, c0, c1) == area else BlockStatus.PARTIAL
+
+    def validate(self, B, H, Tq, Tk, q_offset, kv_offset):
+        super().validate(B, H, Tq, Tk, q_offset, kv_offset)
+        nQB, nKB = self.layout.shape[1:]
+        if min(q_offset, kv_offset) < 0 or q_offset + Tq > nQB * self.block_size or kv_offset + Tk > nKB * self.block_size:
+            raise ValueError(
+                f"BlockSparse layout {tuple(self.layout.shape)} with block_size {self.block_size} covers query "
+                f"positions 0..{nQB * self.block_size - 1} and keys 0..{nKB * self.block_size - 1}, but the call uses "
+                f"queries {q_offset}..{q_offset + Tq - 1} and keys {kv_offset}..{kv_offset + Tk - 1}. "
+                "Fix: build the layout with ceil(length / block_size) blocks per side."
+            )
+
+    def block_density(self) -> float:
+        """Fraction of layout blocks that are on (averaged over heads)."""
+        return float(self.layout.float().mean())
+
+    def layout_string(self, head: int = 0) -> str:
+        """Draw the layout of one head, one character per block: '█' on, '·' off."""
+        return "\n".join("".join("█" if x else "·" for x in row) for row in self.layout[head].tolist())
+
+    def __repr__(self):
+        return f"BlockSparse(layout=<{tuple(self.layout.shape)}>, block_size={self.block_size}, density={self.block_density():.3f})"
+
+    # -- pattern builders -------------------------------------------------------------------
+    @classmethod
+    def longformer(cls, num_blocks: int, block_size: int, *, window: int = 1, global_blocks=(0,), causal: bool = False) -> Mask:
+        """Each block attends ``window`` blocks on either side; ``global_blocks`` attend and are
+        attended everywhere. ``num_blocks=6, window=1, global_blocks=(0,)``::
+
+            ██████
+            ███···
+            ████··
+            █·███·
+            █··███
+            █···██
+        """
+        idx = torch.arange(_positive(num_blocks, "num_blocks"))
+        layout = (idx[:, None] - idx[None, :]).abs() <= _non_negative(window, "window")
+        layout |= _global(num_blocks, global_blocks)
+        return cls._finish(layout, block_size, causal)
+
+    @classmethod
+    def bigbird(
+        cls, num_blocks: int, block_size: int, *, window: int = 1, global_blocks: int = 1, random_blocks: int = 2,
+        seed: int = 0, causal: bool = False,
+    ) -> Mask:
+        """Window of ``window`` blocks per side, the first ``global_blocks`` blocks global, plus
+        ``random_blocks`` random key blocks per query block row (``torch.Generator`` seeded by ``seed``)."""
+        n = _positive(num_blocks, "num_blocks")
+        idx = torch.arange(n)
+        layout = (idx[:, None] - idx[None, :]).abs() <= _non_negative(window, "window")
+        layout |= _global(n, range(min(_non_negative(global_blocks, "global_blocks"), n)))
+        gen = torch.Generator().manual_seed(seed)
+        r = min(_non_negative(random_blocks, "random_blocks"), n)
+        for row in range(n):
+            layout[row, torch.randperm(n, generator=gen)[:r]] = True
+        return cls._finish(layout, block_size, causal)
+
+    @classmethod
+    def fixed(cls, num_blocks: int, block_size: int, *, stride: int = 4, summary: int = 1, causal: bool = True) -> Mask:
+        """Sparse Transformer "fixed": blocks attend within their segment of ``stride`` blocks and to
+        the last ``summary`` blocks of every segment."""
+        idx = torch.arange(_positive(num_blocks, "num_blocks"))
+        stride = _positive(stride, "stride")
+        layout = (idx[:, None] // stride) == (idx[None, :] // stride)
+        layout |= (idx[None, :] % stride) >= stride - min(_positive(summary, "summary"), stride)
+        return cls._finish(layout, block_size, causal)
+
+    @classmethod
+    def strided(cls, num_blocks: int, block_size: int, *, stride: int = 4, causal: bool = True) -> Mask:
+        """Sparse Transformer "strided": blocks attend the ``stride`` nearest blocks (a local window)
+        and every block at a distance that is a multiple of ``stride``."""
+        idx = torch.arange(_positive(num_blocks, "num_blocks"))
+        stride = _positive(stride, "stride")
+        dist = idx[:, None] - idx[None, :]
+        layout = (dist.abs() < stride) | (dist % stride == 0)
+        return cls._finish(layout, block_size, causal)
+
+    @classmethod
+    def random(cls, num_blocks: int, block_size: int, *, density: float = 0.1, seed: int = 0, causal: bool = False) -> Mask:
+        """Each block on with probability ``density`` (seeded); the diagonal is always on."""
+        n = _positive(num_blocks, "num_blocks")
+        if not 0.0 <= density <= 1.0:
+            raise ValueError(f"BlockSparse.random(density={density!r}): expected a probability in [0, 1].")
+        gen = torch.Generator().manual_seed(seed)
+        layout = (torch.rand(n, n, generator=gen) < density) | torch.eye(n, dtype=torch.bool)
+        return cls._finish(layout, block_size, causal)
+
+    @classmethod
+    def _finish(cls, layout: Tensor, block_size: int, causal: bool) -> Mask:
+        if causal:
+            layout = layout & torch.ones_like(layout).tril()
+            return cls(layout, block_size) & Causal()
+        return cls(layout, block_size)
+
+
+def _summed_area(x: Tensor) -> list[list[int]]:
+    sat = torch.zeros(x.shape[0] + 1, x.shape[1] + 1, dtype=torch.long)
+    sat[1:, 1:] = x.long().cumsum(0).cumsum(1)
+    return sat.tolist()  # plain lists: O(1) Python lookups without tensor indexing overhead
+
+
+def _box(sat, r0, r1, c0, c1) -> int:
+    r1, c1 = min(r1, len(sat) - 1), min(c1, len(sat[0]) - 1)
+    r0, c0 = max(r0, 0), max(c0, 0)
+    if r1 <= r0 or c1 <= c0:
+        return 0
+    return sat[r1][c1] - sat[r0][c1] - sat[r1][c0] + sat[r0][c0]
+
+
+def _positive(value, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}: expected a positive int.")
+    return value
+
+
+def _non_negative(value, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}={value!r}: expected a non-negative int.")
+    return value
+
+
+def _global(n: int, blocks) -> Tensor:
+    g = torch.zeros(n, dtype=torch.bool)
+    for b in blocks:
+        if not isinstance(b, int) or not 0 <= b < n:
+            raise ValueError(f"global block {b!r}: expected an int in 0..{n - 1}.")
+        g[b] = True
+    return g[:, None] | g[None, :]
+
+
+@dataclass(frozen=True, eq=False)
+class GlobalTokens(Mask):
+    """Global tokens (Longformer): a query at a position in ``positions`` attends every key, and a
+    key there is attended by every query. Positions are absolute. Alone it keeps only those rows
+    and columns; combine with a window: ``SlidingWindow(w, w) | GlobalTokens([0])``."""
+
+    positions: Tensor
+
+    def __post_init__(self):
+        pos = _as_long_tensor(self.positions, "GlobalTokens(positions)").flatten().unique()
+        if pos.numel() and int(pos.min()) < 0:
+            raise ValueError(f"GlobalTokens(positions): expected non-negative positions, got {pos.tolist()}.")
+        object.__setattr__(self, "positions", pos)
+
+    def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
+        pos = self.positions.to(q_idx.device)
+        return torch.isin(q_idx, pos) | torch.isin(kv_idx, pos)
+
+    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0):
+        pos = self.positions
+        inside = lambda r: bool(((pos >= r[0]) & (pos < r[1])).any())  # noqa: E731
+        if inside(q_range) and q_range[1] - q_range[0] == 1 or inside(kv_range) and kv_range[1] - kv_range[0] == 1:
+            return BlockStatus.FULL
+        return BlockStatus.PARTIAL if inside(q_range) or inside(kv_range) else BlockStatus.EMPTY
+
+    def __repr__(self):
+        return f"GlobalTokens({self.positions.tolist()})"
+
+
+def longformer(window: int, global_positions, *, causal: bool = False) -> Mask:
+    """Element-level Longformer: ``SlidingWindow(window, window or 0) | GlobalTokens(global_positions)``."""
+    return SlidingWindow(window, 0 if causal else window) | GlobalTokens(global_positions)
