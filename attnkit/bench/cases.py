@@ -29,7 +29,7 @@ class BenchConfig:
 
     backends: list[str] | None = None  # None: every registered backend, plus "auto"
     lengths: list[int] = field(default_factory=lambda: [256, 1024])
-    masks: list[str] = field(default_factory=lambda: ["none", "causal", "window", "bigbird", "longformer", "padding"])
+    masks: list[str] = field(default_factory=lambda: ["none", "causal", "window", "bigbird", "padding"])
     dtypes: list[str] = field(default_factory=lambda: ["float32"])
     passes: list[str] = field(default_factory=lambda: list(PASSES))
     device: str = "cpu"

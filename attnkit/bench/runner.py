@@ -78,16 +78,15 @@ def _inputs(config: BenchConfig, n: int, dtype: torch.dtype, grad: bool, seed: i
     return q, k, v
 
 
-def _error(name: str, exact: bool, q, k, v, mask, rows: int) -> tuple[float, str]:
-    """Error of ``name``'s forward output on the last ``rows`` query rows against the naive backend
-    in float64 on the same rows (absolute positions keep the mask identical): O(rows * n)."""
+def _error(out, exact: bool, q, k, v, mask, rows: int) -> tuple[float, str]:
+    """Error of a forward output on its last ``rows`` query rows against the naive backend in
+    float64 on the same rows (absolute positions keep the mask identical): O(rows * n)."""
     n = q.shape[2]
     r = min(rows, n)
     with torch.no_grad():
-        out = attention(q, k, v, mask=mask, backend=name)[:, :, n - r :].double()
         q64, k64, v64 = (t.detach().double().cpu() for t in (q, k, v))
         ref = attention(q64[:, :, n - r :], k64, v64, mask=mask, q_offset=n - r, backend="naive")
-    out = out.cpu()
+    out = out[:, :, n - r :].double().cpu()
     if exact:
         return float((out - ref).abs().max()), "max abs"
     return float((out - ref).norm() / ref.norm().clamp_min(1e-300)), "relative"
@@ -167,7 +166,8 @@ def _run_case(case, config, registry, dtype, peak, memory, measured) -> dict:
 
         def fn():
             out = attention(q, k, v, mask=mask, backend=backend)
-            return torch.autograd.grad(out, (q, k, v), g)
+            torch.autograd.grad(out, (q, k, v), g)
+            return out.detach()
     else:
 
         def fn():
@@ -175,10 +175,12 @@ def _run_case(case, config, registry, dtype, peak, memory, measured) -> dict:
                 return attention(q, k, v, mask=mask, backend=backend)
 
     try:
-        fn()  # warm-up (and the first sign of an error)
-        peak_bytes = memory.measure(fn)
+        # The warm-up call is the one whose peak memory we measure (it includes any one-time
+        # allocations) and whose output we check, so neither costs an extra call.
+        holder: list = []
+        peak_bytes = memory.measure(lambda: holder.append(fn()))
+        err, err_kind = _error(holder.pop(), impl.exact, q, k, v, mask, config.error_rows)
         m = _time(fn, config.min_run_time)
-        err, err_kind = _error(backend, impl.exact, q, k, v, mask, config.error_rows)
     except Exception as exc:  # a backend bug must not end the sweep: record it
         return {**asdict(case), "status": "error", "reason": f"{type(exc).__name__}: {exc}", "group": type(exc).__name__}
     measured.setdefault(case.series, {})[n] = m.median

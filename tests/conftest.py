@@ -1,0 +1,15 @@
+"""Suite-wide fixtures."""
+
+import pytest
+
+from attnkit import calibration
+
+
+@pytest.fixture(autouse=True)
+def _no_user_calibration(tmp_path_factory, monkeypatch):
+    """Tests see the built-in dispatch defaults, never a calibration the user measured with
+    `attnkit bench --calibrate` (tests that need one point ATTNKIT_CALIBRATION at a temp file)."""
+    monkeypatch.setenv("ATTNKIT_CALIBRATION", str(tmp_path_factory.getbasetemp() / "no-calibration.json"))
+    calibration.reload()
+    yield
+    calibration.reload()
