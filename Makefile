@@ -18,7 +18,7 @@ install: $(VENV)/.installed
 
 run: install
 	$(PY) -m attnkit info
-	$(PY) -m attnkit demo
+	$(PY) -m attnkit bench
 
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadgroup
