@@ -10,6 +10,7 @@ second" and compares directly with the exact ones.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -147,13 +148,18 @@ def estimate_bytes(config: BenchConfig, backend: str, n: int, mask: Mask | None,
 
 
 def predicted_seconds(previous: dict[int, float], n: int) -> float | None:
-    """Extrapolate a series' measured time to length n assuming quadratic growth from the largest
-    measured length below n (an upper bound for the linear-time backends); None if nothing measured."""
-    below = [m for m in previous if m < n]
+    """Extrapolate a series' measured times to length n: with two or more shorter lengths measured,
+    along the growth exponent observed between the last two (clamped to [1, 2], so O(n * window)
+    backends are not charged n^2); with one, quadratically. None if nothing shorter was measured."""
+    below = sorted(m for m in previous if m < n)
     if not below:
         return None
-    m = max(below)
-    return previous[m] * (n / m) ** 2
+    m = below[-1]
+    exponent = 2.0
+    if len(below) >= 2 and previous[below[-2]] > 0:
+        a = below[-2]
+        exponent = min(2.0, max(1.0, math.log(previous[m] / previous[a]) / math.log(m / a)))
+    return previous[m] * (n / m) ** exponent
 
 
 def describe_bytes(nbytes: float) -> str:

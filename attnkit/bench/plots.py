@@ -28,6 +28,15 @@ def _series(results: dict, passes: str, dtype: str, mask: str, key: str) -> dict
     return out
 
 
+def _colors(results: dict) -> dict[str, object]:
+    """One color per backend across every panel (so the shared legend is right)."""
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["backend"] for r in results["results"]})
+    cycle = plt.get_cmap("tab10")
+    return {name: cycle(i % 10) for i, name in enumerate(names)}
+
+
 def _grid(results: dict, key: str, ylabel: str, title: str, path: Path) -> Path | None:
     import matplotlib
 
@@ -39,11 +48,13 @@ def _grid(results: dict, key: str, ylabel: str, title: str, path: Path) -> Path 
     if not combos or not masks:
         return None
     fig, axes = plt.subplots(len(combos), len(masks), figsize=(3.2 * len(masks), 2.8 * len(combos)), squeeze=False)
+    colors = _colors(results)
     for i, (passes, dtype) in enumerate(combos):
         for j, mask in enumerate(masks):
             ax = axes[i][j]
             for backend, (xs, ys) in sorted(_series(results, passes, dtype, mask, key).items()):
-                ax.plot(xs, ys, marker="o", markersize=3, label=backend, linestyle="--" if backend == "auto" else "-")
+                ax.plot(xs, ys, marker="o", markersize=3, label=backend, color=colors[backend],
+                        linestyle="--" if backend == "auto" else "-")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{mask_spec(mask).label}, {dtype}, {passes}", fontsize=8)
@@ -74,9 +85,11 @@ def _error_vs_speed(results: dict, path: Path) -> Path | None:
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
+    colors = _colors(results)
     for backend in sorted({r["backend"] for r in rows}):
         mine = [r for r in rows if r["backend"] == backend]
-        ax.scatter([r["median_s"] * 1e3 for r in mine], [max(r["error"], 1e-12) for r in mine], label=backend, s=14)
+        ax.scatter([r["median_s"] * 1e3 for r in mine], [max(r["error"], 1e-12) for r in mine], label=backend, s=14,
+                   color=colors[backend])
         for r in mine:
             ax.annotate(f"{r['mask']} {r['n']}", (r["median_s"] * 1e3, max(r["error"], 1e-12)), fontsize=5)
     ax.set_xscale("log")

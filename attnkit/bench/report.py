@@ -127,7 +127,7 @@ def write_markdown(results: dict, out_dir: Path, plots: list[Path], claims: str 
         f"(min_run_time {results['config']['min_run_time']} s) after one warm-up call. A shared or busy "
         "machine makes these noisy: compare ratios within one run, and repeat.",
         f"* Peak memory: {results['memory_method']}.",
-        f"* GFLOP/s: {results['flops_convention']}.",
+        f"* GFLOP/s: {results['flops_convention']}; % peak: {results.get('pct_of_peak_convention', 'of the matmul peak')}.",
         f"* Error: {results['error_convention']}.",
         f"* All figures: [results.json](results.json).",
         "",
