@@ -49,6 +49,25 @@ def hf_hidden(hf, encoded):
         return hf(**encoded, output_hidden_states=True).hidden_states  # embeddings + 6 layers
 
 
+@pytest.fixture(scope="module")
+def hf_spread(path, encoded, hf_hidden):
+    """Per layer, max |HF sdpa - HF eager| at padded positions: HF's own two implementations
+    differ there by up to ~4e-5 (padding rows are numerically touchy); real tokens agree to ~2e-6."""
+    sdpa = transformers.BertModel.from_pretrained(str(path), attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        hidden = sdpa(**encoded, output_hidden_states=True).hidden_states
+    return [(a - b).abs().max().item() for a, b in zip(hidden, hf_hidden)]
+
+
+def assert_matches(hidden, hf_hidden, hf_spread, keep, what):
+    assert len(hidden) == len(hf_hidden) == 7
+    for i, (got, want) in enumerate(zip(hidden, hf_hidden)):
+        err = (got - want).abs()
+        assert err[keep].max().item() <= ATOL, f"{what}: hidden state {i} differs by {err[keep].max().item()}"
+        # padded positions (not tokens, but returned): within twice HF's own sdpa/eager spread
+        assert err.max().item() <= max(ATOL, 2 * hf_spread[i]), f"{what}: padded positions of layer {i}"
+
+
 def test_checkpoint_shape(ours, encoded):
     model, _ = ours
     assert (model.config.num_layers, model.config.embed_dim, model.config.num_heads) == (6, 384, 12)
@@ -57,7 +76,7 @@ def test_checkpoint_shape(ours, encoded):
 
 
 @pytest.mark.parametrize("backend", [n for n, b in backends().items() if b.exact and b.available()])
-def test_every_layer_matches_hf_on_every_exact_backend(backend, ours, encoded, hf_hidden):
+def test_every_layer_matches_hf_on_every_exact_backend(backend, ours, encoded, hf_hidden, hf_spread):
     model, _ = ours
     try:
         with torch.no_grad(), attnkit.use_backend(backend):
@@ -66,10 +85,7 @@ def test_every_layer_matches_hf_on_every_exact_backend(backend, ours, encoded, h
     except attnkit.NoBackendError as exc:
         assert backend not in ("naive", "sdpa"), exc
         pytest.skip(f"{backend} cannot run this input: {exc}")
-    assert len(hidden) == len(hf_hidden) == 7
-    for i, (got, want) in enumerate(zip(hidden, hf_hidden)):
-        err = (got - want).abs().max().item()  # padded positions too: BERT masks padding keys only
-        assert err <= ATOL, f"{backend}: hidden state {i} differs by {err}"
+    assert_matches(hidden, hf_hidden, hf_spread, encoded["attention_mask"].bool(), backend)
 
 
 def hf_sentence_embeddings(hf, tokenizer, sentences):
@@ -94,15 +110,14 @@ def test_sentence_embeddings_match_documented_pipeline(ours, hf):
     assert sim[0, 1] > sim[0, 3]
 
 
-def test_hf_bert_with_attn_implementation_attnkit(path, encoded, hf_hidden):
+def test_hf_bert_with_attn_implementation_attnkit(path, encoded, hf_hidden, hf_spread):
     register_hf_attention()
     model = transformers.AutoModel.from_pretrained(str(path), attn_implementation="attnkit").eval()
     assert model.config._attn_implementation == "attnkit"
     for backend in ("naive", "sdpa"):
         with torch.no_grad(), attnkit.use_backend(backend):
             hidden = model(**encoded, output_hidden_states=True).hidden_states
-        for got, want in zip(hidden, hf_hidden):
-            assert (got - want).abs().max().item() <= ATOL
+        assert_matches(hidden, hf_hidden, hf_spread, encoded["attention_mask"].bool(), f"attnkit-in-HF {backend}")
 
 
 def test_embed_cli(capsys, path):
