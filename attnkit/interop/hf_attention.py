@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ..functional import attention
-from ..masks import And, Causal, Dense, KeyPadding, Mask, SlidingWindow
+from ..masks import And, Causal, Dense, KeyPadding, Mask, Padding, SlidingWindow
 from ._deps import require
 
 __all__ = ["HFMask", "attnkit_mask", "attnkit_attention_forward", "register_hf_attention", "NAME"]
@@ -89,17 +89,17 @@ def _recognize(pattern: Tensor, q_pos: Tensor, kv_pos: Tensor) -> tuple[bool, Ma
 
 def _padding_mask(padding: Tensor | None, kv_offset: int, kv_length: int) -> Mask | None:
     """HF's 2-D padding mask ``(B, >= kv_offset + Tk)`` over absolute key positions as an attnkit
-    mask: ``KeyPadding`` when every row is ones then zeros (right padding), else a ``Dense``."""
+    mask: ``KeyPadding(lengths)`` when each row is ones then zeros (right padding), else ``Padding``."""
     if padding is None:
         return None
-    padding = padding[:, kv_offset : kv_offset + kv_length].bool()
-    if bool(padding.all()):
+    padding = padding[:, : kv_offset + kv_length].bool()
+    if bool(padding[:, kv_offset:].all()):
         return None
     lengths = padding.sum(-1)
-    positions = torch.arange(kv_length, device=padding.device)
+    positions = torch.arange(padding.shape[1], device=padding.device)
     if torch.equal(positions[None, :] < lengths[:, None], padding):
-        return KeyPadding(lengths + kv_offset)  # absolute positions: keys before kv_offset are real tokens
-    return Dense(padding[:, None, None, :])  # (B, 1, 1, Tk), relative to the call
+        return KeyPadding(lengths)
+    return Padding(padding)  # left padding or holes
 
 
 def attnkit_mask(
