@@ -87,3 +87,13 @@ def test_unsupported_gpt2_variant_is_refused():
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, scale_attn_by_inverse_layer_idx=True)
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
         gpt2_from_hf(transformers.GPT2LMHeadModel(config))
+
+
+def test_mismatched_model_is_refused(pair):
+    from attnkit.interop import gpt2_config_from_hf, load_gpt2_state_dict
+    from attnkit.nn.models import GPT
+
+    hf, _ = pair
+    one_layer = GPT(gpt2_config_from_hf(hf.config, num_layers=1))
+    with pytest.raises(ValueError, match=r"unexpected \['layers\.1\."):
+        load_gpt2_state_dict(one_layer, hf.state_dict())

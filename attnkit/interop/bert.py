@@ -29,23 +29,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ._convert import activation, copy_state
 from ._deps import require
 
 __all__ = ["bert_config_from_hf", "load_bert_state_dict", "load_bert", "embed_sentences", "mean_pool"]
-
-# HF hidden_act -> attnkit TransformerConfig.activation
-ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
-               "silu": "silu", "swish": "silu"}
-
-
-def _activation(name: str) -> str:
-    if name not in ACTIVATIONS:
-        raise ValueError(
-            f"hidden_act: {name!r} has no attnkit equivalent; expected one of {sorted(ACTIVATIONS)}. "
-            "Fix: use a checkpoint with a supported activation."
-        )
-    return ACTIVATIONS[name]
-
 
 def bert_config_from_hf(hf_config: dict, **overrides):
     """A :class:`~attnkit.nn.layers.TransformerConfig` equal to a HF BERT ``config.json`` (a dict)."""
@@ -66,7 +53,7 @@ def bert_config_from_hf(hf_config: dict, **overrides):
         num_layers=hf_config["num_hidden_layers"],
         num_heads=hf_config["num_attention_heads"],
         ffn_dim=hf_config["intermediate_size"],
-        activation=_activation(hf_config.get("hidden_act", "gelu")),
+        activation=activation(hf_config.get("hidden_act", "gelu")),
         norm_first=False,
         layer_norm_eps=hf_config.get("layer_norm_eps", 1e-12),
         position="learned",
@@ -121,24 +108,8 @@ def convert_bert_state_dict(hf_state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def load_bert_state_dict(model, hf_state: dict[str, Tensor]):
     """Copy a HF BERT state dict into an attnkit ``Encoder`` (strict: every parameter must be set)."""
-    converted = convert_bert_state_dict(hf_state)
-    own = model.state_dict()
-    missing = [k for k in own if k not in converted]
-    unexpected = [k for k in converted if k not in own]
-    if missing or unexpected:
-        raise ValueError(
-            f"BERT checkpoint does not fit the attnkit Encoder: missing {missing[:8]}, unexpected {unexpected[:8]}. "
-            "Fix: build the Encoder with bert_config_from_hf(config.json)."
-        )
-    with torch.no_grad():
-        for key, value in converted.items():
-            if own[key].shape != value.shape:
-                raise ValueError(
-                    f"{key}: checkpoint shape {tuple(value.shape)} != model shape {tuple(own[key].shape)}. "
-                    "Fix: build the Encoder with bert_config_from_hf(config.json)."
-                )
-            own[key].copy_(value)
-    return model
+    return copy_state(model, convert_bert_state_dict(hf_state), what="BERT checkpoint",
+                      fix="build the Encoder with bert_config_from_hf(config.json).")
 
 
 def load_bert(path: str | os.PathLike, *, tokenizer: bool = True, dtype: torch.dtype = torch.float32, **overrides):

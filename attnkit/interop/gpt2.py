@@ -23,7 +23,7 @@ import re
 import torch
 from torch import Tensor
 
-from .bert import _activation
+from ._convert import activation, copy_state
 
 __all__ = ["gpt2_config_from_hf", "convert_gpt2_state_dict", "load_gpt2_state_dict", "gpt2_from_hf"]
 
@@ -46,7 +46,7 @@ def gpt2_config_from_hf(hf_config, **overrides):
         num_layers=get("n_layer"),
         num_heads=get("n_head"),
         ffn_dim=get("n_inner") or 4 * embed_dim,
-        activation=_activation(get("activation_function", "gelu_new")),
+        activation=activation(get("activation_function", "gelu_new")),
         norm_first=True,
         layer_norm_eps=get("layer_norm_epsilon", 1e-5),
         position="learned",
@@ -89,23 +89,13 @@ def convert_gpt2_state_dict(hf_state: dict[str, Tensor]) -> dict[str, Tensor]:
 def load_gpt2_state_dict(model, hf_state: dict[str, Tensor]):
     """Copy a HF ``GPT2LMHeadModel`` state dict into an attnkit ``GPT`` (strict)."""
     converted = convert_gpt2_state_dict(hf_state)
-    own = model.state_dict()
-    tied = getattr(model.config, "tie_embeddings", True)
-    if tied:
+    if getattr(model.config, "tie_embeddings", True):
         converted.pop("lm_head.weight", None)  # the same tensor as embed.tokens.weight
-    missing = [k for k in own if k not in converted and not (tied and k == "lm_head.weight")]
-    unexpected = [k for k in converted if k not in own]
-    if missing or unexpected:
-        raise ValueError(
-            f"GPT-2 state dict does not fit the attnkit GPT: missing {missing[:8]}, unexpected {unexpected[:8]}. "
-            "Fix: build the GPT with gpt2_config_from_hf(hf_model.config)."
-        )
-    with torch.no_grad():
-        for key, value in converted.items():
-            if own[key].shape != value.shape:
-                raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != model shape {tuple(own[key].shape)}.")
-            own[key].copy_(value)
-    return model
+        optional = ("lm_head.weight",)
+    else:
+        optional = ()
+    return copy_state(model, converted, what="GPT-2 state dict", optional=optional,
+                      fix="build the GPT with gpt2_config_from_hf(hf_model.config).")
 
 
 def gpt2_from_hf(hf_model, **overrides):
