@@ -97,3 +97,13 @@ def test_mismatched_model_is_refused(pair):
     one_layer = GPT(gpt2_config_from_hf(hf.config, num_layers=1))
     with pytest.raises(ValueError, match=r"unexpected \['layers\.1\."):
         load_gpt2_state_dict(one_layer, hf.state_dict())
+
+
+def test_greedy_generation_left_padded_batch(pair):
+    hf, ours = pair
+    ids, am = prompt(True)
+    with torch.no_grad():
+        want = hf.generate(ids, attention_mask=am, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)
+    got = ours.generate(ids, 8, temperature=0.0, cache="static", attention_mask=am)
+    assert torch.equal(got, want)
