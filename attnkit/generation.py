@@ -147,7 +147,7 @@ def stream(
         def forward(step_ids: Tensor) -> Tensor:
             past = kv.seq_len
             mask = None if valid is None else valid[:, : past + step_ids.shape[1]]
-            return model(step_ids, cache=kv, attention_mask=mask)
+            return model(step_ids, cache=kv, attention_mask=mask, logits_to_keep=1)
 
     seen = None
     if repetition_penalty != 1.0:

@@ -212,10 +212,14 @@ class GPT(_CausalStack):
 
     def forward(self, input_ids: Tensor | None = None, *, cache: KVCache | None = None,
                 attention_mask: Tensor | None = None, positions: Tensor | None = None,
-                inputs_embeds: Tensor | None = None, output_hidden_states: bool = False):
+                inputs_embeds: Tensor | None = None, output_hidden_states: bool = False, logits_to_keep: int = 0):
+        """``logits_to_keep=n > 0`` computes logits for the last ``n`` positions only (decoding
+        needs one; the LM head over a whole prompt costs ``T * E * vocab``)."""
         x, hidden = self._run(input_ids, cache=cache, attention_mask=attention_mask, positions=positions,
                               inputs_embeds=inputs_embeds)
-        logits = self.lm_head(x)
+        if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep: expected an int >= 0 (0 = every position), got {logits_to_keep!r}.")
+        logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
         return (logits, hidden) if output_hidden_states else logits
 
     def make_cache(self, kind: str = "dynamic", *, max_len: int | None = None, window: int | None = None) -> KVCache:
