@@ -263,7 +263,7 @@ class KeyPadding(Mask):
                 f"got shape {tuple(lengths.shape)}."
             )
         if bool((lengths < 0).any()):
-            raise ValueError(f"KeyPadding(lengths): lengths must be >= 0, got {lengths.tolist()}.")
+            raise ValueError(f"KeyPadding(lengths): expected lengths >= 0, got {lengths.tolist()}.")
         object.__setattr__(self, "lengths", lengths)
         object.__setattr__(self, "_min", int(lengths.min()))
         object.__setattr__(self, "_max", int(lengths.max()))
