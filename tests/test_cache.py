@@ -11,7 +11,7 @@ from attnkit.cache import (
 )
 from attnkit.inputs import AttentionInputs
 from attnkit.nn import GPT, AttentionConfig, MultiHeadAttention, TransformerConfig
-from attnkit.registry import backends
+from attnkit.registry import list_backends as backends
 
 T, WINDOW = 37, 5
 KINDS = ["dynamic", "static", "sliding_window"]
