@@ -347,8 +347,15 @@ class KVCache:
         return cls([SlidingWindowLayerCache(window) for _ in range(num_layers)])
 
     @classmethod
+    def recurrent(cls, num_layers: int, backend: str, head_dim: int, *, options=None) -> KVCache:
+        """One :class:`StateCache` per layer for a linear-attention model (``backend`` ``"linear"``
+        or ``"performer"``, with the model's ``backend_options``)."""
+        return cls([StateCache.recurrent(backend, head_dim, options=options) for _ in range(num_layers)])
+
+    @classmethod
     def create(cls, kind: str, num_layers: int, *, max_len: int | None = None, window: int | None = None) -> KVCache:
-        """``kind`` is ``"dynamic"``, ``"static"`` (needs ``max_len``) or ``"sliding_window"`` (needs ``window``)."""
+        """``kind`` is ``"dynamic"``, ``"static"`` (needs ``max_len``) or ``"sliding_window"`` (needs
+        ``window``); recurrent caches come from :meth:`recurrent`."""
         if kind == "dynamic":
             return cls.dynamic(num_layers)
         if kind == "static":
@@ -359,7 +366,7 @@ class KVCache:
             if window is None:
                 raise ValueError("window: a sliding-window cache needs window (the attention window).")
             return cls.sliding_window(num_layers, window)
-        raise ValueError(f"kind: expected 'dynamic', 'static' or 'sliding_window', got {kind!r}.")
+        raise ValueError(f"kind: expected 'dynamic', 'static', 'sliding_window' or 'recurrent', got {kind!r}.")
 
     @property
     def seq_len(self) -> int:

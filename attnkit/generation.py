@@ -87,11 +87,11 @@ def _make_cache(model, cache, max_len: int) -> KVCache:
         if cache.seq_len:
             raise ValueError(f"cache: expected an empty cache, got one holding {cache.seq_len} tokens. Fix: cache.reset().")
         return cache
-    if cache == "sliding_window":
-        return model.make_cache("sliding_window")
+    if cache in ("sliding_window", "recurrent"):
+        return model.make_cache(cache)
     if cache in ("static", "dynamic"):
         return model.make_cache(cache, max_len=max_len)
-    raise ValueError(f"cache: expected 'static', 'dynamic', 'sliding_window' or a KVCache, got {cache!r}.")
+    raise ValueError(f"cache: expected 'static', 'dynamic', 'sliding_window', 'recurrent' or a KVCache, got {cache!r}.")
 
 
 @torch.no_grad()
@@ -117,8 +117,8 @@ def stream(
     ``stop_tokens`` yields ``pad_token_id`` afterwards; the stream ends when every row stopped.
     ``temperature=0`` is greedy; otherwise tokens are sampled (``generator`` for reproducibility).
     ``cache``: ``"static"`` (default, fastest), ``"dynamic"``, ``"sliding_window"`` (models with
-    ``sliding_window``) or an empty :class:`KVCache`. ``attention_mask (B, P)``: 1 = token,
-    0 = left padding. For an :class:`EncoderDecoder`, ``input_ids`` is the source and decoding
+    ``sliding_window``), ``"recurrent"`` (linear-attention models) or an empty :class:`KVCache`.
+    ``attention_mask (B, P)``: 1 = token, 0 = left padding. For an :class:`EncoderDecoder`, ``input_ids`` is the source and decoding
     starts from ``decoder_start_token``."""
     seq2seq = _check_args(model, input_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, attention_mask)
     stop = torch.tensor(sorted(set(stop_tokens or ())), dtype=torch.long, device=input_ids.device)

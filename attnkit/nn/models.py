@@ -223,8 +223,13 @@ class GPT(_CausalStack):
         return (logits, hidden) if output_hidden_states else logits
 
     def make_cache(self, kind: str = "dynamic", *, max_len: int | None = None, window: int | None = None) -> KVCache:
-        """A :class:`KVCache` for this model: ``"dynamic"``, ``"static"`` (``max_len``) or
-        ``"sliding_window"`` (``window`` defaults to ``config.sliding_window``)."""
+        """A :class:`KVCache` for this model: ``"dynamic"``, ``"static"`` (``max_len``),
+        ``"sliding_window"`` (``window`` defaults to ``config.sliding_window``) or ``"recurrent"``
+        (a linear-attention model: ``config.backend`` is ``"linear"`` or ``"performer"``)."""
+        if kind == "recurrent":
+            cfg = self.config.attention_config()
+            return KVCache.recurrent(self.config.num_layers, self.config.backend, cfg.dim_per_head,
+                                     options=self.config.backend_options)
         window = self.config.sliding_window if window is None else window
         return KVCache.create(kind, self.config.num_layers, max_len=max_len, window=window)
 
