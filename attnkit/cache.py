@@ -188,7 +188,9 @@ class StaticLayerCache(LayerCache):
         if self.k is not None:
             index = _check_index(index, self.k.shape[0]).to(self.k.device)
             if index.numel() != self.k.shape[0]:
-                raise ValueError(f"index: a static cache keeps its batch size {self.k.shape[0]}, got {index.numel()} rows.")
+                raise ValueError(
+                    f"index: a static cache keeps its batch size {self.k.shape[0]}, got {index.numel()} rows."
+                )
             self.k.copy_(self.k.index_select(0, index))
             self.v.copy_(self.v.index_select(0, index))
 
@@ -290,7 +292,9 @@ class StateCache(LayerCache):
         self.state = make_state()
         for name in ("step", "reset"):
             if not callable(getattr(self.state, name, None)):
-                raise TypeError(f"make_state(): the state must have a {name}() method, got {type(self.state).__name__}.")
+                raise TypeError(
+                    f"make_state(): the state must have a {name}() method, got {type(self.state).__name__}."
+                )
 
     @classmethod
     def recurrent(cls, backend: str, head_dim: int, *, options=None, scale: float | None = None) -> StateCache:
@@ -316,7 +320,9 @@ class StateCache(LayerCache):
     def crop(self, length):
         self._check_crop(length)
         if length != self.seq_len:
-            raise ValueError("StateCache cannot crop: a recurrent state cannot forget tokens. Fix: reset() and re-feed.")
+            raise ValueError(
+                "StateCache cannot crop: a recurrent state cannot forget tokens. Fix: reset() and re-feed."
+            )
 
     def reorder(self, index):
         super().reorder(index)
