@@ -18,7 +18,7 @@ Layer caches:
 
 * :class:`DynamicLayerCache` — grows by concatenation; any batch/length.
 * :class:`StaticLayerCache` — preallocated ``(B, Hkv, max_len, D)`` buffers written in place;
-  no reallocation while decoding (compile-friendly, fastest on CPU).
+  no reallocation while decoding (fastest on CPU; see benchmarks/bench_decode.py).
 * :class:`SlidingWindowLayerCache` — a ring buffer of the last ``window`` keys, each slot tagged
   with its absolute position (:meth:`~SlidingWindowLayerCache.positions`). ``update`` returns the
   retained keys in chronological order (one ``cat`` that also unrolls the ring), so they are
@@ -92,6 +92,12 @@ class LayerCache:
         if self.cross_kv is not None:
             self.cross_kv = tuple(t.index_select(0, index.to(t.device)) for t in self.cross_kv)
 
+    def _select_rows(self, index: Tensor) -> None:
+        """Replace ``self.k``/``self.v`` (when allocated) by their batch rows ``index``."""
+        if getattr(self, "k", None) is not None:
+            index = _check_index(index, self.k.shape[0]).to(self.k.device)
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
     def _check_crop(self, length: int) -> None:
         if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self.seq_len:
             raise ValueError(f"length: expected an int in [0, seq_len={self.seq_len}], got {length!r}.")
@@ -132,9 +138,7 @@ class DynamicLayerCache(LayerCache):
 
     def reorder(self, index):
         super().reorder(index)
-        if self.k is not None:
-            index = _check_index(index, self.k.shape[0]).to(self.k.device)
-            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+        self._select_rows(index)
 
 
 class StaticLayerCache(LayerCache):
@@ -270,9 +274,7 @@ class SlidingWindowLayerCache(LayerCache):
 
     def reorder(self, index):
         super().reorder(index)
-        if self.k is not None:
-            index = _check_index(index, self.k.shape[0]).to(self.k.device)
-            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+        self._select_rows(index)
 
 
 class StateCache(LayerCache):
