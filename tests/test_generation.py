@@ -131,3 +131,15 @@ def test_generate_method_and_argument_errors():
         generate(torch.nn.Linear(2, 2), prompt, 3)
     with pytest.raises(ValueError, match="max_len"):
         generate(model, torch.randint(1, 50, (1, 60)), 10)
+
+
+def test_readme_decoding_example_runs(capsys):
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Models and decoding", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "torch.Size([2, 13])" in printed and printed.strip().endswith("6")
