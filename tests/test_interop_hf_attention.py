@@ -226,3 +226,23 @@ def test_softcap_is_refused():
     q = torch.randn(1, 2, 3, 4)
     with pytest.raises(ValueError, match="softcap"):
         attnkit_attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
+
+
+def test_mask_with_holes_is_not_taken_for_a_window():
+    def holes(b, h, q, kv):  # causal, but every third key hidden: same bounds as Causal, not a band
+        return (kv <= q) & (kv % 3 != 1)
+
+    got = make(holes, Tq=7, Tk=7)
+    assert isinstance(got.mask, Dense)
+    assert_same_as_sdpa_mask(got, holes, Tq=7, Tk=7)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 40])
+@pytest.mark.parametrize("Tq,Tk,q_offset,kv_offset", [(9, 9, 0, 0), (1, 12, 11, 0), (1, 12, 4, 0), (3, 6, 10, 7),
+                                                     (4, 20, 2, 0)])
+def test_mask_equals_sdpa_mask_for_windows_and_offsets(window, Tq, Tk, q_offset, kv_offset):
+    for fn in (masking_utils.sliding_window_causal_mask_function(window), masking_utils.causal_mask_function,
+               masking_utils.sliding_window_bidirectional_mask_function(window)):
+        got = make(fn, B=1, Tq=Tq, Tk=Tk, q_offset=q_offset, kv_offset=kv_offset)
+        assert not isinstance(got.mask, Dense), got.mask  # every one of these is a band
+        assert_same_as_sdpa_mask(got, fn, B=1, Tq=Tq, Tk=Tk, q_offset=q_offset, kv_offset=kv_offset)

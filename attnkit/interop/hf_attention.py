@@ -67,24 +67,37 @@ def _offset(value) -> int:
 
 def _recognize(pattern: Tensor, q_pos: Tensor, kv_pos: Tensor) -> tuple[bool, Mask | None]:
     """``(True, mask)`` when the ``(Tq, Tk)`` boolean ``pattern`` equals a structured mask over the
-    absolute positions ``q_pos`` (Tq,) and ``kv_pos`` (Tk,): nothing (``None``), ``Causal()`` or
-    ``SlidingWindow(left, right)``; ``(False, None)`` otherwise."""
-    if not bool(pattern.any()):
+    absolute positions ``q_pos`` (Tq,) and ``kv_pos`` (Tk,, consecutive): nothing (``None``),
+    ``Causal()`` or ``SlidingWindow(left, right)``; ``(False, None)`` otherwise.
+
+    Works row by row (first kept key, count of kept keys), so it needs no (Tq, Tk) tensor beyond
+    the pattern itself: a band is one contiguous run per row at the bounds the window predicts."""
+    Tk = pattern.shape[1]
+    counts = pattern.sum(-1)  # (Tq,) kept keys per query
+    rows = counts > 0
+    if not bool(rows.any()):
         return False, None
-    dist = q_pos[:, None] - kv_pos[None, :]  # (Tq, Tk): how far each key lies before its query
-    left, right = int(dist[pattern].max()), int((-dist)[pattern].max())
+    as_bytes = pattern.to(torch.uint8)
+    first = as_bytes.argmax(-1)  # index of the first kept key (0 for empty rows)
+    kv0 = int(kv_pos[0])
+    left = int((q_pos - kv0 - first)[rows].max())  # farthest kept key before its query
+    right = int((kv0 + first + counts - 1 - q_pos)[rows].max())  # farthest kept key after it
     if left < 0 or right < 0:
         return False, None
-    left_bound = None if left >= int(dist.max()) else left
-    right_bound = None if right >= int((-dist).max()) else right
+    lo = (q_pos - left - kv0).clamp(0, Tk)  # the band's first key index per row
+    hi = (q_pos + right - kv0).clamp(-1, Tk - 1)  # and its last
+    expected = (hi - lo + 1).clamp(min=0)
+    last = Tk - 1 - as_bytes.flip(-1).argmax(-1)  # index of the last kept key
+    contiguous = torch.equal((last - first + 1)[rows], counts[rows])  # one run per row, no holes
+    if not (contiguous and torch.equal(expected, counts) and torch.equal(first[rows], lo[rows])):
+        return False, None
+    left_bound = None if left >= int(q_pos.max()) - kv0 else left
+    right_bound = None if right >= int(kv_pos[-1] - q_pos.min()) else right
     if left_bound is None and right_bound is None:
-        candidate: Mask | None = None
-    elif left_bound is None and right_bound == 0:
-        candidate = Causal()
-    else:
-        candidate = SlidingWindow(left_bound, right_bound)
-    band = (dist <= left) & (-dist <= right)
-    return bool(torch.equal(band, pattern)), candidate
+        return True, None
+    if left_bound is None and right_bound == 0:
+        return True, Causal()
+    return True, SlidingWindow(left_bound, right_bound)
 
 
 def _padding_mask(padding: Tensor | None, kv_offset: int, kv_length: int) -> Mask | None:
