@@ -152,8 +152,8 @@ class Performer(Backend):
         def queries(x: Tensor) -> Tensor:
             return fm.favor_query_features(x, w, scale)
 
-        def keys(x: Tensor, keep: Tensor | None):
-            return fm.favor_key_features(x, keep, w, scale)
+        def keys(x: Tensor, keep: Tensor | None, floor: Tensor | None = None):
+            return fm.favor_key_features(x, keep, w, scale, floor)
 
         return queries, keys, options.chunk, options.segment
 
