@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ..inputs import AttentionInputs
 from ..masks import And, Causal, Dense, KeyPadding, Mask
+from ..registry import Backend
 
 #: ``queries(q (B, H, T, D)) -> (B, H, T, M)`` (any positive per-row factor is allowed: it cancels).
 FeatureFn = Callable[[Tensor], Tensor]
@@ -151,6 +152,7 @@ def causal_segment(phi_q: Tensor, phi_k: Tensor, v1: Tensor, state: Tensor, chun
     ``Σ φ(k) [v, 1]ᵀ`` (to add to the state)."""
     B, H, T, M = phi_q.shape
     E = v1.shape[-1]
+    chunk = min(chunk, T)  # a decode step (T = 1) is one 1x1 chunk, not a padded block
     pad = (-T) % chunk
     if pad:  # zero features: padded keys add nothing, padded queries are dropped below
         phi_q, phi_k, v1 = (F.pad(x, (0, 0, 0, pad)) for x in (phi_q, phi_k, v1))
@@ -210,3 +212,25 @@ def kernel_attention(
         kk = torch.ones(*k_al.shape[:2], hi - lo, dtype=torch.bool, device=k.device) if keep_al is None else keep_al
         keep_al = F.pad(kk.expand(*k_al.shape[:2], -1), (left, right), value=False)
     return state.step_features(q, k_al, v_al, keep_al).to(inp.dtype)
+
+
+class KernelizedBackend(Backend):
+    """Base of ``linear`` and ``performer``: approximate, causal/per-key masks, and a forward
+    through :func:`kernel_attention` with the subclass's :meth:`feature_maps`."""
+
+    exact = False
+    mask_kinds = frozenset({Causal, KeyPadding, Dense})
+
+    @classmethod
+    def extra_reasons(cls, inp: AttentionInputs) -> list[str]:
+        return mask_reasons(inp)
+
+    @classmethod
+    def feature_maps(cls, options, head_dim: int, scale: float, device=None) -> tuple[FeatureFn, KeyFeatureFn, int, int]:
+        """``(queries, keys, chunk, segment)``, also for :class:`~attnkit.recurrent.RecurrentState`."""
+        raise NotImplementedError
+
+    @classmethod
+    def forward(cls, inp: AttentionInputs, options):
+        queries, keys, chunk, segment = cls.feature_maps(options, inp.D, inp.scale, inp.device)
+        return kernel_attention(inp, queries, keys, chunk=chunk, segment=segment)

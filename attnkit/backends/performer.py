@@ -26,9 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..inputs import AttentionInputs
-from ..masks import Causal, Dense, KeyPadding
-from ..registry import Backend, register_backend
+from ..registry import register_backend
 from . import _feature_maps as fm
 from .linear import check_blocking
 
@@ -132,20 +130,13 @@ class PerformerProjection(nn.Module):
 
 
 @register_backend
-class Performer(Backend):
+class Performer(fm.KernelizedBackend):
     name = "performer"
-    exact = False
     summary = "APPROXIMATE Performer FAVOR+ positive orthogonal random features: O(T*M) time, O(1) decode"
-    mask_kinds = frozenset({Causal, KeyPadding, Dense})
     Options = PerformerOptions
 
     @classmethod
-    def extra_reasons(cls, inp: AttentionInputs) -> list[str]:
-        return fm.mask_reasons(inp)
-
-    @classmethod
     def feature_maps(cls, options: PerformerOptions | None, head_dim: int, scale: float, device=None):
-        """``(queries, keys, chunk, segment)`` for :class:`~attnkit.recurrent.RecurrentState`."""
         options = options or PerformerOptions()
         w = options.resolve(head_dim, device)
 
@@ -156,11 +147,6 @@ class Performer(Backend):
             return fm.favor_key_features(x, keep, w, scale, floor)
 
         return queries, keys, options.chunk, options.segment
-
-    @classmethod
-    def forward(cls, inp: AttentionInputs, options: PerformerOptions | None):
-        queries, keys, chunk, segment = cls.feature_maps(options, inp.D, inp.scale, inp.device)
-        return fm.kernel_attention(inp, queries, keys, chunk=chunk, segment=segment)
 
 
 def kernel_estimate(q: Tensor, k: Tensor, projection: Tensor, scale: float = 1.0) -> Tensor:
