@@ -30,6 +30,7 @@ from .masks import (
     Dense,
     Document,
     KeyPadding,
+    Padding,
     Mask,
     Or,
     SlidingWindow,
@@ -37,7 +38,9 @@ from .masks import (
     from_key_padding_mask,
 )
 from .recurrent import RecurrentState
-from .registry import Backend, backends, get_backend, register_backend
+from .registry import Backend, get_backend, list_backends, register_backend
+from .cache import DynamicLayerCache, KVCache, SlidingWindowLayerCache, StateCache, StaticLayerCache
+from .generation import generate
 
 __version__ = "0.1.0"
 
@@ -53,6 +56,7 @@ __all__ = [
     "Causal",
     "SlidingWindow",
     "KeyPadding",
+    "Padding",
     "Document",
     "Dense",
     "Custom",
@@ -61,9 +65,15 @@ __all__ = [
     "as_mask",
     "from_key_padding_mask",
     "Backend",
-    "backends",
+    "list_backends",
     "get_backend",
     "register_backend",
     "approximation_error",
     "RecurrentState",
+    "KVCache",
+    "DynamicLayerCache",
+    "StaticLayerCache",
+    "SlidingWindowLayerCache",
+    "StateCache",
+    "generate",
 ]
