@@ -229,6 +229,13 @@ def test_lsh_one_bucket_equals_exact_shared_qk_attention(mask, n_hashes):
     torch.testing.assert_close(out, attnkit.attention(q, k, v, mask=mask), rtol=1e-10, atol=1e-10)
 
 
+def test_lsh_limit_is_exact_attention_with_gqa_and_ragged_chunks():
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, Tq=37, Tk=37)  # 37 tokens: the last chunk is padded
+    opts = lsh.LSHOptions(n_hashes=2, n_buckets=1, bucket_size=40, exclude_self=False)
+    torch.testing.assert_close(attnkit.attention(q, k, v, mask=Causal(), backend="lsh", options=opts),
+                               attnkit.attention(q, k, v, mask=Causal(), backend="naive"), rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("mask", [None, Causal()], ids=repr)
 def test_lsh_rounds_combine_to_attention_over_the_union(mask):
     T, R = 31, 4
