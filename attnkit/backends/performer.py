@@ -9,8 +9,9 @@ norms, ``E[φ(q)ᵀφ(k)] = exp(scale · qᵀk)``, so::
 
 Naive twin: ``_feature_maps.quadratic_attention(φ(Q), φ(K), V, keep)``; the kernel estimate
 itself is tested to be unbiased. Numerically stabilized: query features are divided by their row
-max and key features by a per-head max (constants that cancel), so large-norm inputs stay
-finite. Causal attention and O(1) decoding share linear attention's prefix sums and
+max and key features by a per-head running max (constants that cancel; in causal mode the max of
+a segment may include later keys, which only rounding can notice — gradients into the future are
+exactly 0), so large-norm inputs stay finite. Causal attention and O(1) decoding share linear attention's prefix sums and
 :class:`attnkit.recurrent.RecurrentState`.
 
 The projection ``W`` is data: the backend is stateless, a module holds ``W`` (a buffer, see
