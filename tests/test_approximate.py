@@ -97,6 +97,17 @@ def test_per_key_bool_mask_and_fully_masked_rows():
 
 
 @pytest.mark.parametrize("backend", ["linear", "performer"])
+def test_kernelized_causal_gradient_never_reaches_the_future(backend):
+    q, k, v = (x.requires_grad_() for x in qkv(Tq=30, Tk=30))
+    options = LinearOptions(chunk=4, segment=16) if backend == "linear" else PerformerOptions(chunk=4, segment=16)
+    out = attnkit.attention(q, k, v, mask=Causal(), backend=backend, options=options)
+    out[:, :, 9].sum().backward()  # query 9 sits mid-chunk and mid-segment
+    for x in (q, k, v):
+        assert torch.equal(x.grad[:, :, 10:], torch.zeros_like(x.grad[:, :, 10:]))
+    assert k.grad[:, :, :10].abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["linear", "performer"])
 def test_nan_in_padded_keys_does_not_leak(backend):
     q, k, v = qkv()
     k, v = k.clone(), v.clone()
