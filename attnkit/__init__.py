@@ -30,12 +30,15 @@ from .masks import (
     Dense,
     Document,
     KeyPadding,
+    Padding,
     Mask,
     Or,
     SlidingWindow,
     as_mask,
     from_key_padding_mask,
 )
+from .cache import DynamicLayerCache, KVCache, SlidingWindowLayerCache, StateCache, StaticLayerCache
+from .generation import generate
 from .patterns import BlockSparse, GlobalTokens, longformer
 from .recurrent import RecurrentState
 from .registry import Backend, get_backend, list_backends, register_backend
@@ -54,6 +57,7 @@ __all__ = [
     "Causal",
     "SlidingWindow",
     "KeyPadding",
+    "Padding",
     "Document",
     "Dense",
     "Custom",
@@ -70,4 +74,10 @@ __all__ = [
     "register_backend",
     "approximation_error",
     "RecurrentState",
+    "KVCache",
+    "DynamicLayerCache",
+    "StaticLayerCache",
+    "SlidingWindowLayerCache",
+    "StateCache",
+    "generate",
 ]

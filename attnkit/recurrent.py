@@ -45,7 +45,7 @@ class RecurrentState:
     def __init__(
         self,
         queries: Callable[[Tensor], Tensor],
-        keys: Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor | None]],
+        keys: Callable[[Tensor, Tensor | None, Tensor | None], tuple[Tensor, Tensor | None]],
         *,
         chunk: int = 64,
         segment: int = 4096,
@@ -54,10 +54,19 @@ class RecurrentState:
         self.keys = keys
         self.chunk = chunk
         self.segment = max(segment, chunk)
-        self.kv: Tensor | None = None  # (B, H, M, Dv) · exp(-log_scale)
-        self.z: Tensor | None = None  # (B, H, M) · exp(-log_scale)
+        self.state: Tensor | None = None  # (B, H, M, Dv + 1): [S | z] · exp(-log_scale)
         self.log_scale: Tensor | None = None  # (B, H), None for features that need no scale
         self.seq_len = 0
+
+    @property
+    def kv(self) -> Tensor | None:
+        """``S = Σ φ(k) vᵀ`` (B, H, M, Dv), times ``exp(-log_scale)``."""
+        return None if self.state is None else self.state[..., :-1]
+
+    @property
+    def z(self) -> Tensor | None:
+        """``z = Σ φ(k)`` (B, H, M), times ``exp(-log_scale)``."""
+        return None if self.state is None else self.state[..., -1]
 
     @classmethod
     def create(cls, backend: str, head_dim: int, *, options=None, scale: float | None = None) -> RecurrentState:
@@ -80,48 +89,53 @@ class RecurrentState:
         return cls(queries, keys, chunk=chunk, segment=segment)
 
     # -- the recurrence --------------------------------------------------------------------------
-    def _align(self, phi_k: Tensor, log_scale: Tensor | None, v: Tensor) -> Tensor:
-        """Allocate the sums on first use and bring the state and ``phi_k`` to one scale."""
-        B, H, _, M = phi_k.shape
-        if self.kv is None:
-            self.kv = phi_k.new_zeros(B, H, M, v.shape[-1])
-            self.z = phi_k.new_zeros(B, H, M)
-            self.log_scale = None if log_scale is None else torch.full_like(log_scale, float("-inf"))
-        if log_scale is not None:
-            target = torch.maximum(self.log_scale, log_scale)
-            old = torch.exp(self.log_scale - target)  # 0 for an empty state (-inf)
-            self.kv = self.kv * old[..., None, None]
-            self.z = self.z * old[..., None]
-            phi_k = phi_k * torch.exp(log_scale - target)[..., None, None]
-            self.log_scale = target
-        return phi_k
+    def _keys(self, k: Tensor, v: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Key features and ``[v, 1]`` for a segment, with the state brought to a common scale."""
+        from .backends._feature_maps import with_ones
 
-    def _add(self, phi_k: Tensor, v: Tensor) -> None:
-        self.kv = self.kv + torch.matmul(phi_k.transpose(-2, -1), v)
-        self.z = self.z + phi_k.sum(-2)
+        phi_k, log_scale = self.keys(k, keep, self.log_scale)  # log_scale >= the state's
+        B, H, _, M = phi_k.shape
+        if self.state is None:
+            self.state = phi_k.new_zeros(B, H, M, v.shape[-1] + 1)
+        elif log_scale is not None:  # online rescaling, as online softmax does with its running max
+            self.state = self.state * torch.exp(self.log_scale - log_scale)[..., None, None]
+        self.log_scale = log_scale
+        v1 = with_ones(v)
+        if keep is not None:  # masked keys add nothing (also to the normalizer)
+            v1 = v1.masked_fill(~keep[..., None], 0.0)
+        return phi_k, v1
 
     def absorb(self, k: Tensor, v: Tensor, keep: Tensor | None = None) -> None:
         """Add keys ``(B, H, T, D)`` and values ``(B, H, T, Dv)`` (float32/64) without queries;
         ``keep (B|1, H|1, T)`` drops masked keys."""
         for s in range(0, k.shape[2], self.segment):
             part = slice(s, s + self.segment)
-            phi_k, log_scale = self.keys(k[:, :, part], None if keep is None else keep[..., part])
-            self._add(self._align(phi_k, log_scale, v), v[:, :, part])
+            phi_k, v1 = self._keys(k[:, :, part], v[:, :, part], None if keep is None else keep[..., part])
+            self.state = self.state + torch.matmul(phi_k.transpose(-2, -1), v1)
         self.seq_len += k.shape[2]
+
+    def read(self, q: Tensor) -> Tensor:
+        """Attention of queries ``(B, H, T, D)`` over every absorbed key (non-causal read)."""
+        from .backends._feature_maps import normalize
+
+        if self.state is None:
+            raise ValueError("state: empty; absorb keys (or step) before reading it.")
+        outs = [normalize(torch.matmul(self.queries(q[:, :, s : s + self.segment]), self.state))
+                for s in range(0, q.shape[2], self.segment)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def step_features(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None = None) -> Tensor:
         """Causal attention of ``T`` new tokens (query ``i`` sees the state and new keys ``<= i``),
         then absorb the keys. Inputs ``(B, H, T, ·)`` in the accumulation dtype, heads matched."""
-        from .backends._feature_maps import causal_segment
+        from .backends._feature_maps import causal_segment, normalize
 
         outs = []
         for s in range(0, q.shape[2], self.segment):
             part = slice(s, s + self.segment)
-            phi_q = self.queries(q[:, :, part])
-            phi_k, log_scale = self.keys(k[:, :, part], None if keep is None else keep[..., part])
-            phi_k = self._align(phi_k, log_scale, v)
-            outs.append(causal_segment(phi_q, phi_k, v[:, :, part], self.kv, self.z, self.chunk))
-            self._add(phi_k, v[:, :, part])
+            phi_k, v1 = self._keys(k[:, :, part], v[:, :, part], None if keep is None else keep[..., part])
+            out, total = causal_segment(self.queries(q[:, :, part]), phi_k, v1, self.state, self.chunk)
+            self.state = self.state + total
+            outs.append(normalize(out))
         self.seq_len += q.shape[2]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
@@ -141,9 +155,9 @@ class RecurrentState:
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        if self.kv is not None and (self.kv.shape[:2] != q.shape[:2] or self.kv.shape[-1] != v.shape[-1]):
+        if self.state is not None and (self.state.shape[:2] != q.shape[:2] or self.state.shape[-1] != v.shape[-1] + 1):
             raise ValueError(
-                f"q, v: this state holds (B, H, Dv) = {tuple(self.kv.shape[:2]) + (self.kv.shape[-1],)}, "
+                f"q, v: this state holds (B, H, Dv) = {tuple(self.state.shape[:2]) + (self.state.shape[-1] - 1,)}, "
                 f"got q {tuple(q.shape)} and v {tuple(v.shape)}. Fix: use one state per layer and batch."
             )
         acc = torch.promote_types(q.dtype, torch.float32)
@@ -151,5 +165,5 @@ class RecurrentState:
 
     def reset(self) -> None:
         """Forget everything (a new sequence)."""
-        self.kv = self.z = self.log_scale = None
+        self.state = self.log_scale = None
         self.seq_len = 0

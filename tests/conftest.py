@@ -1,8 +1,13 @@
-"""Suite-wide fixtures."""
+"""Suite-wide settings and fixtures."""
 
 import pytest
+import torch
 
 from attnkit import calibration
+
+# Several test processes share 2 CPU cores: one intra-op thread each avoids oversubscription,
+# which makes small matmuls ~50x slower under load.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

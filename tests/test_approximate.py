@@ -97,6 +97,17 @@ def test_per_key_bool_mask_and_fully_masked_rows():
 
 
 @pytest.mark.parametrize("backend", ["linear", "performer"])
+def test_kernelized_causal_gradient_never_reaches_the_future(backend):
+    q, k, v = (x.requires_grad_() for x in qkv(Tq=30, Tk=30))
+    options = LinearOptions(chunk=4, segment=16) if backend == "linear" else PerformerOptions(chunk=4, segment=16)
+    out = attnkit.attention(q, k, v, mask=Causal(), backend=backend, options=options)
+    out[:, :, 9].sum().backward()  # query 9 sits mid-chunk and mid-segment
+    for x in (q, k, v):
+        assert torch.equal(x.grad[:, :, 10:], torch.zeros_like(x.grad[:, :, 10:]))
+    assert k.grad[:, :, :10].abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["linear", "performer"])
 def test_nan_in_padded_keys_does_not_leak(backend):
     q, k, v = qkv()
     k, v = k.clone(), v.clone()
@@ -227,6 +238,13 @@ def test_lsh_one_bucket_equals_exact_shared_qk_attention(mask, n_hashes):
     out = attnkit.attention(q, k, v, mask=mask, backend="lsh",
                             options=lsh.LSHOptions(n_hashes=n_hashes, n_buckets=1, bucket_size=T, exclude_self=False))
     torch.testing.assert_close(out, attnkit.attention(q, k, v, mask=mask), rtol=1e-10, atol=1e-10)
+
+
+def test_lsh_limit_is_exact_attention_with_gqa_and_ragged_chunks():
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, Tq=37, Tk=37)  # 37 tokens: the last chunk is padded
+    opts = lsh.LSHOptions(n_hashes=2, n_buckets=1, bucket_size=40, exclude_self=False)
+    torch.testing.assert_close(attnkit.attention(q, k, v, mask=Causal(), backend="lsh", options=opts),
+                               attnkit.attention(q, k, v, mask=Causal(), backend="naive"), rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("mask", [None, Causal()], ids=repr)

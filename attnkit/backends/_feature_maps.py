@@ -8,10 +8,12 @@ Key features may carry a *log-scale*: the stored sums are ``Σ φ(k) · exp(-log
 Performer's ``exp(·)`` features never overflow. A constant factor over the keys a query sees
 cancels between numerator and denominator, so rescaling is exact (up to rounding).
 
-Causal attention never materializes an ``(n, M, Dv)`` tensor: keys are processed in segments of
-``segment`` tokens carried by a :class:`~attnkit.recurrent.RecurrentState`; inside a segment,
-chunks of ``chunk`` tokens use the quadratic form against themselves and an exclusive prefix sum
-of per-chunk states ``(segment / chunk, M, Dv)`` for the earlier chunks.
+Both directions run through a :class:`~attnkit.recurrent.RecurrentState`, ``segment`` tokens at a
+time (bounding temporaries to ``segment · M`` per head). Non-causal: absorb every key, then read
+the state with every query, O(T · M · Dv). Causal never materializes an ``(n, M, Dv)`` tensor:
+inside a segment, chunks of ``chunk`` tokens use the quadratic form against themselves and an
+exclusive prefix sum of per-chunk states ``(segment / chunk, M, Dv)`` for the earlier chunks.
+Values carry a column of ones (``[v, 1]``) so one matmul yields numerator and normalizer.
 """
 
 from __future__ import annotations
@@ -25,22 +27,24 @@ from torch import Tensor
 
 from ..inputs import AttentionInputs
 from ..masks import And, Causal, Dense, KeyPadding, Mask
+from ..registry import Backend
 
 #: ``queries(q (B, H, T, D)) -> (B, H, T, M)`` (any positive per-row factor is allowed: it cancels).
 FeatureFn = Callable[[Tensor], Tensor]
-#: ``keys(k (B, H, T, D), keep (B|1, H|1, T) | None) -> (features (B, H, T, M), log_scale (B, H) | None)``:
-#: the true features are ``features · exp(log_scale)``; masked keys get features 0 and do not
-#: take part in choosing ``log_scale``.
-KeyFeatureFn = Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor | None]]
+#: ``keys(k (B, H, T, D), keep (B|1, H|1, T) | None, floor (B, H) | None)
+#: -> (features (B, H, T, M), log_scale (B, H) | None)``: the true features are
+#: ``features · exp(log_scale)`` with ``log_scale >= floor``; masked keys get features 0 and do
+#: not take part in choosing ``log_scale``.
+KeyFeatureFn = Callable[[Tensor, Tensor | None, Tensor | None], tuple[Tensor, Tensor | None]]
 
 
 # -- feature maps ---------------------------------------------------------------------------------
 def elu_features(x: Tensor) -> Tensor:
     """φ(x) = elu(x) + 1 (Katharopoulos et al. 2020): positive, so every normalizer is > 0."""
-    return F.elu(x) + 1.0
+    return F.elu(x).add_(1.0)  # in place is safe: elu saves its input for backward, not its output
 
 
-def elu_key_features(x: Tensor, keep: Tensor | None) -> tuple[Tensor, None]:
+def elu_key_features(x: Tensor, keep: Tensor | None, floor: Tensor | None = None) -> tuple[Tensor, None]:
     phi = elu_features(x)
     return (phi if keep is None else phi.masked_fill(~keep[..., None], 0.0)), None
 
@@ -53,21 +57,28 @@ def favor_logits(x: Tensor, projection: Tensor, scale: float) -> Tensor:
 
 
 def favor_query_features(x: Tensor, projection: Tensor, scale: float) -> Tensor:
-    """Positive random features of queries, stabilized by each row's max (a per-query constant,
-    which cancels in the normalization)."""
-    logits = favor_logits(x, projection, scale)
-    return torch.exp(logits - logits.amax(-1, keepdim=True).detach()) / math.sqrt(projection.shape[0])
+    """Positive random features of queries up to a per-row factor (which cancels in the
+    normalization): ``exp(Wx' - max)``; ``-|x'|²/2`` and ``1/√M`` are per-row constants too."""
+    raw = torch.matmul(x, (projection * math.sqrt(scale)).transpose(-2, -1).to(x.dtype))  # (B, H, T, M)
+    # In place is safe: matmul saves its inputs, exp its output (nothing modifies it afterwards).
+    return raw.sub_(raw.detach().amax(-1, keepdim=True)).exp_()
 
 
-def favor_key_features(x: Tensor, keep: Tensor | None, projection: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Positive random features of keys, divided by ``exp(log_scale)`` with ``log_scale (B, H)``
-    the max over the kept keys and features of the call (one constant per head: it cancels)."""
-    logits = favor_logits(x, projection, scale)
+def favor_key_features(
+    x: Tensor, keep: Tensor | None, projection: Tensor, scale: float, floor: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Positive random features of keys divided by ``exp(log_scale)`` (and by the constant ``√M``),
+    ``log_scale (B, H)`` the max over the kept keys and features and ``floor`` (one constant per
+    head: it cancels)."""
+    raw = torch.matmul(x, (projection * math.sqrt(scale)).transpose(-2, -1).to(x.dtype))  # (B, H, T, M)
+    raw = raw.sub_(0.5 * scale * (x * x).sum(-1, keepdim=True))  # logits wᵀx' - |x'|²/2
     if keep is not None:
-        logits = logits.masked_fill(~keep[..., None], float("-inf"))
-    log_scale = logits.detach().amax(dim=(-2, -1))  # (B, H); -inf when every key is masked
+        raw = raw.masked_fill(~keep[..., None], float("-inf"))
+    log_scale = raw.detach().amax(dim=(-2, -1))  # (B, H); -inf when every key is masked
+    if floor is not None:
+        log_scale = torch.maximum(log_scale, floor)
     log_scale = log_scale.masked_fill(torch.isinf(log_scale), 0.0)
-    return torch.exp(logits - log_scale[..., None, None]) / math.sqrt(projection.shape[0]), log_scale
+    return raw.sub_(log_scale[..., None, None]).exp_(), log_scale
 
 
 def safe_divide(num: Tensor, den: Tensor) -> Tensor:
@@ -123,45 +134,41 @@ def key_keep(inp: AttentionInputs, key_masks: list[Mask]) -> Tensor | None:
 
 
 # -- forward --------------------------------------------------------------------------------------
-def _rescale(log_scale: Tensor | None, target: Tensor | None) -> Tensor | float:
-    if log_scale is None or target is None:
-        return 1.0
-    return torch.exp(log_scale - target)[..., None, None]
+def with_ones(v: Tensor) -> Tensor:
+    """``[v, 1]`` (…, Dv + 1): one matmul with it gives numerator and normalizer together."""
+    return torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)
 
 
-def noncausal(phi_q: Tensor, phi_k: Tensor, v: Tensor) -> Tensor:
-    """``φ(Q) (φ(K)ᵀ V) / φ(Q) Σφ(K)`` in O(T · M · Dv); padded keys must have φ = 0."""
-    kv = torch.matmul(phi_k.transpose(-2, -1), v)  # (B, H, M, Dv)
-    z = phi_k.sum(-2)  # (B, H, M)
-    num = torch.matmul(phi_q, kv)
-    return safe_divide(num, (phi_q * z[..., None, :]).sum(-1, keepdim=True))
+def normalize(num_den: Tensor) -> Tensor:
+    """``(…, Dv + 1)`` numerator | normalizer -> ``(…, Dv)`` output."""
+    return safe_divide(num_den[..., :-1], num_den[..., -1:])
 
 
-def causal_segment(phi_q: Tensor, phi_k: Tensor, v: Tensor, kv: Tensor, z: Tensor, chunk: int) -> Tensor:
+def causal_segment(phi_q: Tensor, phi_k: Tensor, v1: Tensor, state: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
     """Causal attention of aligned queries/keys ``(B, H, T, ·)`` (query ``i`` sees keys ``<= i``)
-    on top of earlier keys summarized by ``kv (B, H, M, Dv)`` and ``z (B, H, M)`` (same scale)."""
+    on top of earlier keys summarized by ``state = Σ φ(k) [v, 1]ᵀ (B, H, M, Dv + 1)``.
+
+    ``v1`` is ``[v, 1]``. Returns the unnormalized ``(B, H, T, Dv + 1)`` and this segment's
+    ``Σ φ(k) [v, 1]ᵀ`` (to add to the state)."""
     B, H, T, M = phi_q.shape
-    Dv = v.shape[-1]
+    E = v1.shape[-1]
+    chunk = min(chunk, T)  # a decode step (T = 1) is one 1x1 chunk, not a padded block
     pad = (-T) % chunk
     if pad:  # zero features: padded keys add nothing, padded queries are dropped below
-        phi_q, phi_k, v = (F.pad(x, (0, 0, 0, pad)) for x in (phi_q, phi_k, v))
+        phi_q, phi_k, v1 = (F.pad(x, (0, 0, 0, pad)) for x in (phi_q, phi_k, v1))
     N = (T + pad) // chunk
     qc = phi_q.reshape(B, H, N, chunk, M)
     kc = phi_k.reshape(B, H, N, chunk, M)
-    vc = v.reshape(B, H, N, chunk, Dv)
+    vc = v1.reshape(B, H, N, chunk, E)
     # Earlier chunks: exclusive prefix sum of per-chunk states, plus the carried state.
-    chunk_kv = torch.matmul(kc.transpose(-2, -1), vc)  # (B, H, N, M, Dv)
-    prefix_kv = torch.cumsum(chunk_kv, dim=2) - chunk_kv + kv[:, :, None]
-    chunk_z = kc.sum(-2)  # (B, H, N, M)
-    prefix_z = torch.cumsum(chunk_z, dim=2) - chunk_z + z[:, :, None]
-    num = torch.matmul(qc, prefix_kv)  # (B, H, N, chunk, Dv)
-    den = torch.matmul(qc, prefix_z[..., None])  # (B, H, N, chunk, 1)
+    chunk_kv = torch.matmul(kc.transpose(-2, -1), vc)  # (B, H, N, M, Dv + 1)
+    inclusive = torch.cumsum(chunk_kv, dim=2)
+    out = torch.matmul(qc, inclusive - chunk_kv + state[:, :, None])  # (B, H, N, chunk, Dv + 1)
     # Inside a chunk: the masked quadratic form.
-    a = torch.matmul(qc, kc.transpose(-2, -1)).tril()  # (B, H, N, chunk, chunk)
-    num = num + torch.matmul(a, vc)
-    den = den + a.sum(-1, keepdim=True)
-    out = safe_divide(num, den)
-    return out.reshape(B, H, N * chunk, Dv)[:, :, :T]
+    a = torch.matmul(qc, kc.transpose(-2, -1))  # (B, H, N, chunk, chunk)
+    a = a.masked_fill(torch.ones(chunk, chunk, dtype=torch.bool, device=a.device).triu(1), 0.0)
+    out = out + torch.matmul(a, vc)
+    return out.reshape(B, H, N * chunk, E)[:, :, :T], inclusive[:, :, -1]
 
 
 def kernel_attention(
@@ -185,14 +192,14 @@ def kernel_attention(
     if keep is not None:  # masked keys: zero features and zero values (NaN there cannot leak)
         v = v.masked_fill(~keep[..., None], 0.0)
         k = k.masked_fill(~keep[..., None], 0.0)
-    if not causal:
-        phi_k, _ = keys(k, keep)
-        return noncausal(queries(q), phi_k, v).to(inp.dtype)
+    state = RecurrentState(queries, keys, chunk=chunk, segment=segment)
+    if not causal:  # O(T · M · Dv): sum every key into the state, then read it with each query
+        state.absorb(k, v, keep)
+        return state.read(q).to(inp.dtype)
 
     # Causal with offsets: query i sits at position q_offset + i and sees keys at positions <= it.
     # Keys before the first query form the initial state; the rest are aligned with the queries.
     p = inp.q_offset - inp.kv_offset  # key index aligned with query 0
-    state = RecurrentState(queries, keys, chunk=chunk, segment=segment)
     if p > 0:
         state.absorb(k[:, :, :p], v[:, :, :p], None if keep is None else keep[..., :p])
     lo, hi = max(p, 0), max(min(p + inp.Tq, inp.Tk), max(p, 0))
@@ -205,3 +212,25 @@ def kernel_attention(
         kk = torch.ones(*k_al.shape[:2], hi - lo, dtype=torch.bool, device=k.device) if keep_al is None else keep_al
         keep_al = F.pad(kk.expand(*k_al.shape[:2], -1), (left, right), value=False)
     return state.step_features(q, k_al, v_al, keep_al).to(inp.dtype)
+
+
+class KernelizedBackend(Backend):
+    """Base of ``linear`` and ``performer``: approximate, causal/per-key masks, and a forward
+    through :func:`kernel_attention` with the subclass's :meth:`feature_maps`."""
+
+    exact = False
+    mask_kinds = frozenset({Causal, KeyPadding, Dense})
+
+    @classmethod
+    def extra_reasons(cls, inp: AttentionInputs) -> list[str]:
+        return mask_reasons(inp)
+
+    @classmethod
+    def feature_maps(cls, options, head_dim: int, scale: float, device=None) -> tuple[FeatureFn, KeyFeatureFn, int, int]:
+        """``(queries, keys, chunk, segment)``, also for :class:`~attnkit.recurrent.RecurrentState`."""
+        raise NotImplementedError
+
+    @classmethod
+    def forward(cls, inp: AttentionInputs, options):
+        queries, keys, chunk, segment = cls.feature_maps(options, inp.D, inp.scale, inp.device)
+        return kernel_attention(inp, queries, keys, chunk=chunk, segment=segment)

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..inputs import AttentionInputs
-from ..masks import Causal, Dense, KeyPadding
-from ..registry import Backend, register_backend
+from ..registry import register_backend
 from . import _feature_maps as fm
 
 
@@ -41,24 +39,12 @@ def check_blocking(chunk, segment, owner: str) -> None:
 
 
 @register_backend
-class Linear(Backend):
+class Linear(fm.KernelizedBackend):
     name = "linear"
-    exact = False
     summary = "APPROXIMATE linear attention, phi = elu+1 (Katharopoulos 2020): O(T) time and memory, O(1) decode"
-    mask_kinds = frozenset({Causal, KeyPadding, Dense})
     Options = LinearOptions
 
     @classmethod
-    def extra_reasons(cls, inp: AttentionInputs) -> list[str]:
-        return fm.mask_reasons(inp)
-
-    @classmethod
-    def feature_maps(cls, options: LinearOptions | None, head_dim: int, scale: float):
-        """``(queries, keys, chunk, segment)`` for :class:`~attnkit.recurrent.RecurrentState`."""
+    def feature_maps(cls, options: LinearOptions | None, head_dim: int, scale: float, device=None):
         options = options or LinearOptions()
         return fm.elu_features, fm.elu_key_features, options.chunk, options.segment
-
-    @classmethod
-    def forward(cls, inp: AttentionInputs, options: LinearOptions | None):
-        queries, keys, chunk, segment = cls.feature_maps(options, inp.D, inp.scale)
-        return fm.kernel_attention(inp, queries, keys, chunk=chunk, segment=segment)

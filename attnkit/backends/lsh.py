@@ -155,16 +155,15 @@ def lsh_attention(inp: AttentionInputs, options: LSHOptions) -> Tensor:
         keep &= kj[..., None, :] != qi[..., None]
     scores = torch.matmul(qs, ks.transpose(-2, -1)) * inp.scale  # (B, H, N, C, 2C)
     if R > 1:  # divide each pair by the number of rounds that attend it: softmax over the union
-        count = torch.zeros_like(scores)
+        # Round r attends (i, j) when they share its bucket and j's chunk is i's or the one before:
+        # with code = bucket * (N + 1) + chunk that is code(j) - code(i) in {0, -1}.
+        code = (buckets * (N + 1) + chunk_of).int()  # (B, H, R, T); int32 halves the traffic
+        count = torch.zeros(scores.shape, dtype=torch.uint8, device=q.device)
         for r in range(R):
-            b_r = buckets[:, :, r]  # (B, H, T)
-            c_r = chunk_of[:, :, r]
-            same = b_r.gather(2, qi.flatten(2)).view(B, H, N, C)[..., None] == _look_back(
-                b_r.gather(2, qi.flatten(2)).view(B, H, N, C))[..., None, :]
-            ci = c_r.gather(2, qi.flatten(2)).view(B, H, N, C)[..., None]
-            cj = _look_back(c_r.gather(2, qi.flatten(2)).view(B, H, N, C))[..., None, :]
-            count += (same & ((cj == ci) | (cj == ci - 1))).to(acc)
-        scores = scores - torch.log(count.clamp_min(1.0))
+            ci = code[:, :, r].gather(2, qi.flatten(2)).view(B, H, N, C)
+            d = _look_back(ci)[..., None, :] - ci[..., None]  # (B, H, N, C, 2C)
+            count += d.add_(1).bitwise_and_(-2) == 0  # d + 1 in {0, 1}
+        scores = scores - torch.log(count.clamp_min(1).to(acc))
     scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (B, H, N, C); -inf where nothing is kept
     finite = torch.isfinite(lse)

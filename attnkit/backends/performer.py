@@ -9,8 +9,9 @@ norms, ``E[φ(q)ᵀφ(k)] = exp(scale · qᵀk)``, so::
 
 Naive twin: ``_feature_maps.quadratic_attention(φ(Q), φ(K), V, keep)``; the kernel estimate
 itself is tested to be unbiased. Numerically stabilized: query features are divided by their row
-max and key features by a per-head max (constants that cancel), so large-norm inputs stay
-finite. Causal attention and O(1) decoding share linear attention's prefix sums and
+max and key features by a per-head running max (constants that cancel; in causal mode the max of
+a segment may include later keys, which only rounding can notice — gradients into the future are
+exactly 0), so large-norm inputs stay finite. Causal attention and O(1) decoding share linear attention's prefix sums and
 :class:`attnkit.recurrent.RecurrentState`.
 
 The projection ``W`` is data: the backend is stateless, a module holds ``W`` (a buffer, see
@@ -26,9 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..inputs import AttentionInputs
-from ..masks import Causal, Dense, KeyPadding
-from ..registry import Backend, register_backend
+from ..registry import register_backend
 from . import _feature_maps as fm
 from .linear import check_blocking
 
@@ -132,35 +131,23 @@ class PerformerProjection(nn.Module):
 
 
 @register_backend
-class Performer(Backend):
+class Performer(fm.KernelizedBackend):
     name = "performer"
-    exact = False
     summary = "APPROXIMATE Performer FAVOR+ positive orthogonal random features: O(T*M) time, O(1) decode"
-    mask_kinds = frozenset({Causal, KeyPadding, Dense})
     Options = PerformerOptions
 
     @classmethod
-    def extra_reasons(cls, inp: AttentionInputs) -> list[str]:
-        return fm.mask_reasons(inp)
-
-    @classmethod
     def feature_maps(cls, options: PerformerOptions | None, head_dim: int, scale: float, device=None):
-        """``(queries, keys, chunk, segment)`` for :class:`~attnkit.recurrent.RecurrentState`."""
         options = options or PerformerOptions()
         w = options.resolve(head_dim, device)
 
         def queries(x: Tensor) -> Tensor:
             return fm.favor_query_features(x, w, scale)
 
-        def keys(x: Tensor, keep: Tensor | None):
-            return fm.favor_key_features(x, keep, w, scale)
+        def keys(x: Tensor, keep: Tensor | None, floor: Tensor | None = None):
+            return fm.favor_key_features(x, keep, w, scale, floor)
 
         return queries, keys, options.chunk, options.segment
-
-    @classmethod
-    def forward(cls, inp: AttentionInputs, options: PerformerOptions | None):
-        queries, keys, chunk, segment = cls.feature_maps(options, inp.D, inp.scale, inp.device)
-        return fm.kernel_attention(inp, queries, keys, chunk=chunk, segment=segment)
 
 
 def kernel_estimate(q: Tensor, k: Tensor, projection: Tensor, scale: float = 1.0) -> Tensor:

@@ -10,6 +10,7 @@ import sys
 COMMANDS = {
     "info": "info",
     "demo": "demo",
+    "embed": "embed",
     "bench": "bench",
 }
 
