@@ -15,14 +15,21 @@ def grouped(x: Tensor, Hkv: int) -> Tensor:
     return x.view(x.shape[0], Hkv, -1, *x.shape[2:]).transpose(2, 3)
 
 
-def softmax_lse(scores: Tensor) -> tuple[Tensor, Tensor]:
-    """Softmax over the last dim of masked (``-inf``) scores and its log-sum-exp; rows with nothing
-    kept give weights 0 and LSE ``-inf`` with finite gradients (the max is detached and 0 there)."""
+def softmax_parts(scores: Tensor, inplace: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(e, denom, lse)`` for masked (``-inf``) scores: ``e = exp(scores - rowmax)`` (unnormalized:
+    divide ``e @ v`` by ``safe(denom)`` — one pass over Dv instead of over the keys), the row sums
+    and the log-sum-exp. Rows with nothing kept give ``e = 0``, ``denom = 0``, LSE ``-inf`` and
+    finite gradients (the max is detached and 0 there). ``inplace`` reuses ``scores`` (no autograd)."""
     row_max = scores.amax(dim=-1, keepdim=True).detach()
     row_max = row_max.masked_fill(torch.isinf(row_max), 0.0)
-    e = torch.exp(scores - row_max)
+    e = scores.sub_(row_max).exp_() if inplace else torch.exp(scores - row_max)
     denom = e.sum(dim=-1, keepdim=True)
-    return e / torch.where(denom == 0, 1.0, denom), (torch.log(denom) + row_max).squeeze(-1)
+    return e, denom, (torch.log(denom) + row_max).squeeze(-1)
+
+
+def safe(denom: Tensor) -> Tensor:
+    """``denom`` with zeros (fully masked rows) replaced by 1, so their output stays 0."""
+    return torch.where(denom == 0, 1.0, denom)
 
 
 def kv_finite(inp: AttentionInputs) -> bool:

@@ -17,7 +17,7 @@ from ..inputs import AttentionInputs
 from ..masks import And, Mask
 from ..patterns import BlockSparse
 from ..registry import Backend, register_backend
-from ._common import grouped, kv_finite, mask_on, softmax_lse
+from ._common import grouped, kv_finite, mask_on, safe, softmax_parts
 
 
 def block_sparse_part(mask: Mask | None) -> BlockSparse | None:
@@ -52,7 +52,8 @@ class BlockSparseBackend(Backend):
         layout = pattern.layout.any(0)[r0:r1, c0:c1].to(dev)  # union over heads; mask_mod is per head
         nR, nK = r1 - r0, c1 - c0
         qs, ks = inp.q_offset - r0 * bs, inp.kv_offset - c0 * bs  # leading padding of q and k
-        q = F.pad(inp.q, (0, 0, qs, nR * bs - Tq - qs)).view(B, Hkv, G, nR, bs, D).transpose(2, 3)
+        inplace = not inp.requires_grad
+        q = F.pad(inp.q * inp.scale, (0, 0, qs, nR * bs - Tq - qs)).view(B, Hkv, G, nR, bs, D).transpose(2, 3)
         k = F.pad(inp.k, (0, 0, ks, nK * bs - Tk - ks)).view(B, Hkv, nK, bs, D)
         v = F.pad(inp.v, (0, 0, ks, nK * bs - Tk - ks)).view(B, Hkv, nK, bs, Dv)
         finite = kv_finite(inp)
@@ -77,9 +78,11 @@ class BlockSparseBackend(Backend):
                 kg, vg = kg.masked_fill(dead, 0), vg.masked_fill(dead, 0)
             qg = q[:, :, rows].reshape(B, Hkv, n, G * bs, D)
             s = torch.matmul(qg, kg.transpose(-2, -1)).to(torch.promote_types(inp.dtype, torch.float32))
-            s = (s * inp.scale).view(B, Hkv, n, G, bs, r * bs).masked_fill(~keep, float("-inf"))
-            p, lse = softmax_lse(s)
-            outs.append(torch.matmul(p.to(inp.dtype).view(B, Hkv, n, G * bs, r * bs), vg))
+            s = s.view(B, Hkv, n, G, bs, r * bs)
+            s = s.masked_fill_(~keep, float("-inf")) if inplace else s.masked_fill(~keep, float("-inf"))
+            p, denom, lse = softmax_parts(s, inplace)
+            o = torch.matmul(p.to(inp.dtype).view(B, Hkv, n, G * bs, r * bs), vg)
+            outs.append(o / safe(denom).view(B, Hkv, n, G * bs, 1))
             lses.append(lse)
             rows_done.append(rows)
         acc = torch.promote_types(inp.dtype, torch.float32)
