@@ -35,8 +35,9 @@ def qkv(n: int, dtype=torch.float32, grad: bool = False, seed: int = 0):
 def interleaved(fns: dict, repeats: int) -> dict[str, float]:
     """Median seconds per call of each function, measured in turns."""
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():  # warm up (allocator, first-call overheads)
-        fn()
+    if repeats > 1:
+        for fn in fns.values():  # warm up (allocator, first-call overheads)
+            fn()
     for _ in range(repeats):
         for name, fn in fns.items():
             times[name].append(benchmark.Timer("fn()", globals={"fn": fn}).timeit(1).mean)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -45,3 +47,11 @@ def mask_on(mask, inp: AttentionInputs, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     keep = mask.mask_mod(b, h, q_pos[None, None, :, :, None], k_pos[None, None, :, None, :],
                          q_offset=inp.q_offset, kv_offset=inp.kv_offset)
     return keep.expand(torch.broadcast_shapes(keep.shape, (1, 1, *q_pos.shape, k_pos.shape[-1])))
+
+
+def upcast_on_cpu(inp: AttentionInputs) -> AttentionInputs:
+    """float16/bfloat16 inputs on CPU as float32 (half-precision matmuls without hardware support
+    run ~100x slower there, and float32 products round less); the caller casts the output back."""
+    if inp.device.type != "cpu" or inp.dtype not in (torch.float16, torch.bfloat16):
+        return inp
+    return dataclasses.replace(inp, q=inp.q.float(), k=inp.k.float(), v=inp.v.float())

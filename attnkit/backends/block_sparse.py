@@ -17,7 +17,7 @@ from ..inputs import AttentionInputs
 from ..masks import And, Mask
 from ..patterns import BlockSparse
 from ..registry import Backend, register_backend
-from ._common import grouped, kv_finite, mask_on, safe, softmax_parts
+from ._common import grouped, kv_finite, mask_on, safe, softmax_parts, upcast_on_cpu
 
 
 def block_sparse_part(mask: Mask | None) -> BlockSparse | None:
@@ -41,6 +41,7 @@ class BlockSparseBackend(Backend):
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: None):
+        dtype, inp = inp.dtype, upcast_on_cpu(inp)
         pattern = block_sparse_part(inp.mask)
         bs = pattern.block_size
         B, Hq, Tq, D = inp.q.shape
@@ -49,8 +50,11 @@ class BlockSparseBackend(Backend):
         # Block grid covering the call: query blocks r0..r1-1, key blocks c0..c1-1 (absolute).
         r0, r1 = inp.q_offset // bs, -(-(inp.q_offset + Tq) // bs)
         c0, c1 = inp.kv_offset // bs, -(-(inp.kv_offset + Tk) // bs)
-        layout = pattern.layout.any(0)[r0:r1, c0:c1].to(dev)  # union over heads; mask_mod is per head
         nR, nK = r1 - r0, c1 - c0
+        layout = torch.zeros(nR, nK, dtype=torch.bool)  # union over heads; mask_mod is per head
+        first = max(0, -r0)  # query blocks before position 0 (Tq > Tk) stay empty
+        layout[first:] = pattern.layout.any(0)[r0 + first : r1, c0:c1]
+        layout = layout.to(dev)
         qs, ks = inp.q_offset - r0 * bs, inp.kv_offset - c0 * bs  # leading padding of q and k
         inplace = not inp.requires_grad
         q = F.pad(inp.q * inp.scale, (0, 0, qs, nR * bs - Tq - qs)).view(B, Hkv, G, nR, bs, D).transpose(2, 3)
@@ -82,7 +86,7 @@ class BlockSparseBackend(Backend):
             s = s.masked_fill_(~keep, float("-inf")) if inplace else s.masked_fill(~keep, float("-inf"))
             p, denom, lse = softmax_parts(s, inplace)
             o = torch.matmul(p.to(inp.dtype).view(B, Hkv, n, G * bs, r * bs), vg)
-            outs.append(o / safe(denom).view(B, Hkv, n, G * bs, 1))
+            outs.append((o / safe(denom).view(B, Hkv, n, G * bs, 1)).to(inp.dtype))
             lses.append(lse)
             rows_done.append(rows)
         acc = torch.promote_types(inp.dtype, torch.float32)
@@ -94,4 +98,5 @@ class BlockSparseBackend(Backend):
             lse = lse.index_copy(2, rows, torch.cat(lses, dim=2))
         out = out.view(B, Hkv, nR, G, bs, Dv).transpose(2, 3).reshape(B, Hq, nR * bs, Dv)[:, :, qs : qs + Tq]
         lse = lse.transpose(2, 3).reshape(B, Hq, nR * bs)[:, :, qs : qs + Tq]
+        out = out.to(dtype)
         return (out, lse) if inp.return_lse else out

@@ -21,7 +21,7 @@ from ..inputs import AttentionInputs
 from ..masks import And, Causal, Mask, Or, SlidingWindow
 from ..patterns import GlobalTokens
 from ..registry import Backend, register_backend
-from ._common import grouped, kv_finite, mask_on, safe, softmax_parts
+from ._common import grouped, kv_finite, mask_on, safe, softmax_parts, upcast_on_cpu
 
 NEG_INF = float("-inf")
 
@@ -108,7 +108,7 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
     out = torch.matmul(p[..., :L].reshape(B, Hkv, nC, G * c, L), vw)  # (B, Hkv, nC, G*c, Dv)
     if glob is not None:
         out = out + torch.matmul(p[..., L:].reshape(B, Hkv, nC, G * c, -1), vg[:, :, None])
-    out = out / safe(denom).view(B, Hkv, nC, G * c, 1)
+    out = (out / safe(denom).view(B, Hkv, nC, G * c, 1)).to(inp.dtype)
     out = out.view(B, Hkv, nC, G, c, Dv).transpose(2, 3).reshape(B, Hq, nC * c, Dv)[:, :, :Tq]
     lse = lse.view(B, Hkv, nC, G, c).transpose(2, 3).reshape(B, Hq, nC * c)[:, :, :Tq]
     if glob is not None:
@@ -147,10 +147,11 @@ class SlidingWindowBackend(Backend):
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: SlidingWindowOptions | None):
+        dtype, inp = inp.dtype, upcast_on_cpu(inp)
         left, right, glob = band_of(inp.mask)
         band_mask = inp.mask if glob is None else next(p for p in inp.mask.parts if not isinstance(p, GlobalTokens))
         chunk = (options.chunk if options and options.chunk else None) or max(16, min(128, (left + right + 1) // 4))
         chunk = min(chunk, inp.Tq)
         out, lse = _banded(inp, band_mask, left, right, chunk, glob)
-        out = out.to(inp.dtype)
+        out = out.to(dtype)
         return (out, lse) if inp.return_lse else out
