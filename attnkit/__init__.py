@@ -29,6 +29,7 @@ from .masks import (
     Dense,
     Document,
     KeyPadding,
+    Padding,
     Mask,
     Or,
     SlidingWindow,
@@ -36,7 +37,9 @@ from .masks import (
     from_key_padding_mask,
 )
 from .patterns import BlockSparse, GlobalTokens, longformer
-from .registry import Backend, backends, get_backend, register_backend
+from .registry import Backend, get_backend, list_backends, register_backend
+from .cache import DynamicLayerCache, KVCache, SlidingWindowLayerCache, StateCache, StaticLayerCache
+from .generation import generate
 
 __version__ = "0.1.0"
 
@@ -52,6 +55,7 @@ __all__ = [
     "Causal",
     "SlidingWindow",
     "KeyPadding",
+    "Padding",
     "Document",
     "Dense",
     "Custom",
@@ -63,7 +67,13 @@ __all__ = [
     "as_mask",
     "from_key_padding_mask",
     "Backend",
-    "backends",
+    "list_backends",
     "get_backend",
     "register_backend",
+    "KVCache",
+    "DynamicLayerCache",
+    "StaticLayerCache",
+    "SlidingWindowLayerCache",
+    "StateCache",
+    "generate",
 ]

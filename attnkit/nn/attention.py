@@ -1,0 +1,246 @@
+"""MultiHeadAttention: projections around :func:`attnkit.attention`, configured by a dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor, nn
+
+from ..functional import attention
+from ..cache import LayerCache, StateCache
+from ..masks import Causal, Mask
+from ..registry import get_backend
+from .positional import RotaryEmbedding, alibi_bias, alibi_slopes
+
+__all__ = ["AttentionConfig", "MultiHeadAttention"]
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Configuration of a :class:`MultiHeadAttention` layer.
+
+    ``head_dim`` defaults to ``embed_dim // num_heads`` (which must then divide evenly);
+    ``num_kv_heads`` below ``num_heads`` gives grouped-query (or, at 1, multi-query) attention.
+    ``kv_dim`` is the width of the memory for cross-attention (default ``embed_dim``).
+    ``backend``/``backend_options`` are resolved at call time, so ``use_backend()`` also applies
+    when ``backend == "auto"``."""
+
+    embed_dim: int = field(metadata={"help": "model width"})
+    num_heads: int = field(metadata={"help": "query heads"})
+    num_kv_heads: int | None = field(default=None, metadata={"help": "key/value heads (default: num_heads)"})
+    head_dim: int | None = field(default=None, metadata={"help": "per-head width (default: embed_dim // num_heads)"})
+    dropout: float = field(default=0.0, metadata={"help": "attention-weight dropout while training"})
+    bias: bool = field(default=True, metadata={"help": "biases in the projections"})
+    cross_attention: bool = field(default=False, metadata={"help": "separate query and key/value projections"})
+    kv_dim: int | None = field(default=None, metadata={"help": "memory width for cross-attention"})
+    backend: str = field(default="auto", metadata={"help": "attention backend name or 'auto'"})
+    backend_options: object | None = field(default=None, metadata={"help": "the backend's Options dataclass"})
+    position: str = field(default="none", metadata={"help": "positions inside attention: 'none', 'rope' or 'alibi'"})
+    rope_base: float = field(default=10000.0, metadata={"help": "RoPE frequency base"})
+    rotary_dim: int | None = field(default=None, metadata={"help": "channels rotated by RoPE (default: head_dim)"})
+
+    def __post_init__(self):
+        for name in ("embed_dim", "num_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"AttentionConfig.{name}: expected a positive int, got {value!r}.")
+        kv = self.kv_heads
+        if not isinstance(kv, int) or kv < 1 or self.num_heads % kv:
+            raise ValueError(
+                f"AttentionConfig.num_kv_heads: expected a positive divisor of num_heads={self.num_heads}, got {kv!r}."
+            )
+        if self.head_dim is None and self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"AttentionConfig: embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}. "
+                f"Fix: choose num_heads dividing {self.embed_dim}, or set head_dim explicitly."
+            )
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 1):
+            raise ValueError(f"AttentionConfig.head_dim: expected a positive int or None, got {self.head_dim!r}.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"AttentionConfig.dropout: expected a value in [0, 1), got {self.dropout}.")
+        if self.backend != "auto":
+            get_backend(self.backend)  # ValueError listing the known names
+        if self.position not in ("none", "rope", "alibi"):
+            raise ValueError(
+                f"AttentionConfig.position: expected 'none', 'rope' or 'alibi', got {self.position!r}. "
+                "Fix: absolute (learned/sinusoidal) positions belong to the embeddings, not the attention layer."
+            )
+        if self.position == "rope" and self.cross_attention:
+            raise ValueError(
+                "AttentionConfig.position: RoPE applies to self-attention; use position='none' for cross-attention."
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.embed_dim // self.num_heads if self.head_dim is None else self.head_dim
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head (grouped-query) attention over ``(B, T, embed_dim)`` inputs.
+
+    Self-attention uses one fused QKV projection; cross-attention (``config.cross_attention``)
+    projects queries from ``x`` and keys/values from ``memory``. ``forward`` returns
+    ``(B, Tq, embed_dim)``, or ``(out, weights (B, Hq, Tq, Tk))`` with ``need_weights=True``
+    (computed by the naive backend, the only one that forms the weights)."""
+
+    def __init__(self, config: AttentionConfig):
+        super().__init__()
+        self.config = config
+        hd, Hq, Hkv = config.dim_per_head, config.num_heads, config.kv_heads
+        if config.cross_attention:
+            self.q_proj = nn.Linear(config.embed_dim, Hq * hd, bias=config.bias)
+            self.kv_proj = nn.Linear(config.kv_dim or config.embed_dim, 2 * Hkv * hd, bias=config.bias)
+        else:
+            self.qkv_proj = nn.Linear(config.embed_dim, (Hq + 2 * Hkv) * hd, bias=config.bias)
+        self.out_proj = nn.Linear(Hq * hd, config.embed_dim, bias=config.bias)
+        self.rotary = None
+        if config.position == "rope":
+            self.rotary = RotaryEmbedding(hd, base=config.rope_base, rotary_dim=config.rotary_dim)
+        slopes = alibi_slopes(Hq) if config.position == "alibi" else None
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
+
+    def project(self, x: Tensor, memory: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries ``(B, Hq, Tq, hd)`` and keys/values ``(B, Hkv, Tk, hd)`` for ``x`` (and ``memory``)."""
+        cfg = self.config
+        hd, Hq, Hkv = cfg.dim_per_head, cfg.num_heads, cfg.kv_heads
+        B, Tq, _ = x.shape
+        if cfg.cross_attention:
+            if memory is None:
+                raise ValueError("memory: a cross-attention layer needs memory=(B, Tk, kv_dim); got None.")
+            q = self.q_proj(x).view(B, Tq, Hq, hd).transpose(1, 2)  # (B, Hq, Tq, hd)
+            kv = self.kv_proj(memory).view(B, memory.shape[1], 2 * Hkv, hd).transpose(1, 2)  # (B, 2Hkv, Tk, hd)
+            k, v = kv.split(Hkv, dim=1)
+        else:
+            if memory is not None:
+                raise ValueError("memory: this is a self-attention layer; build it with cross_attention=True.")
+            qkv = self.qkv_proj(x).view(B, Tq, Hq + 2 * Hkv, hd).transpose(1, 2)  # (B, Hq+2Hkv, T, hd)
+            q, k, v = qkv.split([Hq, Hkv, Hkv], dim=1)
+        return q, k, v
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None = None,
+        *,
+        mask: Mask | Tensor | None = None,
+        bias: Tensor | None = None,
+        q_offset: int | None = None,
+        kv_offset: int = 0,
+        need_weights: bool = False,
+        cache: LayerCache | None = None,
+        positions: Tensor | None = None,
+    ):
+        """Attend ``x (B, Tq, embed_dim)`` to itself (or to ``memory (B, Tk, kv_dim)``).
+
+        ``cache``: a layer cache (:mod:`attnkit.cache`). Self-attention reads ``q_offset =
+        cache.seq_len`` before ``cache.update(k, v)`` and attends over everything cached with both
+        offsets, so decoding equals the full forward; cross-attention memoizes the projected memory
+        in ``cache.cross_kv``. ``positions``: absolute positions ``(Tq,)`` or ``(B, Tq)`` used by
+        RoPE (default ``q_offset + arange(Tq)``; left-padded batches pass per-row positions).
+        ALiBi uses the absolute key/query positions of the call."""
+        cfg = self.config
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != cfg.embed_dim:
+            raise ValueError(
+                f"x: expected a tensor (B, T, embed_dim={cfg.embed_dim}), got "
+                f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}."
+            )
+        if cache is not None and not isinstance(cache, LayerCache):
+            raise TypeError(f"cache: expected a layer cache (e.g. kv_cache[i]), got {type(cache).__name__}.")
+        if cfg.cross_attention:
+            if cache is not None and cache.cross_kv is not None:
+                q = self.project_queries(x)
+                k, v = cache.cross_kv
+            else:
+                q, k, v = self.project(x, memory)
+                if cache is not None:
+                    cache.cross_kv = (k, v)
+            return self._finish(q, k, v, mask, bias, q_offset, kv_offset, need_weights)
+        q, k, v = self.project(x, memory)
+        Tq = q.shape[2]
+        if cache is not None:
+            if q_offset is not None:
+                raise ValueError("q_offset: with cache= the cache sets q_offset (= cache.seq_len); pass q_offset=None.")
+            q_offset = cache.seq_len
+        elif q_offset is None:
+            q_offset = kv_offset  # self-attention: Tq == Tk, so the bottom-right default is kv_offset
+        if self.rotary is not None:
+            if positions is None:
+                positions = torch.arange(q_offset, q_offset + Tq, device=x.device)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if isinstance(cache, StateCache):
+            if mask is not None and type(mask) is not Causal:
+                raise ValueError(f"mask: a recurrent StateCache computes causal attention only, got {mask!r}.")
+            out = cache.step(q, k, v)  # (B, Hq, Tq, Dv)
+            return self.out_proj(out.transpose(1, 2).reshape(x.shape[0], Tq, -1))
+        if cache is not None:
+            k, v, kv_offset = cache.update(k, v)
+        return self._finish(q, k, v, mask, bias, q_offset, kv_offset, need_weights)
+
+    def project_queries(self, x: Tensor) -> Tensor:
+        """Queries ``(B, Hq, Tq, hd)`` of a cross-attention layer (the memory's K/V come from a cache)."""
+        cfg = self.config
+        B, Tq, _ = x.shape
+        return self.q_proj(x).view(B, Tq, cfg.num_heads, cfg.dim_per_head).transpose(1, 2)  # (B, Hq, Tq, hd)
+
+    def _finish(self, q, k, v, mask, bias, q_offset, kv_offset, need_weights):
+        if self.alibi_slopes is not None:
+            Tq, Tk = q.shape[2], k.shape[2]
+            q0 = kv_offset + Tk - Tq if q_offset is None else q_offset
+            q_pos = torch.arange(q0, q0 + Tq, device=q.device)
+            k_pos = torch.arange(kv_offset, kv_offset + Tk, device=q.device)
+            alibi = alibi_bias(self.alibi_slopes, q_pos, k_pos).to(q.dtype)  # (1, Hq, Tq, Tk)
+            bias = alibi if bias is None else bias + alibi
+        out, weights = self.attend(q, k, v, mask=mask, bias=bias, q_offset=q_offset, kv_offset=kv_offset,
+                                   need_weights=need_weights)
+        return (out, weights) if need_weights else out
+
+    def attend(self, q, k, v, *, mask=None, bias=None, q_offset=None, kv_offset=0, need_weights=False):
+        """Attention over projected heads and the output projection: ``(B, Tq, embed_dim)`` and the
+        weights (or None). Subclasses and caches call this after adjusting ``k``/``v``."""
+        cfg = self.config
+        dropout_p = cfg.dropout if self.training else 0.0
+        backend, options = cfg.backend, cfg.backend_options
+        weights = None
+        if need_weights:
+            from ..backends.naive import NaiveOptions
+
+            out, weights = attention(q, k, v, mask=mask, bias=bias, dropout_p=dropout_p, q_offset=q_offset,
+                                     kv_offset=kv_offset, backend="naive", options=NaiveOptions(return_weights=True))
+        else:
+            out = attention(q, k, v, mask=mask, bias=bias, dropout_p=dropout_p, q_offset=q_offset,
+                            kv_offset=kv_offset, backend=backend, options=options)
+        B, _, Tq, _ = out.shape
+        out = out.transpose(1, 2).reshape(B, Tq, -1)  # (B, Tq, Hq*hd)
+        return self.out_proj(out), weights
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention, **config_overrides) -> MultiHeadAttention:
+        """Build an equivalent layer from ``torch.nn.MultiheadAttention`` (same outputs).
+
+        Only packed self-attention projections (``kdim == vdim == embed_dim``) without
+        ``add_bias_kv``/``add_zero_attn`` are supported. Note the conventions: attnkit takes
+        ``(B, T, E)`` inputs and masks with True = attend (convert a ``key_padding_mask`` with
+        :func:`attnkit.from_key_padding_mask`, and a boolean ``attn_mask`` with ``~attn_mask``)."""
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"module: expected torch.nn.MultiheadAttention, got {type(module).__name__}.")
+        if not module._qkv_same_embed_dim or module.bias_k is not None or module.add_zero_attn:
+            raise ValueError(
+                "module: only nn.MultiheadAttention with kdim == vdim == embed_dim, add_bias_kv=False and "
+                "add_zero_attn=False can be converted."
+            )
+        config = AttentionConfig(embed_dim=module.embed_dim, num_heads=module.num_heads, dropout=module.dropout,
+                                 bias=module.in_proj_bias is not None)
+        config = replace(config, **config_overrides)
+        layer = cls(config).to(module.in_proj_weight.device, module.in_proj_weight.dtype)
+        with torch.no_grad():
+            layer.qkv_proj.weight.copy_(module.in_proj_weight)  # rows [q; k; v], like ours
+            layer.out_proj.weight.copy_(module.out_proj.weight)
+            if config.bias:
+                layer.qkv_proj.bias.copy_(module.in_proj_bias)
+                layer.out_proj.bias.copy_(module.out_proj.bias)
+        return layer
