@@ -100,3 +100,12 @@ def test_dispatch_sends_structured_masks_to_their_backend():
     assert attnkit.explain(q, q, q).chosen == "sdpa"
     small = torch.randn(1, 2, 64, 8)
     assert attnkit.explain(small, small, small, mask=SlidingWindow(4, 0)).chosen == "sdpa"
+
+
+def test_info_cli_explains_a_longformer_mask(capsys):
+    from attnkit.cli.info import parse_mask
+
+    mask = parse_mask("longformer:64,2")
+    q = torch.randn(1, 2, 1024, 8)
+    explanation = attnkit.explain(q, q, q, mask=mask)
+    assert explanation.chosen == "sliding_window" and "BlockSparse" in str(explanation)
