@@ -102,7 +102,7 @@ def test_dispatch_sends_structured_masks_to_their_backend():
     assert attnkit.explain(small, small, small, mask=SlidingWindow(4, 0)).chosen == "sdpa"
 
 
-def test_info_cli_explains_a_longformer_mask(capsys):
+def test_info_cli_explains_a_longformer_mask():
     from attnkit.cli.info import parse_mask
 
     mask = parse_mask("longformer:64,2")
