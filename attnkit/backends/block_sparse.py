@@ -72,7 +72,10 @@ class BlockSparseBackend(Backend):
             n = rows.numel()
             q_pos = (r0 + rows)[:, None] * bs + offs  # (n, bs) absolute
             k_pos = ((c0 + cols)[:, :, None] * bs + offs).view(n, r * bs)  # (n, r*bs)
-            keep = mask_on(inp.mask, inp, q_pos, k_pos)
+            # Padding positions are clamped into the call (their results are masked or dropped),
+            # so masks indexed by position (Document) are only evaluated inside it.
+            q_in = q_pos.clamp(inp.q_offset, inp.q_offset + Tq - 1)
+            keep = mask_on(inp.mask, inp, q_in, k_pos.clamp(inp.kv_offset, inp.kv_offset + Tk - 1))
             in_call = (k_pos >= inp.kv_offset) & (k_pos < inp.kv_offset + Tk)
             keep = grouped(keep & in_call[:, None, :], Hkv)  # (B|1, Hkv|1, n, G|1, bs, r*bs)
             kg = k[:, :, cols].view(B, Hkv, n, r * bs, D)

@@ -76,7 +76,10 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
     kidx = start0 + c * torch.arange(nC, device=dev)[:, None] + torch.arange(L, device=dev)  # (nC, L)
     qpos = inp.q_offset + torch.arange(nC * c, device=dev).view(nC, c)
     k5 = (inp.kv_offset + kidx).view(1, 1, nC, 1, L)
-    keep = mask_on(band_mask, inp, qpos, inp.kv_offset + kidx)
+    # Padding queries/keys get a clamped position (their result is discarded or masked below), so
+    # masks indexed by position (Document) are only evaluated inside the call.
+    qpos = qpos.clamp(max=inp.q_offset + Tq - 1)
+    keep = mask_on(band_mask, inp, qpos, inp.kv_offset + kidx.clamp(0, Tk - 1))
     keep = keep & ((kidx >= 0) & (kidx < Tk)).view(1, 1, nC, 1, L)
     if glob is not None:  # global keys are scored in their own columns: drop them from the band
         keep = keep & ~torch.isin(k5, glob.to(dev))
