@@ -37,11 +37,11 @@ from .masks import (
     as_mask,
     from_key_padding_mask,
 )
-from .cache import DynamicLayerCache, KVCache, SlidingWindowLayerCache, StateCache, StaticLayerCache
-from .generation import generate
 from .patterns import BlockSparse, GlobalTokens, longformer
 from .recurrent import RecurrentState
 from .registry import Backend, get_backend, list_backends, register_backend
+from .cache import DynamicLayerCache, KVCache, SlidingWindowLayerCache, StateCache, StaticLayerCache
+from .generation import generate
 
 __version__ = "0.1.0"
 

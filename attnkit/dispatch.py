@@ -71,13 +71,13 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
     measured = calibration.preferred(inp)
     if measured is not None:
         return _order(measured, tuple(list_backends()))
-    order = ("sdpa", "tiled")
+    preferred: tuple[str, ...] = ("sdpa", "tiled")
     if mask_needs_materializing(inp):
         if inp.B * inp.Hq * inp.Tq * inp.Tk > MATERIALIZE_LIMIT:
-            order = ("tiled", "sdpa")
+            preferred = ("tiled", "sdpa")
         if inp.Tq * inp.Tk >= SPARSE_MIN_SCORES:
-            order = STRUCTURED + order  # they decline (with a reason) masks they cannot use
-    return _order(order, tuple(list_backends()))
+            preferred = STRUCTURED + preferred  # they decline (with a reason) masks they cannot use
+    return _order(preferred, tuple(list_backends()))
 
 
 @functools.lru_cache(maxsize=64)

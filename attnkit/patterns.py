@@ -58,13 +58,17 @@ class BlockSparse(Mask):
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
         layout = self.layout.to(q_idx.device)
         h = h.clamp(max=layout.shape[0] - 1)
-        return layout[h, q_idx // self.block_size, kv_idx // self.block_size]
+        # Queries before position 0 (Tq > Tk, bottom-right aligned) are in no block: nothing kept.
+        rows = (q_idx // self.block_size).clamp(min=0)
+        return layout[h, rows, kv_idx // self.block_size] & (q_idx >= 0)
 
     def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0):
         bs = self.block_size
         r0, r1 = q_range[0] // bs, (q_range[1] - 1) // bs + 1
         c0, c1 = kv_range[0] // bs, (kv_range[1] - 1) // bs + 1
         area = (r1 - r0) * (c1 - c0)
+        if q_range[0] < 0:  # queries before position 0 keep nothing
+            return BlockStatus.EMPTY if q_range[1] <= 0 or _box(self._any, 0, r1, c0, c1) == 0 else BlockStatus.PARTIAL
         if _box(self._any, r0, r1, c0, c1) == 0:
             return BlockStatus.EMPTY
         return BlockStatus.FULL if _box(self._all, r0, r1, c0, c1) == area else BlockStatus.PARTIAL
@@ -72,7 +76,7 @@ class BlockSparse(Mask):
     def validate(self, B, H, Tq, Tk, q_offset, kv_offset):
         super().validate(B, H, Tq, Tk, q_offset, kv_offset)
         nQB, nKB = self.layout.shape[1:]
-        if min(q_offset, kv_offset) < 0 or q_offset + Tq > nQB * self.block_size or kv_offset + Tk > nKB * self.block_size:
+        if kv_offset < 0 or q_offset + Tq > nQB * self.block_size or kv_offset + Tk > nKB * self.block_size:
             raise ValueError(
                 f"BlockSparse layout {tuple(self.layout.shape)} with block_size {self.block_size} covers query "
                 f"positions 0..{nQB * self.block_size - 1} and keys 0..{nKB * self.block_size - 1}, but the call uses "

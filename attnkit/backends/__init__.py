@@ -1,4 +1,5 @@
 """Built-in backends; importing this package registers them (in this order)."""
 
-from . import block_sparse, naive, sdpa, sliding_window, tiled  # noqa: F401
+from . import naive, sdpa  # noqa: F401
 from . import linear, lsh, performer  # noqa: F401  (approximate: used only when named)
+from . import block_sparse, sliding_window, tiled  # noqa: F401  (exact at scale)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -15,14 +17,21 @@ def grouped(x: Tensor, Hkv: int) -> Tensor:
     return x.view(x.shape[0], Hkv, -1, *x.shape[2:]).transpose(2, 3)
 
 
-def softmax_lse(scores: Tensor) -> tuple[Tensor, Tensor]:
-    """Softmax over the last dim of masked (``-inf``) scores and its log-sum-exp; rows with nothing
-    kept give weights 0 and LSE ``-inf`` with finite gradients (the max is detached and 0 there)."""
+def softmax_parts(scores: Tensor, inplace: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(e, denom, lse)`` for masked (``-inf``) scores: ``e = exp(scores - rowmax)`` (unnormalized:
+    divide ``e @ v`` by ``safe(denom)`` — one pass over Dv instead of over the keys), the row sums
+    and the log-sum-exp. Rows with nothing kept give ``e = 0``, ``denom = 0``, LSE ``-inf`` and
+    finite gradients (the max is detached and 0 there). ``inplace`` reuses ``scores`` (no autograd)."""
     row_max = scores.amax(dim=-1, keepdim=True).detach()
     row_max = row_max.masked_fill(torch.isinf(row_max), 0.0)
-    e = torch.exp(scores - row_max)
+    e = scores.sub_(row_max).exp_() if inplace else torch.exp(scores - row_max)
     denom = e.sum(dim=-1, keepdim=True)
-    return e / torch.where(denom == 0, 1.0, denom), (torch.log(denom) + row_max).squeeze(-1)
+    return e, denom, (torch.log(denom) + row_max).squeeze(-1)
+
+
+def safe(denom: Tensor) -> Tensor:
+    """``denom`` with zeros (fully masked rows) replaced by 1, so their output stays 0."""
+    return torch.where(denom == 0, 1.0, denom)
 
 
 def kv_finite(inp: AttentionInputs) -> bool:
@@ -38,3 +47,11 @@ def mask_on(mask, inp: AttentionInputs, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     keep = mask.mask_mod(b, h, q_pos[None, None, :, :, None], k_pos[None, None, :, None, :],
                          q_offset=inp.q_offset, kv_offset=inp.kv_offset)
     return keep.expand(torch.broadcast_shapes(keep.shape, (1, 1, *q_pos.shape, k_pos.shape[-1])))
+
+
+def upcast_on_cpu(inp: AttentionInputs) -> AttentionInputs:
+    """float16/bfloat16 inputs on CPU as float32 (half-precision matmuls without hardware support
+    run ~100x slower there, and float32 products round less); the caller casts the output back."""
+    if inp.device.type != "cpu" or inp.dtype not in (torch.float16, torch.bfloat16):
+        return inp
+    return dataclasses.replace(inp, q=inp.q.float(), k=inp.k.float(), v=inp.v.float())

@@ -17,7 +17,7 @@ from ..inputs import AttentionInputs
 from ..masks import And, Mask
 from ..patterns import BlockSparse
 from ..registry import Backend, register_backend
-from ._common import grouped, kv_finite, mask_on, softmax_lse
+from ._common import grouped, kv_finite, mask_on, safe, softmax_parts, upcast_on_cpu
 
 
 def block_sparse_part(mask: Mask | None) -> BlockSparse | None:
@@ -41,6 +41,7 @@ class BlockSparseBackend(Backend):
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: None):
+        dtype, inp = inp.dtype, upcast_on_cpu(inp)
         pattern = block_sparse_part(inp.mask)
         bs = pattern.block_size
         B, Hq, Tq, D = inp.q.shape
@@ -49,10 +50,14 @@ class BlockSparseBackend(Backend):
         # Block grid covering the call: query blocks r0..r1-1, key blocks c0..c1-1 (absolute).
         r0, r1 = inp.q_offset // bs, -(-(inp.q_offset + Tq) // bs)
         c0, c1 = inp.kv_offset // bs, -(-(inp.kv_offset + Tk) // bs)
-        layout = pattern.layout.any(0)[r0:r1, c0:c1].to(dev)  # union over heads; mask_mod is per head
         nR, nK = r1 - r0, c1 - c0
+        layout = torch.zeros(nR, nK, dtype=torch.bool)  # union over heads; mask_mod is per head
+        first = max(0, -r0)  # query blocks before position 0 (Tq > Tk) stay empty
+        layout[first:] = pattern.layout.any(0)[r0 + first : r1, c0:c1]
+        layout = layout.to(dev)
         qs, ks = inp.q_offset - r0 * bs, inp.kv_offset - c0 * bs  # leading padding of q and k
-        q = F.pad(inp.q, (0, 0, qs, nR * bs - Tq - qs)).view(B, Hkv, G, nR, bs, D).transpose(2, 3)
+        inplace = not inp.requires_grad
+        q = F.pad(inp.q * inp.scale, (0, 0, qs, nR * bs - Tq - qs)).view(B, Hkv, G, nR, bs, D).transpose(2, 3)
         k = F.pad(inp.k, (0, 0, ks, nK * bs - Tk - ks)).view(B, Hkv, nK, bs, D)
         v = F.pad(inp.v, (0, 0, ks, nK * bs - Tk - ks)).view(B, Hkv, nK, bs, Dv)
         finite = kv_finite(inp)
@@ -67,7 +72,10 @@ class BlockSparseBackend(Backend):
             n = rows.numel()
             q_pos = (r0 + rows)[:, None] * bs + offs  # (n, bs) absolute
             k_pos = ((c0 + cols)[:, :, None] * bs + offs).view(n, r * bs)  # (n, r*bs)
-            keep = mask_on(inp.mask, inp, q_pos, k_pos)
+            # Padding positions are clamped into the call (their results are masked or dropped),
+            # so masks indexed by position (Document) are only evaluated inside it.
+            q_in = q_pos.clamp(inp.q_offset, inp.q_offset + Tq - 1)
+            keep = mask_on(inp.mask, inp, q_in, k_pos.clamp(inp.kv_offset, inp.kv_offset + Tk - 1))
             in_call = (k_pos >= inp.kv_offset) & (k_pos < inp.kv_offset + Tk)
             keep = grouped(keep & in_call[:, None, :], Hkv)  # (B|1, Hkv|1, n, G|1, bs, r*bs)
             kg = k[:, :, cols].view(B, Hkv, n, r * bs, D)
@@ -77,9 +85,11 @@ class BlockSparseBackend(Backend):
                 kg, vg = kg.masked_fill(dead, 0), vg.masked_fill(dead, 0)
             qg = q[:, :, rows].reshape(B, Hkv, n, G * bs, D)
             s = torch.matmul(qg, kg.transpose(-2, -1)).to(torch.promote_types(inp.dtype, torch.float32))
-            s = (s * inp.scale).view(B, Hkv, n, G, bs, r * bs).masked_fill(~keep, float("-inf"))
-            p, lse = softmax_lse(s)
-            outs.append(torch.matmul(p.to(inp.dtype).view(B, Hkv, n, G * bs, r * bs), vg))
+            s = s.view(B, Hkv, n, G, bs, r * bs)
+            s = s.masked_fill_(~keep, float("-inf")) if inplace else s.masked_fill(~keep, float("-inf"))
+            p, denom, lse = softmax_parts(s, inplace)
+            o = torch.matmul(p.to(inp.dtype).view(B, Hkv, n, G * bs, r * bs), vg)
+            outs.append((o / safe(denom).view(B, Hkv, n, G * bs, 1)).to(inp.dtype))
             lses.append(lse)
             rows_done.append(rows)
         acc = torch.promote_types(inp.dtype, torch.float32)
@@ -91,4 +101,5 @@ class BlockSparseBackend(Backend):
             lse = lse.index_copy(2, rows, torch.cat(lses, dim=2))
         out = out.view(B, Hkv, nR, G, bs, Dv).transpose(2, 3).reshape(B, Hq, nR * bs, Dv)[:, :, qs : qs + Tq]
         lse = lse.transpose(2, 3).reshape(B, Hq, nR * bs)[:, :, qs : qs + Tq]
+        out = out.to(dtype)
         return (out, lse) if inp.return_lse else out

@@ -21,14 +21,14 @@ from ..inputs import AttentionInputs
 from ..masks import And, Causal, Mask, Or, SlidingWindow
 from ..patterns import GlobalTokens
 from ..registry import Backend, register_backend
-from ._common import grouped, kv_finite, mask_on, softmax_lse
+from ._common import grouped, kv_finite, mask_on, safe, softmax_parts, upcast_on_cpu
 
 NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True)
 class SlidingWindowOptions:
-    """``chunk``: queries per band chunk (None: about half the window, 16..256). Each chunk
+    """``chunk``: queries per band chunk (None: a quarter of the window, 16..128). Each chunk
     computes ``chunk + left + right`` scores per query, so smaller chunks waste less work but
     make smaller matmuls."""
 
@@ -76,7 +76,10 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
     kidx = start0 + c * torch.arange(nC, device=dev)[:, None] + torch.arange(L, device=dev)  # (nC, L)
     qpos = inp.q_offset + torch.arange(nC * c, device=dev).view(nC, c)
     k5 = (inp.kv_offset + kidx).view(1, 1, nC, 1, L)
-    keep = mask_on(band_mask, inp, qpos, inp.kv_offset + kidx)
+    # Padding queries/keys get a clamped position (their result is discarded or masked below), so
+    # masks indexed by position (Document) are only evaluated inside the call.
+    qpos = qpos.clamp(max=inp.q_offset + Tq - 1)
+    keep = mask_on(band_mask, inp, qpos, inp.kv_offset + kidx.clamp(0, Tk - 1))
     keep = keep & ((kidx >= 0) & (kidx < Tk)).view(1, 1, nC, 1, L)
     if glob is not None:  # global keys are scored in their own columns: drop them from the band
         keep = keep & ~torch.isin(k5, glob.to(dev))
@@ -91,22 +94,24 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
         dead = ~keep.any(dim=4).any(dim=3)[..., None]  # (B|1, Hkv|1, nC, L, 1)
         kw, vw = kw.masked_fill(dead, 0), vw.masked_fill(dead, 0)
     qp = F.pad(inp.q, (0, 0, 0, nC * c - Tq)).view(B, Hkv, G, nC, c, D).transpose(2, 3)  # (B, Hkv, nC, G, c, D)
-    qg = qp.reshape(B, Hkv, nC, G * c, D)
-    s = torch.matmul(qg, kw.transpose(-2, -1)).to(acc).mul(inp.scale).view(B, Hkv, nC, G, c, L)
-    s = s.masked_fill(~keep, NEG_INF)
+    qg = qp.reshape(B, Hkv, nC, G * c, D) * inp.scale  # scale q: O(n*D) instead of O(n*L)
+    inplace = not inp.requires_grad
+    s = torch.matmul(qg, kw.transpose(-2, -1)).to(acc).view(B, Hkv, nC, G, c, L)
+    s = s.masked_fill_(~keep, NEG_INF) if inplace else s.masked_fill(~keep, NEG_INF)
     parts = [s]
     if glob is not None:
         gi = glob.to(dev) - inp.kv_offset
         gi = gi[(gi >= 0) & (gi < Tk)]
         kg, vg = inp.k[:, :, gi], inp.v[:, :, gi]  # (B, Hkv, g, D)
-        sg = torch.matmul(qg, kg[:, :, None].transpose(-2, -1)).to(acc).mul(inp.scale)
+        sg = torch.matmul(qg, kg[:, :, None].transpose(-2, -1)).to(acc)
         parts.append(sg.view(B, Hkv, nC, G, c, -1))
     scores = torch.cat(parts, dim=-1) if len(parts) > 1 else s
-    p, lse = softmax_lse(scores)
+    p, denom, lse = softmax_parts(scores, inplace)
     p = p.to(inp.dtype)
     out = torch.matmul(p[..., :L].reshape(B, Hkv, nC, G * c, L), vw)  # (B, Hkv, nC, G*c, Dv)
     if glob is not None:
         out = out + torch.matmul(p[..., L:].reshape(B, Hkv, nC, G * c, -1), vg[:, :, None])
+    out = (out / safe(denom).view(B, Hkv, nC, G * c, 1)).to(inp.dtype)
     out = out.view(B, Hkv, nC, G, c, Dv).transpose(2, 3).reshape(B, Hq, nC * c, Dv)[:, :, :Tq]
     lse = lse.view(B, Hkv, nC, G, c).transpose(2, 3).reshape(B, Hq, nC * c)[:, :, :Tq]
     if glob is not None:
@@ -145,10 +150,11 @@ class SlidingWindowBackend(Backend):
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: SlidingWindowOptions | None):
+        dtype, inp = inp.dtype, upcast_on_cpu(inp)
         left, right, glob = band_of(inp.mask)
         band_mask = inp.mask if glob is None else next(p for p in inp.mask.parts if not isinstance(p, GlobalTokens))
-        chunk = (options.chunk if options and options.chunk else None) or max(16, min(256, (left + right + 1) // 2))
+        chunk = (options.chunk if options and options.chunk else None) or max(16, min(128, (left + right + 1) // 4))
         chunk = min(chunk, inp.Tq)
         out, lse = _banded(inp, band_mask, left, right, chunk, glob)
-        out = out.to(inp.dtype)
+        out = out.to(dtype)
         return (out, lse) if inp.return_lse else out

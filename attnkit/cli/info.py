@@ -15,9 +15,13 @@ import torch
 from .. import calibration
 from ..dispatch import explain
 from ..masks import Causal, KeyPadding, Mask, SlidingWindow
+from ..patterns import longformer
 from ..registry import list_backends
 
-MASK_HELP = "none | causal | window:LEFT[,RIGHT] | padding:LEN (keys at positions >= LEN are padding)"
+MASK_HELP = (
+    "none | causal | window:LEFT[,RIGHT] | padding:LEN (keys at positions >= LEN are padding) | "
+    "longformer:WINDOW[,GLOBALS] (two-sided window + the first GLOBALS tokens global)"
+)
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int]:
@@ -43,6 +47,9 @@ def parse_mask(text: str) -> Mask | None:
             return SlidingWindow(int(left), int(right or 0))
         if kind == "padding":
             return KeyPadding([int(arg)])
+        if kind == "longformer":
+            window, _, globals_ = arg.partition(",")
+            return longformer(int(window), list(range(int(globals_ or 1))))
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(f"--mask: expected {MASK_HELP}, got {text!r}")

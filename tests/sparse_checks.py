@@ -1,0 +1,50 @@
+"""Shared check for the tiled / sliding_window / block_sparse tests: outputs, LSE and gradients
+against the float64 oracle under flash-attn's rule (naive in the same dtype sets the tolerance)."""
+
+from __future__ import annotations
+
+import torch
+
+import attnkit
+from tests.reference import flash_rule_ok, max_error, reference_attention
+
+
+def make_qkv(B, Hq, Hkv, Tq, Tk, D, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Tq, D, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(B, Hkv, Tk, D, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(B, Hkv, Tk, D, generator=g).to(dtype).requires_grad_()
+    return q, k, v
+
+
+def check_against_reference(backend, q, k, v, *, mask=None, bias=None, options=None, q_offset=None, grads=True):
+    """Assert the flash-attn rule for out (2x), LSE and grads (3x); returns the outputs."""
+    dtype = q.dtype
+    out, lse = attnkit.attention(q, k, v, mask=mask, bias=bias, backend=backend, options=options,
+                                 q_offset=q_offset, return_lse=True)
+    n_out, n_lse = attnkit.attention(q, k, v, mask=mask, bias=bias, backend="naive", q_offset=q_offset, return_lse=True)
+    r_out, r_lse = reference_attention(q, k, v, mask=mask, bias=bias, q_offset=q_offset)
+    assert out.shape == r_out.shape and out.dtype == dtype
+    out_d, lse_d, n_out, n_lse, r_out_d, r_lse_d = (x.detach() for x in (out, lse, n_out, n_lse, r_out, r_lse))
+    assert flash_rule_ok(max_error(out_d, r_out_d), max_error(n_out, r_out_d), factor=2, dtype=dtype), (
+        max_error(out_d, r_out_d), max_error(n_out, r_out_d))
+    assert torch.equal(torch.isinf(lse), torch.isinf(r_lse)), "fully masked rows must have LSE -inf"
+    fin = ~torch.isinf(r_lse)
+    assert flash_rule_ok(max_error(lse_d[fin], r_lse_d[fin]), max_error(n_lse[fin], r_lse_d[fin]), factor=2, dtype=torch.float32)
+    if not grads:
+        return out, lse
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    inputs = [x for x in (q, k, v, bias) if x is not None and x.requires_grad]
+
+    def grads_of(o, l):
+        loss = (o.double() * w).sum() + 0.5 * l.double().masked_fill(~fin, 0).sum()
+        return torch.autograd.grad(loss, inputs)
+
+    n_out, n_lse = attnkit.attention(q, k, v, mask=mask, bias=bias, backend="naive", q_offset=q_offset, return_lse=True)
+    got, naive, ref = grads_of(out, lse), grads_of(n_out, n_lse), grads_of(r_out, r_lse)
+    for a, n, r in zip(got, naive, ref):
+        a, n, r = a.detach(), n.detach(), r.detach()
+        assert torch.isfinite(a).all()
+        assert flash_rule_ok(max_error(a, r), max_error(n, r), factor=3, dtype=dtype), (max_error(a, r), max_error(n, r))
+    return out, lse
