@@ -92,6 +92,25 @@ def _error(out, exact: bool, q, k, v, mask, rows: int) -> tuple[float, str]:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-300)), "relative"
 
 
+def _call(q, k, v, mask, backend: str, grad_out) -> Callable[[], object]:
+    """One timed call: the forward under no_grad, or (``grad_out`` given) forward + backward to
+    q, k, v; both return the forward output."""
+    if grad_out is not None:
+
+        def train():
+            out = attention(q, k, v, mask=mask, backend=backend)
+            torch.autograd.grad(out, (q, k, v), grad_out)
+            return out.detach()
+
+        return train
+
+    def forward():
+        with torch.no_grad():
+            return attention(q, k, v, mask=mask, backend=backend)
+
+    return forward
+
+
 def _skip(case: Case, reason: str, group: str | None = None, **extra) -> dict:
     """A skipped case; ``group`` is the short reason the terminal summary groups by (default: reason)."""
     return {**asdict(case), "status": "skipped", "reason": reason, "group": group or reason, **extra}
@@ -164,20 +183,7 @@ def _run_case(case, config, registry, dtype, peak, memory, measured) -> dict:
     if guess is not None and guess > config.time_budget_s:
         return _skip(case, f"predicted {guess:.2g} s per call > budget {config.time_budget_s:g} s "
                      "(extrapolated from the shorter lengths)", "predicted time over budget", predicted_s=guess)
-    backend = case.backend
-    if grad:
-        g = torch.randn_like(q)
-
-        def fn():
-            out = attention(q, k, v, mask=mask, backend=backend)
-            torch.autograd.grad(out, (q, k, v), g)
-            return out.detach()
-    else:
-
-        def fn():
-            with torch.no_grad():
-                return attention(q, k, v, mask=mask, backend=backend)
-
+    fn = _call(q, k, v, mask, case.backend, torch.randn_like(q) if grad else None)
     try:
         # The warm-up call is the one whose peak memory we measure (it includes any one-time
         # allocations) and whose output we check, so neither costs an extra call.
@@ -254,19 +260,8 @@ def verify_auto(results: dict, config: BenchConfig, rounds: int = 3) -> list[dic
         q, k, v = _inputs(config, n, getattr(torch, dtype_name), grad, config.seed + n)
         chosen = select(AttentionInputs.create(q, k, v, mask=mask)).name
         g = torch.randn_like(q) if grad else None
-
-        def make(backend):
-            if grad:
-                return lambda: torch.autograd.grad(attention(q, k, v, mask=mask, backend=backend), (q, k, v), g)
-
-            def fwd():
-                with torch.no_grad():
-                    return attention(q, k, v, mask=mask, backend=backend)
-
-            return fwd
-
-        fa, fb = make("auto"), make(row["backend"])
-        fa()
+        fa, fb = _call(q, k, v, mask, "auto", g), _call(q, k, v, mask, row["backend"], g)
+        fa(), fb()  # warm both
         ratios = []
         for _ in range(rounds):
             ta = _time(fa, config.min_run_time).median
