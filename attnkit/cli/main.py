@@ -9,6 +9,8 @@ import importlib
 COMMANDS = {
     "info": "info",
     "demo": "demo",
+    "train": "train",
+    "generate": "generate",
 }
 
 
