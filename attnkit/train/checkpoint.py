@@ -111,6 +111,10 @@ def save_checkpoint(out_dir: str, step: int, model: nn.Module, meta: dict,
     st = _require_safetensors()
     os.makedirs(out_dir, exist_ok=True)
     name = f"step-{step:06d}"
+    revision = 0
+    while os.path.exists(os.path.join(out_dir, name)):  # re-saving a step never touches the saved one
+        revision += 1
+        name = f"step-{step:06d}-r{revision}"
     final = os.path.join(out_dir, name)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=out_dir)
     try:
@@ -127,8 +131,6 @@ def save_checkpoint(out_dir: str, step: int, model: nn.Module, meta: dict,
         for fname in os.listdir(tmp):
             with open(os.path.join(tmp, fname), "rb") as f:
                 os.fsync(f.fileno())
-        if os.path.exists(final):  # re-saving the same step: move the old one out of the way first
-            shutil.rmtree(final)
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
