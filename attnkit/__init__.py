@@ -29,13 +29,14 @@ from .masks import (
     Dense,
     Document,
     KeyPadding,
+    Padding,
     Mask,
     Or,
     SlidingWindow,
     as_mask,
     from_key_padding_mask,
 )
-from .registry import Backend, backends, get_backend, register_backend
+from .registry import Backend, get_backend, list_backends, register_backend
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,7 @@ __all__ = [
     "Causal",
     "SlidingWindow",
     "KeyPadding",
+    "Padding",
     "Document",
     "Dense",
     "Custom",
@@ -59,7 +61,7 @@ __all__ = [
     "as_mask",
     "from_key_padding_mask",
     "Backend",
-    "backends",
+    "list_backends",
     "get_backend",
     "register_backend",
 ]

@@ -12,13 +12,14 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 
 from .inputs import AttentionInputs
 from .masks import Causal
-from .registry import Backend, backends, get_backend
+from .registry import Backend, get_backend, list_backends
 
 __all__ = ["NoBackendError", "select", "explain", "use_backend", "priority", "Explanation"]
 
@@ -46,7 +47,7 @@ def mask_needs_materializing(inp: AttentionInputs) -> bool:
     return True
 
 
-def priority(inp: AttentionInputs) -> list[str]:
+def priority(inp: AttentionInputs) -> tuple[str, ...]:
     """The order in which ``auto`` tries backends for this input (the whole policy).
 
     1. SDPA first: PyTorch's fused kernels are the fastest exact path for dense and causal masks.
@@ -55,13 +56,17 @@ def priority(inp: AttentionInputs) -> list[str]:
     3. ``naive`` last: it runs everything (LSE, bias, dropout), but in O(Tq * Tk) memory.
     Backends registered later and not named here are tried before ``naive``.
     """
-    order = ["sdpa", "tiled"]
-    if mask_needs_materializing(inp) and inp.B * inp.Hq * inp.Tq * inp.Tk > MATERIALIZE_LIMIT:
-        order = ["tiled", "sdpa"]
-    known = backends()
-    order += [name for name in known if name not in order and name != "naive"]
-    order.append("naive")
-    return [name for name in order if name in known]
+    big = mask_needs_materializing(inp) and inp.B * inp.Hq * inp.Tq * inp.Tk > MATERIALIZE_LIMIT
+    return _order(("tiled", "sdpa") if big else ("sdpa", "tiled"), tuple(list_backends()))
+
+
+@functools.lru_cache(maxsize=64)
+def _order(preferred: tuple[str, ...], registered: tuple[str, ...]) -> tuple[str, ...]:
+    """``preferred`` first, then the other registered backends, ``naive`` last (cached: the
+    registry rarely changes, and attention() is called per layer per token)."""
+    order = [name for name in preferred if name in registered]
+    order += [name for name in registered if name not in order and name != "naive"]
+    return tuple(order + ["naive"] * ("naive" in registered))
 
 
 def _candidates(backend: str) -> tuple[list[str], bool]:
@@ -78,15 +83,15 @@ def _candidates(backend: str) -> tuple[list[str], bool]:
 def select(inp: AttentionInputs, backend: str = "auto") -> type[Backend]:
     """The backend that will run ``inp``; ``NoBackendError`` with every reason if none can."""
     names, named = _candidates(backend)
-    known = backends()
+    known = list_backends()
     if named:
         for name in names:
-            if not known[name].not_supported_reasons(inp):
+            if known[name].can_run(inp):
                 return known[name]
     else:
         for name in priority(inp):
             impl = known[name]
-            if impl.exact and not impl.not_supported_reasons(inp):
+            if impl.exact and impl.can_run(inp):
                 return impl
     raise NoBackendError(_no_backend_message(inp, names if named else list(known)))
 
@@ -100,7 +105,7 @@ def _describe(inp: AttentionInputs) -> str:
 
 
 def _no_backend_message(inp: AttentionInputs, names: Sequence[str]) -> str:
-    known = backends()
+    known = list_backends()
     lines = [f"no attention backend can run this input ({_describe(inp)}):"]
     for name in names:
         reasons = known[name].not_supported_reasons(inp)
@@ -139,9 +144,9 @@ def explain(q, k, v, *, backend: str = "auto", **kwargs) -> Explanation:
 
     Takes the same keyword arguments as :func:`attnkit.attention`; runs nothing."""
     inp = AttentionInputs.create(q, k, v, **kwargs)
-    known = backends()
+    known = list_backends()
     names, named = _candidates(backend)
-    order = names if named else priority(inp)
+    order = list(names if named else priority(inp))
     reasons = {}
     for name in known:
         why = list(known[name].not_supported_reasons(inp))

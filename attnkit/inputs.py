@@ -95,7 +95,8 @@ class AttentionInputs:
                 "Fix: broadcast with .expand() before the call."
             )
         if Dk != D:
-            raise ValueError(f"head dim: q has D={D} but k has D={Dk}; q and k must share the head dim.")
+            raise ValueError(f"head dim: q has D={D} but k has D={Dk}; expected q and k to share the head dim. "
+                "Fix: project q and k to the same width (v may differ).")
         if v.shape[1] != Hkv or v.shape[2] != Tk:
             raise ValueError(
                 f"v: expected shape (B, Hkv, Tk, Dv) with Hkv={Hkv}, Tk={Tk} like k, got {tuple(v.shape)}."

@@ -41,6 +41,7 @@ __all__ = [
     "Causal",
     "SlidingWindow",
     "KeyPadding",
+    "Padding",
     "Document",
     "Dense",
     "Custom",
@@ -262,7 +263,7 @@ class KeyPadding(Mask):
                 f"got shape {tuple(lengths.shape)}."
             )
         if bool((lengths < 0).any()):
-            raise ValueError(f"KeyPadding(lengths): lengths must be >= 0, got {lengths.tolist()}.")
+            raise ValueError(f"KeyPadding(lengths): expected lengths >= 0, got {lengths.tolist()}.")
         object.__setattr__(self, "lengths", lengths)
         object.__setattr__(self, "_min", int(lengths.min()))
         object.__setattr__(self, "_max", int(lengths.max()))
@@ -277,6 +278,43 @@ class KeyPadding(Mask):
 
     def __repr__(self):
         return f"KeyPadding(lengths={self.lengths.tolist()})"
+
+
+@dataclass(frozen=True, eq=False)
+class Padding(Mask):
+    """Per-position padding over absolute key positions: key ``j`` of row ``b`` is attended only
+    where ``valid[b, j]`` (``(B, T)`` bool, True = real token; HF's ``attention_mask.bool()``).
+
+    Unlike ``KeyPadding(lengths)`` it expresses left padding (batched generation) and holes, and
+    unlike ``Dense`` it is indexed by absolute position, so it stays right with a KV cache.
+    ``T`` must cover every key position of the call."""
+
+    valid: Tensor
+
+    def __post_init__(self):
+        valid = self.valid
+        if not isinstance(valid, Tensor) or valid.dtype != torch.bool or valid.dim() != 2:
+            raise TypeError(
+                f"Padding(valid): expected a bool tensor (B, T) with True = real token, got "
+                f"{getattr(valid, 'dtype', type(valid).__name__)} {tuple(getattr(valid, 'shape', ()))}. "
+                "Fix: Padding(attention_mask.bool())."
+            )
+        object.__setattr__(self, "batch_size", valid.shape[0])
+
+    def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
+        valid = self.valid.to(kv_idx.device)
+        return valid[b, kv_idx.clamp(0, valid.shape[1] - 1)]
+
+    def validate(self, B, H, Tq, Tk, q_offset, kv_offset):
+        super().validate(B, H, Tq, Tk, q_offset, kv_offset)
+        if kv_offset + Tk > self.valid.shape[1]:
+            raise ValueError(
+                f"Padding(valid) covers key positions 0..{self.valid.shape[1] - 1}, but the call uses key positions "
+                f"{kv_offset}..{kv_offset + Tk - 1}. Fix: give one entry per absolute position (past + new tokens)."
+            )
+
+    def __repr__(self):
+        return f"Padding(valid=<{tuple(self.valid.shape)}>)"
 
 
 @dataclass(frozen=True, eq=False)
@@ -345,6 +383,8 @@ class Dense(Mask):
 
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
         keep = self.keep.to(q_idx.device)
+        b = b if keep.shape[0] > 1 else b * 0  # broadcast dims: And() may pass indices of a larger batch
+        h = h if keep.shape[1] > 1 else h * 0
         i = (q_idx - q_offset).clamp(max=keep.shape[2] - 1) if keep.shape[2] > 1 else q_idx * 0
         j = (kv_idx - kv_offset).clamp(max=keep.shape[3] - 1) if keep.shape[3] > 1 else kv_idx * 0
         return keep[b, h, i, j]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Iterable, Iterator
 from dataclasses import is_dataclass
 from typing import ClassVar
 
@@ -19,11 +20,12 @@ from torch import Tensor
 from .inputs import FLOAT_DTYPES, AttentionInputs
 from .masks import And, Mask, Or
 
-__all__ = ["Backend", "register_backend", "get_backend", "backends", "ALL_DEVICES"]
+__all__ = ["Backend", "register_backend", "get_backend", "list_backends", "ALL_DEVICES"]
 
 ALL_DEVICES = frozenset({"cpu", "cuda", "mps", "xpu"})
 
 _REGISTRY: dict[str, type[Backend]] = {}
+_BUILTINS_LOADED = False
 
 
 def _mask_leaves(mask: Mask) -> list[Mask]:
@@ -61,34 +63,42 @@ class Backend:
     @classmethod
     def not_supported_reasons(cls, inp: AttentionInputs) -> list[str]:
         """Why this backend cannot run ``inp``; an empty list means it can."""
-        reasons: list[str] = []
-        missing = [pkg for pkg in cls.requires if importlib.util.find_spec(pkg) is None]
-        if missing:
-            reasons.append(f"needs the package(s) {', '.join(missing)}")
-        if inp.device.type not in cls.devices:
-            reasons.append(f"runs on {sorted(cls.devices)}, not {inp.device.type}")
-        if inp.dtype not in cls.dtypes:
-            reasons.append(f"supports dtypes {sorted(str(d).removeprefix('torch.') for d in cls.dtypes)}, not {inp.dtype}")
+        return list(cls.iter_reasons(inp))
+
+    @classmethod
+    def can_run(cls, inp: AttentionInputs) -> bool:
+        """``not not_supported_reasons(inp)``, stopping at the first reason (dispatch's hot path)."""
+        return next(cls.iter_reasons(inp), None) is None
+
+    @classmethod
+    def iter_reasons(cls, inp: AttentionInputs) -> Iterator[str]:
+        """Yield each reason lazily, so a backend that can run formats no strings at all."""
+        if cls.requires and not cls.available():
+            missing = [pkg for pkg in cls.requires if importlib.util.find_spec(pkg) is None]
+            yield f"needs the package(s) {', '.join(missing)}"
+        if inp.q.device.type not in cls.devices:
+            yield f"runs on {sorted(cls.devices)}, not {inp.device.type}"
+        if inp.q.dtype not in cls.dtypes:
+            yield f"supports dtypes {sorted(str(d).removeprefix('torch.') for d in cls.dtypes)}, not {inp.dtype}"
         if inp.mask is not None and cls.mask_kinds is not None:
             bad = sorted({type(m).__name__ for m in _mask_leaves(inp.mask) if not isinstance(m, tuple(cls.mask_kinds))})
             if bad:
                 names = sorted(k.__name__ for k in cls.mask_kinds)
-                reasons.append(f"cannot apply mask kind(s) {', '.join(bad)} (supports {', '.join(names) or 'no mask'})")
+                yield f"cannot apply mask kind(s) {', '.join(bad)} (supports {', '.join(names) or 'no mask'})"
         if inp.dropout_p > 0 and not cls.supports_dropout:
-            reasons.append("has no dropout (dropout_p > 0)")
+            yield "has no dropout (dropout_p > 0)"
         if inp.bias is not None and not cls.supports_bias:
-            reasons.append("takes no additive bias")
+            yield "takes no additive bias"
         if inp.return_lse and not cls.supports_lse:
-            reasons.append("cannot return the log-sum-exp (return_lse=True)")
-        if inp.requires_grad and not cls.supports_backward:
-            reasons.append("has no backward pass (inputs require grad)")
-        reasons.extend(cls.extra_reasons(inp))
-        return reasons
+            yield "cannot return the log-sum-exp (return_lse=True)"
+        if not cls.supports_backward and inp.requires_grad:
+            yield "has no backward pass (inputs require grad)"
+        yield from cls.extra_reasons(inp)
 
     @classmethod
-    def extra_reasons(cls, inp: AttentionInputs) -> list[str]:
-        """Input-specific limits beyond the class data (override in subclasses)."""
-        return []
+    def extra_reasons(cls, inp: AttentionInputs) -> Iterable[str]:
+        """Input-specific limits beyond the class data (override in subclasses; a generator or a list)."""
+        return ()
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options) -> Tensor | tuple[Tensor, Tensor]:
@@ -127,18 +137,20 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
     return cls
 
 
-def backends() -> dict[str, type[Backend]]:
-    """All registered backends by name, in registration order."""
-    importlib.import_module(f"{__package__}.backends")  # registers the built-in backends (once)
-
-    return dict(_REGISTRY)
+def list_backends() -> dict[str, type[Backend]]:
+    """All registered backends by name, in registration order (the live registry: do not mutate)."""
+    global _BUILTINS_LOADED
+    if not _BUILTINS_LOADED:
+        importlib.import_module(f"{__package__}.backends")  # registers the built-in backends
+        _BUILTINS_LOADED = True
+    return _REGISTRY
 
 
 def get_backend(name: str) -> type[Backend]:
     """The backend registered as ``name``; ``ValueError`` listing the known names otherwise."""
     if not isinstance(name, str):
         raise TypeError(f"backend: expected a backend name (str), got {type(name).__name__}.")
-    known = backends()
+    known = list_backends()
     if name not in known:
         raise ValueError(f"backend: unknown backend {name!r}; expected 'auto' or one of {sorted(known)}.")
     return known[name]

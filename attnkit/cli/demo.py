@@ -10,7 +10,7 @@ from ..dispatch import explain
 from ..functional import attention
 from ..inputs import AttentionInputs
 from ..masks import Causal
-from ..registry import backends
+from ..registry import list_backends
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     ref = attention(q, k, v, mask=Causal(), backend="naive")
     inp = AttentionInputs.create(q, k, v, mask=Causal())
     print("\nbackend      max |out - naive|")
-    for name, impl in backends().items():
+    for name, impl in list_backends().items():
         if not impl.exact or impl.not_supported_reasons(inp):
             continue
         out = attention(q, k, v, mask=Causal(), backend=name)

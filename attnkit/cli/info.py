@@ -14,7 +14,7 @@ import torch
 
 from ..dispatch import explain
 from ..masks import Causal, KeyPadding, Mask, SlidingWindow
-from ..registry import backends
+from ..registry import list_backends
 
 MASK_HELP = "none | causal | window:LEFT[,RIGHT] | padding:LEN (keys at positions >= LEN are padding)"
 
@@ -66,7 +66,7 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 def backend_table() -> str:
     rows = []
-    for name, impl in backends().items():
+    for name, impl in list_backends().items():
         c = impl.capabilities()
         flags = [f for f in ("gqa", "dropout", "bias", "backward", "lse") if c[f]]
         rows.append(

@@ -1,5 +1,37 @@
 """Modules built on :func:`attnkit.attention`."""
 
 from .attention import AttentionConfig, MultiHeadAttention
+from .layers import DecoderLayer, EncoderLayer, FeedForward, TransformerConfig
+from .models import GPT, Decoder, Embeddings, Encoder, EncoderDecoder, ViT, ViTConfig
+from .positional import (
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEmbedding,
+    alibi_bias,
+    alibi_slopes,
+    sinusoidal,
+    sinusoidal_2d,
+)
 
-__all__ = ["AttentionConfig", "MultiHeadAttention"]
+__all__ = [
+    "AttentionConfig",
+    "MultiHeadAttention",
+    "TransformerConfig",
+    "FeedForward",
+    "EncoderLayer",
+    "DecoderLayer",
+    "Embeddings",
+    "Encoder",
+    "Decoder",
+    "GPT",
+    "EncoderDecoder",
+    "ViTConfig",
+    "ViT",
+    "sinusoidal",
+    "SinusoidalPositionalEmbedding",
+    "LearnedPositionalEmbedding",
+    "RotaryEmbedding",
+    "alibi_slopes",
+    "alibi_bias",
+    "sinusoidal_2d",
+]

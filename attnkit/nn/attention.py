@@ -8,8 +8,10 @@ import torch
 from torch import Tensor, nn
 
 from ..functional import attention
-from ..masks import Mask
+from ..cache import LayerCache, StateCache
+from ..masks import Causal, Mask
 from ..registry import get_backend
+from .positional import RotaryEmbedding, alibi_bias, alibi_slopes
 
 __all__ = ["AttentionConfig", "MultiHeadAttention"]
 
@@ -34,6 +36,9 @@ class AttentionConfig:
     kv_dim: int | None = field(default=None, metadata={"help": "memory width for cross-attention"})
     backend: str = field(default="auto", metadata={"help": "attention backend name or 'auto'"})
     backend_options: object | None = field(default=None, metadata={"help": "the backend's Options dataclass"})
+    position: str = field(default="none", metadata={"help": "positions inside attention: 'none', 'rope' or 'alibi'"})
+    rope_base: float = field(default=10000.0, metadata={"help": "RoPE frequency base"})
+    rotary_dim: int | None = field(default=None, metadata={"help": "channels rotated by RoPE (default: head_dim)"})
 
     def __post_init__(self):
         for name in ("embed_dim", "num_heads"):
@@ -56,6 +61,13 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.dropout: expected a value in [0, 1), got {self.dropout}.")
         if self.backend != "auto":
             get_backend(self.backend)  # ValueError listing the known names
+        if self.position not in ("none", "rope", "alibi"):
+            raise ValueError(
+                f"AttentionConfig.position: expected 'none', 'rope' or 'alibi', got {self.position!r}. "
+                "Fix: absolute (learned/sinusoidal) positions belong to the embeddings, not the attention layer."
+            )
+        if self.position == "rope" and self.cross_attention:
+            raise ValueError("AttentionConfig.position: RoPE applies to self-attention; use position='none' for cross-attention.")
 
     @property
     def kv_heads(self) -> int:
@@ -84,6 +96,9 @@ class MultiHeadAttention(nn.Module):
         else:
             self.qkv_proj = nn.Linear(config.embed_dim, (Hq + 2 * Hkv) * hd, bias=config.bias)
         self.out_proj = nn.Linear(Hq * hd, config.embed_dim, bias=config.bias)
+        self.rotary = RotaryEmbedding(hd, base=config.rope_base, rotary_dim=config.rotary_dim) if config.position == "rope" else None
+        slopes = alibi_slopes(Hq) if config.position == "alibi" else None
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     def project(self, x: Tensor, memory: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Queries ``(B, Hq, Tq, hd)`` and keys/values ``(B, Hkv, Tk, hd)`` for ``x`` (and ``memory``)."""
@@ -113,13 +128,69 @@ class MultiHeadAttention(nn.Module):
         q_offset: int | None = None,
         kv_offset: int = 0,
         need_weights: bool = False,
+        cache: LayerCache | None = None,
+        positions: Tensor | None = None,
     ):
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.config.embed_dim:
+        """Attend ``x (B, Tq, embed_dim)`` to itself (or to ``memory (B, Tk, kv_dim)``).
+
+        ``cache``: a layer cache (:mod:`attnkit.cache`). Self-attention reads ``q_offset =
+        cache.seq_len`` before ``cache.update(k, v)`` and attends over everything cached with both
+        offsets, so decoding equals the full forward; cross-attention memoizes the projected memory
+        in ``cache.cross_kv``. ``positions``: absolute positions ``(Tq,)`` or ``(B, Tq)`` used by
+        RoPE (default ``q_offset + arange(Tq)``; left-padded batches pass per-row positions).
+        ALiBi uses the absolute key/query positions of the call."""
+        cfg = self.config
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != cfg.embed_dim:
             raise ValueError(
-                f"x: expected a tensor (B, T, embed_dim={self.config.embed_dim}), got "
+                f"x: expected a tensor (B, T, embed_dim={cfg.embed_dim}), got "
                 f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}."
             )
+        if cache is not None and not isinstance(cache, LayerCache):
+            raise TypeError(f"cache: expected a layer cache (e.g. kv_cache[i]), got {type(cache).__name__}.")
+        if cfg.cross_attention:
+            if cache is not None and cache.cross_kv is not None:
+                q = self.project_queries(x)
+                k, v = cache.cross_kv
+            else:
+                q, k, v = self.project(x, memory)
+                if cache is not None:
+                    cache.cross_kv = (k, v)
+            return self._finish(q, k, v, mask, bias, q_offset, kv_offset, need_weights)
         q, k, v = self.project(x, memory)
+        Tq = q.shape[2]
+        if cache is not None:
+            if q_offset is not None:
+                raise ValueError("q_offset: with cache= the cache sets q_offset (= cache.seq_len); pass q_offset=None.")
+            q_offset = cache.seq_len
+        elif q_offset is None:
+            q_offset = kv_offset  # self-attention: Tq == Tk, so the bottom-right default is kv_offset
+        if self.rotary is not None:
+            if positions is None:
+                positions = torch.arange(q_offset, q_offset + Tq, device=x.device)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if isinstance(cache, StateCache):
+            if mask is not None and type(mask) is not Causal:
+                raise ValueError(f"mask: a recurrent StateCache computes causal attention only, got {mask!r}.")
+            out = cache.step(q, k, v)  # (B, Hq, Tq, Dv)
+            return self.out_proj(out.transpose(1, 2).reshape(x.shape[0], Tq, -1))
+        if cache is not None:
+            k, v, kv_offset = cache.update(k, v)
+        return self._finish(q, k, v, mask, bias, q_offset, kv_offset, need_weights)
+
+    def project_queries(self, x: Tensor) -> Tensor:
+        """Queries ``(B, Hq, Tq, hd)`` of a cross-attention layer (the memory's K/V come from a cache)."""
+        cfg = self.config
+        B, Tq, _ = x.shape
+        return self.q_proj(x).view(B, Tq, cfg.num_heads, cfg.dim_per_head).transpose(1, 2)  # (B, Hq, Tq, hd)
+
+    def _finish(self, q, k, v, mask, bias, q_offset, kv_offset, need_weights):
+        if self.alibi_slopes is not None:
+            Tq, Tk = q.shape[2], k.shape[2]
+            q0 = kv_offset + Tk - Tq if q_offset is None else q_offset
+            q_pos = torch.arange(q0, q0 + Tq, device=q.device)
+            k_pos = torch.arange(kv_offset, kv_offset + Tk, device=q.device)
+            alibi = alibi_bias(self.alibi_slopes, q_pos, k_pos).to(q.dtype)  # (1, Hq, Tq, Tk)
+            bias = alibi if bias is None else bias + alibi
         out, weights = self.attend(q, k, v, mask=mask, bias=bias, q_offset=q_offset, kv_offset=kv_offset,
                                    need_weights=need_weights)
         return (out, weights) if need_weights else out

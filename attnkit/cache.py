@@ -1,0 +1,392 @@
+"""KV caches for autoregressive decoding (DESIGN.md §5).
+
+A :class:`KVCache` holds one layer cache per layer. A layer cache's ``update(k, v)`` appends new
+keys/values ``(B, Hkv, Tnew, D)`` and returns ``(k_all, v_all, kv_offset)``: every key the new
+queries may need, in chronological order, the first at absolute position ``kv_offset``. Attention
+layers read ``q_offset = cache.seq_len`` *before* ``update``, apply positions (RoPE) there, and call
+``attention(q, k_all, v_all, mask=..., q_offset=q_offset, kv_offset=kv_offset)``. The masks are
+defined over absolute positions, so one ``Causal()`` makes decoding equal a full forward::
+
+    cache = KVCache.static(num_layers=12, max_len=1024)
+    logits = model(prompt, cache=cache)           # prefill: positions 0..P-1
+    logits = model(next_token, cache=cache)       # decode:  position P, q_offset = P
+
+Lengths are explicit counters (``seq_len``), never inferred from data. K/V heads are stored
+unrepeated (GQA).
+
+Layer caches:
+
+* :class:`DynamicLayerCache` — grows by concatenation; any batch/length.
+* :class:`StaticLayerCache` — preallocated ``(B, Hkv, max_len, D)`` buffers written in place;
+  no reallocation while decoding (compile-friendly, fastest on CPU).
+* :class:`SlidingWindowLayerCache` — a ring buffer of the last ``window`` keys, each slot tagged
+  with its absolute position (:meth:`~SlidingWindowLayerCache.positions`). ``update`` returns the
+  retained keys in chronological order (one ``cat`` that also unrolls the ring), so they are
+  contiguous positions ``seq_len - window .. seq_len + Tnew - 1`` and any positional mask with
+  offsets is right. Exact for masks that never look further back than ``window``
+  (``SlidingWindow(left<=window, 0)``); per-token cost is flat in the context length.
+* :class:`StateCache` — the hook for recurrent (linear-attention) layers: it holds a state object
+  with ``step(q, k, v) -> out``, ``seq_len`` and ``reset()`` (e.g. ``attnkit.recurrent.RecurrentState``)
+  instead of keys and values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "LayerCache",
+    "DynamicLayerCache",
+    "StaticLayerCache",
+    "SlidingWindowLayerCache",
+    "StateCache",
+    "KVCache",
+]
+
+
+def _check_kv(k: Tensor, v: Tensor) -> None:
+    if not isinstance(k, Tensor) or not isinstance(v, Tensor) or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            "k, v: expected tensors (B, Hkv, Tnew, D) and (B, Hkv, Tnew, Dv), got "
+            f"{getattr(k, 'shape', type(k).__name__)} and {getattr(v, 'shape', type(v).__name__)}."
+        )
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k, v: expected matching (B, Hkv, Tnew), got k {tuple(k.shape)} and v {tuple(v.shape)}.")
+
+
+def _check_index(index: Tensor, batch_size: int | None) -> Tensor:
+    if not isinstance(index, Tensor) or index.dim() != 1 or index.dtype.is_floating_point or index.dtype == torch.bool:
+        raise TypeError(f"index: expected a 1-D integer tensor of batch rows, got {getattr(index, 'dtype', index)!r}.")
+    if batch_size is not None and index.numel() and (int(index.min()) < 0 or int(index.max()) >= batch_size):
+        raise ValueError(f"index: rows must lie in [0, {batch_size}), got {index.tolist()}.")
+    return index
+
+
+class LayerCache:
+    """Base class: one layer's cache. ``seq_len`` counts the tokens seen so far (= the absolute
+    position of the next token). ``cross_kv`` memoizes a cross-attention layer's projected memory
+    ``(k, v)`` (filled on the first decode step; reordered and reset with the rest)."""
+
+    def __init__(self) -> None:
+        self.seq_len = 0
+        self.cross_kv: tuple[Tensor, Tensor] | None = None
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
+        """Append ``k (B, Hkv, Tnew, D)``, ``v (B, Hkv, Tnew, Dv)``; return ``(k_all, v_all, kv_offset)``."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget everything (start a new sequence)."""
+        self.seq_len = 0
+        self.cross_kv = None
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` tokens (e.g. to reject speculative tokens)."""
+        raise NotImplementedError
+
+    def reorder(self, index: Tensor) -> None:
+        """Select batch rows ``index`` (beam search): row ``i`` becomes old row ``index[i]``."""
+        if self.cross_kv is not None:
+            self.cross_kv = tuple(t.index_select(0, index.to(t.device)) for t in self.cross_kv)
+
+    def _check_crop(self, length: int) -> None:
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self.seq_len:
+            raise ValueError(f"length: expected an int in [0, seq_len={self.seq_len}], got {length!r}.")
+
+
+class DynamicLayerCache(LayerCache):
+    """Keys and values concatenated along the length axis as they arrive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def update(self, k, v):
+        _check_kv(k, v)
+        if self.k is None:
+            self.k, self.v = k, v
+        else:
+            if k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3]:
+                raise ValueError(
+                    f"k: this cache holds (B, Hkv, ·, D) = {tuple(self.k.shape)}, got {tuple(k.shape)}. "
+                    "Fix: use one cache per model and batch; reset() it for a new batch."
+                )
+            self.k = torch.cat([self.k, k], dim=2)  # (B, Hkv, L + Tnew, D)
+            self.v = torch.cat([self.v, v], dim=2)
+        self.seq_len += k.shape[2]
+        return self.k, self.v, 0
+
+    def reset(self):
+        super().reset()
+        self.k = self.v = None
+
+    def crop(self, length):
+        self._check_crop(length)
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+        self.seq_len = length
+
+    def reorder(self, index):
+        super().reorder(index)
+        if self.k is not None:
+            index = _check_index(index, self.k.shape[0]).to(self.k.device)
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+
+class StaticLayerCache(LayerCache):
+    """Preallocated ``(B, Hkv, max_len, D)`` buffers, written in place.
+
+    The buffers are allocated on the first ``update`` (from its batch, heads, dims, dtype and
+    device) or by :meth:`allocate`. ``update`` returns views of the filled prefix, so decoding
+    allocates no new K/V memory."""
+
+    def __init__(self, max_len: int) -> None:
+        super().__init__()
+        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+            raise ValueError(f"max_len: expected a positive int (tokens the cache can hold), got {max_len!r}.")
+        self.max_len = max_len
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def allocate(self, batch_size: int, num_kv_heads: int, head_dim: int, value_dim: int | None = None, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        """Allocate the buffers now (otherwise the first ``update`` does)."""
+        shape = (batch_size, num_kv_heads, self.max_len)
+        self.k = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(*shape, value_dim or head_dim, dtype=dtype, device=device)
+
+    def update(self, k, v):
+        _check_kv(k, v)
+        if self.k is None:
+            self.allocate(k.shape[0], k.shape[1], k.shape[3], v.shape[3], dtype=k.dtype, device=k.device)
+        elif k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3] or v.shape[3] != self.v.shape[3]:
+            raise ValueError(
+                f"k, v: this cache holds (B, Hkv, max_len, D) = {tuple(self.k.shape)}, got k {tuple(k.shape)}. "
+                "Fix: allocate the cache for this batch size and model."
+            )
+        start, stop = self.seq_len, self.seq_len + k.shape[2]
+        if stop > self.max_len:
+            raise ValueError(
+                f"StaticLayerCache: {stop} tokens exceed max_len={self.max_len} (holding {start}, adding "
+                f"{k.shape[2]}). Fix: build the cache with max_len >= prompt length + max_new_tokens."
+            )
+        self.k[:, :, start:stop].copy_(k)  # in place: no reallocation while decoding
+        self.v[:, :, start:stop].copy_(v)
+        self.seq_len = stop
+        return self.k[:, :, :stop], self.v[:, :, :stop], 0
+
+    def crop(self, length):
+        self._check_crop(length)
+        self.seq_len = length  # stale slots beyond seq_len are never returned
+
+    def reorder(self, index):
+        super().reorder(index)
+        if self.k is not None:
+            index = _check_index(index, self.k.shape[0]).to(self.k.device)
+            if index.numel() != self.k.shape[0]:
+                raise ValueError(f"index: a static cache keeps its batch size {self.k.shape[0]}, got {index.numel()} rows.")
+            self.k.copy_(self.k.index_select(0, index))
+            self.v.copy_(self.v.index_select(0, index))
+
+
+class SlidingWindowLayerCache(LayerCache):
+    """Ring buffer of the last ``window`` keys/values; slot ``p % window`` holds position ``p``.
+
+    ``update`` returns the retained keys followed by the new ones in chronological order, i.e. the
+    contiguous positions ``max(0, seq_len - window) .. seq_len + Tnew - 1``, with that first
+    position as ``kv_offset``. A query at position ``p`` under ``SlidingWindow(left, 0)`` needs
+    keys ``p - left .. p``; with ``left <= window`` all of them are returned, so decoding equals the
+    full forward. Memory and per-token cost do not grow with the context."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"window: expected a positive int (past keys to keep), got {window!r}.")
+        self.window = window
+        self.k: Tensor | None = None  # (B, Hkv, window, D), slot order
+        self.v: Tensor | None = None
+        self._positions: Tensor | None = None  # (window,) absolute position per slot, -1 = empty
+
+    def positions(self) -> Tensor:
+        """Absolute position held by each ring slot ``(window,)``; ``-1`` marks an empty slot."""
+        if self._positions is None:
+            return torch.full((self.window,), -1, dtype=torch.long)
+        return self._positions.clone()
+
+    def _retained(self) -> tuple[Tensor, Tensor] | None:
+        """The retained keys/values in chronological order (views or one copy), or None."""
+        L, W = self.seq_len, self.window
+        if self.k is None or L == 0:
+            return None
+        if L <= W:  # not wrapped yet: slots 0..L-1 hold positions 0..L-1
+            return self.k[:, :, :L], self.v[:, :, :L]
+        s = L % W  # the oldest retained position sits in slot s
+        return (torch.cat([self.k[:, :, s:], self.k[:, :, :s]], dim=2),
+                torch.cat([self.v[:, :, s:], self.v[:, :, :s]], dim=2))
+
+    def update(self, k, v):
+        _check_kv(k, v)
+        W, L, T = self.window, self.seq_len, k.shape[2]
+        if self.k is None:
+            B, H = k.shape[:2]
+            self.k = k.new_zeros(B, H, W, k.shape[3])
+            self.v = v.new_zeros(B, H, W, v.shape[3])
+            self._positions = torch.full((W,), -1, dtype=torch.long, device=k.device)
+        elif k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3]:
+            raise ValueError(f"k: this cache holds (B, Hkv, window, D) = {tuple(self.k.shape)}, got {tuple(k.shape)}.")
+        old = self._retained()
+        kv_offset = max(0, L - W)
+        if old is None:
+            k_all, v_all = k, v
+        else:
+            # One cat unrolls the ring and appends the new keys (the unrolled ring is a copy when wrapped).
+            k_all, v_all = torch.cat([old[0], k], dim=2), torch.cat([old[1], v], dim=2)
+        n = min(T, W)  # only the last `window` new tokens stay
+        new_positions = torch.arange(L + T - n, L + T, device=k.device)
+        slots = new_positions % W
+        self.k.index_copy_(2, slots, k[:, :, T - n :])
+        self.v.index_copy_(2, slots, v[:, :, T - n :])
+        self._positions.index_copy_(0, slots, new_positions)
+        self.seq_len = L + T
+        return k_all, v_all, kv_offset
+
+    def reset(self):
+        super().reset()
+        self.k = self.v = self._positions = None
+
+    def crop(self, length):
+        self._check_crop(length)
+        if length != self.seq_len:
+            raise ValueError(
+                f"SlidingWindowLayerCache cannot crop from {self.seq_len} to {length} tokens: the keys before "
+                f"position {self.seq_len - self.window} were overwritten. Fix: use a dynamic or static cache."
+            )
+
+    def reorder(self, index):
+        super().reorder(index)
+        if self.k is not None:
+            index = _check_index(index, self.k.shape[0]).to(self.k.device)
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+
+class StateCache(LayerCache):
+    """Hook for recurrent (linear-attention) layers: holds a state object instead of keys/values.
+
+    ``make_state()`` builds the state; it must provide ``step(q, k, v) -> out`` (causal attention
+    of the new tokens over everything seen, then absorb them), ``seq_len`` and ``reset()`` —
+    ``attnkit.recurrent.RecurrentState`` does. ``MultiHeadAttention`` given a ``StateCache`` calls
+    :meth:`step` instead of ``attention()``. Per-token cost is O(1) in the context length.
+    ``reorder`` selects batch rows of every tensor attribute of the state (batch is dim 0)."""
+
+    def __init__(self, make_state: Callable[[], object]) -> None:
+        super().__init__()
+        if not callable(make_state):
+            raise TypeError(f"make_state: expected a callable returning a state, got {type(make_state).__name__}.")
+        self.make_state = make_state
+        self.state = make_state()
+        for name in ("step", "reset"):
+            if not callable(getattr(self.state, name, None)):
+                raise TypeError(f"make_state(): the state must have a {name}() method, got {type(self.state).__name__}.")
+
+    @classmethod
+    def recurrent(cls, backend: str, head_dim: int, *, options=None, scale: float | None = None) -> StateCache:
+        """A cache over ``attnkit.recurrent.RecurrentState.create(backend, head_dim, ...)``."""
+        try:
+            from .recurrent import RecurrentState
+        except ImportError as exc:  # the recurrent module lands with the approximate-attention issue
+            raise ValueError("backend: recurrent state caches need attnkit.recurrent, which is not installed.") from exc
+        return cls(lambda: RecurrentState.create(backend, head_dim, options=options, scale=scale))
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = self.state.step(q, k, v)
+        self.seq_len += q.shape[2]
+        return out
+
+    def update(self, k, v):
+        raise TypeError("StateCache holds a recurrent state, not keys: call step(q, k, v) (MultiHeadAttention does).")
+
+    def reset(self):
+        super().reset()
+        self.state.reset()
+
+    def crop(self, length):
+        self._check_crop(length)
+        if length != self.seq_len:
+            raise ValueError("StateCache cannot crop: a recurrent state cannot forget tokens. Fix: reset() and re-feed.")
+
+    def reorder(self, index):
+        super().reorder(index)
+        for name, value in vars(self.state).items():
+            if isinstance(value, Tensor) and value.dim() > 0:
+                setattr(self.state, name, value.index_select(0, index.to(value.device)))
+
+
+class KVCache:
+    """One layer cache per layer. ``seq_len`` is the number of tokens seen (all layers agree)."""
+
+    def __init__(self, layers: Sequence[LayerCache]):
+        layers = list(layers)
+        if not layers or not all(isinstance(layer, LayerCache) for layer in layers):
+            raise TypeError("layers: expected a non-empty sequence of LayerCache (DynamicLayerCache(), ...).")
+        self.layers = layers
+
+    @classmethod
+    def dynamic(cls, num_layers: int) -> KVCache:
+        return cls([DynamicLayerCache() for _ in range(num_layers)])
+
+    @classmethod
+    def static(cls, num_layers: int, max_len: int) -> KVCache:
+        return cls([StaticLayerCache(max_len) for _ in range(num_layers)])
+
+    @classmethod
+    def sliding_window(cls, num_layers: int, window: int) -> KVCache:
+        return cls([SlidingWindowLayerCache(window) for _ in range(num_layers)])
+
+    @classmethod
+    def create(cls, kind: str, num_layers: int, *, max_len: int | None = None, window: int | None = None) -> KVCache:
+        """``kind`` is ``"dynamic"``, ``"static"`` (needs ``max_len``) or ``"sliding_window"`` (needs ``window``)."""
+        if kind == "dynamic":
+            return cls.dynamic(num_layers)
+        if kind == "static":
+            if max_len is None:
+                raise ValueError("max_len: a static cache needs max_len (prompt length + new tokens).")
+            return cls.static(num_layers, max_len)
+        if kind == "sliding_window":
+            if window is None:
+                raise ValueError("window: a sliding-window cache needs window (the attention window).")
+            return cls.sliding_window(num_layers, window)
+        raise ValueError(f"kind: expected 'dynamic', 'static' or 'sliding_window', got {kind!r}.")
+
+    @property
+    def seq_len(self) -> int:
+        return self.layers[0].seq_len
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> LayerCache:
+        return self.layers[i]
+
+    def __iter__(self) -> Iterator[LayerCache]:
+        return iter(self.layers)
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+
+    def crop(self, length: int) -> None:
+        for layer in self.layers:
+            layer.crop(length)
+
+    def reorder(self, index: Tensor) -> None:
+        """Select batch rows (beam search): row ``i`` becomes old row ``index[i]``."""
+        for layer in self.layers:
+            layer.reorder(index)
+
+    def __repr__(self) -> str:
+        kinds = sorted({type(layer).__name__ for layer in self.layers})
+        return f"KVCache({len(self.layers)} layers of {', '.join(kinds)}, seq_len={self.seq_len})"

@@ -1,0 +1,113 @@
+"""Dispatch: priority policy, named backends checked not replaced, explain(), use_backend()."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import Causal, KeyPadding, NoBackendError, SlidingWindow
+from attnkit.dispatch import mask_needs_materializing, priority, select
+from attnkit.inputs import AttentionInputs
+
+q = torch.randn(1, 4, 16, 8)
+k = v = torch.randn(1, 2, 16, 8)
+
+
+def test_auto_prefers_sdpa_for_dense_and_causal():
+    assert attnkit.explain(q, k, v).chosen == "sdpa"
+    assert attnkit.explain(q, k, v, mask=Causal()).chosen == "sdpa"
+
+
+def test_lse_request_goes_to_a_backend_that_can():
+    e = attnkit.explain(q, k, v, mask=Causal(), return_lse=True)
+    assert e.chosen != "sdpa"
+    assert any("log-sum-exp" in r for r in e.reasons["sdpa"])
+    assert "sdpa: not used" in str(e)
+
+
+def test_named_backend_is_checked_not_replaced():
+    with pytest.raises(NoBackendError) as info:
+        attnkit.attention(q, k, v, backend="sdpa", return_lse=True)
+    assert "sdpa" in str(info.value) and "log-sum-exp" in str(info.value)
+
+
+def test_no_backend_error_lists_every_backend(monkeypatch):
+    inp = AttentionInputs.create(q, k, v, return_lse=True)
+    with attnkit.use_backend("sdpa"):
+        with pytest.raises(NoBackendError, match="sdpa: cannot return the log-sum-exp"):
+            select(inp)
+    # With every backend refusing, auto's error names each of them with its reasons.
+    for impl in attnkit.list_backends().values():
+        monkeypatch.setattr(impl, "supports_lse", False)
+    with pytest.raises(NoBackendError) as info:
+        select(inp)
+    for name in attnkit.list_backends():
+        assert f"  {name}: " in str(info.value)
+
+
+def test_use_backend_scopes_and_restores():
+    with attnkit.use_backend("naive"):
+        assert attnkit.explain(q, k, v).chosen == "naive"
+        with attnkit.use_backend("sdpa"):
+            assert attnkit.explain(q, k, v).chosen == "sdpa"
+        assert attnkit.explain(q, k, v).chosen == "naive"
+    assert attnkit.explain(q, k, v).chosen == "sdpa"
+
+
+def test_use_backend_is_per_thread():
+    seen = {}
+
+    def other():
+        seen["chosen"] = attnkit.explain(q, k, v).chosen
+
+    with attnkit.use_backend("naive"):
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    assert seen["chosen"] == "sdpa"
+
+
+def test_use_backend_restores_after_exception():
+    with pytest.raises(RuntimeError):
+        with attnkit.use_backend("naive"):
+            raise RuntimeError("boom")
+    assert attnkit.explain(q, k, v).chosen == "sdpa"
+
+
+def test_mask_needs_materializing():
+    def needs(mask, Tq=16, Tk=16, **kw):
+        return mask_needs_materializing(AttentionInputs.create(q[:, :, :Tq], k[:, :, :Tk], v[:, :, :Tk], mask=mask, **kw))
+
+    assert not needs(None)
+    assert not needs(Causal())  # Tq == Tk: bottom-right == top-left
+    assert not needs(Causal(), Tq=1)  # decode: hides nothing
+    assert needs(Causal(), Tq=4)  # chunked prefill: bottom-right != SDPA's top-left
+    assert needs(SlidingWindow(4, 0))
+
+
+def test_large_materialized_masks_prefer_tiled_when_registered():
+    big_q = torch.empty(1, 8, 4096, 64)
+    big_k = torch.empty(1, 8, 4096, 64)
+    inp = AttentionInputs.create(big_q, big_k, big_k, mask=KeyPadding([4000]))
+    order = priority(inp)
+    if "tiled" in attnkit.list_backends():
+        assert order.index("tiled") < order.index("sdpa")
+    assert order[-1] == "naive"
+
+
+def test_explain_str_is_plain_words():
+    text = str(attnkit.explain(q, k, v, mask=Causal()))
+    assert "chosen: sdpa" in text and "runs" in text
+
+
+@pytest.mark.parametrize("Tq", [1, 3, 16])
+def test_sdpa_paths_equal_naive(Tq):
+    """is_causal fast path, dropped mask (decode) and materialized bottom-right mask all agree."""
+    qq = torch.randn(1, 4, Tq, 8)
+    for offset in (None, 0):
+        a = attnkit.attention(qq, k, v, mask=Causal(), backend="sdpa", q_offset=offset)
+        b = attnkit.attention(qq, k, v, mask=Causal(), backend="naive", q_offset=offset)
+        assert torch.allclose(a, b, atol=1e-6)

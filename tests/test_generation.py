@@ -1,0 +1,145 @@
+import pytest
+import torch
+
+from attnkit.generation import generate, process_logits, stream
+from attnkit.nn import GPT, EncoderDecoder, TransformerConfig
+
+
+def _gpt(position="learned", **kw):
+    torch.manual_seed(0)
+    return GPT(TransformerConfig(vocab_size=50, embed_dim=32, num_layers=2, num_heads=4, max_len=64,
+                                 position=position, **kw)).eval()
+
+
+def test_greedy_equals_argmax_of_full_forward():
+    model = _gpt()
+    prompt = torch.randint(1, 50, (2, 5))
+    out = generate(model, prompt, 8)
+    assert out.shape == (2, 13) and torch.equal(out[:, :5], prompt)
+    with torch.no_grad():
+        assert torch.equal(model(out[:, :-1]).argmax(-1)[:, 4:], out[:, 5:])
+
+
+def test_cache_kinds_agree():
+    model = _gpt(position="rope", sliding_window=4)
+    prompt = torch.randint(1, 50, (2, 6))
+    outs = [generate(model, prompt, 10, cache=kind) for kind in ("static", "dynamic", "sliding_window")]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("position", ["learned", "rope", "alibi", "sinusoidal"])
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_left_padded_batch_equals_each_prompt_alone(position, cache):
+    model = _gpt(position)
+    prompts = [torch.randint(1, 50, (n,)) for n in (7, 3, 5)]
+    P = max(len(p) for p in prompts)
+    batch = torch.zeros(3, P, dtype=torch.long)
+    attention_mask = torch.zeros(3, P, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        batch[i, P - len(p) :] = p
+        attention_mask[i, P - len(p) :] = 1
+    out = generate(model, batch, 6, attention_mask=attention_mask, cache=cache)
+    for i, p in enumerate(prompts):
+        alone = generate(model, p[None], 6, cache=cache)
+        assert torch.equal(out[i, P - len(p) :], alone[0]), i
+
+
+def test_stream_yields_the_generated_tokens():
+    model = _gpt()
+    prompt = torch.randint(1, 50, (2, 4))
+    steps = list(stream(model, prompt, 5))
+    assert len(steps) == 5 and all(s.shape == (2,) for s in steps)
+    assert torch.equal(torch.stack(steps, 1), generate(model, prompt, 5)[:, 4:])
+
+
+def test_stop_tokens_and_budget():
+    model = _gpt()
+    prompt = torch.randint(1, 50, (2, 4))
+    free = generate(model, prompt, 6)
+    stop = int(free[0, 5])  # row 0's second new token
+    out = generate(model, prompt, 6, stop_tokens=[stop], pad_token_id=0)
+    assert torch.equal(out[0, :6], free[0, :6])
+    assert (out[0, 6:] == 0).all() or out.shape[1] == 6
+    if not (free[1, 4:] == stop).any():
+        assert out.shape[1] == 10 and torch.equal(out[1], free[1])
+    both = generate(model, prompt, 6, stop_tokens=free[:, 4].tolist())
+    assert both.shape == (2, 5)  # every row stopped at its first token: the stream ends early
+
+
+def test_sampling_is_reproducible_and_filters_reduce_to_greedy():
+    model = _gpt()
+    prompt = torch.randint(1, 50, (2, 4))
+    a = generate(model, prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    b = generate(model, prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+    greedy = generate(model, prompt, 8)
+    assert torch.equal(generate(model, prompt, 8, temperature=0.7, top_k=1), greedy)
+    assert torch.equal(generate(model, prompt, 8, temperature=0.7, top_p=1e-6), greedy)
+
+
+def test_process_logits():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    top2 = process_logits(logits, top_k=2)
+    assert torch.isinf(top2[0, 2:]).all() and torch.equal(top2[0, :2], logits[0, :2])
+    probs = logits.softmax(-1)[0]  # ~[0.61, 0.22, 0.14, 0.03]
+    nucleus = process_logits(logits, top_p=0.7)  # 0.61 < 0.7: the first two are kept
+    assert torch.isfinite(nucleus[0, :2]).all() and torch.isinf(nucleus[0, 2:]).all()
+    assert probs[0] < 0.7 < probs[0] + probs[1]
+    seen = torch.tensor([[True, False, False, True]])
+    pen = process_logits(logits, seen=seen, repetition_penalty=2.0)
+    assert pen.tolist() == [[1.0, 1.0, 0.5, -2.0]]
+    assert torch.allclose(process_logits(logits, temperature=0.5), logits * 2)
+
+
+def test_repetition_penalty_discourages_repeats():
+    model = _gpt()
+    prompt = torch.randint(1, 50, (1, 4))
+    penalized = generate(model, prompt, 12, repetition_penalty=100.0)[0]
+    new = penalized[4:].tolist()
+    assert len(set(new)) == len(new) and not set(new) & set(prompt[0].tolist())
+
+
+def test_seq2seq_generation_equals_greedy_full_forward_and_handles_source_padding():
+    torch.manual_seed(0)
+    model = EncoderDecoder(TransformerConfig(vocab_size=30, embed_dim=32, num_layers=2, num_heads=4)).eval()
+    src = torch.randint(2, 30, (2, 6))
+    for cache in ("static", "dynamic"):
+        out = generate(model, src, 5, decoder_start_token=1, cache=cache)
+        assert out.shape == (2, 6) and (out[:, 0] == 1).all()
+        with torch.no_grad():
+            assert torch.equal(model(src, out[:, :-1]).argmax(-1), out[:, 1:])
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    padded = generate(model, src, 5, decoder_start_token=1, attention_mask=mask)
+    alone = generate(model, src[1:, :4], 5, decoder_start_token=1)
+    assert torch.equal(padded[1], alone[0])
+    with pytest.raises(ValueError, match="decoder_start_token"):
+        generate(model, src, 3)
+
+
+def test_generate_method_and_argument_errors():
+    model = _gpt()
+    prompt = torch.randint(1, 50, (1, 3))
+    assert torch.equal(model.generate(prompt, 4), generate(model, prompt, 4))
+    for bad in (dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_k=0), dict(top_p=1.5),
+                dict(repetition_penalty=0.0), dict(cache="paged"), dict(attention_mask=torch.ones(1, 2))):
+        with pytest.raises(ValueError):
+            generate(model, prompt, **{"max_new_tokens": 3, **bad})
+    with pytest.raises(ValueError, match="input_ids"):
+        generate(model, torch.tensor([1, 2, 3]), 3)
+    with pytest.raises(TypeError, match="model"):
+        generate(torch.nn.Linear(2, 2), prompt, 3)
+    with pytest.raises(ValueError, match="max_len"):
+        generate(model, torch.randint(1, 50, (1, 60)), 10)
+
+
+def test_readme_decoding_example_runs(capsys):
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Models and decoding", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "torch.Size([2, 13])" in printed and printed.strip().endswith("6")

@@ -1,0 +1,56 @@
+"""MultiHeadAttention: equals torch.nn.MultiheadAttention after conversion; GQA, cross, weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import Causal
+from attnkit.nn import AttentionConfig, MultiHeadAttention
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_from_torch_matches_outputs_and_weights(bias):
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(48, 6, bias=bias, batch_first=True).eval()
+    ours = MultiHeadAttention.from_torch(ref).eval()
+    x = torch.randn(3, 11, 48)
+    kpm = torch.zeros(3, 11, dtype=torch.bool)
+    kpm[1, 6:] = True
+    causal_ignore = torch.triu(torch.ones(11, 11, dtype=torch.bool), 1)  # torch: True = ignore
+    want, want_w = ref(x, x, x, key_padding_mask=kpm, attn_mask=causal_ignore, average_attn_weights=False)
+    mask = attnkit.from_key_padding_mask(kpm) & Causal()
+    got, got_w = ours(x, mask=mask, need_weights=True)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(got_w, want_w, atol=1e-6)
+    for backend in ("sdpa", "naive"):
+        with attnkit.use_backend(backend):
+            assert torch.allclose(ours(x, mask=mask), want, atol=1e-5)
+
+
+def test_gqa_shapes_and_backend_from_config():
+    cfg = AttentionConfig(64, 8, num_kv_heads=2, backend="naive")
+    layer = MultiHeadAttention(cfg)
+    assert layer.qkv_proj.out_features == (8 + 2 * 2) * 8
+    out = layer(torch.randn(2, 5, 64), mask=Causal())
+    assert out.shape == (2, 5, 64)
+
+
+def test_cross_attention_with_memory_of_other_width():
+    layer = MultiHeadAttention(AttentionConfig(32, 4, cross_attention=True, kv_dim=24))
+    out, w = layer(torch.randn(2, 5, 32), torch.randn(2, 7, 24), need_weights=True)
+    assert out.shape == (2, 5, 32) and w.shape == (2, 4, 5, 7)
+    assert torch.allclose(w.sum(-1), torch.ones(2, 4, 5))
+
+
+def test_dropout_only_in_training():
+    layer = MultiHeadAttention(AttentionConfig(32, 4, dropout=0.5))
+    x = torch.randn(2, 9, 32)
+    layer.eval()
+    assert torch.equal(layer(x), layer(x))
+    layer.train()
+    torch.manual_seed(1)
+    a = layer(x)
+    torch.manual_seed(2)
+    assert not torch.allclose(a, layer(x))
