@@ -16,7 +16,7 @@ from attnkit.train import load_checkpoint, train  # noqa: E402
 from attnkit.train.checkpoint import resolve_checkpoint  # noqa: E402
 from attnkit.train.lstm import LSTMConfig  # noqa: E402
 
-from train_helpers import tiny_gpt_config, tiny_train_config  # noqa: E402
+from .train_helpers import tiny_gpt_config, tiny_train_config  # noqa: E402
 
 
 def _text_file(tmp_path):

@@ -15,7 +15,7 @@ from attnkit.train import TrainConfig, load_model, train  # noqa: E402
 from attnkit.train.deploy import quantize_int8  # noqa: E402
 from attnkit.train.loop import lr_at  # noqa: E402
 
-from train_helpers import tiny_gpt_config, tiny_train_config  # noqa: E402
+from .train_helpers import tiny_gpt_config, tiny_train_config  # noqa: E402
 
 TINY = ["--steps", "3", "--batch-size", "4", "--seq-len", "32", "--eval-every", "2", "--eval-batches", "1",
         "--sample-tokens", "8", "--no-progress", "--device", "cpu", "--warmup-steps", "1",

@@ -44,7 +44,6 @@ def run(args: argparse.Namespace) -> int:
         cfg = TrainConfig(**{k: v for k, v in tc.items() if k in TrainConfig.__dataclass_fields__})
         quantize_report(model, load_data(cfg.data), cfg, log=lambda m: print(m, file=sys.stderr))
         model = quantize_int8(model)
-    torch.manual_seed(args.seed)
     ids = encode(args.prompt)[None].to(args.device)
     sys.stdout.write(args.prompt)
     pending = b""
@@ -62,6 +61,15 @@ def run(args: argparse.Namespace) -> int:
 def _token_stream(model, ids, args):
     from ..generation import stream
 
-    yield from stream(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k or None, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                      cache=args.cache)
+    budget = args.max_new_tokens
+    config = model.config
+    if config.position == "learned" and ids.shape[1] + budget > config.max_len:
+        budget = max(config.max_len - ids.shape[1], 0)
+        print(f"(learned positions end at max_len={config.max_len}: generating {budget} tokens)", file=sys.stderr)
+    if budget == 0:
+        return
+    generator = torch.Generator(device=ids.device).manual_seed(args.seed)
+    for token in stream(model, ids, budget, temperature=args.temperature, top_k=args.top_k or None,
+                        top_p=args.top_p if args.top_p < 1.0 else None, repetition_penalty=args.repetition_penalty,
+                        cache=args.cache, generator=generator):
+        yield token[0]

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..generation import process_logits
 from .checkpoint import load_checkpoint, load_model_weights, restore_training_state, save_checkpoint
 from .data import IGNORE_INDEX, decode, encode, load_corpus
 from .distributed import DistContext, all_reduce_sum, barrier, setup_distributed, teardown
@@ -157,21 +158,17 @@ def sample_text(model: nn.Module, prompt: str, max_new_tokens: int, *, temperatu
     return decode(out[0, ids.shape[1]:].tolist())
 
 
-def _generate(model, ids: Tensor, max_new_tokens: int, **sampling) -> Tensor:
-    try:
-        from ..generation import generate
-    except ImportError:
-        generate = None
-    if generate is not None and not isinstance(model, LSTMLanguageModel):
-        return generate(model, ids, max_new_tokens=max_new_tokens, **sampling)
+def _generate(model, ids: Tensor, max_new_tokens: int, *, temperature: float, top_k: int | None) -> Tensor:
     max_len = getattr(getattr(model, "config", None), "max_len", None)
-    for _ in range(max_new_tokens):  # no cache: recompute the (truncated) prefix each step
-        logits = model(ids if max_len is None else ids[:, -max_len:])[:, -1].float()
-        logits = logits / max(sampling.get("temperature", 1.0), 1e-6)
-        if sampling.get("top_k"):
-            kth = logits.topk(min(sampling["top_k"], logits.shape[-1])).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        ids = torch.cat([ids, torch.multinomial(logits.softmax(-1), 1)], dim=1)
+    if max_len is not None:  # learned positions end at max_len
+        max_new_tokens = min(max_new_tokens, max_len - ids.shape[1])
+    if not isinstance(model, LSTMLanguageModel):
+        from ..generation import generate
+
+        return generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k)
+    for _ in range(max_new_tokens):  # the LSTM baseline: no KV cache, rerun the prefix
+        scores = process_logits(model(ids)[:, -1], temperature=temperature, top_k=top_k)
+        ids = torch.cat([ids, torch.multinomial(scores.softmax(-1), 1)], dim=1)
     return ids
 
 
