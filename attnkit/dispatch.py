@@ -124,6 +124,7 @@ class Explanation:
     reasons: dict[str, list[str]]  # backend name -> reasons it cannot run ([] = it could)
     order: list[str]  # the order tried
     description: str
+    plan: str = ""  # how the chosen backend runs it, in words
 
     def __str__(self) -> str:
         lines = [f"input: {self.description}"]
@@ -131,7 +132,7 @@ class Explanation:
         for name in self.order:
             why = self.reasons[name]
             if name == self.chosen:
-                lines.append(f"  {name}: runs (first in priority order with no reasons against it)")
+                lines.append(f"  {name}: runs (first in priority order with no reasons against it): {self.plan}")
             elif why:
                 lines.append(f"  {name}: not used: {'; '.join(why)}")
             else:
@@ -155,7 +156,8 @@ def explain(q, k, v, *, backend: str = "auto", **kwargs) -> Explanation:
         reasons[name] = why
     order = order + [name for name in known if name not in order]
     chosen = next((name for name in (names if named else priority(inp)) if not reasons[name]), None)
-    return Explanation(chosen, reasons, order, _describe(inp))
+    plan = known[chosen].describe(inp) if chosen else ""
+    return Explanation(chosen, reasons, order, _describe(inp), plan)
 
 
 @contextlib.contextmanager

@@ -65,7 +65,7 @@ def attention(
             or a backend name; a named backend that cannot run raises ``NoBackendError``.
         options: the named backend's ``Options`` dataclass (tile sizes, features, ...).
         return_lse: also return the log-sum-exp of the masked scores per query row
-            ``(B, Hq, Tq)`` in float32 (``-inf`` for fully masked rows).
+            ``(B, Hq, Tq)`` in float32 (float64 for float64 inputs; ``-inf`` for fully masked rows).
 
     Returns:
         ``out (B, Hq, Tq, Dv)`` in q's dtype, or ``(out, lse)`` with ``return_lse=True``.

@@ -101,6 +101,11 @@ class Backend:
         return ()
 
     @classmethod
+    def describe(cls, inp: AttentionInputs) -> str:
+        """One plain sentence on how this backend would run ``inp`` (for ``explain()``)."""
+        return cls.summary
+
+    @classmethod
     def forward(cls, inp: AttentionInputs, options) -> Tensor | tuple[Tensor, Tensor]:
         """Return ``out (B, Hq, Tq, Dv)``, or ``(out, lse (B, Hq, Tq))`` when ``inp.return_lse``."""
         raise NotImplementedError

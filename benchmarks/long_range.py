@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from attnkit.inputs import AttentionInputs  # noqa: E402
 from attnkit.masks import Causal  # noqa: E402
-from attnkit.registry import backends  # noqa: E402
+from attnkit.registry import list_backends  # noqa: E402
 from attnkit.train.loop import TrainConfig, build_model, num_params, train  # noqa: E402
 from attnkit.train.lstm import LSTMConfig  # noqa: E402
 from attnkit.train.tasks import TASKS, SyntheticTask  # noqa: E402
@@ -38,7 +38,7 @@ def causal_backends(length: int) -> list[str]:
     """Exact registered backends that can train causal self-attention on CPU at this length."""
     q = torch.randn(1, 2, length, 16, requires_grad=True)
     inp = AttentionInputs.create(q, q, q, mask=Causal())
-    return [name for name, impl in backends().items()
+    return [name for name, impl in list_backends().items()
             if impl.exact and impl.supports_backward and not impl.not_supported_reasons(inp)]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -21,6 +22,8 @@ from attnkit.inputs import AttentionInputs
 
 from .reference import flash_rule_ok, max_error, reference_attention
 
+# ATTNKIT_TEST_DEVICE=cuda runs the whole suite on a GPU (the oracle runs there in float64 too).
+DEVICE = torch.device(os.environ.get("ATTNKIT_TEST_DEVICE", "cpu"))
 EXACT = [name for name, impl in attnkit.list_backends().items() if impl.exact]
 
 
@@ -67,7 +70,7 @@ MASKS = {
     "SlidingWindow2": lambda s: SlidingWindow(7, 5),
     "KeyPadding": lambda s: KeyPadding([max(1, s.Tk - 3 * b) for b in range(s.B)]),
     "Document": lambda s: Document(_doc_ids(s.B, max(s.Tq, s.Tk))),
-    "Dense": lambda s: torch.rand(s.B, 1, s.Tq, s.Tk, generator=torch.Generator().manual_seed(1)) < 0.7,
+    "Dense": lambda s: (torch.rand(s.B, 1, s.Tq, s.Tk, generator=torch.Generator().manual_seed(1)) < 0.7).to(DEVICE),
     "Custom": lambda s: Custom(lambda b, h, q, k: (q - k) % 3 != 1, name="mod3"),
     "Causal&KeyPadding": lambda s: Causal() & KeyPadding([s.Tk] + [max(1, s.Tk // 2)] * (s.B - 1)),
     "SlidingWindow|Document": lambda s: SlidingWindow(4, 0) | Document(_doc_ids(s.B, max(s.Tq, s.Tk))),
@@ -80,7 +83,7 @@ def _inputs(shape: Shape, dtype, seed=0, requires_grad=True):
     k = torch.randn(shape.B, shape.Hkv, shape.Tk, shape.D, generator=g)
     v = torch.randn(shape.B, shape.Hkv, shape.Tk, shape.Dv, generator=g)
     do = torch.randn(shape.B, shape.Hq, shape.Tq, shape.Dv, generator=g)
-    return [x.to(dtype).requires_grad_(requires_grad) for x in (q, k, v)], do.to(dtype)
+    return [x.to(DEVICE, dtype).requires_grad_(requires_grad) for x in (q, k, v)], do.to(DEVICE, dtype)
 
 
 def _run(backend, qkv, do, **kwargs):
@@ -222,7 +225,7 @@ def test_deterministic(backend):
 def test_bias_and_scale(backend):
     shape = Shape(2, 4, 2, 17, 23, 16, 16)
     qkv, do = _inputs(shape, torch.float32)
-    bias = torch.randn(1, 4, 17, 23, requires_grad=True)
+    bias = torch.randn(1, 4, 17, 23, device=DEVICE, requires_grad=True)
     kwargs = dict(mask=Causal(), bias=bias, scale=0.3)
     _skip_unless_supported(backend, qkv, **kwargs)
     out = attnkit.attention(*qkv, backend=backend, **kwargs)
@@ -248,16 +251,16 @@ def test_dropout_keep_rate(backend, p):
     """With uniform weights and V = identity, each output entry is 1/Tk/(1-p) or 0: the fraction
     of nonzeros is the keep rate and the mean is preserved."""
     B, H, T = 4, 4, 128
-    q = torch.zeros(B, H, T, 16)
-    k = torch.zeros(B, H, T, 16)
-    v = torch.eye(T).expand(B, H, T, T).contiguous()
+    q = torch.zeros(B, H, T, 16, device=DEVICE)
+    k = torch.zeros(B, H, T, 16, device=DEVICE)
+    v = torch.eye(T, device=DEVICE).expand(B, H, T, T).contiguous()
     _skip_unless_supported(backend, [q, k, v], dropout_p=p)
     torch.manual_seed(0)
     out = attnkit.attention(q, k, v, dropout_p=p, backend=backend)
     kept = (out != 0).float().mean().item()
     n = out.numel()
     assert abs(kept - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
-    assert torch.allclose(out[out != 0], torch.tensor(1 / T / (1 - p)), rtol=1e-4)
+    assert torch.allclose(out[out != 0], torch.tensor(1 / T / (1 - p), device=DEVICE), rtol=1e-4)
 
 
 def test_auto_never_picks_approximate():

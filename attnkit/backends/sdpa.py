@@ -25,6 +25,18 @@ class SDPA(Backend):
     supports_bias = True
 
     @classmethod
+    def describe(cls, inp: AttentionInputs) -> str:
+        if inp.mask is None:
+            how = "no mask"
+        elif not mask_needs_materializing(inp):
+            how = "is_causal=True (no mask tensor)" if inp.q_offset == inp.kv_offset and inp.Tk > 1 else (
+                "no mask: the causal mask hides nothing for these positions")
+        else:
+            how = f"a materialized ({inp.Tq}, {inp.Tk}) bool mask"
+        gqa = f", enable_gqa for {inp.Hq}/{inp.Hkv} heads" if inp.groups > 1 else ""
+        return f"F.scaled_dot_product_attention with {how}{gqa}"
+
+    @classmethod
     def forward(cls, inp: AttentionInputs, options: None):
         k, v = inp.k, inp.v
         attn_mask = None
