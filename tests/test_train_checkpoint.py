@@ -70,11 +70,11 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_no_debris(tmp_path, mo
     model = _tiny_lstm()
     ck.save_checkpoint(str(tmp_path), 1, model, {"model_kind": "lstm", "model_config": {}})
 
-    def half_written(model, path):
+    def half_written(tensors, path, *args, **kwargs):
         open(path, "wb").write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(st, "save_model", half_written)
+    monkeypatch.setattr(st, "save_file", half_written)
     with pytest.raises(OSError, match="disk full"):
         ck.save_checkpoint(str(tmp_path), 2, model, {"model_kind": "lstm", "model_config": {}})
     assert sorted(os.listdir(tmp_path)) == ["latest", "step-000001"]

@@ -105,6 +105,19 @@ def restore_rng(tensors: dict[str, Tensor]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
+def _weights(model: nn.Module) -> dict[str, Tensor]:
+    """The state dict with each tied tensor once (under its first name) and every tensor in storage
+    of its own: safetensors refuses shared storage, which ties and cuDNN's flattened LSTM weights use."""
+    out, seen = {}, set()
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
 def save_checkpoint(out_dir: str, step: int, model: nn.Module, meta: dict,
                     optimizer: torch.optim.Optimizer | None = None, keep: int = 2) -> str:
     """Write ``out_dir/step-XXXXXX`` atomically, point ``out_dir/latest`` at it, keep the newest ``keep``."""
@@ -118,8 +131,7 @@ def save_checkpoint(out_dir: str, step: int, model: nn.Module, meta: dict,
     final = os.path.join(out_dir, name)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=out_dir)
     try:
-        # save_model drops the duplicates of tied tensors (safetensors refuses shared storage)
-        st.save_model(model, os.path.join(tmp, "model.safetensors"))
+        st.save_file(_weights(model), os.path.join(tmp, "model.safetensors"))
         state = rng_tensors()
         meta = dict(meta, step=step)
         if optimizer is not None:
