@@ -245,6 +245,9 @@ def _train(cfg: TrainConfig, model_config, ctx: DistContext, stop_at: int | None
     start_step, history, evals = 0, [], []
     meta = state = None
     if cfg.resume:
+        if cfg.out == TrainConfig.out:  # no --out given: keep writing into the resumed run
+            run_dir = os.path.abspath(cfg.resume)
+            cfg.out = os.path.dirname(run_dir) if os.path.isfile(os.path.join(run_dir, "meta.json")) else run_dir
         meta, weights, state = load_checkpoint(cfg.resume)
         model = build_model(meta["model_kind"], meta["model_config"])
         load_model_weights(model, weights)
