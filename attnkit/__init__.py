@@ -37,6 +37,8 @@ from .masks import (
     from_key_padding_mask,
 )
 from .registry import Backend, get_backend, list_backends, register_backend
+from .cache import DynamicLayerCache, KVCache, SlidingWindowLayerCache, StateCache, StaticLayerCache
+from .generation import generate
 
 __version__ = "0.1.0"
 
@@ -64,4 +66,10 @@ __all__ = [
     "list_backends",
     "get_backend",
     "register_backend",
+    "KVCache",
+    "DynamicLayerCache",
+    "StaticLayerCache",
+    "SlidingWindowLayerCache",
+    "StateCache",
+    "generate",
 ]

@@ -18,7 +18,7 @@ Layer caches:
 
 * :class:`DynamicLayerCache` — grows by concatenation; any batch/length.
 * :class:`StaticLayerCache` — preallocated ``(B, Hkv, max_len, D)`` buffers written in place;
-  no reallocation while decoding (compile-friendly, fastest on CPU).
+  no reallocation while decoding (fastest on CPU; see benchmarks/bench_decode.py).
 * :class:`SlidingWindowLayerCache` — a ring buffer of the last ``window`` keys, each slot tagged
   with its absolute position (:meth:`~SlidingWindowLayerCache.positions`). ``update`` returns the
   retained keys in chronological order (one ``cat`` that also unrolls the ring), so they are
@@ -92,6 +92,12 @@ class LayerCache:
         if self.cross_kv is not None:
             self.cross_kv = tuple(t.index_select(0, index.to(t.device)) for t in self.cross_kv)
 
+    def _select_rows(self, index: Tensor) -> None:
+        """Replace ``self.k``/``self.v`` (when allocated) by their batch rows ``index``."""
+        if getattr(self, "k", None) is not None:
+            index = _check_index(index, self.k.shape[0]).to(self.k.device)
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
     def _check_crop(self, length: int) -> None:
         if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self.seq_len:
             raise ValueError(f"length: expected an int in [0, seq_len={self.seq_len}], got {length!r}.")
@@ -132,9 +138,7 @@ class DynamicLayerCache(LayerCache):
 
     def reorder(self, index):
         super().reorder(index)
-        if self.k is not None:
-            index = _check_index(index, self.k.shape[0]).to(self.k.device)
-            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+        self._select_rows(index)
 
 
 class StaticLayerCache(LayerCache):
@@ -188,7 +192,9 @@ class StaticLayerCache(LayerCache):
         if self.k is not None:
             index = _check_index(index, self.k.shape[0]).to(self.k.device)
             if index.numel() != self.k.shape[0]:
-                raise ValueError(f"index: a static cache keeps its batch size {self.k.shape[0]}, got {index.numel()} rows.")
+                raise ValueError(
+                    f"index: a static cache keeps its batch size {self.k.shape[0]}, got {index.numel()} rows."
+                )
             self.k.copy_(self.k.index_select(0, index))
             self.v.copy_(self.v.index_select(0, index))
 
@@ -268,9 +274,7 @@ class SlidingWindowLayerCache(LayerCache):
 
     def reorder(self, index):
         super().reorder(index)
-        if self.k is not None:
-            index = _check_index(index, self.k.shape[0]).to(self.k.device)
-            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+        self._select_rows(index)
 
 
 class StateCache(LayerCache):
@@ -290,7 +294,9 @@ class StateCache(LayerCache):
         self.state = make_state()
         for name in ("step", "reset"):
             if not callable(getattr(self.state, name, None)):
-                raise TypeError(f"make_state(): the state must have a {name}() method, got {type(self.state).__name__}.")
+                raise TypeError(
+                    f"make_state(): the state must have a {name}() method, got {type(self.state).__name__}."
+                )
 
     @classmethod
     def recurrent(cls, backend: str, head_dim: int, *, options=None, scale: float | None = None) -> StateCache:
@@ -316,7 +322,9 @@ class StateCache(LayerCache):
     def crop(self, length):
         self._check_crop(length)
         if length != self.seq_len:
-            raise ValueError("StateCache cannot crop: a recurrent state cannot forget tokens. Fix: reset() and re-feed.")
+            raise ValueError(
+                "StateCache cannot crop: a recurrent state cannot forget tokens. Fix: reset() and re-feed."
+            )
 
     def reorder(self, index):
         super().reorder(index)
@@ -347,8 +355,15 @@ class KVCache:
         return cls([SlidingWindowLayerCache(window) for _ in range(num_layers)])
 
     @classmethod
+    def recurrent(cls, num_layers: int, backend: str, head_dim: int, *, options=None) -> KVCache:
+        """One :class:`StateCache` per layer for a linear-attention model (``backend`` ``"linear"``
+        or ``"performer"``, with the model's ``backend_options``)."""
+        return cls([StateCache.recurrent(backend, head_dim, options=options) for _ in range(num_layers)])
+
+    @classmethod
     def create(cls, kind: str, num_layers: int, *, max_len: int | None = None, window: int | None = None) -> KVCache:
-        """``kind`` is ``"dynamic"``, ``"static"`` (needs ``max_len``) or ``"sliding_window"`` (needs ``window``)."""
+        """``kind`` is ``"dynamic"``, ``"static"`` (needs ``max_len``) or ``"sliding_window"`` (needs
+        ``window``); recurrent caches come from :meth:`recurrent`."""
         if kind == "dynamic":
             return cls.dynamic(num_layers)
         if kind == "static":
@@ -359,7 +374,7 @@ class KVCache:
             if window is None:
                 raise ValueError("window: a sliding-window cache needs window (the attention window).")
             return cls.sliding_window(num_layers, window)
-        raise ValueError(f"kind: expected 'dynamic', 'static' or 'sliding_window', got {kind!r}.")
+        raise ValueError(f"kind: expected 'dynamic', 'static', 'sliding_window' or 'recurrent', got {kind!r}.")
 
     @property
     def seq_len(self) -> int:

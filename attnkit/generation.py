@@ -60,9 +60,11 @@ def _check_args(model, input_ids, max_new_tokens, temperature, top_k, top_p, rep
 
     if not isinstance(model, (GPT, EncoderDecoder)):
         raise TypeError(f"model: expected an attnkit GPT or EncoderDecoder, got {type(model).__name__}.")
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.shape[1] == 0:
+    if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point
+            or input_ids.shape[1] == 0):
+        got = getattr(input_ids, "shape", type(input_ids).__name__)
         raise ValueError(
-            f"input_ids: expected a non-empty integer tensor (B, P), got {getattr(input_ids, 'shape', type(input_ids).__name__)}. "
+            f"input_ids: expected a non-empty integer tensor (B, P), got {got}. "
             "Fix: a single prompt is input_ids[None]."
         )
     _check_positive_int("max_new_tokens", max_new_tokens)
@@ -74,9 +76,12 @@ def _check_args(model, input_ids, max_new_tokens, temperature, top_k, top_p, rep
         raise ValueError(f"top_p: expected a float in (0, 1], got {top_p!r}.")
     if not isinstance(repetition_penalty, (int, float)) or repetition_penalty <= 0:
         raise ValueError(f"repetition_penalty: expected a float > 0 (1 = off), got {repetition_penalty!r}.")
-    if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape):
+    if attention_mask is not None and (
+        not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape
+    ):
         raise ValueError(
-            f"attention_mask: expected shape {tuple(input_ids.shape)} like input_ids (1 = token, 0 = left padding), got "
+            f"attention_mask: expected shape {tuple(input_ids.shape)} like input_ids (1 = token, 0 = left padding), "
+            "got "
             f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}."
         )
     return isinstance(model, EncoderDecoder)
@@ -85,13 +90,15 @@ def _check_args(model, input_ids, max_new_tokens, temperature, top_k, top_p, rep
 def _make_cache(model, cache, max_len: int) -> KVCache:
     if isinstance(cache, KVCache):
         if cache.seq_len:
-            raise ValueError(f"cache: expected an empty cache, got one holding {cache.seq_len} tokens. Fix: cache.reset().")
+            raise ValueError(
+                f"cache: expected an empty cache, got one holding {cache.seq_len} tokens. Fix: cache.reset()."
+            )
         return cache
-    if cache == "sliding_window":
-        return model.make_cache("sliding_window")
+    if cache in ("sliding_window", "recurrent"):
+        return model.make_cache(cache)
     if cache in ("static", "dynamic"):
         return model.make_cache(cache, max_len=max_len)
-    raise ValueError(f"cache: expected 'static', 'dynamic', 'sliding_window' or a KVCache, got {cache!r}.")
+    raise ValueError(f"cache: expected 'static', 'dynamic', 'sliding_window', 'recurrent' or a KVCache, got {cache!r}.")
 
 
 @torch.no_grad()
@@ -117,17 +124,20 @@ def stream(
     ``stop_tokens`` yields ``pad_token_id`` afterwards; the stream ends when every row stopped.
     ``temperature=0`` is greedy; otherwise tokens are sampled (``generator`` for reproducibility).
     ``cache``: ``"static"`` (default, fastest), ``"dynamic"``, ``"sliding_window"`` (models with
-    ``sliding_window``) or an empty :class:`KVCache`. ``attention_mask (B, P)``: 1 = token,
-    0 = left padding. For an :class:`EncoderDecoder`, ``input_ids`` is the source and decoding
-    starts from ``decoder_start_token``."""
-    seq2seq = _check_args(model, input_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, attention_mask)
+    ``sliding_window``), ``"recurrent"`` (linear-attention models) or an empty :class:`KVCache`.
+    ``attention_mask (B, P)``: 1 = token, 0 = left padding. For an :class:`EncoderDecoder`,
+    ``input_ids`` is the source and decoding starts from ``decoder_start_token``."""
+    seq2seq = _check_args(model, input_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
+                          attention_mask)
     stop = torch.tensor(sorted(set(stop_tokens or ())), dtype=torch.long, device=input_ids.device)
     B, P = input_ids.shape
     V = model.config.vocab_size
     device = input_ids.device
     if seq2seq:
         if decoder_start_token is None:
-            raise ValueError("decoder_start_token: an EncoderDecoder needs the token that starts the target (e.g. BOS).")
+            raise ValueError(
+                "decoder_start_token: an EncoderDecoder needs the token that starts the target (e.g. BOS)."
+            )
         memory = model.encode(input_ids, attention_mask=attention_mask)
         kv = _make_cache(model, cache, 1 + max_new_tokens)
         ids = torch.full((B, 1), decoder_start_token, dtype=torch.long, device=device)

@@ -11,7 +11,7 @@ from attnkit.cache import (
 )
 from attnkit.inputs import AttentionInputs
 from attnkit.nn import GPT, AttentionConfig, MultiHeadAttention, TransformerConfig
-from attnkit.registry import backends
+from attnkit.registry import list_backends as backends
 
 T, WINDOW = 37, 5
 KINDS = ["dynamic", "static", "sliding_window"]
@@ -239,3 +239,29 @@ def test_state_cache_with_recurrent_linear_attention():
         cache = StateCache.recurrent("linear", head_dim=4)
         out = torch.cat([mha(x[:, t : t + 1], mask=Causal(), cache=cache) for t in range(10)], 1)
     assert torch.allclose(out, full, atol=1e-4)
+
+
+def test_linear_attention_gpt_decodes_with_a_recurrent_cache():
+    pytest.importorskip("attnkit.recurrent")
+    model = _model(backend="linear", position="rope")
+    x = torch.randint(0, 50, (2, 12))
+    with torch.no_grad():
+        full = model(x)
+        out = _decode(model, x, model.make_cache("recurrent"), 3)
+    assert torch.allclose(out, full, atol=1e-4)
+    from attnkit.generation import generate
+
+    assert generate(model, x[:, :4], 5, cache="recurrent").shape == (2, 9)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bfloat16_decoding_is_as_accurate_as_the_full_forward(kind):
+    """flash-attn's rule on logits: |decode_bf16 - ref| <= 2 |full_bf16 - ref| + eps, ref = float64."""
+    model = _model(kind=kind)
+    x = torch.randint(0, 50, (2, 20))
+    with torch.no_grad():
+        ref = model.double()(x)
+        model = model.to(torch.bfloat16)
+        full = model(x).double()
+        out = _decode(model, x, model.make_cache(kind, max_len=20), 1).double()
+    assert (out - ref).abs().max() <= 2 * (full - ref).abs().max() + 1e-3

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit
-from attnkit.registry import backends
+from attnkit.registry import list_backends as backends
 from attnkit.nn import GPT, Encoder, EncoderDecoder, TransformerConfig, ViT, ViTConfig
 
 

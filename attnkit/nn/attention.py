@@ -67,7 +67,9 @@ class AttentionConfig:
                 "Fix: absolute (learned/sinusoidal) positions belong to the embeddings, not the attention layer."
             )
         if self.position == "rope" and self.cross_attention:
-            raise ValueError("AttentionConfig.position: RoPE applies to self-attention; use position='none' for cross-attention.")
+            raise ValueError(
+                "AttentionConfig.position: RoPE applies to self-attention; use position='none' for cross-attention."
+            )
 
     @property
     def kv_heads(self) -> int:
@@ -96,7 +98,9 @@ class MultiHeadAttention(nn.Module):
         else:
             self.qkv_proj = nn.Linear(config.embed_dim, (Hq + 2 * Hkv) * hd, bias=config.bias)
         self.out_proj = nn.Linear(Hq * hd, config.embed_dim, bias=config.bias)
-        self.rotary = RotaryEmbedding(hd, base=config.rope_base, rotary_dim=config.rotary_dim) if config.position == "rope" else None
+        self.rotary = None
+        if config.position == "rope":
+            self.rotary = RotaryEmbedding(hd, base=config.rope_base, rotary_dim=config.rotary_dim)
         slopes = alibi_slopes(Hq) if config.position == "alibi" else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)
 

@@ -36,7 +36,8 @@ def _positive(name: str, value, allow_none: bool = False) -> None:
     if allow_none and value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"TransformerConfig.{name}: expected a positive int{' or None' if allow_none else ''}, got {value!r}.")
+        expected = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"TransformerConfig.{name}: expected {expected}, got {value!r}.")
 
 
 @dataclass
@@ -78,7 +79,9 @@ class TransformerConfig:
         for name in ("num_kv_heads", "ffn_dim", "head_dim", "sliding_window", "rotary_dim"):
             _positive(name, getattr(self, name), allow_none=True)
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"TransformerConfig.activation: expected one of {sorted(ACTIVATIONS)}, got {self.activation!r}.")
+            raise ValueError(
+                f"TransformerConfig.activation: expected one of {sorted(ACTIVATIONS)}, got {self.activation!r}."
+            )
         if self.position not in self._positions():
             raise ValueError(f"TransformerConfig.position: expected one of {self._positions()}, got {self.position!r}.")
         if self.norm not in ("layernorm", "rmsnorm"):
@@ -198,7 +201,9 @@ class DecoderLayer(_ResidualLayer):
                           lambda h: self.self_attn(h, mask=mask, bias=bias, positions=positions, cache=cache))
         if self.cross_attn is not None:
             if memory is None and (cache is None or cache.cross_kv is None):
-                raise ValueError("memory: this decoder layer has cross-attention; pass the encoder output memory=(B, S, E).")
+                raise ValueError(
+                    "memory: this decoder layer has cross-attention; pass the encoder output memory=(B, S, E)."
+                )
             x = self.residual(x, self.norm3, lambda h: self.cross_attn(h, memory, mask=memory_mask, cache=cache))
         elif memory is not None:
             raise ValueError("memory: this decoder layer has no cross-attention (built with cross_attention=False).")

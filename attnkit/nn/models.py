@@ -19,7 +19,9 @@ from ..masks import Mask, Padding, as_mask
 from .layers import DecoderLayer, EncoderLayer, TransformerConfig, make_norm
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding, sinusoidal_2d
 
-__all__ = ["Embeddings", "Encoder", "Decoder", "GPT", "EncoderDecoder", "ViTConfig", "ViT", "positions_from_attention_mask"]
+__all__ = [
+    "Embeddings", "Encoder", "Decoder", "GPT", "EncoderDecoder", "ViTConfig", "ViT", "positions_from_attention_mask",
+]
 
 
 def init_weights(module: nn.Module, std: float) -> None:
@@ -47,7 +49,8 @@ def _check_attention_mask(attention_mask, batch: int, length: int, what: str) ->
     if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 or attention_mask.dtype.is_floating_point:
         raise TypeError(
             f"attention_mask: expected an integer or bool tensor (B, T) with 1 = token, 0 = padding, got "
-            f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)} {tuple(getattr(attention_mask, 'shape', ()))}."
+            f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)} "
+            f"{tuple(getattr(attention_mask, 'shape', ()))}."
         )
     if attention_mask.shape != (batch, length):
         raise ValueError(
@@ -105,7 +108,8 @@ class Embeddings(nn.Module):
 def _input_shape(input_ids, inputs_embeds) -> tuple[int, int, torch.device]:
     x = input_ids if input_ids is not None else inputs_embeds
     if not isinstance(x, Tensor) or x.dim() < 2:
-        raise ValueError(f"input_ids: expected a tensor (B, T) of token ids, got {getattr(x, 'shape', type(x).__name__)}.")
+        got = getattr(x, "shape", type(x).__name__)
+        raise ValueError(f"input_ids: expected a tensor (B, T) of token ids, got {got}.")
     return x.shape[0], x.shape[1], x.device
 
 
@@ -151,7 +155,10 @@ def _check_cache(cache, config: TransformerConfig) -> None:
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache: expected an attnkit.cache.KVCache, got {type(cache).__name__}.")
     if len(cache) != config.num_layers:
-        raise ValueError(f"cache: has {len(cache)} layers, the model has {config.num_layers}. Fix: KVCache.*(num_layers={config.num_layers}, ...).")
+        raise ValueError(
+            f"cache: has {len(cache)} layers, the model has {config.num_layers}. "
+            f"Fix: model.make_cache(...) or KVCache.dynamic({config.num_layers})."
+        )
     for layer in cache:
         if isinstance(layer, SlidingWindowLayerCache) and (
             config.sliding_window is None or layer.window < config.sliding_window
@@ -223,8 +230,13 @@ class GPT(_CausalStack):
         return (logits, hidden) if output_hidden_states else logits
 
     def make_cache(self, kind: str = "dynamic", *, max_len: int | None = None, window: int | None = None) -> KVCache:
-        """A :class:`KVCache` for this model: ``"dynamic"``, ``"static"`` (``max_len``) or
-        ``"sliding_window"`` (``window`` defaults to ``config.sliding_window``)."""
+        """A :class:`KVCache` for this model: ``"dynamic"``, ``"static"`` (``max_len``),
+        ``"sliding_window"`` (``window`` defaults to ``config.sliding_window``) or ``"recurrent"``
+        (a linear-attention model: ``config.backend`` is ``"linear"`` or ``"performer"``)."""
+        if kind == "recurrent":
+            cfg = self.config.attention_config()
+            return KVCache.recurrent(self.config.num_layers, self.config.backend, cfg.dim_per_head,
+                                     options=self.config.backend_options)
         window = self.config.sliding_window if window is None else window
         return KVCache.create(kind, self.config.num_layers, max_len=max_len, window=window)
 

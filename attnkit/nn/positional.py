@@ -107,7 +107,8 @@ class RotaryEmbedding(nn.Module):
         """``cos, sin`` of shape ``(T, rotary_dim)`` or ``(B, 1, T, rotary_dim)`` (computed in fp32)."""
         positions = _check_positions(positions)
         half = self.rotary_dim // 2
-        inv_freq = self.base ** (-torch.arange(half, device=positions.device, dtype=torch.float32) * 2 / self.rotary_dim)
+        exponents = torch.arange(half, device=positions.device, dtype=torch.float32) * 2 / self.rotary_dim
+        inv_freq = self.base ** (-exponents)
         angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., T, half)
         angles = torch.cat([angles, angles], dim=-1)  # (..., T, rotary_dim)
         if positions.dim() == 2:
@@ -119,7 +120,9 @@ class RotaryEmbedding(nn.Module):
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
             raise ValueError(f"x: expected (B, H, T, D={self.head_dim}), got {tuple(x.shape)}.")
         if positions.shape[-1] != x.shape[2]:
-            raise ValueError(f"positions: expected {x.shape[2]} positions (one per token), got shape {tuple(positions.shape)}.")
+            raise ValueError(
+                f"positions: expected {x.shape[2]} positions (one per token), got shape {tuple(positions.shape)}."
+            )
         cos, sin = self.cos_sin(positions, x.dtype)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         x1, x2 = rot.chunk(2, dim=-1)
