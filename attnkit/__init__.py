@@ -18,6 +18,7 @@ Tour::
     out = attnkit.attention(q, k, v, mask=keep & attnkit.Causal().materialize(128, 128))
 """
 
+from .approximation import approximation_error
 from .dispatch import NoBackendError, explain, use_backend
 from .functional import attention, attention_weights
 from .inputs import AttentionInputs
@@ -36,6 +37,7 @@ from .masks import (
     as_mask,
     from_key_padding_mask,
 )
+from .recurrent import RecurrentState
 from .registry import Backend, get_backend, list_backends, register_backend
 from .cache import DynamicLayerCache, KVCache, SlidingWindowLayerCache, StateCache, StaticLayerCache
 from .generation import generate
@@ -66,6 +68,8 @@ __all__ = [
     "list_backends",
     "get_backend",
     "register_backend",
+    "approximation_error",
+    "RecurrentState",
     "KVCache",
     "DynamicLayerCache",
     "StaticLayerCache",
