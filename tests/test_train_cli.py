@@ -87,9 +87,20 @@ def test_int8_quantization_and_distillation(tmp_path, text):
     x = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(qmodel(x), model(x), atol=0.15, rtol=0.1)
 
+    assert main(["generate", teacher_out, "--quantize", "int8", "--max-new-tokens", "4", "--prompt", "all"]) == 0
+
     student = train(tiny_train_config(tmp_path / "student", data=text, steps=4, distill_from=teacher_out),
                     tiny_gpt_config(num_layers=1, embed_dim=16))
     d = student["distill"]
     assert d["student_params"] < d["teacher_params"] and d["student_bytes"] < d["teacher_bytes"]
     assert d["teacher_loss"] == pytest.approx(teacher["eval"]["loss"], rel=1e-5)
     assert d["student_loss"] > 0
+
+
+def test_lstm_baseline_trains_and_samples_on_text(tmp_path, text, capsys):
+    out = str(tmp_path / "lstm")
+    assert main(["train", "--model", "lstm", "--data", text, "--out", out, "--lstm-hidden-dim", "16",
+                 "--lstm-embed-dim", "8", "--lstm-num-layers", "1", *TINY]) == 0
+    assert "sample:" in capsys.readouterr().out
+    model, meta = load_model(out)
+    assert meta["model_kind"] == "lstm" and model.config.hidden_dim == 16
