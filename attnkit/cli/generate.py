@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..train.loop import TrainConfig, load_data, load_model
 
+    if args.quantize == "int8" and args.device != "cpu":
+        raise SystemExit(f"generate: --quantize int8 runs on the CPU (dynamic int8 kernels); got --device {args.device}. "
+                         f"Drop --device or use --device cpu.")
     model, meta = load_model(args.checkpoint, args.device)
     if meta["model_kind"] != "gpt":
         raise SystemExit(f"generate: {args.checkpoint!r} holds a {meta['model_kind']!r} model; generate needs a GPT.")
