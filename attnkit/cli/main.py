@@ -9,6 +9,7 @@ import importlib
 COMMANDS = {
     "info": "info",
     "demo": "demo",
+    "embed": "embed",
     "train": "train",
     "generate": "generate",
 }
