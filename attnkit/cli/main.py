@@ -12,6 +12,8 @@ COMMANDS = {
     "demo": "demo",
     "embed": "embed",
     "bench": "bench",
+    "train": "train",
+    "generate": "generate",
 }
 
 
