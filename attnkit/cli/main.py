@@ -9,6 +9,9 @@ import importlib
 COMMANDS = {
     "info": "info",
     "demo": "demo",
+    "embed": "embed",
+    "train": "train",
+    "generate": "generate",
 }
 
 

@@ -136,7 +136,9 @@ class Encoder(nn.Module):
             positions = torch.arange(T, device=device)
         full_mask = _and(None, mask)
         if attention_mask is not None:
-            full_mask = _and(full_mask, Padding(_check_attention_mask(attention_mask, B, T, "T")))
+            valid = _check_attention_mask(attention_mask, B, T, "T")
+            if not bool(valid.all()):  # no padding, no mask: backends keep their unmasked fast path (as HF)
+                full_mask = _and(full_mask, Padding(valid))
         x = self.embed(input_ids, positions=positions, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids)
         hidden = [x]
         for layer in self.layers:

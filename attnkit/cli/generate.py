@@ -1,0 +1,78 @@
+"""Stream text from a trained checkpoint with the KV cache and the sampling options.
+
+Examples:
+  python -m attnkit generate runs/attnkit --prompt "ROMEO." --max-new-tokens 300 --temperature 0.8 --top-k 40
+  python -m attnkit generate runs/attnkit --quantize int8        # int8 linear layers; reports speedup and loss
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from ..train.data import decode, encode
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("checkpoint", help="run directory of `attnkit train` (its latest checkpoint) or a step-* dir")
+    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate")
+    parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (0 = greedy)")
+    parser.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL-style penalty (1 = off)")
+    parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic", help="KV cache kind")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quantize", choices=("none", "int8"), default="none",
+                        help="int8: dynamic int8 linear layers (CPU); prints speedup and eval-loss change first")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..train.loop import TrainConfig, load_data, load_model
+
+    if args.quantize == "int8" and args.device != "cpu":
+        raise SystemExit(f"generate: --quantize int8 runs on the CPU (dynamic int8 kernels); got --device {args.device}. "
+                         f"Drop --device or use --device cpu.")
+    model, meta = load_model(args.checkpoint, args.device)
+    if meta["model_kind"] != "gpt":
+        raise SystemExit(f"generate: {args.checkpoint!r} holds a {meta['model_kind']!r} model; generate needs a GPT.")
+    if args.quantize == "int8":
+        from ..train.deploy import quantize_int8, quantize_report
+
+        tc = meta["train_config"]
+        cfg = TrainConfig(**{k: v for k, v in tc.items() if k in TrainConfig.__dataclass_fields__})
+        quantize_report(model, load_data(cfg.data), cfg, log=lambda m: print(m, file=sys.stderr))
+        model = quantize_int8(model)
+    ids = encode(args.prompt)[None].to(args.device)
+    sys.stdout.write(args.prompt)
+    pending = b""
+    for token in _token_stream(model, ids, args):
+        pending += bytes([int(token) % 256])
+        text = pending.decode("utf-8", errors="ignore")
+        if text:  # print whole characters as soon as their bytes are complete
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            pending = b""
+    sys.stdout.write(decode(pending) + "\n")
+    return 0
+
+
+def _token_stream(model, ids, args):
+    from ..generation import stream
+
+    budget = args.max_new_tokens
+    config = model.config
+    if config.position == "learned" and ids.shape[1] + budget > config.max_len:
+        budget = max(config.max_len - ids.shape[1], 0)
+        print(f"(learned positions end at max_len={config.max_len}: generating {budget} tokens)", file=sys.stderr)
+    if budget == 0:
+        return
+    generator = torch.Generator(device=ids.device).manual_seed(args.seed)
+    for token in stream(model, ids, budget, temperature=args.temperature, top_k=args.top_k or None,
+                        top_p=args.top_p if args.top_p < 1.0 else None, repetition_penalty=args.repetition_penalty,
+                        cache=args.cache, generator=generator):
+        yield token[0]

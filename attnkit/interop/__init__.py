@@ -1,0 +1,33 @@
+"""Loading and exporting other libraries' weights, and attnkit inside Hugging Face ``transformers``.
+
+Everything here needs the ``hf`` extra (``pip install 'attnkit[hf]'``: transformers, safetensors,
+tokenizers); importing this package does not, the functions raise ``ImportError`` naming the extra.
+
+* :func:`load_bert` — a BERT-family model directory (``config.json`` + ``model.safetensors``) into
+  an attnkit :class:`~attnkit.nn.models.Encoder`; :func:`embed_sentences` — mean-pooled, normalized
+  sentence embeddings (sentence-transformers' pipeline).
+* :func:`gpt2_from_hf` — a ``GPT2LMHeadModel`` (or its state dict + config) into an attnkit ``GPT``.
+* :func:`save_pretrained` / :func:`load_pretrained` — attnkit weights as safetensors + config JSON.
+* :func:`register_hf_attention` — ``attn_implementation="attnkit"`` in ``transformers``.
+"""
+
+from .bert import bert_config_from_hf, embed_sentences, load_bert, load_bert_state_dict
+from .export import load_pretrained, save_pretrained
+from .gpt2 import gpt2_config_from_hf, gpt2_from_hf, load_gpt2_state_dict
+from .hf_attention import HFMask, attnkit_attention_forward, attnkit_mask, register_hf_attention
+
+__all__ = [
+    "load_bert",
+    "load_bert_state_dict",
+    "bert_config_from_hf",
+    "embed_sentences",
+    "gpt2_from_hf",
+    "gpt2_config_from_hf",
+    "load_gpt2_state_dict",
+    "save_pretrained",
+    "load_pretrained",
+    "register_hf_attention",
+    "attnkit_attention_forward",
+    "attnkit_mask",
+    "HFMask",
+]

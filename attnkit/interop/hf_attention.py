@@ -1,0 +1,234 @@
+"""attnkit as an attention implementation inside Hugging Face ``transformers``.
+
+After :func:`register_hf_attention` (done on first use by the ``attn_implementation="attnkit"``
+helpers below, or call it yourself)::
+
+    model = AutoModel.from_pretrained(path, attn_implementation="attnkit")
+    with attnkit.use_backend("tiled"):        # or model.config.attnkit_backend = "tiled"
+        out = model(**batch)
+
+HF's model code then calls :func:`attnkit_attention_forward` for every attention layer, which runs
+:func:`attnkit.attention` on the backend ``auto`` (or your choice) picks.
+
+Two registrations are needed, because transformers builds masks separately from attention:
+
+* ``AttentionInterface.register("attnkit", attnkit_attention_forward)`` — the attention itself.
+* ``AttentionMaskInterface.register("attnkit", attnkit_mask)`` — without a mask function of its own
+  transformers passes *no* mask to an unknown implementation. :func:`attnkit_mask` hands over an
+  :class:`HFMask`: the pattern HF asked for, recognized as a structured attnkit mask (``Causal()``,
+  ``SlidingWindow(left, right)``, nothing) when it is one — so tiled and sliding-window backends can
+  skip masked tiles — combined with the padding (``KeyPadding`` for right padding, else a
+  ``(B, 1, 1, Tk)`` ``Dense``), plus the absolute offsets of the call (static caches keep keys past
+  the current position, so the default bottom-right alignment would be wrong). A pattern it cannot
+  recognize (chunked, packed, blockwise, vmap'ed custom functions) becomes a ``Dense`` of HF's own
+  boolean mask, which is exact on every backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..functional import attention
+from ..masks import And, Causal, Dense, KeyPadding, Mask, Padding, SlidingWindow
+from ._deps import require
+
+__all__ = ["HFMask", "attnkit_mask", "attnkit_attention_forward", "register_hf_attention", "NAME"]
+
+NAME = "attnkit"
+
+
+@dataclass(frozen=True)
+class HFMask:
+    """What :func:`attnkit_mask` gives HF's model code to pass on to the attention layers.
+
+    ``mask`` is an attnkit mask (None = attend everywhere); queries sit at absolute positions
+    ``q_offset ..`` and keys at ``kv_offset ..``. ``shape`` is the ``(B, 1, Tq, Tk)`` HF expects of
+    a 4-D mask."""
+
+    mask: Mask | None
+    q_offset: int
+    kv_offset: int
+    shape: tuple[int, int, int, int]
+
+    @property
+    def ndim(self) -> int:
+        return 4
+
+    def contiguous(self) -> HFMask:  # generate() calls it on the masks it prepares for static caches
+        return self
+
+
+def _offset(value) -> int:
+    return int(value.item()) if isinstance(value, Tensor) else int(value)
+
+
+def _recognize(pattern: Tensor, q_pos: Tensor, kv_pos: Tensor) -> tuple[bool, Mask | None]:
+    """``(True, mask)`` when the ``(Tq, Tk)`` boolean ``pattern`` equals a structured mask over the
+    absolute positions ``q_pos`` (Tq,) and ``kv_pos`` (Tk,, consecutive): nothing (``None``),
+    ``Causal()`` or ``SlidingWindow(left, right)``; ``(False, None)`` otherwise.
+
+    Works row by row (first kept key, count of kept keys), so it needs no (Tq, Tk) tensor beyond
+    the pattern itself: a band is one contiguous run per row at the bounds the window predicts."""
+    Tk = pattern.shape[1]
+    counts = pattern.sum(-1)  # (Tq,) kept keys per query
+    rows = counts > 0
+    if not bool(rows.any()):
+        return False, None
+    as_bytes = pattern.to(torch.uint8)
+    first = as_bytes.argmax(-1)  # index of the first kept key (0 for empty rows)
+    kv0 = int(kv_pos[0])
+    left = int((q_pos - kv0 - first)[rows].max())  # farthest kept key before its query
+    right = int((kv0 + first + counts - 1 - q_pos)[rows].max())  # farthest kept key after it
+    if left < 0 or right < 0:
+        return False, None
+    lo = (q_pos - left - kv0).clamp(0, Tk)  # the band's first key index per row
+    hi = (q_pos + right - kv0).clamp(-1, Tk - 1)  # and its last
+    expected = (hi - lo + 1).clamp(min=0)
+    last = Tk - 1 - as_bytes.flip(-1).argmax(-1)  # index of the last kept key
+    contiguous = torch.equal((last - first + 1)[rows], counts[rows])  # one run per row, no holes
+    if not (contiguous and torch.equal(expected, counts) and torch.equal(first[rows], lo[rows])):
+        return False, None
+    left_bound = None if left >= int(q_pos.max()) - kv0 else left
+    right_bound = None if right >= int(kv_pos[-1] - q_pos.min()) else right
+    if left_bound is None and right_bound is None:
+        return True, None
+    if left_bound is None and right_bound == 0:
+        return True, Causal()
+    return True, SlidingWindow(left_bound, right_bound)
+
+
+def _padding_mask(padding: Tensor | None, kv_offset: int, kv_length: int) -> Mask | None:
+    """HF's 2-D padding mask ``(B, >= kv_offset + Tk)`` over absolute key positions as an attnkit
+    mask: ``KeyPadding(lengths)`` when each row is ones then zeros (right padding), else ``Padding``."""
+    if padding is None:
+        return None
+    padding = padding[:, : kv_offset + kv_length].bool()
+    if bool(padding[:, kv_offset:].all()):
+        return None
+    lengths = padding.sum(-1)
+    positions = torch.arange(padding.shape[1], device=padding.device)
+    if torch.equal(positions[None, :] < lengths[:, None], padding):
+        return KeyPadding(lengths)
+    return Padding(padding)  # left padding or holes
+
+
+def attnkit_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: Tensor | None = None,
+    use_vmap: bool = False,
+    device: torch.device | str = "cpu",
+    **kwargs,
+) -> HFMask:
+    """The mask function for ``AttentionMaskInterface`` (same arguments as transformers' ``sdpa_mask``)."""
+    if isinstance(attention_mask, HFMask):  # generate() builds static-cache masks once and passes them back in
+        return attention_mask
+    masking = require("transformers.masking_utils", "attn_implementation='attnkit'")
+    if mask_function is None:
+        mask_function = masking.causal_mask_function
+    q_offset, kv_offset = _offset(q_offset), _offset(kv_offset)
+    shape = (batch_size, 1, q_length, kv_length)
+    padding = masking.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    q_pos = torch.arange(q_length, device=device) + q_offset
+    kv_pos = torch.arange(kv_length, device=device) + kv_offset
+    recognized, structure = False, None
+    if not use_vmap:  # vmap'ed functions are not index-based: only sdpa_mask can evaluate them
+        b = torch.arange(batch_size, device=device).view(-1, 1, 1, 1)
+        h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+        pattern = mask_function(b, h, q_pos.view(1, 1, -1, 1), kv_pos.view(1, 1, 1, -1))
+        pattern = torch.as_tensor(pattern, device=device).expand(batch_size, 1, q_length, kv_length)
+        if bool((pattern == pattern[:1]).all()):  # the same for every batch element
+            recognized, structure = _recognize(pattern[0, 0], q_pos, kv_pos)
+    if not recognized:
+        keep = masking.sdpa_mask(
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+            mask_function=mask_function, attention_mask=attention_mask, allow_is_causal_skip=False,
+            allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device,
+        )
+        return HFMask(Dense(keep), q_offset, kv_offset, shape)
+    pad = _padding_mask(padding, kv_offset, kv_length)
+    parts = [m for m in (structure, pad) if m is not None]
+    mask = None if not parts else parts[0] if len(parts) == 1 else And(*parts)
+    return HFMask(mask, q_offset, kv_offset, shape)
+
+
+def attnkit_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: HFMask | Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    position_bias: Tensor | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """HF's attention-function signature on top of :func:`attnkit.attention`.
+
+    ``query (B, Hq, Tq, D)``, ``key``/``value (B, Hkv, Tk, D)`` (GQA heads unrepeated, attnkit is
+    native); returns ``((B, Tq, Hq, Dv), None)`` as HF expects (no attention weights).
+    The backend is ``module.config.attnkit_backend`` when set, else ``"auto"`` (which honours
+    :func:`attnkit.use_backend`)."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError(
+            f"attn_implementation='attnkit': softcap={kwargs['softcap']} is not supported. "
+            "Fix: use attn_implementation='eager' for logit soft-capping models."
+        )
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(
+            "attn_implementation='attnkit': attention sinks (s_aux) are not supported. Fix: use 'eager'."
+        )
+    Tq, Tk = query.shape[2], key.shape[2]
+    mask, bias, q_offset, kv_offset = None, position_bias, None, 0
+    if isinstance(attention_mask, HFMask):
+        if attention_mask.shape[2:] != (Tq, Tk):
+            raise ValueError(
+                f"attention_mask: an attnkit HFMask built for (Tq, Tk) = {attention_mask.shape[2:]}, but the layer "
+                f"got query length {Tq} and key length {Tk}. Fix: build masks with the model's own "
+                "create_*_mask helpers for this call."
+            )
+        mask, q_offset, kv_offset = attention_mask.mask, attention_mask.q_offset, attention_mask.kv_offset
+    elif isinstance(attention_mask, Tensor):
+        if attention_mask.dtype == torch.bool:
+            mask = Dense(attention_mask[..., :Tk])
+        else:  # an additive float mask (HF's eager convention): a bias
+            bias = attention_mask[..., :Tk] if bias is None else bias + attention_mask[..., :Tk]
+    elif attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if causal and Tq > 1:
+            # As transformers' sdpa: without a mask, causal means top-left aligned (an empty static
+            # cache's prefill), so keys past the last query are never seen.
+            key, value = key[:, :, :Tq], value[:, :, :Tq]
+            mask, q_offset = Causal(), 0
+    else:
+        raise TypeError(
+            f"attention_mask: expected an attnkit HFMask, a tensor or None, got {type(attention_mask).__name__}. "
+            "Fix: load the model with attn_implementation='attnkit' after register_hf_attention()."
+        )
+    config = getattr(module, "config", None)
+    backend = getattr(config, "attnkit_backend", None) or "auto"
+    out = attention(
+        query, key, value, mask=mask, bias=bias, scale=scaling, dropout_p=dropout,
+        q_offset=q_offset, kv_offset=kv_offset, backend=backend,
+    )
+    return out.transpose(1, 2).contiguous(), None  # (B, Tq, Hq, Dv)
+
+
+def register_hf_attention(name: str = NAME) -> str:
+    """Register attnkit with transformers' attention and mask interfaces under ``name``; returns it.
+
+    Idempotent. Afterwards ``from_pretrained(..., attn_implementation=name)`` and
+    ``model.set_attn_implementation(name)`` run HF's model code on attnkit backends."""
+    modeling = require("transformers.modeling_utils", "register_hf_attention")
+    masking = require("transformers.masking_utils", "register_hf_attention")
+    modeling.AttentionInterface.register(name, attnkit_attention_forward)
+    masking.AttentionMaskInterface.register(name, attnkit_mask)
+    return name

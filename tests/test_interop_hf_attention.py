@@ -1,0 +1,248 @@
+"""attn_implementation="attnkit": HF's own model code on attnkit backends equals eager / sdpa."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import attnkit  # noqa: E402
+from attnkit import Causal, Dense, KeyPadding, SlidingWindow
+from attnkit.masks import Padding  # noqa: E402
+from attnkit.interop import HFMask, attnkit_mask, register_hf_attention  # noqa: E402
+from attnkit.masks import And  # noqa: E402
+from attnkit.registry import list_backends as backends  # noqa: E402
+from transformers import masking_utils  # noqa: E402
+
+IMPLS = ("eager", "sdpa", "attnkit")
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    register_hf_attention()
+
+
+def exact_backends() -> list[str]:
+    return [name for name, impl in backends().items() if impl.exact and impl.available()]
+
+
+def run_all(model_cls, config, *, backend=None, **inputs):
+    """Output (first tensor) of the same random model under each attn_implementation."""
+    outs = {}
+    for impl in IMPLS:
+        torch.manual_seed(0)
+        model = model_cls(config).eval()
+        model.set_attn_implementation(impl)
+        with torch.no_grad(), attnkit.use_backend(backend) if backend and impl == "attnkit" else _null():
+            out = model(**inputs)
+        outs[impl] = out.logits if hasattr(out, "logits") else out[0]
+    return outs
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def tiny_bert():
+    return transformers.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=128)
+
+
+def batch(T=19, right=True):
+    torch.manual_seed(1)
+    ids = torch.randint(1, 100, (3, T))
+    am = torch.ones(3, T, dtype=torch.long)
+    if right:
+        am[1, T - 4 :] = 0
+        am[2, 6:] = 0
+    else:
+        am[1, :4] = 0
+        am[2, : T - 6] = 0
+    return ids, am
+
+
+def assert_close_on_tokens(outs, am):
+    keep = am.bool()  # padded query rows differ between HF's own implementations: compare real tokens
+    for impl in ("eager", "sdpa"):
+        err = (outs["attnkit"] - outs[impl])[keep].abs().max().item()
+        assert err <= ATOL, f"attnkit vs {impl}: {err}"
+
+
+@pytest.mark.parametrize("backend", exact_backends())
+def test_bert_padding_every_exact_backend(backend):
+    ids, am = batch(right=True)
+    try:
+        outs = run_all(transformers.BertModel, tiny_bert(), backend=backend, input_ids=ids, attention_mask=am)
+    except attnkit.NoBackendError as exc:
+        assert backend not in ("naive", "sdpa"), exc  # the reference backends run everything here
+        pytest.skip(f"{backend} cannot run this input: {exc}")
+    assert_close_on_tokens(outs, am)
+
+
+@pytest.mark.parametrize("backend", exact_backends())
+def test_gpt2_left_padding_every_exact_backend(backend):
+    ids, am = batch(right=False)
+    config = transformers.GPT2Config(vocab_size=100, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    try:
+        outs = run_all(transformers.GPT2LMHeadModel, config, backend=backend, input_ids=ids, attention_mask=am)
+    except attnkit.NoBackendError as exc:
+        assert backend not in ("naive", "sdpa"), exc
+        pytest.skip(f"{backend} cannot run this input: {exc}")
+    assert_close_on_tokens(outs, am)
+
+
+def mistral_config(window=5):
+    return transformers.MistralConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, sliding_window=window,
+                                      max_position_embeddings=128)
+
+
+@pytest.mark.parametrize("backend", exact_backends())
+def test_sliding_window_gqa_model_every_exact_backend(backend):
+    """Mistral (GQA, sliding window 5 over 19 tokens, left padding): the window reaches attnkit as a
+    structured SlidingWindow mask, so sliding-window backends can run it."""
+    ids, am = batch(right=False)
+    try:
+        outs = run_all(transformers.MistralForCausalLM, mistral_config(), backend=backend, input_ids=ids,
+                       attention_mask=am)
+    except attnkit.NoBackendError as exc:
+        assert backend not in ("naive", "sdpa"), exc
+        pytest.skip(f"{backend} cannot run this input: {exc}")
+    assert_close_on_tokens(outs, am)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_with_cache_matches_sdpa(cache):
+    config = mistral_config(window=4)
+    ids, am = batch(T=7, right=False)
+    tokens = {}
+    for impl in ("sdpa", "attnkit"):
+        torch.manual_seed(0)
+        model = transformers.MistralForCausalLM(config).eval()
+        model.set_attn_implementation(impl)
+        kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+        tokens[impl] = model.generate(ids, attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                                      **kwargs)
+    assert torch.equal(tokens["attnkit"], tokens["sdpa"])
+
+
+# -- the mask function ---------------------------------------------------------------------------
+
+
+def make(mask_function, attention_mask=None, B=2, Tq=6, Tk=6, q_offset=0, kv_offset=0):
+    return attnkit_mask(batch_size=B, q_length=Tq, kv_length=Tk, q_offset=q_offset, kv_offset=kv_offset,
+                        mask_function=mask_function, attention_mask=attention_mask)
+
+
+def assert_same_as_sdpa_mask(got: HFMask, mask_function, attention_mask=None, B=2, Tq=6, Tk=6, q_offset=0,
+                             kv_offset=0):
+    ref = masking_utils.sdpa_mask(batch_size=B, q_length=Tq, kv_length=Tk, q_offset=q_offset, kv_offset=kv_offset,
+                                  mask_function=mask_function, attention_mask=attention_mask,
+                                  allow_is_causal_skip=False)
+    if got.mask is None:
+        assert bool(ref.all())
+        return
+    keep = got.mask.materialize(Tq, Tk, q_offset=got.q_offset, kv_offset=got.kv_offset)
+    assert torch.equal(keep.expand(B, 1, Tq, Tk), ref)
+
+
+def test_mask_recognizes_structure():
+    causal = make(masking_utils.causal_mask_function)
+    assert causal.mask == Causal()
+    window = make(masking_utils.sliding_window_causal_mask_function(3), Tq=8, Tk=8)
+    assert window.mask == SlidingWindow(2, 0)
+    assert_same_as_sdpa_mask(window, masking_utils.sliding_window_causal_mask_function(3), Tq=8, Tk=8)
+    assert make(masking_utils.bidirectional_mask_function).mask is None
+    both = make(masking_utils.sliding_window_bidirectional_mask_function(2), Tq=8, Tk=8)
+    assert both.mask == SlidingWindow(2, 2)
+
+
+def test_mask_decode_step_and_static_cache_offsets():
+    # one query at position 5 over a static cache of 10 slots: keys 6..9 are empty slots
+    static = make(masking_utils.causal_mask_function, Tq=1, Tk=10, q_offset=5)
+    assert static.mask == Causal() and static.q_offset == 5 and static.kv_offset == 0
+    assert_same_as_sdpa_mask(static, masking_utils.causal_mask_function, Tq=1, Tk=10, q_offset=5)
+    # a decode step over a full dynamic cache hides nothing
+    assert make(masking_utils.causal_mask_function, Tq=1, Tk=10, q_offset=9).mask is None
+
+
+def test_mask_padding_kinds():
+    right = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]]).bool()
+    got = make(masking_utils.bidirectional_mask_function, right)
+    assert isinstance(got.mask, KeyPadding) and got.mask.lengths.tolist() == [6, 3]
+    left = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]]).bool()
+    got = make(masking_utils.causal_mask_function, left)
+    assert isinstance(got.mask, And) and Causal() in got.mask.parts
+    assert any(isinstance(p, Padding) for p in got.mask.parts)
+    assert_same_as_sdpa_mask(got, masking_utils.causal_mask_function, left)
+
+
+def test_mask_unrecognized_pattern_falls_back_to_hf_dense_mask():
+    chunked = masking_utils.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
+    got = make(chunked, Tq=8, Tk=8)
+    assert isinstance(got.mask, Dense)
+    assert_same_as_sdpa_mask(got, chunked, Tq=8, Tk=8)
+
+
+# -- backend choice ------------------------------------------------------------------------------
+
+
+def test_config_backend_is_used_and_checked():
+    ids, am = batch()
+    model = transformers.BertModel(tiny_bert()).eval()
+    model.set_attn_implementation("attnkit")
+    model.config.attnkit_backend = "no-such-backend"
+    with pytest.raises(ValueError, match="no-such-backend"):
+        model(input_ids=ids, attention_mask=am)
+
+
+def test_use_backend_scope_reaches_hf_layers(monkeypatch):
+    calls = []
+    naive = backends()["naive"]
+    original = naive.forward.__func__
+
+    def spy(cls, inp, options):
+        calls.append(type(inp.mask).__name__)
+        return original(cls, inp, options)
+
+    monkeypatch.setattr(naive, "forward", classmethod(spy))
+    ids, am = batch()
+    model = transformers.BertModel(tiny_bert()).eval()
+    model.set_attn_implementation("attnkit")
+    with torch.no_grad(), attnkit.use_backend("naive"):
+        model(input_ids=ids, attention_mask=am)
+    assert calls == ["KeyPadding", "KeyPadding"]  # two layers, right padding kept structured
+
+
+def test_softcap_is_refused():
+    from attnkit.interop import attnkit_attention_forward
+
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="softcap"):
+        attnkit_attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
+
+
+def test_mask_with_holes_is_not_taken_for_a_window():
+    def holes(b, h, q, kv):  # causal, but every third key hidden: same bounds as Causal, not a band
+        return (kv <= q) & (kv % 3 != 1)
+
+    got = make(holes, Tq=7, Tk=7)
+    assert isinstance(got.mask, Dense)
+    assert_same_as_sdpa_mask(got, holes, Tq=7, Tk=7)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 40])
+@pytest.mark.parametrize("Tq,Tk,q_offset,kv_offset", [(9, 9, 0, 0), (1, 12, 11, 0), (1, 12, 4, 0), (3, 6, 10, 7),
+                                                     (4, 20, 2, 0)])
+def test_mask_equals_sdpa_mask_for_windows_and_offsets(window, Tq, Tk, q_offset, kv_offset):
+    for fn in (masking_utils.sliding_window_causal_mask_function(window), masking_utils.causal_mask_function,
+               masking_utils.sliding_window_bidirectional_mask_function(window)):
+        got = make(fn, B=1, Tq=Tq, Tk=Tk, q_offset=q_offset, kv_offset=kv_offset)
+        assert not isinstance(got.mask, Dense), got.mask  # every one of these is a band
+        assert_same_as_sdpa_mask(got, fn, B=1, Tq=Tq, Tk=Tk, q_offset=q_offset, kv_offset=kv_offset)

@@ -1,0 +1,47 @@
+"""torchrun with 2 CPU processes (gloo) gives the losses of 1 process with the same global batch."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("safetensors")
+
+from attnkit.train import train  # noqa: E402
+
+from .train_helpers import read_losses, tiny_gpt_config, tiny_train_config  # noqa: E402
+
+MODEL_FLAGS = ["--embed-dim", "32", "--num-layers", "2", "--num-heads", "2", "--max-len", "64"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_process_ddp_matches_one_process(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(200)))
+    common = dict(data=str(text), steps=4, batch_size=4, seq_len=32, lr=1e-2, warmup_steps=1)
+    single = train(tiny_train_config(tmp_path / "one", **common), tiny_gpt_config())
+    flags = ["--data", str(text), "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--lr", "1e-2",
+             "--warmup-steps", "1", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
+             "--no-progress", "--device", "cpu", "--out", str(tmp_path / "two"), *MODEL_FLAGS]
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "attnkit", "train", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert '"world": 2' in proc.stdout
+    two = read_losses(tmp_path / "two")
+    one = [r["loss"] for r in single["history"]]
+    assert len(two) == len(one) == 4
+    assert one[-1] < one[0]  # it learns, so the comparison is about training, not initialisation
+    assert two == pytest.approx(one, rel=1e-5)
+    # rank 0 alone wrote the checkpoint
+    assert sorted(d for d in os.listdir(tmp_path / "two") if d.startswith("step-")) == ["step-000004"]
