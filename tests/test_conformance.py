@@ -19,6 +19,7 @@ import torch
 import attnkit
 from attnkit import Causal, Custom, Document, KeyPadding, SlidingWindow
 from attnkit.inputs import AttentionInputs
+from attnkit.patterns import BlockSparse
 
 from .reference import flash_rule_ok, max_error, reference_attention
 
@@ -74,6 +75,8 @@ MASKS = {
     "Custom": lambda s: Custom(lambda b, h, q, k: (q - k) % 3 != 1, name="mod3"),
     "Causal&KeyPadding": lambda s: Causal() & KeyPadding([s.Tk] + [max(1, s.Tk // 2)] * (s.B - 1)),
     "SlidingWindow|Document": lambda s: SlidingWindow(4, 0) | Document(_doc_ids(s.B, max(s.Tq, s.Tk))),
+    "BigBird": lambda s: BlockSparse.bigbird(-(-max(s.Tq, s.Tk) // 16), 16, seed=3),
+    "Strided": lambda s: BlockSparse.strided(-(-max(s.Tq, s.Tk) // 16), 16, stride=3),
 }
 
 
@@ -107,7 +110,7 @@ def _skip_unless_supported(backend, qkv, **kwargs):
 
 
 # Long shapes run with the masks whose structure differs most; every mask runs on the others.
-LONG_MASKS = ("none", "Causal", "Causal&KeyPadding")
+LONG_MASKS = ("none", "Causal", "Causal&KeyPadding", "BigBird")
 CASES = [
     (shape, mask_name)
     for shape in SHAPES
