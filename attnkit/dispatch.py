@@ -30,11 +30,11 @@ _SCOPED: ContextVar[tuple[str, ...] | None] = ContextVar("attnkit_backend", defa
 # whole (Tq, Tk) mask costs more memory than a tiled one: 2**26 bool elements = 64 MiB.
 # The benchmark issue replaces these constants with per-machine measured crossovers.
 MATERIALIZE_LIMIT = 2**26
-# From this many scores per head (Tq*Tk), a structured sparse backend (sliding_window, block_sparse)
-# that skips the masked-out work beats SDPA over the materialized mask (about 512 x 512 on CPU).
-SPARSE_MIN_SCORES = 2**18
-# Structured backends, tried in this order; each lists a reason against masks it cannot use.
-STRUCTURED = ("sliding_window", "block_sparse")
+# Structured backends (tried in this order) and the score count per head (Tq * Tk) from which
+# they beat SDPA's materialized-mask path when no calibration exists. Measured forward, fp32 and
+# bf16, B=1, H=4, D=64 (window 256, BigBird blocks of 64) by `attnkit bench` on a 2-core CPU:
+# sliding_window wins from n = 2048, block_sparse from n = 4096 (docs/bench/report.md).
+STRUCTURED_MIN_SCORES = {"sliding_window": 2048**2, "block_sparse": 4096**2}
 
 
 class NoBackendError(ValueError):
@@ -58,7 +58,8 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
 
     1. SDPA first: PyTorch's fused kernels are the fastest exact path for dense and causal masks.
     2. A structured sparse mask (a finite band, a BlockSparse layout) over at least
-       SPARSE_MIN_SCORES scores per head goes to the backend that skips its masked-out work.
+       STRUCTURED_MIN_SCORES[backend] scores per head goes to the backend that skips its
+       masked-out work (each declines, with a reason, masks it cannot use).
     3. Any other mask SDPA would have to materialize over a large score matrix goes to ``tiled``,
        which evaluates the mask per tile (skipping EMPTY tiles) in O(Tq + Tk) memory.
     4. ``naive`` last: it runs everything (LSE, bias, dropout), but in O(Tq * Tk) memory.
@@ -75,8 +76,8 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
     if mask_needs_materializing(inp):
         if inp.B * inp.Hq * inp.Tq * inp.Tk > MATERIALIZE_LIMIT:
             preferred = ("tiled", "sdpa")
-        if inp.Tq * inp.Tk >= SPARSE_MIN_SCORES:
-            preferred = STRUCTURED + preferred  # they decline (with a reason) masks they cannot use
+        scores = inp.Tq * inp.Tk
+        preferred = tuple(name for name, n in STRUCTURED_MIN_SCORES.items() if scores >= n) + preferred
     return _order(preferred, tuple(list_backends()))
 
 

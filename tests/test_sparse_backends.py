@@ -93,9 +93,13 @@ def test_reasons_for_masks_they_cannot_use():
 
 
 def test_dispatch_sends_structured_masks_to_their_backend():
-    q = torch.randn(1, 2, 1024, 8)
+    # explain() reads shapes only: empty tensors at the measured crossovers cost nothing.
+    q = torch.empty(1, 2, 4096, 8)
     assert attnkit.explain(q, q, q, mask=longformer(64, [0])).chosen == "sliding_window"
-    assert attnkit.explain(q, q, q, mask=BlockSparse.bigbird(16, 64)).chosen == "block_sparse"
+    assert attnkit.explain(q, q, q, mask=BlockSparse.bigbird(64, 64)).chosen == "block_sparse"
+    mid = torch.empty(1, 2, 2048, 8)  # sliding_window's crossover, below block_sparse's
+    assert attnkit.explain(mid, mid, mid, mask=SlidingWindow(64, 64)).chosen == "sliding_window"
+    assert attnkit.explain(mid, mid, mid, mask=BlockSparse.bigbird(32, 64)).chosen != "block_sparse"
     assert attnkit.explain(q, q, q, mask=Causal()).chosen == "sdpa"
     assert attnkit.explain(q, q, q).chosen == "sdpa"
     small = torch.randn(1, 2, 64, 8)
@@ -106,6 +110,6 @@ def test_info_cli_explains_a_longformer_mask():
     from attnkit.cli.info import parse_mask
 
     mask = parse_mask("longformer:64,2")
-    q = torch.randn(1, 2, 1024, 8)
+    q = torch.empty(1, 2, 4096, 8)
     explanation = attnkit.explain(q, q, q, mask=mask)
     assert explanation.chosen == "sliding_window" and "BlockSparse" in str(explanation)
