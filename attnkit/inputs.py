@@ -78,26 +78,29 @@ class AttentionInputs:
         _check_tensor("q", q, "(B, Hq, Tq, D)")
         _check_tensor("k", k, "(B, Hkv, Tk, D)")
         _check_tensor("v", v, "(B, Hkv, Tk, Dv)")
+        # attention() runs per layer per token: read each tensor attribute once.
         B, Hq, Tq, D = q.shape
         Bk, Hkv, Tk, Dk = k.shape
-        if k.dtype != q.dtype or v.dtype != q.dtype:
+        Bv, Hv, Tv, Dv = v.shape
+        dtype, device = q.dtype, q.device
+        if k.dtype != dtype or v.dtype != dtype:
             raise TypeError(
                 f"q, k, v: expected one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}. Fix: cast them to one dtype."
             )
-        if k.device != q.device or v.device != q.device:
+        if k.device != device or v.device != device:
             raise ValueError(
                 f"q, k, v: expected one device, got q on {q.device}, k on {k.device}, v on {v.device}. "
                 "Fix: move them with .to(q.device)."
             )
-        if Bk != B or v.shape[0] != B:
+        if Bk != B or Bv != B:
             raise ValueError(
-                f"batch size: q has {B}, k has {Bk}, v has {v.shape[0]}; expected one batch size. "
+                f"batch size: q has {B}, k has {Bk}, v has {Bv}; expected one batch size. "
                 "Fix: broadcast with .expand() before the call."
             )
         if Dk != D:
             raise ValueError(f"head dim: q has D={D} but k has D={Dk}; expected q and k to share the head dim. "
                 "Fix: project q and k to the same width (v may differ).")
-        if v.shape[1] != Hkv or v.shape[2] != Tk:
+        if Hv != Hkv or Tv != Tk:
             raise ValueError(
                 f"v: expected shape (B, Hkv, Tk, Dv) with Hkv={Hkv}, Tk={Tk} like k, got {tuple(v.shape)}."
             )
@@ -106,9 +109,10 @@ class AttentionInputs:
                 f"heads: q has Hq={Hq} heads, k/v have Hkv={Hkv}; grouped-query attention needs Hq % Hkv == 0. "
                 f"Fix: use a number of key/value heads that divides {Hq}."
             )
-        for name, size in (("Tq (q.shape[2])", Tq), ("Tk (k.shape[2])", Tk), ("D (q.shape[3])", D), ("Dv (v.shape[3])", v.shape[3])):
-            if size == 0:
-                raise ValueError(f"{name}: expected at least 1, got 0. Fix: skip the call for empty inputs.")
+        if not (Tq and Tk and D and Dv):
+            for name, size in (("Tq (q.shape[2])", Tq), ("Tk (k.shape[2])", Tk), ("D (q.shape[3])", D), ("Dv (v.shape[3])", Dv)):
+                if size == 0:
+                    raise ValueError(f"{name}: expected at least 1, got 0. Fix: skip the call for empty inputs.")
         if scale is None:
             scale = D**-0.5 if D > 0 else 1.0
         elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
@@ -118,7 +122,8 @@ class AttentionInputs:
             raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}.")
         if not 0.0 <= dropout_p < 1.0:
             raise ValueError(f"dropout_p: expected a value in [0, 1), got {dropout_p}. Fix: use 0.0 for no dropout.")
-        _check_int("kv_offset", kv_offset, minimum=0)
+        if type(kv_offset) is not int or kv_offset < 0:
+            _check_int("kv_offset", kv_offset, minimum=0)
         if q_offset is None:
             q_offset = kv_offset + Tk - Tq  # bottom-right: the last query sees the last key
         else:
@@ -138,8 +143,8 @@ class AttentionInputs:
                     f"bias: expected a floating dtype (an additive score bias), got {bias.dtype}. "
                     "Fix: boolean masks go to mask=, not bias=."
                 )
-            if bias.device != q.device:
-                raise ValueError(f"bias: expected device {q.device} like q, got {bias.device}.")
+            if bias.device != device:
+                raise ValueError(f"bias: expected device {device} like q, got {bias.device}.")
             try:
                 shape = torch.broadcast_shapes(bias.shape, (B, Hq, Tq, Tk))
             except RuntimeError:

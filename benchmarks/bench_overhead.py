@@ -29,6 +29,8 @@ def median_time(stmt: str, env: dict, min_run_time: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds; the median ratio is reported")
+    parser.add_argument("--decode-repeats", type=int, default=30,
+                        help="interleaved rounds for the (microsecond-scale, noisier) decode case")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -45,18 +47,21 @@ def main() -> None:
                    is_causal=causal and Tq == Tk)
         direct = "F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)"
         ours = "attnkit.attention(q, k, v, mask=mask)"
-        min_run = 0.2 if Tq == 1 else 1.0
-        ratios, d_times, a_times = [], [], []
-        for _ in range(args.repeats):
+        min_run = 0.1 if Tq == 1 else 1.0
+        ratios, d_times, a_times, diffs = [], [], [], []
+        for _ in range(args.decode_repeats if Tq == 1 else args.repeats):
             d = median_time(direct, env, min_run)
             a = median_time(ours, env, min_run)
             d_times.append(d)
             a_times.append(a)
             ratios.append(a / d)
+            diffs.append(a - d)
         d, a = statistics.median(d_times), statistics.median(a_times)
         rows.append(dict(case=name, sdpa_us=d * 1e6, auto_us=a * 1e6, ratio=statistics.median(ratios),
-                         overhead_us=(a - d) * 1e6, backend=attnkit.explain(q, k, v, mask=env["mask"]).chosen))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; medians of {args.repeats} interleaved rounds")
+                         overhead_us=statistics.median(diffs) * 1e6,
+                         backend=attnkit.explain(q, k, v, mask=env["mask"]).chosen))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; medians of {args.repeats} interleaved rounds "
+          f"({args.decode_repeats} for decode); overhead = median of per-round differences")
     print(f"{'case':28s} {'backend':8s} {'SDPA us':>10s} {'auto us':>10s} {'ratio':>7s} {'overhead us':>12s}")
     for r in rows:
         print(f"{r['case']:28s} {r['backend']:8s} {r['sdpa_us']:10.1f} {r['auto_us']:10.1f} {r['ratio']:7.3f} "
