@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from . import calibration
 from .inputs import AttentionInputs
 from .masks import Causal
-from .registry import Backend, get_backend, list_backends
+from .registry import Backend, get_backend, list_backends, registered_names
 
 __all__ = ["NoBackendError", "select", "explain", "use_backend", "priority", "Explanation"]
 
@@ -71,14 +71,14 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
     """
     measured = calibration.preferred(inp)
     if measured is not None:
-        return _order(measured, tuple(list_backends()))
+        return _order(measured, registered_names())
     preferred: tuple[str, ...] = ("sdpa", "tiled")
     if mask_needs_materializing(inp):
         if inp.B * inp.Hq * inp.Tq * inp.Tk > MATERIALIZE_LIMIT:
             preferred = ("tiled", "sdpa")
         scores = inp.Tq * inp.Tk
         preferred = tuple(name for name, n in STRUCTURED_MIN_SCORES.items() if scores >= n) + preferred
-    return _order(preferred, tuple(list_backends()))
+    return _order(preferred, registered_names())
 
 
 @functools.lru_cache(maxsize=64)
@@ -103,18 +103,18 @@ def _candidates(backend: str) -> tuple[list[str], bool]:
 
 def select(inp: AttentionInputs, backend: str = "auto") -> type[Backend]:
     """The backend that will run ``inp``; ``NoBackendError`` with every reason if none can."""
-    names, named = _candidates(backend)
     known = list_backends()
-    if named:
-        for name in names:
-            if known[name].can_run(inp):
-                return known[name]
-    else:
+    if backend == "auto" and _SCOPED.get() is None:  # the common case, kept lean: per layer per token
         for name in priority(inp):
             impl = known[name]
             if impl.exact and impl.can_run(inp):
                 return impl
-    raise NoBackendError(_no_backend_message(inp, names if named else list(known)))
+        raise NoBackendError(_no_backend_message(inp, list(known)))
+    names, _ = _candidates(backend)
+    for name in names:
+        if known[name].can_run(inp):
+            return known[name]
+    raise NoBackendError(_no_backend_message(inp, names))
 
 
 def _describe(inp: AttentionInputs) -> str:

@@ -6,6 +6,7 @@ properties (shapes, dtype, whether gradients are needed) and never re-check them
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -157,7 +158,8 @@ class AttentionInputs:
         # fields); filling the instance dict directly is ~0.3 us and the instance stays frozen.
         self = object.__new__(cls)
         self.__dict__.update(q=q, k=k, v=v, mask=mask, bias=bias, scale=scale, dropout_p=float(dropout_p),
-                             q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse)
+                             q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse,
+                             B=B, Hq=Hq, Hkv=Hkv, Tq=Tq, Tk=Tk, D=D, Dv=Dv, groups=Hq // Hkv, dtype=dtype, device=device)
         return self
 
     def __repr__(self) -> str:  # shapes, not tensor contents
@@ -169,44 +171,46 @@ class AttentionInputs:
         )
 
     # -- derived properties -----------------------------------------------------------------
-    @property
+    # cached_property: computed once per instance (``create`` fills them in up front, since it has
+    # read the shapes anyway), so dispatch and backends read plain attributes on the hot path.
+    @functools.cached_property
     def B(self) -> int:
         return self.q.shape[0]
 
-    @property
+    @functools.cached_property
     def Hq(self) -> int:
         return self.q.shape[1]
 
-    @property
+    @functools.cached_property
     def Hkv(self) -> int:
         return self.k.shape[1]
 
-    @property
+    @functools.cached_property
     def Tq(self) -> int:
         return self.q.shape[2]
 
-    @property
+    @functools.cached_property
     def Tk(self) -> int:
         return self.k.shape[2]
 
-    @property
+    @functools.cached_property
     def D(self) -> int:
         return self.q.shape[3]
 
-    @property
+    @functools.cached_property
     def Dv(self) -> int:
         return self.v.shape[3]
 
-    @property
+    @functools.cached_property
     def groups(self) -> int:
         """Query heads per key/value head (1 = plain multi-head)."""
         return self.Hq // self.Hkv
 
-    @property
+    @functools.cached_property
     def dtype(self) -> torch.dtype:
         return self.q.dtype
 
-    @property
+    @functools.cached_property
     def device(self) -> torch.device:
         return self.q.device
 

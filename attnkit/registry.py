@@ -25,6 +25,7 @@ __all__ = ["Backend", "register_backend", "get_backend", "list_backends", "ALL_D
 ALL_DEVICES = frozenset({"cpu", "cuda", "mps", "xpu"})
 
 _REGISTRY: dict[str, type[Backend]] = {}
+_NAMES: list[tuple[str, ...]] = [()]  # registered names, kept in step with _REGISTRY (hashable, for caches)
 _BUILTINS_LOADED = False
 
 
@@ -76,9 +77,9 @@ class Backend:
         if cls.requires and not cls.available():
             missing = [pkg for pkg in cls.requires if importlib.util.find_spec(pkg) is None]
             yield f"needs the package(s) {', '.join(missing)}"
-        if inp.q.device.type not in cls.devices:
+        if inp.device.type not in cls.devices:
             yield f"runs on {sorted(cls.devices)}, not {inp.device.type}"
-        if inp.q.dtype not in cls.dtypes:
+        if inp.dtype not in cls.dtypes:
             yield f"supports dtypes {sorted(str(d).removeprefix('torch.') for d in cls.dtypes)}, not {inp.dtype}"
         if inp.mask is not None and cls.mask_kinds is not None:
             bad = sorted({type(m).__name__ for m in _mask_leaves(inp.mask) if not isinstance(m, tuple(cls.mask_kinds))})
@@ -139,6 +140,7 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
     if cls.Options is not None and not is_dataclass(cls.Options):
         raise TypeError(f"register_backend: {cls.__name__}.Options must be a dataclass, got {cls.Options!r}.")
     _REGISTRY[name] = cls
+    _NAMES[0] = tuple(_REGISTRY)
     return cls
 
 
@@ -149,6 +151,12 @@ def list_backends() -> dict[str, type[Backend]]:
         importlib.import_module(f"{__package__}.backends")  # registers the built-in backends
         _BUILTINS_LOADED = True
     return _REGISTRY
+
+
+def registered_names() -> tuple[str, ...]:
+    """Names of all registered backends in registration order (a cheap, hashable snapshot)."""
+    list_backends()
+    return _NAMES[0]
 
 
 def get_backend(name: str) -> type[Backend]:
