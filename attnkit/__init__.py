@@ -37,7 +37,7 @@ from .masks import (
     as_mask,
     from_key_padding_mask,
 )
-from .patterns import BlockSparse, GlobalTokens, longformer
+from .masks import BlockSparse, GlobalTokens, longformer
 from .recurrent import RecurrentState
 from .registry import Backend, get_backend, list_backends, register_backend
 from .cache import DynamicLayerCache, KVCache, SlidingWindowLayerCache, StateCache, StaticLayerCache

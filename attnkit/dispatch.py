@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from . import calibration
 from .inputs import AttentionInputs
-from .masks import Causal
 from .registry import Backend, get_backend, list_backends, registered_names
 
 __all__ = ["NoBackendError", "select", "explain", "use_backend", "priority", "Explanation"]
@@ -48,7 +47,7 @@ def mask_needs_materializing(inp: AttentionInputs) -> bool:
     mask = inp.mask
     if mask is None:
         return False
-    if type(mask) is Causal:
+    if mask.is_causal():
         return not (inp.q_offset == inp.kv_offset or inp.q_offset >= inp.kv_offset + inp.Tk - 1)
     return True
 

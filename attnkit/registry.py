@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .inputs import FLOAT_DTYPES, AttentionInputs
-from .masks import And, Mask, Or
+from .masks import Mask
 
 __all__ = ["Backend", "register_backend", "get_backend", "list_backends", "ALL_DEVICES"]
 
@@ -27,12 +27,6 @@ ALL_DEVICES = frozenset({"cpu", "cuda", "mps", "xpu"})
 _REGISTRY: dict[str, type[Backend]] = {}
 _NAMES: list[tuple[str, ...]] = [()]  # registered names, kept in step with _REGISTRY (hashable, for caches)
 _BUILTINS_LOADED = False
-
-
-def _mask_leaves(mask: Mask) -> list[Mask]:
-    if isinstance(mask, (And, Or)):
-        return [leaf for part in mask.parts for leaf in _mask_leaves(part)]
-    return [mask]
 
 
 class Backend:
@@ -82,7 +76,7 @@ class Backend:
         if inp.dtype not in cls.dtypes:
             yield f"supports dtypes {sorted(str(d).removeprefix('torch.') for d in cls.dtypes)}, not {inp.dtype}"
         if inp.mask is not None and cls.mask_kinds is not None:
-            bad = sorted({type(m).__name__ for m in _mask_leaves(inp.mask) if not isinstance(m, tuple(cls.mask_kinds))})
+            bad = sorted({type(m).__name__ for m in inp.mask.leaves() if not isinstance(m, tuple(cls.mask_kinds))})
             if bad:
                 names = sorted(k.__name__ for k in cls.mask_kinds)
                 yield f"cannot apply mask kind(s) {', '.join(bad)} (supports {', '.join(names) or 'no mask'})"

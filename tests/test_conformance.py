@@ -19,7 +19,7 @@ import torch
 import attnkit
 from attnkit import Causal, Custom, Document, KeyPadding, SlidingWindow
 from attnkit.inputs import AttentionInputs
-from attnkit.patterns import BlockSparse
+from attnkit.masks import BlockSparse
 
 from .reference import flash_rule_ok, max_error, reference_attention
 

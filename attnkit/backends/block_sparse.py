@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..inputs import AttentionInputs
 from ..masks import And, Mask
-from ..patterns import BlockSparse
+from ..masks import BlockSparse
 from ..registry import Backend, register_backend
 from ._common import grouped, kv_finite, mask_on, safe, softmax_parts, upcast_on_cpu
 

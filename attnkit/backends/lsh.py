@@ -123,7 +123,7 @@ def lsh_attention(inp: AttentionInputs, options: LSHOptions) -> Tensor:
     B, H, T, _ = q.shape
     R, C = options.n_hashes, options.bucket_size
     nb = options.buckets_for(T)
-    causal = isinstance(inp.mask, Causal)
+    causal = inp.mask is not None and inp.mask.is_causal()
     buckets = hash_buckets(k, options) + nb * torch.arange(R, device=q.device)[:, None]  # (B, H, R, T) global ids
     pos = torch.arange(T, device=q.device)
     order = torch.argsort((buckets * T + pos).flatten(2), dim=-1)  # (B, H, R*T): sorted by (round, bucket, pos)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..inputs import AttentionInputs
 from ..masks import And, Causal, Mask, Or, SlidingWindow
-from ..patterns import GlobalTokens
+from ..masks import GlobalTokens
 from ..registry import Backend, register_backend
 from ._common import grouped, kv_finite, mask_on, safe, softmax_parts, upcast_on_cpu
 

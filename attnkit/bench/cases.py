@@ -61,7 +61,7 @@ def _pattern(name: str) -> tuple[Callable[[int, BenchConfig], Mask | None], str]
     them (bidirectional, ``window // block`` blocks each side, block 0 global; BigBird adds one
     random block per row), otherwise a reason to skip."""
     try:
-        from ..patterns import BlockSparse
+        from ..masks import BlockSparse
         builder = getattr(BlockSparse, name)
     except (ImportError, AttributeError):
         return (lambda n, c: None), f"attnkit.patterns.BlockSparse.{name} is not available in this build"

@@ -15,7 +15,7 @@ import torch
 from .. import calibration
 from ..dispatch import explain
 from ..masks import Causal, KeyPadding, Mask, SlidingWindow
-from ..patterns import longformer
+from ..masks import longformer
 from ..registry import list_backends
 
 MASK_HELP = (

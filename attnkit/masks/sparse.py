@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .masks import BlockStatus, Causal, Mask, SlidingWindow, _as_long_tensor
+from .base import BlockStatus, Mask, _as_long_tensor
+from .positional import Causal, SlidingWindow
 
 __all__ = ["BlockSparse", "GlobalTokens", "longformer"]
 
@@ -55,6 +56,9 @@ class BlockSparse(Mask):
         object.__setattr__(self, "_all", _summed_area(layout.all(0)))
 
     # -- Mask interface ---------------------------------------------------------------------
+    def block_layout(self):
+        return self
+
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
         layout = self.layout.to(q_idx.device)
         h = h.clamp(max=layout.shape[0] - 1)

@@ -1,0 +1,33 @@
+"""Masks: where attention is allowed (True = attend), over absolute positions.
+
+``base`` holds the :class:`Mask` protocol, its structure API and ``And``/``Or``; ``positional``
+the masks defined by positions and a few integers or index vectors; ``tensor`` the masks given as
+data (``Dense``, ``Custom``); ``sparse`` block layouts and global tokens.
+"""
+
+from .base import UNBOUNDED, And, Band, BlockStatus, Mask, Or, Range, as_mask
+from .positional import Causal, Document, KeyPadding, Padding, SlidingWindow
+from .sparse import BlockSparse, GlobalTokens, longformer
+from .tensor import Custom, Dense, from_key_padding_mask
+
+__all__ = [
+    "BlockStatus",
+    "Band",
+    "UNBOUNDED",
+    "Range",
+    "Mask",
+    "Causal",
+    "SlidingWindow",
+    "KeyPadding",
+    "Padding",
+    "Document",
+    "Dense",
+    "Custom",
+    "BlockSparse",
+    "GlobalTokens",
+    "longformer",
+    "And",
+    "Or",
+    "as_mask",
+    "from_key_padding_mask",
+]

@@ -1,0 +1,361 @@
+"""Masks: where attention is allowed (True = attend), over absolute positions.
+
+A query sits at absolute position ``q_offset + i`` and a key at ``kv_offset + j``. The default
+``q_offset = kv_offset + Tk - Tq`` aligns the last query with the last key (bottom-right), so one
+``Causal()`` serves prefill, chunked prefill and cached decode alike::
+
+    >>> print(Causal().to_string(2, 5))     # Tq=2, Tk=5: keeps [[1,1,1,1,0],[1,1,1,1,1]]
+    ████·
+    █████
+    >>> print(Causal().to_string(5, 2))     # Tq=5, Tk=2: the first three rows see nothing
+    ··
+    ··
+    ··
+    █·
+    ██
+
+Every mask can
+
+* answer structural questions through one API (the only place that walks ``And``/``Or``):
+  :meth:`Mask.leaves`, :meth:`Mask.conjuncts`, :meth:`Mask.band`, :meth:`Mask.split_globals`,
+  :meth:`Mask.block_layout`, :meth:`Mask.is_causal`, :attr:`Mask.query_independent` and
+  :meth:`Mask.structure_key`; backends decide what they can skip or fuse from these answers;
+* ``mask_mod(b, h, q_idx, kv_idx)`` — evaluate on broadcasting index tensors (absolute positions);
+* ``materialize(Tq, Tk, ...)`` — a boolean tensor broadcastable to ``(B, H, Tq, Tk)``;
+* ``block_status(q_range, kv_range)`` — FULL / PARTIAL / EMPTY for a tile, so tiled and sparse
+  backends skip work (conservative: PARTIAL is always a correct answer);
+* ``to_string(Tq, Tk)`` — draw itself.
+
+Masks combine with ``&`` and ``|``. A raw bool tensor passed as ``mask=`` becomes ``Dense(keep)``.
+Additive biases (ALiBi, relative positions) are not masks: pass them as ``bias=``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = ["BlockStatus", "Band", "Mask", "And", "Or", "as_mask"]
+
+
+class BlockStatus(enum.Enum):
+    """What a mask keeps inside a (query range × key range) tile."""
+
+    EMPTY = 0  # nothing kept: skip the tile
+    PARTIAL = 1  # some kept: evaluate the mask
+    FULL = 2  # everything kept: no mask needed
+
+
+Range = tuple[int, int]  # half-open [start, stop) of absolute positions
+
+
+@dataclass(frozen=True)
+class Band:
+    """Bounds on ``pos(k) - pos(q)`` that every kept pair satisfies: ``-left <= pos(k) - pos(q) <= right``
+    (inclusive; ``None`` = unbounded on that side). ``Causal()`` is ``Band(None, 0)``."""
+
+    left: int | None
+    right: int | None
+
+    @property
+    def bounded(self) -> bool:
+        """True when both sides are finite (a sliding window that a banded kernel can exploit)."""
+        return self.left is not None and self.right is not None
+
+    def __and__(self, other: Band) -> Band:
+        tighter = lambda a, b: b if a is None else a if b is None else min(a, b)  # noqa: E731
+        return Band(tighter(self.left, other.left), tighter(self.right, other.right))
+
+
+UNBOUNDED = Band(None, None)
+
+
+class Mask:
+    """Base class of all masks. Subclasses implement :meth:`mask_mod`.
+
+    ``mask_mod(b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0)`` receives broadcasting integer
+    tensors: ``b`` of shape ``(B, 1, 1, 1)``, ``h`` ``(1, H, 1, 1)``, ``q_idx`` ``(1, 1, Tq, 1)``
+    and ``kv_idx`` ``(1, 1, 1, Tk)`` holding *absolute* positions, and returns a bool tensor that
+    broadcasts against them. ``q_offset``/``kv_offset`` are the positions of the call's first
+    query and key; only masks defined relative to the call (``Dense``) need them.
+    """
+
+    #: True when the mask depends on the batch index (its ``batch_size`` must match ``B``).
+    batch_size: int | None = None
+    #: Number of heads the mask distinguishes (None: same for all heads).
+    num_heads: int | None = None
+
+    def mask_mod(
+        self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, *, q_offset: int = 0, kv_offset: int = 0
+    ) -> Tensor:
+        raise NotImplementedError
+
+    #: True when the mask keeps or drops whole key columns: the same keep for every query of a row
+    #: (``KeyPadding``, ``Padding``, a ``Dense`` of shape ``(B|1, H|1, 1, Tk)``).
+    query_independent: bool = False
+
+    # -- structure (the one API every backend and the dispatcher reads) -----------------------
+    def leaves(self) -> tuple[Mask, ...]:
+        """Every primitive mask of the tree, ``And``/``Or`` flattened, in order (duplicates kept)."""
+        return (self,)
+
+    def conjuncts(self) -> tuple[Mask, ...]:
+        """Masks whose intersection is this mask: the parts of an ``And``, else ``(self,)``."""
+        return (self,)
+
+    def band(self) -> Band:
+        """The tightest :class:`Band` implied by the conjuncts (``Causal``, ``SlidingWindow``).
+        ``UNBOUNDED`` when nothing bounds ``pos(k) - pos(q)``; always a correct over-approximation."""
+        return UNBOUNDED
+
+    def split_globals(self) -> tuple[Mask, Mask | None]:
+        """``(core, globals)`` for ``core | GlobalTokens(...)`` (Longformer), else ``(self, None)``."""
+        return self, None
+
+    def block_layout(self) -> Mask | None:
+        """The ``BlockSparse`` conjunct that bounds this mask, or None."""
+        return None
+
+    def is_causal(self) -> bool:
+        """True when the mask is exactly ``Causal()`` (possibly repeated, or ``SlidingWindow(None, 0)``)."""
+        return False
+
+    def structure_key(self) -> str:
+        """A short stable name of the mask's structure, e.g. ``"Causal"`` or ``"And(Causal,KeyPadding)"``
+        (for measured tables: masks of the same structure share measurements)."""
+        return type(self).__name__
+
+    # -- evaluation -------------------------------------------------------------------------
+    def evaluate(
+        self,
+        q_range: Range,
+        kv_range: Range,
+        *,
+        q_offset: int,
+        kv_offset: int,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        """Boolean keep-tensor ``(B|1, H|1, len(q_range), len(kv_range))`` for absolute ranges."""
+        b = torch.arange(self.batch_size or 1, device=device).view(-1, 1, 1, 1)
+        h = torch.arange(self.num_heads or 1, device=device).view(1, -1, 1, 1)
+        q_idx = torch.arange(q_range[0], q_range[1], device=device).view(1, 1, -1, 1)
+        kv_idx = torch.arange(kv_range[0], kv_range[1], device=device).view(1, 1, 1, -1)
+        keep = self.mask_mod(b, h, q_idx, kv_idx, q_offset=q_offset, kv_offset=kv_offset)
+        if keep.dtype != torch.bool:
+            raise TypeError(
+                f"{type(self).__name__}.mask_mod returned dtype {keep.dtype}; expected torch.bool. "
+                "Fix: return a comparison such as `q_idx >= kv_idx`."
+            )
+        shape = torch.broadcast_shapes(keep.shape, (1, 1, q_idx.shape[2], kv_idx.shape[3]))
+        return keep.expand(shape)
+
+    def materialize(
+        self,
+        Tq: int,
+        Tk: int,
+        *,
+        q_offset: int | None = None,
+        kv_offset: int = 0,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        """The whole mask for a call as a bool tensor broadcastable to ``(B, H, Tq, Tk)``."""
+        if q_offset is None:
+            q_offset = kv_offset + Tk - Tq
+        return self.evaluate(
+            (q_offset, q_offset + Tq), (kv_offset, kv_offset + Tk), q_offset=q_offset, kv_offset=kv_offset, device=device
+        )
+
+    def block_status(self, q_range: Range, kv_range: Range, *, q_offset: int = 0, kv_offset: int = 0) -> BlockStatus:
+        """FULL / PARTIAL / EMPTY for a tile of absolute positions, over every batch and head.
+
+        The base version evaluates the tile; structured masks answer in O(1)."""
+        keep = self.evaluate(q_range, kv_range, q_offset=q_offset, kv_offset=kv_offset)
+        if bool(keep.all()):
+            return BlockStatus.FULL
+        if not bool(keep.any()):
+            return BlockStatus.EMPTY
+        return BlockStatus.PARTIAL
+
+    def validate(self, B: int, H: int, Tq: int, Tk: int, q_offset: int, kv_offset: int) -> None:
+        """Raise ``ValueError`` if the mask cannot describe a call of this size."""
+        if self.batch_size not in (None, 1, B):
+            raise ValueError(
+                f"mask {self!r} is built for batch size {self.batch_size}, but q has batch size {B}. "
+                "Fix: build the mask from per-example data of the same batch."
+            )
+        if self.num_heads not in (None, 1, H):
+            raise ValueError(
+                f"mask {self!r} distinguishes {self.num_heads} heads, but q has {H} heads. "
+                "Fix: give the mask one entry per query head, or 1 to share it."
+            )
+
+    def to_string(self, Tq: int, Tk: int, *, q_offset: int | None = None, kv_offset: int = 0) -> str:
+        """Draw the mask (batch 0, head 0): '█' = attend, '·' = masked."""
+        keep = self.materialize(Tq, Tk, q_offset=q_offset, kv_offset=kv_offset)[0, 0]
+        return "\n".join("".join("█" if x else "·" for x in row.tolist()) for row in keep)
+
+    def density(self, Tq: int, Tk: int, *, q_offset: int | None = None, kv_offset: int = 0) -> float:
+        """Fraction of (query, key) pairs kept."""
+        keep = self.materialize(Tq, Tk, q_offset=q_offset, kv_offset=kv_offset)
+        return float(keep.float().mean())
+
+    # -- combination ------------------------------------------------------------------------
+    def __and__(self, other: Mask) -> Mask:
+        return And(self, as_mask(other, "other"))
+
+    def __or__(self, other: Mask) -> Mask:
+        return Or(self, as_mask(other, "other"))
+
+
+def _status_from_bounds(full: bool, empty: bool) -> BlockStatus:
+    if empty:
+        return BlockStatus.EMPTY
+    return BlockStatus.FULL if full else BlockStatus.PARTIAL
+
+
+def _as_long_tensor(values, name: str) -> Tensor:
+    if isinstance(values, Tensor):
+        if values.dtype == torch.bool or values.is_floating_point() or values.is_complex():
+            raise TypeError(f"{name}: expected an integer tensor, got dtype {values.dtype}. Fix: pass .long() values.")
+        return values.long()
+    try:
+        return torch.as_tensor(list(values), dtype=torch.long)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name}: expected a sequence of ints or an integer tensor, got {values!r}.") from exc
+
+
+
+class _Combination(Mask):
+    parts: tuple[Mask, ...]
+
+    def __init__(self, *parts: Mask):
+        if len(parts) < 2:
+            raise ValueError(f"{type(self).__name__}: expected at least two masks, got {len(parts)}.")
+        flat: list[Mask] = []
+        for i, part in enumerate(parts):
+            part = as_mask(part, f"{type(self).__name__} part {i}")
+            flat.extend(part.parts if type(part) is type(self) else (part,))
+        self.parts = tuple(flat)
+        sizes = [p.batch_size for p in self.parts if p.batch_size not in (None, 1)]
+        heads = [p.num_heads for p in self.parts if p.num_heads not in (None, 1)]
+        if len(set(sizes)) > 1 or len(set(heads)) > 1:
+            raise ValueError(
+                f"{type(self).__name__}: parts disagree on batch size {sizes} or heads {heads}. "
+                "Fix: build every per-example mask for the same batch."
+            )
+        self.batch_size = sizes[0] if sizes else None
+        self.num_heads = heads[0] if heads else None
+
+    def validate(self, B, H, Tq, Tk, q_offset, kv_offset):
+        for part in self.parts:
+            part.validate(B, H, Tq, Tk, q_offset, kv_offset)
+
+    def leaves(self):
+        return tuple(leaf for part in self.parts for leaf in part.leaves())
+
+    @property
+    def query_independent(self):  # type: ignore[override]
+        return all(p.query_independent for p in self.parts)
+
+    def structure_key(self):
+        return f"{type(self).__name__}({','.join(sorted({p.structure_key() for p in self.parts}))})"
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self.parts == other.parts
+
+    def __hash__(self):
+        return hash((type(self), self.parts))
+
+    def __repr__(self):
+        return f"{type(self).__name__}({', '.join(map(repr, self.parts))})"
+
+
+class And(_Combination):
+    """Keep where every part keeps."""
+
+    def conjuncts(self):
+        return self.parts  # already flat: nested Ands are merged at construction
+
+    def band(self):
+        band = UNBOUNDED
+        for part in self.parts:
+            band = band & part.band()
+        return band
+
+    def block_layout(self):
+        found = [p for p in self.parts if p.block_layout() is not None]
+        return found[0].block_layout() if found else None
+
+    def is_causal(self):
+        return all(p.is_causal() for p in self.parts)
+
+    def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
+        keep = self.parts[0].mask_mod(b, h, q_idx, kv_idx, q_offset=q_offset, kv_offset=kv_offset)
+        for part in self.parts[1:]:
+            keep = keep & part.mask_mod(b, h, q_idx, kv_idx, q_offset=q_offset, kv_offset=kv_offset)
+        return keep
+
+    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0):
+        states = [p.block_status(q_range, kv_range, q_offset=q_offset, kv_offset=kv_offset) for p in self.parts]
+        if BlockStatus.EMPTY in states:
+            return BlockStatus.EMPTY
+        if all(s is BlockStatus.FULL for s in states):
+            return BlockStatus.FULL
+        return BlockStatus.PARTIAL
+
+
+class Or(_Combination):
+    """Keep where any part keeps."""
+
+    def band(self):
+        bands = [p.band() for p in self.parts]
+        loosest = lambda xs: None if any(x is None for x in xs) else max(xs)  # noqa: E731
+        return Band(loosest([b.left for b in bands]), loosest([b.right for b in bands]))
+
+    def split_globals(self):
+        from .sparse import GlobalTokens
+
+        globs = [p for p in self.parts if isinstance(p, GlobalTokens)]
+        others = [p for p in self.parts if not isinstance(p, GlobalTokens)]
+        if len(globs) != 1 or not others:
+            return self, None
+        return (others[0] if len(others) == 1 else Or(*others)), globs[0]
+
+    def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
+        keep = self.parts[0].mask_mod(b, h, q_idx, kv_idx, q_offset=q_offset, kv_offset=kv_offset)
+        for part in self.parts[1:]:
+            keep = keep | part.mask_mod(b, h, q_idx, kv_idx, q_offset=q_offset, kv_offset=kv_offset)
+        return keep
+
+    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0):
+        states = [p.block_status(q_range, kv_range, q_offset=q_offset, kv_offset=kv_offset) for p in self.parts]
+        if BlockStatus.FULL in states:
+            return BlockStatus.FULL
+        if all(s is BlockStatus.EMPTY for s in states):
+            return BlockStatus.EMPTY
+        return BlockStatus.PARTIAL
+
+
+def as_mask(mask, name: str = "mask") -> Mask:
+    """Return ``mask`` as a :class:`Mask`; a bool tensor becomes ``Dense(keep)``."""
+    if isinstance(mask, Mask):
+        return mask
+    if isinstance(mask, Tensor):
+        from .tensor import Dense
+
+        if mask.dtype != torch.bool:
+            raise TypeError(
+                f"{name}: a tensor mask must have dtype torch.bool (True = attend), got {mask.dtype}. "
+                "Fix: pass additive float masks as bias=, or convert with `keep = m.bool()`."
+            )
+        return Dense(mask)
+    raise TypeError(
+        f"{name}: expected an attnkit Mask (Causal(), SlidingWindow(...), ...) or a bool tensor, "
+        f"got {type(mask).__name__}."
+    )
+
+
