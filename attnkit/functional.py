@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+import torch
 from torch import Tensor
 
 from .dispatch import select
@@ -11,6 +12,8 @@ from .inputs import AttentionInputs
 from .masks import Mask
 
 __all__ = ["attention", "attention_weights"]
+
+_AUTOCAST_FROM = (torch.float32, torch.float16, torch.bfloat16)  # dtypes autocast recasts (not float64)
 
 
 def _check_options(impl, options):
@@ -69,7 +72,19 @@ def attention(
 
     Returns:
         ``out (B, Hq, Tq, Dv)`` in q's dtype, or ``(out, lse)`` with ``return_lse=True``.
+
+    Under ``torch.autocast`` every backend behaves alike, as ``F.scaled_dot_product_attention`` does
+    for q, k, v: they are cast to the autocast dtype first and the output has that dtype; the backend
+    runs with autocast off, so its softmax statistics and a float32 ``bias`` keep full precision.
     """
+    if isinstance(q, Tensor) and q.dtype in _AUTOCAST_FROM and torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        cast = lambda t: t if t.dtype == dtype else t.to(dtype)  # noqa: E731
+        with torch.autocast(q.device.type, enabled=False):
+            return attention(
+                cast(q), cast(k), cast(v), mask=mask, bias=bias, scale=scale, dropout_p=dropout_p,
+                q_offset=q_offset, kv_offset=kv_offset, backend=backend, options=options, return_lse=return_lse,
+            )
     inp = AttentionInputs.create(
         q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, q_offset=q_offset,
         kv_offset=kv_offset, return_lse=return_lse,

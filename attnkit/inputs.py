@@ -6,7 +6,6 @@ properties (shapes, dtype, whether gradients are needed) and never re-check them
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +38,20 @@ def _check_int(name: str, value, *, minimum: int | None = None) -> None:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__} ({value!r}).")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}.")
+
+
+class _derived:
+    """``functools.cached_property`` without its lock: Python 3.11's takes an ``RLock``, which
+    ``torch.compile`` cannot trace (every backend's read of ``inp.Tq`` became a graph break)."""
+
+    def __init__(self, fn):
+        self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.fn(obj)
+        return value
 
 
 @dataclass(frozen=True, eq=False)
@@ -171,46 +184,46 @@ class AttentionInputs:
         )
 
     # -- derived properties -----------------------------------------------------------------
-    # cached_property: computed once per instance (``create`` fills them in up front, since it has
+    # _derived: computed once per instance (``create`` fills them in up front, since it has
     # read the shapes anyway), so dispatch and backends read plain attributes on the hot path.
-    @functools.cached_property
+    @_derived
     def B(self) -> int:
         return self.q.shape[0]
 
-    @functools.cached_property
+    @_derived
     def Hq(self) -> int:
         return self.q.shape[1]
 
-    @functools.cached_property
+    @_derived
     def Hkv(self) -> int:
         return self.k.shape[1]
 
-    @functools.cached_property
+    @_derived
     def Tq(self) -> int:
         return self.q.shape[2]
 
-    @functools.cached_property
+    @_derived
     def Tk(self) -> int:
         return self.k.shape[2]
 
-    @functools.cached_property
+    @_derived
     def D(self) -> int:
         return self.q.shape[3]
 
-    @functools.cached_property
+    @_derived
     def Dv(self) -> int:
         return self.v.shape[3]
 
-    @functools.cached_property
+    @_derived
     def groups(self) -> int:
         """Query heads per key/value head (1 = plain multi-head)."""
         return self.Hq // self.Hkv
 
-    @functools.cached_property
+    @_derived
     def dtype(self) -> torch.dtype:
         return self.q.dtype
 
-    @functools.cached_property
+    @_derived
     def device(self) -> torch.device:
         return self.q.device
 

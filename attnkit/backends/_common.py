@@ -34,9 +34,42 @@ def safe(denom: Tensor) -> Tensor:
     return torch.where(denom == 0, 1.0, denom)
 
 
-def kv_finite(inp: AttentionInputs) -> bool:
-    """True when K and V hold no NaN/Inf, so dead keys need no zeroing."""
-    return bool(torch.isfinite(inp.k).all()) and bool(torch.isfinite(inp.v).all())
+def nonfinite_keys(inp: AttentionInputs) -> Tensor | None:
+    """``(B, Hkv, Tk)`` bool, True where a key's K or V row holds NaN/Inf; None when every query sees
+    every key (no mask, or causal with every query at or after the last key), where such a key
+    poisons every row anyway. Computed on the device, without a host sync.
+
+    Backends attend the zeroed K/V of :func:`finite_kv` and set the rows that do attend a non-finite
+    key to NaN with :func:`poison_rows`: NaN/Inf in what a row attends gives NaN in that row only,
+    NaN/Inf in what it may not see changes nothing (``0 * NaN`` never reaches ``p @ v``)."""
+    mask = inp.mask
+    if mask is None or (mask.is_causal() and inp.q_offset >= inp.kv_offset + inp.Tk - 1):
+        return None
+    return ~(torch.isfinite(inp.k).all(-1) & torch.isfinite(inp.v).all(-1))
+
+
+def finite_kv(inp: AttentionInputs, bad: Tensor | None) -> AttentionInputs:
+    """``inp`` with the keys flagged by :func:`nonfinite_keys` zeroed in K and V."""
+    if bad is None:
+        return inp
+    return dataclasses.replace(inp, k=inp.k.masked_fill(bad[..., None], 0), v=inp.v.masked_fill(bad[..., None], 0))
+
+
+def poison_rows(out: Tensor, lse: Tensor, rows: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``out (B, Hq, Tq, Dv)`` and ``lse (B, Hq, Tq)`` set to NaN where ``rows (B|1, Hq|1, Tq)`` is True."""
+    if rows is None:
+        return out, lse
+    return out.masked_fill(rows[..., None], float("nan")), lse.masked_fill(rows, float("nan"))
+
+
+def connected(out: Tensor, *inputs: Tensor) -> Tensor:
+    """``out`` unchanged but in the autograd graph of ``inputs`` with zero gradients, for a call whose
+    every row is masked (it computes nothing, yet ``backward()`` must work and give zeros)."""
+    never = torch.zeros((), dtype=torch.bool, device=out.device)
+    for t in inputs:
+        if t is not None and t.requires_grad and t.numel():
+            out = out + torch.where(never, t.reshape(-1)[:1].to(out.dtype), 0.0)  # 0, never NaN
+    return out
 
 
 def mask_on(mask, inp: AttentionInputs, q_pos: Tensor, k_pos: Tensor) -> Tensor:

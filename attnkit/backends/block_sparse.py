@@ -17,7 +17,7 @@ from ..inputs import AttentionInputs
 from ..masks import And, Mask
 from ..masks import BlockSparse
 from ..registry import Backend, register_backend
-from ._common import grouped, kv_finite, mask_on, safe, softmax_parts, upcast_on_cpu
+from ._common import connected, finite_kv, grouped, mask_on, nonfinite_keys, poison_rows, safe, softmax_parts, upcast_on_cpu
 
 
 def block_sparse_part(mask: Mask | None) -> BlockSparse | None:
@@ -25,6 +25,24 @@ def block_sparse_part(mask: Mask | None) -> BlockSparse | None:
     parts = mask.parts if isinstance(mask, And) else (mask,)
     found = [p for p in parts if isinstance(p, BlockSparse)]
     return found[0] if found else None
+
+
+@torch.compiler.assume_constant_result
+def _row_groups(pattern: BlockSparse, r0: int, r1: int, c0: int, c1: int) -> tuple:
+    """The call's block rows grouped by their number of active key blocks (union over heads;
+    ``mask_mod`` applies the per-head layout): ``((rows, cols_per_row), ...)`` as plain ints,
+    planned on the host from the layout so no device data decides control flow (and
+    ``torch.compile`` treats the plan as a constant)."""
+    first = max(0, -r0)  # query blocks before position 0 (Tq > Tk) stay empty
+    layout = pattern.layout.any(0)[r0 + first : r1, c0:c1].tolist()
+    by_count: dict[int, tuple[list[int], list[list[int]]]] = {}
+    for i, row in enumerate(layout):
+        cols = [c for c, on in enumerate(row) if on]
+        if cols:
+            rows, col_lists = by_count.setdefault(len(cols), ([], []))
+            rows.append(first + i)
+            col_lists.append(cols)
+    return tuple((rows, col_lists) for _, (rows, col_lists) in sorted(by_count.items()))
 
 
 @register_backend
@@ -42,6 +60,8 @@ class BlockSparseBackend(Backend):
     @classmethod
     def forward(cls, inp: AttentionInputs, options: None):
         dtype, inp = inp.dtype, upcast_on_cpu(inp)
+        bad = nonfinite_keys(inp)
+        inp = finite_kv(inp, bad)
         pattern = block_sparse_part(inp.mask)
         bs = pattern.block_size
         B, Hq, Tq, D = inp.q.shape
@@ -51,25 +71,20 @@ class BlockSparseBackend(Backend):
         r0, r1 = inp.q_offset // bs, -(-(inp.q_offset + Tq) // bs)
         c0, c1 = inp.kv_offset // bs, -(-(inp.kv_offset + Tk) // bs)
         nR, nK = r1 - r0, c1 - c0
-        layout = torch.zeros(nR, nK, dtype=torch.bool)  # union over heads; mask_mod is per head
-        first = max(0, -r0)  # query blocks before position 0 (Tq > Tk) stay empty
-        layout[first:] = pattern.layout.any(0)[r0 + first : r1, c0:c1]
-        layout = layout.to(dev)
+        groups = _row_groups(pattern, r0, r1, c0, c1)
         qs, ks = inp.q_offset - r0 * bs, inp.kv_offset - c0 * bs  # leading padding of q and k
         inplace = not inp.requires_grad
-        q = F.pad(inp.q * inp.scale, (0, 0, qs, nR * bs - Tq - qs)).view(B, Hkv, G, nR, bs, D).transpose(2, 3)
-        k = F.pad(inp.k, (0, 0, ks, nK * bs - Tk - ks)).view(B, Hkv, nK, bs, D)
-        v = F.pad(inp.v, (0, 0, ks, nK * bs - Tk - ks)).view(B, Hkv, nK, bs, Dv)
-        finite = kv_finite(inp)
+        # reshape, not view: q/k/v may be non-contiguous or expanded (e.g. from MultiHeadAttention)
+        q = F.pad(inp.q * inp.scale, (0, 0, qs, nR * bs - Tq - qs)).reshape(B, Hkv, G, nR, bs, D).transpose(2, 3)
+        k = F.pad(inp.k, (0, 0, ks, nK * bs - Tk - ks)).reshape(B, Hkv, nK, bs, D)
+        v = F.pad(inp.v, (0, 0, ks, nK * bs - Tk - ks)).reshape(B, Hkv, nK, bs, Dv)
+        flag = None if bad is None else F.pad(bad, (ks, nK * bs - Tk - ks)).reshape(B, Hkv, nK, bs)
         offs = torch.arange(bs, device=dev)
-        counts = layout.sum(1)
-        outs, lses, rows_done = [], [], []
-        for r in counts.unique().tolist():
-            if r == 0:
-                continue  # rows with no active block stay 0 (LSE -inf)
-            rows = (counts == r).nonzero()[:, 0]  # (n,)
-            cols = layout[rows].nonzero()[:, 1].view(-1, r)  # (n, r) active key blocks per row
-            n = rows.numel()
+        outs, lses, hits, rows_done = [], [], [], []
+        for row_list, col_lists in groups:  # rows with no active block are in no group: 0, LSE -inf
+            rows = torch.tensor(row_list, device=dev)  # (n,)
+            cols = torch.tensor(col_lists, device=dev)  # (n, r) active key blocks per row
+            n, r = cols.shape
             q_pos = (r0 + rows)[:, None] * bs + offs  # (n, bs) absolute
             k_pos = ((c0 + cols)[:, :, None] * bs + offs).view(n, r * bs)  # (n, r*bs)
             # Padding positions are clamped into the call (their results are masked or dropped),
@@ -80,9 +95,9 @@ class BlockSparseBackend(Backend):
             keep = grouped(keep & in_call[:, None, :], Hkv)  # (B|1, Hkv|1, n, G|1, bs, r*bs)
             kg = k[:, :, cols].view(B, Hkv, n, r * bs, D)
             vg = v[:, :, cols].view(B, Hkv, n, r * bs, Dv)
-            if not finite:  # zero keys that no query of the row attends: NaN there must not leak
-                dead = ~keep.any(dim=4).any(dim=3)[..., None]
-                kg, vg = kg.masked_fill(dead, 0), vg.masked_fill(dead, 0)
+            if flag is not None:  # rows that attend a non-finite key (zeroed in K/V) become NaN
+                flagged = flag[:, :, cols].reshape(B, Hkv, n, 1, 1, r * bs)
+                hits.append((keep & flagged).any(dim=-1).expand(B, Hkv, n, G, bs))
             qg = q[:, :, rows].reshape(B, Hkv, n, G * bs, D)
             s = torch.matmul(qg, kg.transpose(-2, -1)).to(torch.promote_types(inp.dtype, torch.float32))
             s = s.view(B, Hkv, n, G, bs, r * bs)
@@ -95,11 +110,17 @@ class BlockSparseBackend(Backend):
         acc = torch.promote_types(inp.dtype, torch.float32)
         out = inp.q.new_zeros(B, Hkv, nR, G * bs, Dv)
         lse = torch.full((B, Hkv, nR, G, bs), float("-inf"), dtype=acc, device=dev)
+        hit = None
         if rows_done:
             rows = torch.cat(rows_done)
             out = out.index_copy(2, rows, torch.cat(outs, dim=2))
             lse = lse.index_copy(2, rows, torch.cat(lses, dim=2))
+            if hits:
+                hit = torch.zeros((B, Hkv, nR, G, bs), dtype=torch.bool, device=dev).index_copy(2, rows, torch.cat(hits, 2))
+                hit = hit.transpose(2, 3).reshape(B, Hq, nR * bs)[:, :, qs : qs + Tq]
+        else:  # every block is off: nothing computed, but backward must still work (zero gradients)
+            out = connected(out, inp.q, inp.k, inp.v)
         out = out.view(B, Hkv, nR, G, bs, Dv).transpose(2, 3).reshape(B, Hq, nR * bs, Dv)[:, :, qs : qs + Tq]
         lse = lse.transpose(2, 3).reshape(B, Hq, nR * bs)[:, :, qs : qs + Tq]
-        out = out.to(dtype)
+        out, lse = poison_rows(out.to(dtype), lse, hit)
         return (out, lse) if inp.return_lse else out

@@ -11,6 +11,7 @@ row's softmax as extra columns; global query rows attend every key and are compu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from ..inputs import AttentionInputs
 from ..masks import And, Causal, Mask, Or, SlidingWindow
 from ..masks import GlobalTokens
 from ..registry import Backend, register_backend
-from ._common import grouped, kv_finite, mask_on, safe, softmax_parts, upcast_on_cpu
+from ._common import connected, finite_kv, grouped, mask_on, nonfinite_keys, poison_rows, safe, softmax_parts, upcast_on_cpu
 
 NEG_INF = float("-inf")
 
@@ -63,7 +64,10 @@ def band_of(mask: Mask | None) -> tuple[int, int, Tensor | None] | None:
     return left, right, glob
 
 
-def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk: int, glob: Tensor | None):
+def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk: int, glob: Tensor | None,
+            bad: Tensor | None):
+    """``(out, lse, hit)`` of the banded attention; ``hit (B, Hq, Tq)`` marks rows that attend a key
+    flagged in ``bad (B, Hkv, Tk)`` (K/V arrive with those keys zeroed), or is None."""
     B, Hq, Tq, D = inp.q.shape
     Hkv, Tk, Dv, G = inp.Hkv, inp.Tk, inp.Dv, inp.groups
     dev, acc = inp.device, torch.promote_types(inp.dtype, torch.float32)
@@ -71,6 +75,8 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
     nC = -(-Tq // c)
     L = c + left + right
     start0 = inp.q_offset - inp.kv_offset - left  # index into k of chunk 0's first key
+    if L >= Tk:  # the band spans every key of the call: one chunk over all keys (never more memory than the band)
+        c, nC, L, start0 = Tq, 1, Tk, 0
     pad_l = max(0, -start0)
     pad_r = max(0, start0 + pad_l + (nC - 1) * c + L - (Tk + pad_l))
     kidx = start0 + c * torch.arange(nC, device=dev)[:, None] + torch.arange(L, device=dev)  # (nC, L)
@@ -90,9 +96,10 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
         return x.unfold(2, L, c)[:, :, :nC].transpose(-2, -1)
 
     kw, vw = windows(inp.k), windows(inp.v)
-    if not kv_finite(inp):  # zero keys that no query of a chunk attends: NaN there must not leak
-        dead = ~keep.any(dim=4).any(dim=3)[..., None]  # (B|1, Hkv|1, nC, L, 1)
-        kw, vw = kw.masked_fill(dead, 0), vw.masked_fill(dead, 0)
+    hit = None
+    if bad is not None:  # rows that attend a non-finite key (zeroed in K/V) become NaN
+        flagged = windows(bad[..., None]).squeeze(-1)[:, :, :, None, None, :]  # (B, Hkv, nC, 1, 1, L)
+        hit = (keep & flagged).any(dim=-1)  # (B, Hkv, nC, G|1, c)
     qp = F.pad(inp.q, (0, 0, 0, nC * c - Tq)).view(B, Hkv, G, nC, c, D).transpose(2, 3)  # (B, Hkv, nC, G, c, D)
     qg = qp.reshape(B, Hkv, nC, G * c, D) * inp.scale  # scale q: O(n*D) instead of O(n*L)
     inplace = not inp.requires_grad
@@ -105,6 +112,8 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
         kg, vg = inp.k[:, :, gi], inp.v[:, :, gi]  # (B, Hkv, g, D)
         sg = torch.matmul(qg, kg[:, :, None].transpose(-2, -1)).to(acc)
         parts.append(sg.view(B, Hkv, nC, G, c, -1))
+        if bad is not None:
+            hit = hit | bad[:, :, gi].any(dim=-1)[:, :, None, None, None]
     scores = torch.cat(parts, dim=-1) if len(parts) > 1 else s
     p, denom, lse = softmax_parts(scores, inplace)
     p = p.to(inp.dtype)
@@ -114,22 +123,28 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
     out = (out / safe(denom).view(B, Hkv, nC, G * c, 1)).to(inp.dtype)
     out = out.view(B, Hkv, nC, G, c, Dv).transpose(2, 3).reshape(B, Hq, nC * c, Dv)[:, :, :Tq]
     lse = lse.view(B, Hkv, nC, G, c).transpose(2, 3).reshape(B, Hq, nC * c)[:, :, :Tq]
+    if hit is not None:
+        hit = hit.expand(B, Hkv, nC, G, c).transpose(2, 3).reshape(B, Hq, nC * c)[:, :, :Tq]
     if glob is not None:
-        out, lse = _global_rows(inp, glob, out, lse)
-    return out, lse
+        out, lse, hit = _global_rows(inp, glob, out, lse, bad, hit)
+    return out, lse, hit
 
 
-def _global_rows(inp: AttentionInputs, glob: Tensor, out: Tensor, lse: Tensor):
+def _global_rows(inp: AttentionInputs, glob: Tensor, out: Tensor, lse: Tensor, bad: Tensor | None,
+                 hit: Tensor | None):
     """Global queries attend every key: recompute their rows in full and write them over the band's."""
     qi = glob.to(inp.device) - inp.q_offset
     qi = qi[(qi >= 0) & (qi < inp.Tq)]
     if qi.numel() == 0:
-        return out, lse
+        return out, lse, hit
+    if hit is not None:  # a global row attends every key
+        rows_hit = bad.any(dim=-1).repeat_interleave(inp.groups, dim=1)[:, :, None].expand(-1, -1, qi.numel())
+        hit = hit.index_copy(2, qi, rows_hit)
     k, v = inp.expand_kv()
     s = torch.matmul(inp.q[:, :, qi], k.transpose(-2, -1)).to(lse.dtype) * inp.scale  # (B, Hq, g, Tk)
     rows_lse = torch.logsumexp(s, dim=-1)
     rows = torch.matmul(torch.softmax(s, dim=-1).to(inp.dtype), v)
-    return out.index_copy(2, qi, rows), lse.index_copy(2, qi, rows_lse)
+    return out.index_copy(2, qi, rows), lse.index_copy(2, qi, rows_lse), hit
 
 
 @register_backend
@@ -154,7 +169,33 @@ class SlidingWindowBackend(Backend):
         left, right, glob = band_of(inp.mask)
         band_mask = inp.mask if glob is None else next(p for p in inp.mask.parts if not isinstance(p, GlobalTokens))
         chunk = (options.chunk if options and options.chunk else None) or max(16, min(128, (left + right + 1) // 4))
-        chunk = min(chunk, inp.Tq)
-        out, lse = _banded(inp, band_mask, left, right, chunk, glob)
-        out = out.to(dtype)
+        bad = nonfinite_keys(inp)
+        inp = finite_kv(inp, bad)
+        out, lse, hit = _reachable_rows(inp, band_mask, left, right, chunk, glob, bad)
+        out, lse = poison_rows(out.to(dtype), lse, hit)
         return (out, lse) if inp.return_lse else out
+
+
+def _reachable_rows(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk: int, glob, bad):
+    """Run the band only over the queries whose band reaches a key of the call (a query far from
+    every key, e.g. after a large offset gap, keeps nothing): output 0 and LSE -inf elsewhere, so
+    memory stays O(Tq · (left + right)) however far apart the positions are."""
+    Tq, Tk = inp.Tq, inp.Tk
+    lo = inp.kv_offset - right - inp.q_offset  # first query index whose band reaches key 0
+    hi = inp.kv_offset + Tk - 1 + left - inp.q_offset  # last query index whose band reaches key Tk-1
+    if glob is not None:
+        lo, hi = 0, Tq - 1  # global rows and columns reach everywhere
+    q0, q1 = max(0, lo), min(Tq, hi + 1)
+    if q0 >= q1:  # nothing reachable: every row is fully masked
+        B, Hq, _, _ = inp.q.shape
+        acc = torch.promote_types(inp.dtype, torch.float32)
+        out = connected(inp.q.new_zeros(B, Hq, Tq, inp.Dv), inp.q, inp.k, inp.v)
+        return out, torch.full((B, Hq, Tq), float("-inf"), dtype=acc, device=inp.device), None
+    sub = inp if (q0, q1) == (0, Tq) else dataclasses.replace(inp, q=inp.q[:, :, q0:q1], q_offset=inp.q_offset + q0)
+    out, lse, hit = _banded(sub, band_mask, left, right, min(chunk, q1 - q0), glob, bad)
+    if (q0, q1) == (0, Tq):
+        return out, lse, hit
+    pad = (q0, Tq - q1)
+    out = F.pad(out, (0, 0, *pad))
+    lse = F.pad(lse, pad, value=float("-inf"))
+    return out, lse, None if hit is None else F.pad(hit, pad, value=False)

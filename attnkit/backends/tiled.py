@@ -23,6 +23,7 @@ from torch import Tensor
 from ..inputs import AttentionInputs
 from ..masks import BlockStatus, Mask
 from ..registry import Backend, register_backend
+from ._common import finite_kv, nonfinite_keys, poison_rows
 
 NEG_INF = float("-inf")
 
@@ -57,7 +58,6 @@ class _Plan:
     kv_offset: int
     block_q: int
     block_k: int
-    finite_kv: bool  # K and V hold no NaN/Inf: no need to zero keys that no query attends
 
     def tiles(self, Tq: int, Tk: int):
         """Yield ``(q0, q1, [(k0, k1, status), ...])`` per query tile, EMPTY key tiles left out."""
@@ -105,18 +105,15 @@ def _bias_tile(bias: Tensor | None, q0, q1, k0, k1, Hkv: int) -> Tensor | None:
     return _group(b, Hkv)
 
 
-def _scores(plan: _Plan, qt, kt, vt, keep, acc_dtype, scale: float):
-    """Scaled, biased, masked scores ``(B, Hkv, G, n, m)`` in ``acc_dtype``, and K/V tiles with the
-    keys no query of the tile attends zeroed (so NaN/Inf there cannot leak through ``0 * NaN``)."""
-    if keep is not None and not plan.finite_kv:
-        dead = ~keep.any(dim=3).any(dim=2, keepdim=False)  # (B|1, Hkv|1, m)
-        kt = kt.masked_fill(dead[..., None], 0)
-        vt = vt.masked_fill(dead[..., None], 0)
+def _scores(qt, kt, acc_dtype, scale: float):
+    """Scaled scores ``(B, Hkv, G*n, m)`` in ``acc_dtype``."""
     s = torch.matmul(qt, kt.transpose(-2, -1)).to(acc_dtype)  # (B, Hkv, G*n, m)
-    return (s.mul_(scale) if scale != 1.0 else s), kt, vt
+    return s.mul_(scale) if scale != 1.0 else s
 
 
-def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, bad: Tensor | None):
+    """``(out (B, Hq, Tq, Dv), lse (B, Hq, Tq), hit)``; ``hit (B, Hq, Tq)`` marks the rows that attend
+    a key flagged in ``bad (B, Hkv, Tk)`` (K/V arrive with those keys zeroed), or is None."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
@@ -129,6 +126,7 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) 
     E = v_ext.shape[-1]
     out = q.new_zeros(B, Hkv, G, Tq, Dv)
     lse = torch.full((B, Hkv, G, Tq), NEG_INF, dtype=acc_dtype, device=q.device)
+    hit = None if bad is None else torch.zeros((B, Hkv, G, Tq), dtype=torch.bool, device=q.device)
     for q0, q1, row in plan.tiles(Tq, Tk):
         if not row:
             continue  # every key masked for these queries: output 0, LSE -inf
@@ -139,7 +137,10 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) 
         acc = torch.zeros((B, Hkv, G * n, E), dtype=acc_dtype, device=q.device)
         for k0, k1, status in row:
             keep = plan.keep(q0, q1, k0, k1, Hkv, q.device) if status is BlockStatus.PARTIAL else None
-            s, kt, vt = _scores(plan, qt, k[:, :, k0:k1], v_ext[:, :, k0:k1], keep, acc_dtype, 1.0)
+            if hit is not None:
+                flagged = bad[:, :, None, None, k0:k1]  # (B, Hkv, 1, 1, m)
+                hit[:, :, :, q0:q1] |= (flagged if keep is None else flagged & keep).any(dim=-1)
+            s = _scores(qt, k[:, :, k0:k1], acc_dtype, 1.0)
             s5 = s.view(B, Hkv, G, n, k1 - k0)
             bias_t = _bias_tile(bias, q0, q1, k0, k1, Hkv)
             if bias_t is not None:
@@ -155,7 +156,7 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) 
             if not fused_sum:
                 l_run.mul_(alpha).add_(s5.sum(dim=-1))
             acc.view(B, Hkv, G, n, E).mul_(alpha[..., None])
-            acc.add_(torch.matmul(s.to(v.dtype), vt))  # p in the input dtype, accumulated in fp32
+            acc.add_(torch.matmul(s.to(v.dtype), v_ext[:, :, k0:k1]))  # p in the input dtype, accumulated in fp32
             m_run = m_new
         if fused_sum:
             l_run = acc[..., Dv].view(B, Hkv, G, n)
@@ -163,7 +164,7 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) 
         l_safe = torch.where(l_run == 0, 1.0, l_run)
         out[:, :, :, q0:q1] = (acc.reshape(B, Hkv, G, n, Dv) / l_safe[..., None]).to(q.dtype)
         lse[:, :, :, q0:q1] = torch.where(l_run == 0, NEG_INF, m_run + torch.log(l_safe))
-    return out.view(B, Hq, Tq, Dv), lse.view(B, Hq, Tq)
+    return out.view(B, Hq, Tq, Dv), lse.view(B, Hq, Tq), None if hit is None else hit.view(B, Hq, Tq)
 
 
 def _backward(plan: _Plan, q, k, v, bias, out, lse, dout, dlse, need_dbias: bool):
@@ -191,7 +192,8 @@ def _backward(plan: _Plan, q, k, v, bias, out, lse, dout, dlse, need_dbias: bool
         for k0, k1, status in row:
             m = k1 - k0
             keep = plan.keep(q0, q1, k0, k1, Hkv, q.device) if status is BlockStatus.PARTIAL else None
-            s, kt, vt = _scores(plan, qt, k[:, :, k0:k1], v[:, :, k0:k1], keep, acc_dtype, plan.scale)
+            kt, vt = k[:, :, k0:k1], v[:, :, k0:k1]
+            s = _scores(qt, kt, acc_dtype, plan.scale)
             s5 = s.view(B, Hkv, G, n, m)
             bias_t = _bias_tile(bias, q0, q1, k0, k1, Hkv)
             if bias_t is not None:
@@ -223,19 +225,48 @@ def _add_bias_grad(dbias: Tensor, ds: Tensor, q0, q1, k0, k1) -> None:
 
 
 class _TiledFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, bias, plan):
-        out, lse = _forward(plan, q, k, v, bias)
-        ctx.save_for_backward(q, k, v, bias, out, lse)
-        ctx.plan = plan
-        return out, lse
+    """``(out, lse, hit) = f(q, k, v, bias, bad, plan)``; differentiable in q, k, v and bias.
+    Written with ``setup_context`` and a ``vmap`` rule so ``torch.func`` transforms work."""
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def forward(q, k, v, bias, bad, plan):
+        return _forward(plan, q, k, v, bias, bad)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, bias, _, plan = inputs
+        out, lse, hit = output
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.plan = plan
+        if hit is not None:
+            ctx.mark_non_differentiable(hit)
+
+    @staticmethod
+    def backward(ctx, dout, dlse, _dhit):
         q, k, v, bias, out, lse = ctx.saved_tensors
         need_dbias = bias is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dbias = _backward(ctx.plan, q, k, v, bias, out, lse, dout, dlse, need_dbias)
-        return dq, dk, dv, dbias, None
+        return dq, dk, dv, dbias, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, bias, bad, plan):
+        """Fold the mapped dimension into the batch (one call over ``V * B`` rows); a mask that
+        depends on the batch index keeps its per-example meaning, so it maps one slice at a time."""
+        V = info.batch_size
+        moved = [None if x is None else x.movedim(d, 0) if d is not None else x.expand(V, *x.shape)
+                 for x, d in zip((q, k, v, bias, bad), in_dims[:5])]  # each (V, B|1, ...)
+        B = moved[0].shape[1]
+        if plan.mask is not None and plan.mask.batch_size not in (None, 1):
+            outs = [_TiledFunction.apply(*(None if x is None else x[i] for x in moved), plan) for i in range(V)]
+            out, lse = torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
+            hit = None if outs[0][2] is None else torch.stack([o[2] for o in outs])
+        else:
+            flat = [None if x is None else x.expand(V, B, *x.shape[2:]).reshape(V * B, *x.shape[2:]).contiguous()
+                    for x in moved]
+            out, lse, hit = _TiledFunction.apply(*flat, plan)
+            out, lse = out.view(V, B, *out.shape[1:]), lse.view(V, B, *lse.shape[1:])
+            hit = None if hit is None else hit.view(V, B, *hit.shape[1:])
+        return (out, lse, hit), (0, 0, None if hit is None else 0)
 
 
 @register_backend
@@ -252,12 +283,13 @@ class Tiled(Backend):
         bias = inp.bias
         if bias is not None:
             bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
-        finite_kv = bool(torch.isfinite(inp.k).all()) and bool(torch.isfinite(inp.v).all())
-        plan = _Plan(inp.mask, inp.scale, inp.q_offset, inp.kv_offset, options.block_q, options.block_k, finite_kv)
-        q, k, v = inp.q.contiguous(), inp.k.contiguous(), inp.v.contiguous()
+        plan = _Plan(inp.mask, inp.scale, inp.q_offset, inp.kv_offset, options.block_q, options.block_k)
+        bad = nonfinite_keys(inp)
+        clean = finite_kv(inp, bad)
+        q, k, v = clean.q.contiguous(), clean.k.contiguous(), clean.v.contiguous()
         upcast = options.upcast if options.upcast is not None else inp.device.type == "cpu"
         if upcast and inp.dtype in (torch.float16, torch.bfloat16):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
-        out, lse = _TiledFunction.apply(q, k, v, bias, plan)
-        out = out.to(inp.dtype)
+        out, lse, hit = _TiledFunction.apply(q, k, v, bias, bad, plan)
+        out, lse = poison_rows(out.to(inp.dtype), lse, hit)
         return (out, lse) if inp.return_lse else out
