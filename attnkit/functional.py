@@ -46,6 +46,8 @@ def attention(
     backend: str = "auto",
     options=None,
     return_lse: bool = False,
+    score_mod=None,
+    sinks: Tensor | None = None,
 ):
     """Scaled dot-product attention ``softmax(q kᵀ · scale + bias) v`` under a mask.
 
@@ -69,6 +71,13 @@ def attention(
         options: the named backend's ``Options`` dataclass (tile sizes, features, ...).
         return_lse: also return the log-sum-exp of the masked scores per query row
             ``(B, Hq, Tq)`` in float32 (float64 for float64 inputs; ``-inf`` for fully masked rows).
+            With ``sinks`` the sink's term is part of the sum (a fully masked row's LSE is its sink).
+        score_mod: a :class:`~attnkit.score_mods.ScoreMod` (``SoftCap(c)``, ``ALiBi(slopes)``,
+            ``RelativeBias(table)``, ``CustomScoreMod(fn)``), a list of them applied in order, or a
+            callable ``fn(score, b, h, q_idx, kv_idx)`` over absolute positions; applied after
+            ``scale`` and ``bias``, before the mask.
+        sinks: ``(Hq,)`` float logits, one per query head (gpt-oss): each joins its rows' softmax
+            normaliser and contributes no value, so rows can attend "nothing"; learnable.
 
     Returns:
         ``out (B, Hq, Tq, Dv)`` in q's dtype, or ``(out, lse)`` with ``return_lse=True``.
@@ -84,10 +93,11 @@ def attention(
             return attention(
                 cast(q), cast(k), cast(v), mask=mask, bias=bias, scale=scale, dropout_p=dropout_p,
                 q_offset=q_offset, kv_offset=kv_offset, backend=backend, options=options, return_lse=return_lse,
+                score_mod=score_mod, sinks=sinks,
             )
     inp = AttentionInputs.create(
         q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, q_offset=q_offset,
-        kv_offset=kv_offset, return_lse=return_lse,
+        kv_offset=kv_offset, return_lse=return_lse, score_mod=score_mod, sinks=sinks,
     )
     impl = select(inp, backend)
     options = _check_options(impl, options)

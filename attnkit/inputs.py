@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .masks import Mask, as_mask
+from .score_mods import ScoreMod, as_score_mod, check_sinks
 
 __all__ = ["AttentionInputs", "FLOAT_DTYPES"]
 
@@ -72,6 +73,10 @@ class AttentionInputs:
     q_offset: int
     kv_offset: int
     return_lse: bool
+    #: A :class:`~attnkit.score_mods.ScoreMod` applied to the scores before masking, or None.
+    score_mod: ScoreMod | None = None
+    #: Per-head sink logits ``(Hq,)`` joining each row's softmax normaliser, or None.
+    sinks: Tensor | None = None
 
     @classmethod
     def create(
@@ -87,6 +92,8 @@ class AttentionInputs:
         q_offset: int | None = None,
         kv_offset: int = 0,
         return_lse: bool = False,
+        score_mod=None,
+        sinks: Tensor | None = None,
     ) -> AttentionInputs:
         """Validate the arguments of ``attention()`` and fill in defaults."""
         _check_tensor("q", q, "(B, Hq, Tq, D)")
@@ -167,12 +174,17 @@ class AttentionInputs:
                 raise ValueError(
                     f"bias: shape {tuple(bias.shape)} does not broadcast to (B, Hq, Tq, Tk) = ({B}, {Hq}, {Tq}, {Tk})."
                 )
+        if score_mod is not None:
+            score_mod = as_score_mod(score_mod)
+            score_mod.validate(B, Hq, device)
+        if sinks is not None:
+            sinks = check_sinks(sinks, Hq, device)
         # A frozen dataclass's __init__ sets each field through object.__setattr__ (~2 us for ten
         # fields); filling the instance dict directly is ~0.3 us and the instance stays frozen.
         self = object.__new__(cls)
         self.__dict__.update(q=q, k=k, v=v, mask=mask, bias=bias, scale=scale, dropout_p=float(dropout_p),
                              q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse,
-                             B=B, Hq=Hq, Hkv=Hkv, Tq=Tq, Tk=Tk, D=D, Dv=Dv, groups=Hq // Hkv, dtype=dtype, device=device)
+                             score_mod=score_mod, sinks=sinks, B=B, Hq=Hq, Hkv=Hkv, Tq=Tq, Tk=Tk, D=D, Dv=Dv, groups=Hq // Hkv, dtype=dtype, device=device)
         return self
 
     def __repr__(self) -> str:  # shapes, not tensor contents

@@ -44,6 +44,9 @@ class Backend:
     supports_bias: ClassVar[bool] = False
     supports_backward: ClassVar[bool] = True
     supports_lse: ClassVar[bool] = False
+    #: Applies ``score_mod=`` (soft-capping, ALiBi, relative biases, custom) / ``sinks=``.
+    supports_score_mod: ClassVar[bool] = False
+    supports_sinks: ClassVar[bool] = False
     #: Optional packages the backend needs (checked with importlib, never imported here).
     requires: ClassVar[tuple[str, ...]] = ()
     #: Dataclass of hyper-parameters accepted through ``attention(..., options=...)``.
@@ -84,6 +87,10 @@ class Backend:
             yield "has no dropout (dropout_p > 0)"
         if inp.bias is not None and not cls.supports_bias:
             yield "takes no additive bias"
+        if inp.score_mod is not None and not cls.supports_score_mod:
+            yield "cannot apply a score_mod (SoftCap, ALiBi, RelativeBias, CustomScoreMod)"
+        if inp.sinks is not None and not cls.supports_sinks:
+            yield "has no attention sinks (sinks=)"
         if inp.return_lse and not cls.supports_lse:
             yield "cannot return the log-sum-exp (return_lse=True)"
         if not cls.supports_backward and inp.requires_grad:
@@ -120,6 +127,8 @@ class Backend:
             "bias": cls.supports_bias,
             "backward": cls.supports_backward,
             "lse": cls.supports_lse,
+            "score_mod": cls.supports_score_mod,
+            "sinks": cls.supports_sinks,
             "summary": cls.summary,
         }
 

@@ -88,3 +88,21 @@ def upcast_on_cpu(inp: AttentionInputs) -> AttentionInputs:
     if inp.device.type != "cpu" or inp.dtype not in (torch.float16, torch.bfloat16):
         return inp
     return dataclasses.replace(inp, q=inp.q.float(), k=inp.k.float(), v=inp.v.float())
+
+
+def modify_gathered(inp: AttentionInputs, s: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """``inp.score_mod`` on gathered scores ``s (B, Hkv, N, G, c, L)`` whose queries sit at absolute
+    positions ``q_pos (N, c)`` and keys at ``k_pos (N, L)`` (query head ``h = kv_head * G + g``)."""
+    B, Hkv, _, G = s.shape[:4]
+    dev = s.device
+    b = torch.arange(B, device=dev).view(-1, 1, 1, 1, 1, 1)
+    h = (torch.arange(Hkv, device=dev).view(-1, 1) * G + torch.arange(G, device=dev)).view(1, Hkv, 1, G, 1, 1)
+    return inp.score_mod.apply(s, b, h, q_pos[None, None, :, None, :, None], k_pos[None, None, :, None, None, :])
+
+
+def with_sink_column(inp: AttentionInputs, scores: Tensor) -> Tensor:
+    """Gathered scores ``(B, Hkv, N, G, c, L)`` with one more column holding each head's sink logit
+    (it joins the softmax normaliser; the caller gives it no value)."""
+    B, Hkv, N, G, c, _ = scores.shape
+    sink = inp.sinks.to(scores.dtype).view(1, Hkv, 1, G, 1, 1).expand(B, Hkv, N, G, c, 1)
+    return torch.cat([scores, sink], dim=-1)

@@ -17,7 +17,10 @@ from ..inputs import AttentionInputs
 from ..masks import And, Mask
 from ..masks import BlockSparse
 from ..registry import Backend, register_backend
-from ._common import connected, finite_kv, grouped, mask_on, nonfinite_keys, poison_rows, safe, softmax_parts, upcast_on_cpu
+from ._common import (
+    connected, finite_kv, grouped, mask_on, modify_gathered, nonfinite_keys, poison_rows, safe, softmax_parts,
+    upcast_on_cpu, with_sink_column,
+)
 
 
 def block_sparse_part(mask: Mask | None) -> BlockSparse | None:
@@ -50,6 +53,8 @@ class BlockSparseBackend(Backend):
     name = "block_sparse"
     summary = "gathers only the active blocks of a BlockSparse layout (BigBird, Longformer, Sparse Transformer)"
     supports_lse = True
+    supports_score_mod = True
+    supports_sinks = True
 
     @classmethod
     def extra_reasons(cls, inp: AttentionInputs) -> list[str]:
@@ -101,15 +106,22 @@ class BlockSparseBackend(Backend):
             qg = q[:, :, rows].reshape(B, Hkv, n, G * bs, D)
             s = torch.matmul(qg, kg.transpose(-2, -1)).to(torch.promote_types(inp.dtype, torch.float32))
             s = s.view(B, Hkv, n, G, bs, r * bs)
+            if inp.score_mod is not None:
+                s = modify_gathered(inp, s, q_pos, k_pos)
             s = s.masked_fill_(~keep, float("-inf")) if inplace else s.masked_fill(~keep, float("-inf"))
+            if inp.sinks is not None:  # the last column: the sink, with no value
+                s = with_sink_column(inp, s)
             p, denom, lse = softmax_parts(s, inplace)
-            o = torch.matmul(p.to(inp.dtype).view(B, Hkv, n, G * bs, r * bs), vg)
+            p = p[..., : r * bs]
+            o = torch.matmul(p.to(inp.dtype).reshape(B, Hkv, n, G * bs, r * bs), vg)
             outs.append((o / safe(denom).view(B, Hkv, n, G * bs, 1)).to(inp.dtype))
             lses.append(lse)
             rows_done.append(rows)
         acc = torch.promote_types(inp.dtype, torch.float32)
         out = inp.q.new_zeros(B, Hkv, nR, G * bs, Dv)
         lse = torch.full((B, Hkv, nR, G, bs), float("-inf"), dtype=acc, device=dev)
+        if inp.sinks is not None:  # a row that attends nothing keeps only its sink
+            lse = inp.sinks.to(acc).view(1, Hkv, 1, G, 1).expand_as(lse).clone()
         hit = None
         if rows_done:
             rows = torch.cat(rows_done)

@@ -35,15 +35,23 @@ def probabilities(inp: AttentionInputs, k: Tensor, keep: Tensor | None) -> tuple
     scores = torch.matmul(inp.q, k.transpose(-2, -1)).to(acc) * inp.scale  # (B, Hq, Tq, Tk)
     if inp.bias is not None:
         scores = scores + inp.bias.to(acc)
+    if inp.score_mod is not None:
+        q0, k0 = inp.q_offset, inp.kv_offset
+        scores = inp.score_mod.evaluate(scores, (q0, q0 + inp.Tq), (k0, k0 + inp.Tk), inp.B, inp.Hq)
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     # Subtract the row max for stability; a fully masked row has max -inf: use 0 so that every
     # exp() is exp(-inf) = 0 instead of exp(nan). The max carries no gradient (softmax is
     # invariant to it), which keeps fully masked rows' gradients finite.
     row_max = scores.amax(dim=-1, keepdim=True).detach()
+    sink = None if inp.sinks is None else inp.sinks.to(acc).view(1, -1, 1, 1)
+    if sink is not None:  # the sink logit joins the normaliser (and the max) of every row
+        row_max = torch.maximum(row_max, sink.detach())
     row_max = row_max.masked_fill(torch.isinf(row_max), 0.0)
     e = torch.exp(scores - row_max)
     denom = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - row_max)
     lse = (torch.log(denom) + row_max).squeeze(-1)  # log(0) = -inf for fully masked rows
     return e / torch.where(denom == 0, 1.0, denom), lse
 
@@ -55,6 +63,8 @@ class Naive(Backend):
     supports_dropout = True
     supports_bias = True
     supports_lse = True
+    supports_score_mod = True
+    supports_sinks = True
     Options = NaiveOptions
 
     @classmethod

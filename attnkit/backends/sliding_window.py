@@ -22,7 +22,10 @@ from ..inputs import AttentionInputs
 from ..masks import And, Causal, Mask, Or, SlidingWindow
 from ..masks import GlobalTokens
 from ..registry import Backend, register_backend
-from ._common import connected, finite_kv, grouped, mask_on, nonfinite_keys, poison_rows, safe, softmax_parts, upcast_on_cpu
+from ._common import (
+    connected, finite_kv, grouped, mask_on, modify_gathered, nonfinite_keys, poison_rows, safe, softmax_parts,
+    upcast_on_cpu, with_sink_column,
+)
 
 NEG_INF = float("-inf")
 
@@ -104,6 +107,8 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
     qg = qp.reshape(B, Hkv, nC, G * c, D) * inp.scale  # scale q: O(n*D) instead of O(n*L)
     inplace = not inp.requires_grad
     s = torch.matmul(qg, kw.transpose(-2, -1)).to(acc).view(B, Hkv, nC, G, c, L)
+    if inp.score_mod is not None:
+        s = modify_gathered(inp, s, qpos, inp.kv_offset + kidx)
     s = s.masked_fill_(~keep, NEG_INF) if inplace else s.masked_fill(~keep, NEG_INF)
     parts = [s]
     if glob is not None:
@@ -115,11 +120,13 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
         if bad is not None:
             hit = hit | bad[:, :, gi].any(dim=-1)[:, :, None, None, None]
     scores = torch.cat(parts, dim=-1) if len(parts) > 1 else s
+    if inp.sinks is not None:  # the last column: the sink, with no value
+        scores = with_sink_column(inp, scores)
     p, denom, lse = softmax_parts(scores, inplace)
     p = p.to(inp.dtype)
     out = torch.matmul(p[..., :L].reshape(B, Hkv, nC, G * c, L), vw)  # (B, Hkv, nC, G*c, Dv)
     if glob is not None:
-        out = out + torch.matmul(p[..., L:].reshape(B, Hkv, nC, G * c, -1), vg[:, :, None])
+        out = out + torch.matmul(p[..., L : L + vg.shape[2]].reshape(B, Hkv, nC, G * c, -1), vg[:, :, None])
     out = (out / safe(denom).view(B, Hkv, nC, G * c, 1)).to(inp.dtype)
     out = out.view(B, Hkv, nC, G, c, Dv).transpose(2, 3).reshape(B, Hq, nC * c, Dv)[:, :, :Tq]
     lse = lse.view(B, Hkv, nC, G, c).transpose(2, 3).reshape(B, Hq, nC * c)[:, :, :Tq]
@@ -152,15 +159,20 @@ class SlidingWindowBackend(Backend):
     name = "sliding_window"
     summary = "banded local attention (+ Longformer global tokens): O(n*w) time and memory, fwd+bwd"
     supports_lse = True
+    supports_score_mod = True
+    supports_sinks = True
     Options = SlidingWindowOptions
 
     @classmethod
     def extra_reasons(cls, inp: AttentionInputs) -> list[str]:
-        if inp.mask is None or band_of(inp.mask) is None:
+        band = None if inp.mask is None else band_of(inp.mask)
+        if band is None:
             return [
                 "needs a banded mask: SlidingWindow(left, right) with finite bounds (or with Causal()), "
                 "optionally & other masks and | GlobalTokens(...)"
             ]
+        if band[2] is not None and (inp.score_mod is not None or inp.sinks is not None):
+            return ["applies score_mod and sinks to banded masks only, not with GlobalTokens"]
         return []
 
     @classmethod

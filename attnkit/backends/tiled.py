@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..inputs import AttentionInputs
 from ..masks import BlockStatus, Mask
+from ..score_mods import ScoreMod
 from ..registry import Backend, register_backend
 from ._common import finite_kv, nonfinite_keys, poison_rows
 
@@ -58,6 +59,14 @@ class _Plan:
     kv_offset: int
     block_q: int
     block_k: int
+    score_mod: ScoreMod | None = None
+
+    def modified(self, s5: Tensor, q0, q1, k0, k1) -> Tensor:
+        """The score modifier applied to a tile's scores ``(B, Hkv, G, n, m)`` (out of place)."""
+        B, Hkv, G, n, m = s5.shape
+        q_range = (self.q_offset + q0, self.q_offset + q1)
+        kv_range = (self.kv_offset + k0, self.kv_offset + k1)
+        return self.score_mod.evaluate(s5.reshape(B, Hkv * G, n, m), q_range, kv_range, B, Hkv * G).view(B, Hkv, G, n, m)
 
     def tiles(self, Tq: int, Tk: int):
         """Yield ``(q0, q1, [(k0, k1, status), ...])`` per query tile, EMPTY key tiles left out."""
@@ -111,9 +120,11 @@ def _scores(qt, kt, acc_dtype, scale: float):
     return s.mul_(scale) if scale != 1.0 else s
 
 
-def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, bad: Tensor | None):
+def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None,
+             bad: Tensor | None):
     """``(out (B, Hq, Tq, Dv), lse (B, Hq, Tq), hit)``; ``hit (B, Hq, Tq)`` marks the rows that attend
-    a key flagged in ``bad (B, Hkv, Tk)`` (K/V arrive with those keys zeroed), or is None."""
+    a key flagged in ``bad (B, Hkv, Tk)`` (K/V arrive with those keys zeroed), or is None.
+    ``sinks (Hq,)`` join every row's normaliser: the running max starts at the sink logit."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
@@ -126,13 +137,18 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, 
     E = v_ext.shape[-1]
     out = q.new_zeros(B, Hkv, G, Tq, Dv)
     lse = torch.full((B, Hkv, G, Tq), NEG_INF, dtype=acc_dtype, device=q.device)
+    sink = None if sinks is None else sinks.to(acc_dtype).view(1, Hkv, G, 1)
+    if sink is not None:
+        lse = lse.copy_(sink.expand_as(lse))  # a row that attends nothing keeps only its sink
     hit = None if bad is None else torch.zeros((B, Hkv, G, Tq), dtype=torch.bool, device=q.device)
     for q0, q1, row in plan.tiles(Tq, Tk):
         if not row:
-            continue  # every key masked for these queries: output 0, LSE -inf
+            continue  # every key masked for these queries: output 0, LSE -inf (or the sink)
         n = q1 - q0
         qt = q5[:, :, :, q0:q1].reshape(B, Hkv, G * n, D) * plan.scale  # scale q, not the scores
         m_run = torch.full((B, Hkv, G, n), NEG_INF, dtype=acc_dtype, device=q.device)
+        if sink is not None:
+            m_run = m_run.copy_(sink.expand_as(m_run))
         l_run = torch.zeros((B, Hkv, G, n), dtype=acc_dtype, device=q.device)
         acc = torch.zeros((B, Hkv, G * n, E), dtype=acc_dtype, device=q.device)
         for k0, k1, status in row:
@@ -145,6 +161,9 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, 
             bias_t = _bias_tile(bias, q0, q1, k0, k1, Hkv)
             if bias_t is not None:
                 s5.add_(bias_t)
+            if plan.score_mod is not None:
+                s5 = plan.modified(s5, q0, q1, k0, k1)
+                s = s5.view(B, Hkv, G * n, k1 - k0)
             if keep is not None:
                 s5.masked_fill_(~keep, NEG_INF)
             m_new = torch.maximum(m_run, s5.amax(dim=-1))
@@ -161,13 +180,16 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, 
         if fused_sum:
             l_run = acc[..., Dv].view(B, Hkv, G, n)
             acc = acc[..., :Dv]
+        if sink is not None:  # m_run >= sink, so this never overflows
+            l_run = l_run + torch.exp(sink - m_run)
         l_safe = torch.where(l_run == 0, 1.0, l_run)
         out[:, :, :, q0:q1] = (acc.reshape(B, Hkv, G, n, Dv) / l_safe[..., None]).to(q.dtype)
         lse[:, :, :, q0:q1] = torch.where(l_run == 0, NEG_INF, m_run + torch.log(l_safe))
     return out.view(B, Hq, Tq, Dv), lse.view(B, Hq, Tq), None if hit is None else hit.view(B, Hq, Tq)
 
 
-def _backward(plan: _Plan, q, k, v, bias, out, lse, dout, dlse, need_dbias: bool):
+def _backward(plan: _Plan, q, k, v, bias, sinks, out, lse, dout, dlse, need_dbias: bool, mod_params: tuple):
+    """Gradients of q, k, v, bias, sinks and the score modifier's tensors (None where not needed)."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
@@ -177,6 +199,12 @@ def _backward(plan: _Plan, q, k, v, bias, out, lse, dout, dlse, need_dbias: bool
     delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # (B, Hq, Tq)
     if dlse is not None:
         delta = delta - dlse.to(acc_dtype)
+    # d loss / d sink_h = sum over h's rows of p_sink * (dlse - delta), p_sink = exp(sink - lse).
+    dsinks = None
+    if sinks is not None:
+        p_sink = torch.exp(sinks.to(acc_dtype).view(1, Hq, 1) - lse)
+        dsinks = -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
+    dparams = [torch.zeros_like(t, dtype=acc_dtype) if t.requires_grad else None for t in mod_params]
     lse_safe = lse.masked_fill(lse == NEG_INF, 0.0).view(B, Hkv, G, Tq)
     delta = delta.view(B, Hkv, G, Tq)
     q5, do5 = q.view(B, Hkv, G, Tq, D), dout.reshape(B, Hkv, G, Tq, Dv)
@@ -198,6 +226,13 @@ def _backward(plan: _Plan, q, k, v, bias, out, lse, dout, dlse, need_dbias: bool
             bias_t = _bias_tile(bias, q0, q1, k0, k1, Hkv)
             if bias_t is not None:
                 s5.add_(bias_t)
+            raw = None
+            if plan.score_mod is not None:  # differentiate the modifier locally, one tile at a time
+                raw = s5.detach().requires_grad_()
+                with torch.enable_grad():
+                    modded = plan.modified(raw, q0, q1, k0, k1)
+                s5 = modded.detach().clone()
+                s = s5.view(B, Hkv, G * n, m)
             if keep is not None:
                 s5.masked_fill_(~keep, NEG_INF)
             s5.sub_(lse_safe[:, :, :, q0:q1, None]).exp_()  # p; 0 for masked keys and rows
@@ -205,6 +240,12 @@ def _backward(plan: _Plan, q, k, v, bias, out, lse, dout, dlse, need_dbias: bool
             dv[:, :, k0:k1] += torch.matmul(p.transpose(-2, -1), dot).to(acc_dtype)
             dp = torch.matmul(dot, vt.transpose(-2, -1)).to(acc_dtype).view(B, Hkv, G, n, m)
             ds5 = dp.sub_(delta[:, :, :, q0:q1, None]).mul_(s5)  # (B, Hkv, G, n, m)
+            if raw is not None:  # chain rule through the modifier: to the raw scores and its tensors
+                wanted = [raw] + [t for t, g in zip(mod_params, dparams) if g is not None]
+                grads = torch.autograd.grad(modded, wanted, ds5)
+                ds5 = grads[0]
+                for g, extra in zip([g for g in dparams if g is not None], grads[1:]):
+                    g += extra.to(acc_dtype)
             if dbias is not None:
                 _add_bias_grad(dbias, ds5.view(B, Hq, n, m), q0, q1, k0, k1)
             ds = ds5.view(B, Hkv, G * n, m).to(q.dtype)
@@ -213,7 +254,8 @@ def _backward(plan: _Plan, q, k, v, bias, out, lse, dout, dlse, need_dbias: bool
         dq[:, :, :, q0:q1] = dqt.view(B, Hkv, G, n, D)
     dq = (dq * plan.scale).view(B, Hq, Tq, D).to(q.dtype)
     dk = (dk * plan.scale).to(k.dtype)
-    return dq, dk, dv.to(v.dtype), None if dbias is None else dbias.to(bias.dtype)
+    dparams = [None if g is None else g.to(t.dtype) for t, g in zip(mod_params, dparams)]
+    return dq, dk, dv.to(v.dtype), None if dbias is None else dbias.to(bias.dtype), dsinks, dparams
 
 
 def _add_bias_grad(dbias: Tensor, ds: Tensor, q0, q1, k0, k1) -> None:
@@ -225,45 +267,54 @@ def _add_bias_grad(dbias: Tensor, ds: Tensor, q0, q1, k0, k1) -> None:
 
 
 class _TiledFunction(torch.autograd.Function):
-    """``(out, lse, hit) = f(q, k, v, bias, bad, plan)``; differentiable in q, k, v and bias.
+    """``(out, lse, hit) = f(q, k, v, bias, sinks, bad, plan, *mod_params)``; differentiable in q, k,
+    v, bias, sinks and the score modifier's tensors ``mod_params`` (``plan.score_mod.parameters()``).
     Written with ``setup_context`` and a ``vmap`` rule so ``torch.func`` transforms work."""
 
     @staticmethod
-    def forward(q, k, v, bias, bad, plan):
-        return _forward(plan, q, k, v, bias, bad)
+    def forward(q, k, v, bias, sinks, bad, plan, *mod_params):
+        return _forward(plan, q, k, v, bias, sinks, bad)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, bias, _, plan = inputs
+        q, k, v, bias, sinks, _, plan, *mod_params = inputs
         out, lse, hit = output
-        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.save_for_backward(q, k, v, bias, sinks, out, lse, *mod_params)
         ctx.plan = plan
         if hit is not None:
             ctx.mark_non_differentiable(hit)
 
     @staticmethod
     def backward(ctx, dout, dlse, _dhit):
-        q, k, v, bias, out, lse = ctx.saved_tensors
+        q, k, v, bias, sinks, out, lse, *mod_params = ctx.saved_tensors
         need_dbias = bias is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dbias = _backward(ctx.plan, q, k, v, bias, out, lse, dout, dlse, need_dbias)
-        return dq, dk, dv, dbias, None, None
+        dq, dk, dv, dbias, dsinks, dparams = _backward(
+            ctx.plan, q, k, v, bias, sinks, out, lse, dout, dlse, need_dbias, tuple(mod_params)
+        )
+        return (dq, dk, dv, dbias, dsinks if ctx.needs_input_grad[4] else None, None, None, *dparams)
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, bias, bad, plan):
+    def vmap(info, in_dims, q, k, v, bias, sinks, bad, plan, *mod_params):
         """Fold the mapped dimension into the batch (one call over ``V * B`` rows); a mask that
         depends on the batch index keeps its per-example meaning, so it maps one slice at a time."""
         V = info.batch_size
         moved = [None if x is None else x.movedim(d, 0) if d is not None else x.expand(V, *x.shape)
-                 for x, d in zip((q, k, v, bias, bad), in_dims[:5])]  # each (V, B|1, ...)
+                 for x, d in zip((q, k, v, bias, bad), in_dims[:3] + in_dims[3:4] + in_dims[5:6])]  # (V, B|1, ...)
+        if (sinks is not None and in_dims[4] is not None) or any(d is not None for d in in_dims[7:]):
+            raise NotImplementedError("tiled: vmap over sinks or score-modifier tensors is not supported")
         B = moved[0].shape[1]
         if plan.mask is not None and plan.mask.batch_size not in (None, 1):
-            outs = [_TiledFunction.apply(*(None if x is None else x[i] for x in moved), plan) for i in range(V)]
+            outs = []
+            for i in range(V):
+                qi, ki, vi, bi, badi = (None if x is None else x[i] for x in moved)
+                outs.append(_TiledFunction.apply(qi, ki, vi, bi, sinks, badi, plan, *mod_params))
             out, lse = torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
             hit = None if outs[0][2] is None else torch.stack([o[2] for o in outs])
         else:
             flat = [None if x is None else x.expand(V, B, *x.shape[2:]).reshape(V * B, *x.shape[2:]).contiguous()
                     for x in moved]
-            out, lse, hit = _TiledFunction.apply(*flat, plan)
+            qf, kf, vf, bf, badf = flat
+            out, lse, hit = _TiledFunction.apply(qf, kf, vf, bf, sinks, badf, plan, *mod_params)
             out, lse = out.view(V, B, *out.shape[1:]), lse.view(V, B, *lse.shape[1:])
             hit = None if hit is None else hit.view(V, B, *hit.shape[1:])
         return (out, lse, hit), (0, 0, None if hit is None else 0)
@@ -275,6 +326,8 @@ class Tiled(Backend):
     summary = "flash-style online softmax over tiles in PyTorch: any mask, O(n) memory fwd+bwd, skips empty tiles"
     supports_bias = True
     supports_lse = True
+    supports_score_mod = True
+    supports_sinks = True
     Options = TiledOptions
 
     @classmethod
@@ -283,13 +336,14 @@ class Tiled(Backend):
         bias = inp.bias
         if bias is not None:
             bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
-        plan = _Plan(inp.mask, inp.scale, inp.q_offset, inp.kv_offset, options.block_q, options.block_k)
+        plan = _Plan(inp.mask, inp.scale, inp.q_offset, inp.kv_offset, options.block_q, options.block_k, inp.score_mod)
         bad = nonfinite_keys(inp)
         clean = finite_kv(inp, bad)
         q, k, v = clean.q.contiguous(), clean.k.contiguous(), clean.v.contiguous()
         upcast = options.upcast if options.upcast is not None else inp.device.type == "cpu"
         if upcast and inp.dtype in (torch.float16, torch.bfloat16):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
-        out, lse, hit = _TiledFunction.apply(q, k, v, bias, bad, plan)
+        mod_params = () if inp.score_mod is None else inp.score_mod.parameters()
+        out, lse, hit = _TiledFunction.apply(q, k, v, bias, inp.sinks, bad, plan, *mod_params)
         out, lse = poison_rows(out.to(inp.dtype), lse, hit)
         return (out, lse) if inp.return_lse else out

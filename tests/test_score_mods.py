@@ -1,0 +1,177 @@
+"""Score modifiers and attention sinks on every backend that declares them, against an independent
+float64 formula (outputs, LSE and the gradients of q, k, v and every learnable tensor)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import BlockSparse, Causal, KeyPadding, SlidingWindow
+from attnkit.backends.tiled import TiledOptions
+from attnkit.score_mods import ALiBi, CustomScoreMod, RelativeBias, SoftCap, as_score_mod, t5_bucket
+
+B, H, HKV, T, D = 2, 4, 2, 50, 16
+MASKS = {
+    "naive": Causal() & KeyPadding([40, 50]),
+    "tiled": Causal() & KeyPadding([40, 50]),
+    "sliding_window": SlidingWindow(12, 0) & KeyPadding([40, 50]),
+    "block_sparse": BlockSparse.bigbird(4, 16) & Causal(),
+}
+OPTIONS = {"tiled": TiledOptions(block_q=16, block_k=24)}
+
+
+def _t5_bucket_loop(rel: int, n: int, max_distance: int, bidirectional: bool) -> int:
+    """T5's bucket, written out scalar by scalar (as in the paper's reference code)."""
+    bucket = 0
+    if bidirectional:
+        n //= 2
+        bucket += n if rel > 0 else 0
+        dist = abs(rel)
+    else:
+        dist = max(-rel, 0)
+    exact = n // 2
+    if dist < exact:
+        return bucket + dist
+    large = exact + int(math.log(dist / exact) / math.log(max_distance / exact) * (n - exact))
+    return bucket + min(large, n - 1)
+
+
+def _reference(q, k, v, keep, mod_name, params, sinks, scale):
+    """float64 attention with the modifier written out explicitly, sinks as an extra logit."""
+    q, k, v = q.double(), k.double().repeat_interleave(H // HKV, 1), v.double().repeat_interleave(H // HKV, 1)
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    qi = torch.arange(T, dtype=torch.float64).view(-1, 1)
+    ki = torch.arange(T, dtype=torch.float64).view(1, -1)
+    if mod_name == "softcap":
+        s = 3.0 * torch.tanh(s / 3.0)
+    elif mod_name == "alibi":
+        s = s - params["slopes"].double().view(1, H, 1, 1) * (qi - ki).abs()
+    elif mod_name == "relative":
+        idx = torch.tensor([[_t5_bucket_loop(j - i, 16, 32, False) for j in range(T)] for i in range(T)])
+        s = s + params["table"].double()[:, idx][None]
+    elif mod_name == "chain":  # ALiBi, then soft-capping: order matters
+        s = s - params["slopes"].double().view(1, H, 1, 1) * (qi - ki).abs()
+        s = 2.0 * torch.tanh(s / 2.0)
+    s = s.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().view(1, H, 1, 1).expand(B, H, T, 1)], dim=-1)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    if sinks is not None:
+        p = p[..., :-1]
+    return p @ v, lse
+
+
+def _mod(name, params):
+    if name == "softcap":
+        return SoftCap(3.0)
+    if name == "alibi":
+        return ALiBi(params["slopes"])
+    if name == "relative":
+        return RelativeBias(params["table"], max_distance=32, bidirectional=False)
+    return [ALiBi(params["slopes"]), SoftCap(2.0)]  # a list applies in order
+
+
+@pytest.mark.parametrize("use_sinks", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("mod_name", ["softcap", "alibi", "relative", "chain"])
+@pytest.mark.parametrize("backend", list(MASKS))
+def test_score_mod_matches_the_formula(backend, mod_name, use_sinks):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, H, T, D, generator=g).requires_grad_()
+    k = torch.randn(B, HKV, T, D, generator=g).requires_grad_()
+    v = torch.randn(B, HKV, T, D, generator=g).requires_grad_()
+    params = {
+        "slopes": torch.rand(H, generator=g).requires_grad_(),
+        "table": torch.randn(H, 16, generator=g).requires_grad_(),
+    }
+    sinks = torch.randn(H, generator=g).requires_grad_() if use_sinks else None
+    mask = MASKS[backend]
+    out, lse = attnkit.attention(q, k, v, mask=mask, score_mod=_mod(mod_name, params), sinks=sinks,
+                                 backend=backend, options=OPTIONS.get(backend), return_lse=True)
+    keep = mask.materialize(T, T).expand(B, H, T, T)
+    ref, ref_lse = _reference(q, k, v, keep, mod_name, params, sinks, D**-0.5)
+    assert (out.double() - ref).abs().max() < 2e-5
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse)) and (lse.double() - ref_lse)[finite].abs().max() < 2e-5
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    leaves = [q, k, v] + [t for t in params.values()] + ([sinks] if use_sinks else [])
+    ours = torch.autograd.grad((out.double() * w).sum(), leaves, allow_unused=True)
+    theirs = torch.autograd.grad((ref * w).sum(), leaves, allow_unused=True)
+    for name, a, b in zip(["q", "k", "v", "slopes", "table", "sinks"], ours, theirs):
+        if b is None:
+            assert a is None or a.abs().max() == 0, name
+            continue
+        assert a is not None, f"{backend}: no gradient for {name}"
+        assert (a.double() - b).abs().max() < 1e-4 * max(1.0, b.abs().max().item()), name
+
+
+def test_sinks_take_mass_and_a_fully_masked_row_keeps_only_its_sink():
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    sinks = torch.tensor([0.0, 50.0])  # head 1: the sink takes nearly everything
+    nothing = torch.zeros(1, 1, 4, 4, dtype=torch.bool)
+    for backend in ("naive", "tiled"):
+        out, lse = attnkit.attention(q, k, v, mask=nothing, sinks=sinks, backend=backend, return_lse=True)
+        assert out.abs().max() == 0 and torch.equal(lse, sinks.view(1, 2, 1).expand(1, 2, 4))
+        out = attnkit.attention(q, k, v, sinks=sinks, backend=backend)
+        assert out[0, 1].abs().max() < 1e-15 and out[0, 0].abs().max() > 0.01
+
+
+def test_sdpa_declines_score_mods_and_sinks_and_auto_picks_a_backend_that_applies_them():
+    q = torch.randn(1, 4, 8, 8)
+    for kwargs in ({"score_mod": SoftCap(5.0)}, {"sinks": torch.zeros(4)}):
+        reasons = attnkit.explain(q, q, q, mask=Causal(), **kwargs).reasons["sdpa"]
+        assert any("score_mod" in r or "sinks" in r for r in reasons), reasons
+        out = attnkit.attention(q, q, q, mask=Causal(), **kwargs)
+        ref = attnkit.attention(q, q, q, mask=Causal(), backend="naive", **kwargs)
+        torch.testing.assert_close(out, ref)
+
+
+def test_alibi_geometric_slopes_and_absolute_positions_in_decode():
+    assert torch.allclose(ALiBi.geometric(8).slopes, torch.tensor([2.0 ** -(i + 1) for i in range(8)]))
+    assert ALiBi.geometric(6).slopes.numel() == 6
+    q, k, v = torch.randn(1, 4, 10, 8), torch.randn(1, 4, 10, 8), torch.randn(1, 4, 10, 8)
+    mod = ALiBi.geometric(4)
+    full = attnkit.attention(q, k, v, mask=Causal(), score_mod=mod, backend="naive")
+    last = attnkit.attention(q[:, :, -1:], k, v, mask=Causal(), score_mod=mod, backend="tiled")  # q at position 9
+    torch.testing.assert_close(last, full[:, :, -1:])
+
+
+def test_t5_bucket_matches_the_scalar_definition():
+    rel = torch.arange(-300, 300)
+    for bidirectional in (True, False):
+        ours = t5_bucket(rel, num_buckets=32, max_distance=128, bidirectional=bidirectional).tolist()
+        assert ours == [_t5_bucket_loop(r, 32, 128, bidirectional) for r in rel.tolist()]
+
+
+def test_drawing_and_composition():
+    assert SoftCap(1.0).to_string(1, 1).strip() == "0.00"
+    drawn = ALiBi(torch.tensor([1.0])).to_string(2, 3).splitlines()
+    assert [float(x) for x in drawn[0].split()] == [-1.0, 0.0, -1.0]  # query at position 1
+    chain = as_score_mod([ALiBi.geometric(2), SoftCap(2.0)])
+    assert [type(p).__name__ for p in chain.parts()] == ["ALiBi", "SoftCap"]
+    assert [type(p).__name__ for p in (SoftCap(1.0) >> chain).parts()] == ["SoftCap", "ALiBi", "SoftCap"]
+    custom = as_score_mod(lambda s, b, h, qi, ki: s * 2)
+    assert isinstance(custom, CustomScoreMod)
+
+
+@pytest.mark.parametrize(
+    "make, fragment",
+    [
+        (lambda: SoftCap(0.0), "positive"),
+        (lambda: SoftCap(float("nan")), "finite"),
+        (lambda: ALiBi(torch.ones(2, 2)), "1-D"),
+        (lambda: RelativeBias(torch.ones(4)), "(H, num_buckets)"),
+        (lambda: RelativeBias(torch.ones(2, 8), max_distance=1), "max_distance"),
+        (lambda: as_score_mod(3), "ScoreMod"),
+        (lambda: attnkit.attention(*(torch.randn(1, 4, 3, 8),) * 3, score_mod=ALiBi.geometric(2)), "heads"),
+        (lambda: attnkit.attention(*(torch.randn(1, 4, 3, 8),) * 3, sinks=torch.zeros(3)), "sinks"),
+        (lambda: attnkit.attention(*(torch.randn(1, 4, 3, 8),) * 3, sinks=torch.zeros(4, dtype=torch.long)), "sinks"),
+    ],
+)
+def test_bad_score_mods_are_refused_clearly(make, fragment):
+    with pytest.raises((ValueError, TypeError), match=None) as info:
+        make()
+    assert fragment in str(info.value)
