@@ -7,8 +7,6 @@ from attnkit.nn import (
     LearnedPositionalEmbedding,
     RotaryEmbedding,
     SinusoidalPositionalEmbedding,
-    alibi_bias,
-    alibi_slopes,
     sinusoidal,
     sinusoidal_2d,
 )
@@ -77,16 +75,15 @@ def test_rope_per_row_positions_and_partial_rotary():
         RotaryEmbedding(8, rotary_dim=3)
 
 
-def test_alibi_slopes_and_bias():
-    assert torch.allclose(alibi_slopes(8), torch.tensor([2.0 ** -(i + 1) for i in range(8)]))
-    s12 = alibi_slopes(12)  # 8 geometric + 4 interleaved from the 16-head sequence
-    assert torch.allclose(s12[:8], alibi_slopes(8))
-    assert torch.allclose(s12[8:], alibi_slopes(16)[0::2][:4])
-    bias = alibi_bias(alibi_slopes(2), torch.arange(3, 5), torch.arange(0, 5))
-    assert bias.shape == (1, 2, 2, 5)
-    assert alibi_slopes(2).tolist() == [2.0**-4, 2.0**-8]
-    assert bias[0, 0, 1].tolist() == [-0.25, -0.1875, -0.125, -0.0625, 0.0]  # query at 4, keys 0..4
+def test_alibi_slopes():
+    from attnkit.score_mods import ALiBi
 
+    slopes = ALiBi.geometric
+    assert torch.allclose(slopes(8).slopes, torch.tensor([2.0 ** -(i + 1) for i in range(8)]))
+    s12 = slopes(12).slopes  # 8 geometric + 4 interleaved from the 16-head sequence
+    assert torch.allclose(s12[:8], slopes(8).slopes)
+    assert torch.allclose(s12[8:], slopes(16).slopes[0::2][:4])
+    assert slopes(2).slopes.tolist() == [2.0**-4, 2.0**-8]
 
 def test_sinusoidal_2d_layout():
     table = sinusoidal_2d(3, 4, 16)

@@ -175,3 +175,62 @@ def test_bad_score_mods_are_refused_clearly(make, fragment):
     with pytest.raises((ValueError, TypeError), match=None) as info:
         make()
     assert fragment in str(info.value)
+
+
+# -- models -------------------------------------------------------------------------------------
+def _gpt(backend, **kw):
+    from attnkit.nn import GPT, TransformerConfig
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=40, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, max_len=64,
+                            backend=backend, **kw)
+    model = GPT(cfg).eval()
+    for name, p in model.named_parameters():  # learned biases/sinks start at zero: make them matter
+        if "relative_bias" in name or name.endswith("sinks"):
+            torch.nn.init.normal_(p, std=1.0)
+    return model
+
+
+@pytest.mark.parametrize("backend", ["naive", "tiled"])
+@pytest.mark.parametrize("features", [
+    {"position": "alibi", "softcap": 5.0},
+    {"position": "t5", "sinks": True},
+    {"position": "rope", "softcap": 3.0, "sinks": True},
+], ids=["alibi-softcap", "t5-sinks", "rope-softcap-sinks"])
+def test_models_with_score_mods_decode_like_the_full_forward(backend, features):
+    model = _gpt(backend, **features)
+    x = torch.randint(0, 40, (2, 23))
+    with torch.no_grad():
+        full = model(x)
+        cache = model.make_cache("dynamic")
+        steps = torch.cat([model(x[:, s : s + 4], cache=cache) for s in range(0, 23, 4)], dim=1)
+    torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-4)
+    reference = _gpt("naive", **features)
+    with torch.no_grad():
+        torch.testing.assert_close(reference(x), full, atol=1e-5, rtol=1e-4)
+
+
+def test_learned_sinks_and_relative_tables_receive_gradients():
+    model = _gpt("tiled", position="t5", sinks=True).train()
+    x = torch.randint(0, 40, (2, 17))
+    model(x).logsumexp(-1).mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if "relative_bias" in n or n.endswith("sinks")}
+    assert len(grads) == 4 and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+
+
+def test_alibi_model_passes_no_dense_bias(monkeypatch):
+    """ALiBi is a score modifier of absolute positions: no (Tq, Tk) tensor reaches attention()."""
+    import attnkit.nn.attention as module
+
+    seen = []
+    real = module.attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("bias"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "attention", spy)
+    model = _gpt("auto", position="alibi")
+    with torch.no_grad():
+        model(torch.randint(0, 40, (1, 9)))
+    assert seen and all(b is None for b in seen)

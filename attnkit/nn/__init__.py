@@ -7,8 +7,6 @@ from .positional import (
     LearnedPositionalEmbedding,
     RotaryEmbedding,
     SinusoidalPositionalEmbedding,
-    alibi_bias,
-    alibi_slopes,
     sinusoidal,
     sinusoidal_2d,
 )
@@ -31,7 +29,5 @@ __all__ = [
     "SinusoidalPositionalEmbedding",
     "LearnedPositionalEmbedding",
     "RotaryEmbedding",
-    "alibi_slopes",
-    "alibi_bias",
     "sinusoidal_2d",
 ]

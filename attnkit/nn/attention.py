@@ -11,7 +11,8 @@ from ..functional import attention
 from ..cache import LayerCache, StateCache
 from ..masks import Causal, Mask
 from ..registry import get_backend
-from .positional import RotaryEmbedding, alibi_bias, alibi_slopes
+from ..score_mods import ALiBi, RelativeBias, SoftCap
+from .positional import RotaryEmbedding
 
 __all__ = ["AttentionConfig", "MultiHeadAttention"]
 
@@ -36,9 +37,14 @@ class AttentionConfig:
     kv_dim: int | None = field(default=None, metadata={"help": "memory width for cross-attention"})
     backend: str = field(default="auto", metadata={"help": "attention backend name or 'auto'"})
     backend_options: object | None = field(default=None, metadata={"help": "the backend's Options dataclass"})
-    position: str = field(default="none", metadata={"help": "positions inside attention: 'none', 'rope' or 'alibi'"})
+    position: str = field(default="none", metadata={"help": "positions inside attention: 'none', 'rope', 'alibi' or 't5'"})
     rope_base: float = field(default=10000.0, metadata={"help": "RoPE frequency base"})
     rotary_dim: int | None = field(default=None, metadata={"help": "channels rotated by RoPE (default: head_dim)"})
+    softcap: float | None = field(default=None, metadata={"help": "soft-cap the attention logits: c * tanh(s / c)"})
+    sinks: bool = field(default=False, metadata={"help": "a learned sink logit per head (gpt-oss)"})
+    relative_buckets: int = field(default=32, metadata={"help": "T5 relative-position buckets (position='t5')"})
+    relative_max_distance: int = field(default=128, metadata={"help": "T5 distance of the last bucket"})
+    bidirectional: bool = field(default=True, metadata={"help": "T5 buckets distinguish left and right"})
 
     def __post_init__(self):
         for name in ("embed_dim", "num_heads"):
@@ -61,9 +67,13 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.dropout: expected a value in [0, 1), got {self.dropout}.")
         if self.backend != "auto":
             get_backend(self.backend)  # ValueError listing the known names
-        if self.position not in ("none", "rope", "alibi"):
+        if self.softcap is not None:
+            SoftCap(self.softcap)  # ValueError unless a positive finite number
+        if not isinstance(self.sinks, bool):
+            raise TypeError(f"AttentionConfig.sinks: expected a bool, got {self.sinks!r}.")
+        if self.position not in ("none", "rope", "alibi", "t5"):
             raise ValueError(
-                f"AttentionConfig.position: expected 'none', 'rope' or 'alibi', got {self.position!r}. "
+                f"AttentionConfig.position: expected 'none', 'rope', 'alibi' or 't5', got {self.position!r}. "
                 "Fix: absolute (learned/sinusoidal) positions belong to the embeddings, not the attention layer."
             )
         if self.position == "rope" and self.cross_attention:
@@ -101,8 +111,12 @@ class MultiHeadAttention(nn.Module):
         self.rotary = None
         if config.position == "rope":
             self.rotary = RotaryEmbedding(hd, base=config.rope_base, rotary_dim=config.rotary_dim)
-        slopes = alibi_slopes(Hq) if config.position == "alibi" else None
+        slopes = ALiBi.geometric(Hq).slopes if config.position == "alibi" else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)
+        self.relative_bias = None
+        if config.position == "t5":  # a learned (Hq, buckets) table; zeros = no bias at the start
+            self.relative_bias = nn.Parameter(torch.zeros(Hq, config.relative_buckets))
+        self.sinks = nn.Parameter(torch.zeros(Hq)) if config.sinks else None
 
     def project(self, x: Tensor, memory: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Queries ``(B, Hq, Tq, hd)`` and keys/values ``(B, Hkv, Tk, hd)`` for ``x`` (and ``memory``)."""
@@ -187,14 +201,20 @@ class MultiHeadAttention(nn.Module):
         B, Tq, _ = x.shape
         return self.q_proj(x).view(B, Tq, cfg.num_heads, cfg.dim_per_head).transpose(1, 2)  # (B, Hq, Tq, hd)
 
-    def _finish(self, q, k, v, mask, bias, q_offset, kv_offset, need_weights):
+    def score_mod(self):
+        """The layer's score modifiers in the order they apply (positions, then soft-capping), or
+        None: ALiBi and T5 biases are functions of absolute positions, never (Tq, Tk) tensors."""
+        cfg, mods = self.config, []
         if self.alibi_slopes is not None:
-            Tq, Tk = q.shape[2], k.shape[2]
-            q0 = kv_offset + Tk - Tq if q_offset is None else q_offset
-            q_pos = torch.arange(q0, q0 + Tq, device=q.device)
-            k_pos = torch.arange(kv_offset, kv_offset + Tk, device=q.device)
-            alibi = alibi_bias(self.alibi_slopes, q_pos, k_pos).to(q.dtype)  # (1, Hq, Tq, Tk)
-            bias = alibi if bias is None else bias + alibi
+            mods.append(ALiBi(self.alibi_slopes))
+        if self.relative_bias is not None:
+            mods.append(RelativeBias(self.relative_bias, max_distance=cfg.relative_max_distance,
+                                     bidirectional=cfg.bidirectional))
+        if cfg.softcap is not None:
+            mods.append(SoftCap(cfg.softcap))
+        return mods or None
+
+    def _finish(self, q, k, v, mask, bias, q_offset, kv_offset, need_weights):
         out, weights = self.attend(q, k, v, mask=mask, bias=bias, q_offset=q_offset, kv_offset=kv_offset,
                                    need_weights=need_weights)
         return (out, weights) if need_weights else out
@@ -210,10 +230,12 @@ class MultiHeadAttention(nn.Module):
             from ..backends.naive import NaiveOptions
 
             out, weights = attention(q, k, v, mask=mask, bias=bias, dropout_p=dropout_p, q_offset=q_offset,
-                                     kv_offset=kv_offset, backend="naive", options=NaiveOptions(return_weights=True))
+                                     kv_offset=kv_offset, backend="naive", options=NaiveOptions(return_weights=True),
+                                     score_mod=self.score_mod(), sinks=self.sinks)
         else:
             out = attention(q, k, v, mask=mask, bias=bias, dropout_p=dropout_p, q_offset=q_offset,
-                            kv_offset=kv_offset, backend=backend, options=options)
+                            kv_offset=kv_offset, backend=backend, options=options, score_mod=self.score_mod(),
+                            sinks=self.sinks)
         B, _, Tq, _ = out.shape
         out = out.transpose(1, 2).reshape(B, Tq, -1)  # (B, Tq, Hq*hd)
         return self.out_proj(out), weights

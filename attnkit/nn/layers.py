@@ -29,7 +29,7 @@ ACTIVATIONS = {
     "relu": F.relu,
     "silu": F.silu,  # with gated=True: SwiGLU (Llama)
 }
-POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
+POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "t5", "none")
 
 
 def _positive(name: str, value, allow_none: bool = False) -> None:
@@ -57,7 +57,7 @@ class TransformerConfig:
     dropout: float = field(default=0.0, metadata={"help": "dropout on embeddings and residual branches"})
     attention_dropout: float = field(default=0.0, metadata={"help": "dropout on attention weights"})
     layer_norm_eps: float = field(default=1e-5, metadata={"help": "normalization epsilon"})
-    position: str = field(default="learned", metadata={"help": "learned | sinusoidal | rope | alibi | none"})
+    position: str = field(default="learned", metadata={"help": "learned | sinusoidal | rope | alibi | t5 | none"})
     type_vocab_size: int = field(default=0, metadata={"help": ">0: token-type (segment) embeddings (BERT)"})
     embedding_norm: bool = field(default=False, metadata={"help": "LayerNorm after the embeddings (BERT)"})
     final_norm: bool = field(default=True, metadata={"help": "LayerNorm after the last layer (Pre-LN models)"})
@@ -71,6 +71,8 @@ class TransformerConfig:
     sliding_window: int | None = field(default=None, metadata={"help": "causal local attention: keys <= this far back"})
     rope_base: float = field(default=10000.0, metadata={"help": "RoPE frequency base"})
     rotary_dim: int | None = field(default=None, metadata={"help": "channels rotated by RoPE (default head_dim)"})
+    softcap: float | None = field(default=None, metadata={"help": "soft-cap attention logits: c * tanh(s / c) (Gemma-2)"})
+    sinks: bool = field(default=False, metadata={"help": "a learned attention-sink logit per head (gpt-oss)"})
     initializer_range: float = field(default=0.02, metadata={"help": "std of the normal weight init"})
 
     def __post_init__(self):
@@ -105,12 +107,12 @@ class TransformerConfig:
 
     def attention_config(self, cross: bool = False) -> AttentionConfig:
         """The :class:`AttentionConfig` of a self- (or cross-) attention layer of this model."""
-        position = self.position if self.position in ("rope", "alibi") and not cross else "none"
+        position = self.position if self.position in ("rope", "alibi", "t5") and not cross else "none"
         return AttentionConfig(
             embed_dim=self.embed_dim, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             dropout=self.attention_dropout, bias=self.bias, cross_attention=cross, backend=self.backend,
             backend_options=self.backend_options, position=position, rope_base=self.rope_base,
-            rotary_dim=self.rotary_dim,
+            rotary_dim=self.rotary_dim, softcap=self.softcap, sinks=self.sinks and not cross,
         )
 
     def causal_mask(self) -> Mask:

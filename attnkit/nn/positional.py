@@ -133,34 +133,6 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base}"
 
 
-def alibi_slopes(num_heads: int) -> Tensor:
-    """ALiBi head slopes ``(num_heads,)``: the geometric sequence ``2**(-8/n), 2**(-16/n), ...`` for
-    the closest power of two ``n``, interleaved with the next power's odd slopes otherwise (as the
-    paper's reference implementation)."""
-    if num_heads < 1:
-        raise ValueError(f"num_heads: expected >= 1, got {num_heads}.")
-
-    def power_of_2(n: int) -> list[float]:
-        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
-        return [start * start**i for i in range(n)]
-
-    closest = 2 ** math.floor(math.log2(num_heads))
-    slopes = power_of_2(closest)
-    if closest != num_heads:
-        slopes += power_of_2(2 * closest)[0::2][: num_heads - closest]
-    return torch.tensor(slopes, dtype=torch.float32)
-
-
-def alibi_bias(slopes: Tensor, q_positions: Tensor, k_positions: Tensor) -> Tensor:
-    """Additive bias ``-slope_h * |pos(q) - pos(k)|`` of shape ``(1, H, Tq, Tk)`` (fp32).
-
-    ``q_positions`` ``(Tq,)``, ``k_positions`` ``(Tk,)``. For causal attention (``pos(k) <= pos(q)``)
-    this is exactly ALiBi's ``slope_h * (pos(k) - pos(q))``; the absolute value makes it symmetric
-    for bidirectional encoders."""
-    distance = (q_positions[:, None] - k_positions[None, :]).abs().to(torch.float32)  # (Tq, Tk)
-    return -slopes.to(distance.device).view(1, -1, 1, 1) * distance
-
-
 def sinusoidal_2d(grid_height: int, grid_width: int, dim: int, *, base: float = 10000.0) -> Tensor:
     """``(grid_height * grid_width, dim)`` 2-D sin/cos encodings of patches in row-major order:
     the first half of the channels encodes the row, the second half the column (MAE's layout)."""
