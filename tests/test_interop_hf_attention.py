@@ -220,14 +220,6 @@ def test_use_backend_scope_reaches_hf_layers(monkeypatch):
     assert calls == ["KeyPadding", "KeyPadding"]  # two layers, right padding kept structured
 
 
-def test_softcap_is_refused():
-    from attnkit.interop import attnkit_attention_forward
-
-    q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(ValueError, match="softcap"):
-        attnkit_attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
-
-
 def test_mask_with_holes_is_not_taken_for_a_window():
     def holes(b, h, q, kv):  # causal, but every third key hidden: same bounds as Causal, not a band
         return (kv <= q) & (kv % 3 != 1)
@@ -246,3 +238,80 @@ def test_mask_equals_sdpa_mask_for_windows_and_offsets(window, Tq, Tk, q_offset,
         got = make(fn, B=1, Tq=Tq, Tk=Tk, q_offset=q_offset, kv_offset=kv_offset)
         assert not isinstance(got.mask, Dense), got.mask  # every one of these is a band
         assert_same_as_sdpa_mask(got, fn, B=1, Tq=Tq, Tk=Tk, q_offset=q_offset, kv_offset=kv_offset)
+
+
+# -- score modifiers and sinks: Gemma-2 (soft-capping, alternating sliding windows), gpt-oss (sinks), T5 --
+def gemma2_config():
+    return transformers.Gemma2Config(
+        vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, sliding_window=4, attn_logit_softcapping=5.0,
+        final_logit_softcapping=30.0, max_position_embeddings=128, query_pre_attn_scalar=16,
+    )
+
+
+def gpt_oss_config():
+    return transformers.GptOssConfig(
+        vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        max_position_embeddings=128, layer_types=["sliding_attention", "full_attention"],
+    )
+
+
+def _with_random_sinks(model):
+    for module in model.modules():
+        if hasattr(module, "sinks") and isinstance(module.sinks, torch.nn.Parameter):
+            with torch.no_grad():
+                module.sinks.normal_(0.0, 2.0)  # large enough to matter
+    return model
+
+
+def _outputs(model_cls, config, impls, **inputs):
+    outs = {}
+    for impl in impls:
+        torch.manual_seed(0)
+        model = _with_random_sinks(model_cls(config).eval())
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            outs[impl] = model(**inputs).logits
+    return outs
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_softcap_and_sink_models_equal_eager_with_left_padding(family):
+    model_cls, config = {
+        "gemma2": (transformers.Gemma2ForCausalLM, gemma2_config),
+        "gpt_oss": (transformers.GptOssForCausalLM, gpt_oss_config),
+    }[family]
+    ids, am = batch(T=11, right=False)
+    outs = _outputs(model_cls, config(), ("eager", "attnkit"), input_ids=ids, attention_mask=am)
+    keep = am.bool()
+    err = (outs["attnkit"] - outs["eager"])[keep].abs().max().item()
+    assert err <= ATOL, f"{family}: attnkit vs eager {err}"
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_softcap_and_sink_models_generate_like_eager(family, cache):
+    model_cls, config = {
+        "gemma2": (transformers.Gemma2ForCausalLM, gemma2_config),
+        "gpt_oss": (transformers.GptOssForCausalLM, gpt_oss_config),
+    }[family]
+    ids, am = batch(T=7, right=False)
+    tokens = {}
+    for impl in ("eager", "attnkit"):
+        torch.manual_seed(0)
+        model = _with_random_sinks(model_cls(config()).eval())
+        model.set_attn_implementation(impl)
+        kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+        tokens[impl] = model.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                      **kwargs)
+    assert torch.equal(tokens["attnkit"], tokens["eager"])
+
+
+def test_t5_encoder_decoder_equals_eager():
+    config = transformers.T5Config(vocab_size=100, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                   relative_attention_num_buckets=8, decoder_start_token_id=0)
+    ids, am = batch(T=9, right=True)
+    outs = _outputs(transformers.T5ForConditionalGeneration, config, ("eager", "attnkit"), input_ids=ids,
+                    attention_mask=am, decoder_input_ids=ids[:, :5])
+    assert (outs["attnkit"] - outs["eager"]).abs().max().item() <= ATOL

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..functional import attention
 from ..masks import And, Causal, Dense, KeyPadding, Mask, Padding, SlidingWindow
+from ..score_mods import SoftCap
 from ._deps import require
 
 __all__ = ["HFMask", "attnkit_mask", "attnkit_attention_forward", "register_hf_attention", "NAME"]
@@ -177,15 +178,9 @@ def attnkit_attention_forward(
     native); returns ``((B, Tq, Hq, Dv), None)`` as HF expects (no attention weights).
     The backend is ``module.config.attnkit_backend`` when set, else ``"auto"`` (which honours
     :func:`attnkit.use_backend`)."""
-    if kwargs.get("softcap") is not None:
-        raise ValueError(
-            f"attn_implementation='attnkit': softcap={kwargs['softcap']} is not supported. "
-            "Fix: use attn_implementation='eager' for logit soft-capping models."
-        )
-    if kwargs.get("s_aux") is not None:
-        raise ValueError(
-            "attn_implementation='attnkit': attention sinks (s_aux) are not supported. Fix: use 'eager'."
-        )
+    # Gemma-2/3 soft-cap the scaled logits before the mask; gpt-oss passes its per-head sinks.
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    score_mod = None if softcap is None else SoftCap(float(softcap))
     Tq, Tk = query.shape[2], key.shape[2]
     mask, bias, q_offset, kv_offset = None, position_bias, None, 0
     if isinstance(attention_mask, HFMask):
@@ -217,7 +212,8 @@ def attnkit_attention_forward(
     backend = getattr(config, "attnkit_backend", None) or "auto"
     out = attention(
         query, key, value, mask=mask, bias=bias, scale=scaling, dropout_p=dropout,
-        q_offset=q_offset, kv_offset=kv_offset, backend=backend,
+        q_offset=q_offset, kv_offset=kv_offset, backend=backend, score_mod=score_mod,
+        sinks=None if sinks is None else sinks.to(query.dtype),
     )
     return out.transpose(1, 2).contiguous(), None  # (B, Tq, Hq, Dv)
 
