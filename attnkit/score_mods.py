@@ -39,6 +39,9 @@ class ScoreMod:
 
     #: Heads the modifier distinguishes (None: the same for every head).
     num_heads: int | None = None
+    #: True when the modifier adds a term that does not depend on the score (ALiBi, relative
+    #: biases): its derivative by the score is 1, so a backward pass can skip differentiating it.
+    additive: bool = False
 
     def apply(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         raise NotImplementedError
@@ -133,6 +136,7 @@ class ALiBi(ScoreMod):
     """
 
     slopes: Tensor
+    additive = True
 
     def __post_init__(self):
         slopes = _per_head(self.slopes, "ALiBi(slopes)")
@@ -191,6 +195,7 @@ class RelativeBias(ScoreMod):
     table: Tensor
     max_distance: int = 128
     bidirectional: bool = True
+    additive = True
 
     def __post_init__(self):
         t = self.table
@@ -265,6 +270,7 @@ class Chain(ScoreMod):
         if len(heads) > 1:
             raise ValueError(f"score_mod: the modifiers disagree on the number of heads {sorted(heads)}.")
         self.num_heads = heads.pop() if heads else None
+        self.additive = all(m.additive for m in flat)
 
     def apply(self, score, b, h, q_idx, kv_idx):
         for mod in self._parts:

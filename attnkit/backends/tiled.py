@@ -227,7 +227,10 @@ def _backward(plan: _Plan, q, k, v, bias, sinks, out, lse, dout, dlse, need_dbia
             if bias_t is not None:
                 s5.add_(bias_t)
             raw = None
-            if plan.score_mod is not None:  # differentiate the modifier locally, one tile at a time
+            if plan.score_mod is not None and plan.score_mod.additive and not any(g is not None for g in dparams):
+                s5 = plan.modified(s5, q0, q1, k0, k1)  # d(mod)/d(score) = 1: nothing to differentiate
+                s = s5.view(B, Hkv, G * n, m)
+            elif plan.score_mod is not None:  # differentiate the modifier locally, one tile at a time
                 raw = s5.detach().requires_grad_()
                 with torch.enable_grad():
                     modded = plan.modified(raw, q0, q1, k0, k1)
