@@ -14,13 +14,39 @@ from attnkit.backends.tiled import TiledOptions
 from attnkit.score_mods import ALiBi, CustomScoreMod, RelativeBias, SoftCap, as_score_mod, t5_bucket
 
 B, H, HKV, T, D = 2, 4, 2, 50, 16
-MASKS = {
-    "naive": Causal() & KeyPadding([40, 50]),
-    "tiled": Causal() & KeyPadding([40, 50]),
-    "sliding_window": SlidingWindow(12, 0) & KeyPadding([40, 50]),
-    "block_sparse": BlockSparse.bigbird(4, 16) & Causal(),
-}
+# Candidate masks, most general first; each backend that declares score modifiers and sinks is
+# tested with the first one it accepts (so a newly registered backend is tested at once).
+CANDIDATES = [
+    Causal() & KeyPadding([40, 50]),
+    SlidingWindow(12, 0) & KeyPadding([40, 50]),
+    BlockSparse.bigbird(4, 16) & Causal(),
+]
 OPTIONS = {"tiled": TiledOptions(block_q=16, block_k=24)}
+
+
+def _score_mod_backends() -> dict:
+    from attnkit.inputs import AttentionInputs
+    from attnkit.registry import list_backends
+
+    q, k = torch.randn(B, H, T, D, requires_grad=True), torch.randn(B, HKV, T, D)
+    found = {}
+    for name, impl in list_backends().items():
+        if not (impl.exact and impl.supports_score_mod and impl.supports_sinks):
+            continue
+        for mask in CANDIDATES:
+            inp = AttentionInputs.create(q, k, k, mask=mask, score_mod=SoftCap(1.0), sinks=torch.zeros(H),
+                                         return_lse=True)
+            if impl.can_run(inp):
+                found[name] = mask
+                break
+    return found
+
+
+MASKS = _score_mod_backends()
+
+
+def test_the_backends_that_apply_score_mods():
+    assert {"naive", "tiled", "sliding_window", "block_sparse"} <= set(MASKS)
 
 
 def _t5_bucket_loop(rel: int, n: int, max_distance: int, bidirectional: bool) -> int:
