@@ -204,7 +204,7 @@ def _backward(plan: _Plan, q, k, v, bias, sinks, out, lse, dout, dlse, need_dbia
     if sinks is not None:
         p_sink = torch.exp(sinks.to(acc_dtype).view(1, Hq, 1) - lse)
         dsinks = -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
-    dparams = [torch.zeros_like(t, dtype=acc_dtype) if t.requires_grad else None for t in mod_params]
+    dparams = [torch.zeros_like(t, dtype=acc_dtype) for t in mod_params]  # only the ones requiring grad
     lse_safe = lse.masked_fill(lse == NEG_INF, 0.0).view(B, Hkv, G, Tq)
     delta = delta.view(B, Hkv, G, Tq)
     q5, do5 = q.view(B, Hkv, G, Tq, D), dout.reshape(B, Hkv, G, Tq, Dv)
@@ -227,7 +227,7 @@ def _backward(plan: _Plan, q, k, v, bias, sinks, out, lse, dout, dlse, need_dbia
             if bias_t is not None:
                 s5.add_(bias_t)
             raw = None
-            if plan.score_mod is not None and plan.score_mod.additive and not any(g is not None for g in dparams):
+            if plan.score_mod is not None and plan.score_mod.additive and not mod_params:
                 s5 = plan.modified(s5, q0, q1, k0, k1)  # d(mod)/d(score) = 1: nothing to differentiate
                 s = s5.view(B, Hkv, G * n, m)
             elif plan.score_mod is not None:  # differentiate the modifier locally, one tile at a time
@@ -244,10 +244,9 @@ def _backward(plan: _Plan, q, k, v, bias, sinks, out, lse, dout, dlse, need_dbia
             dp = torch.matmul(dot, vt.transpose(-2, -1)).to(acc_dtype).view(B, Hkv, G, n, m)
             ds5 = dp.sub_(delta[:, :, :, q0:q1, None]).mul_(s5)  # (B, Hkv, G, n, m)
             if raw is not None:  # chain rule through the modifier: to the raw scores and its tensors
-                wanted = [raw] + [t for t, g in zip(mod_params, dparams) if g is not None]
-                grads = torch.autograd.grad(modded, wanted, ds5)
+                grads = torch.autograd.grad(modded, [raw, *mod_params], ds5)
                 ds5 = grads[0]
-                for g, extra in zip([g for g in dparams if g is not None], grads[1:]):
+                for g, extra in zip(dparams, grads[1:]):
                     g += extra.to(acc_dtype)
             if dbias is not None:
                 _add_bias_grad(dbias, ds5.view(B, Hq, n, m), q0, q1, k0, k1)
@@ -257,7 +256,7 @@ def _backward(plan: _Plan, q, k, v, bias, sinks, out, lse, dout, dlse, need_dbia
         dq[:, :, :, q0:q1] = dqt.view(B, Hkv, G, n, D)
     dq = (dq * plan.scale).view(B, Hq, Tq, D).to(q.dtype)
     dk = (dk * plan.scale).to(k.dtype)
-    dparams = [None if g is None else g.to(t.dtype) for t, g in zip(mod_params, dparams)]
+    dparams = [g.to(t.dtype) for t, g in zip(mod_params, dparams)]
     return dq, dk, dv.to(v.dtype), None if dbias is None else dbias.to(bias.dtype), dsinks, dparams
 
 
@@ -269,55 +268,66 @@ def _add_bias_grad(dbias: Tensor, ds: Tensor, q0, q1, k0, k1) -> None:
     dbias[:, :, qs, ks] += ds.sum(dim=dims, keepdim=True) if dims else ds
 
 
+def _flat_params(score_mod: ScoreMod | None) -> Tensor | None:
+    """The score modifier's learnable tensors as one flat tensor (an input of :class:`_TiledFunction`,
+    so autograd routes their gradients), or None when none requires grad."""
+    params = [] if score_mod is None else [t for t in score_mod.parameters() if t.requires_grad]
+    return torch.cat([t.reshape(-1) for t in params]) if params else None
+
+
 class _TiledFunction(torch.autograd.Function):
-    """``(out, lse, hit) = f(q, k, v, bias, sinks, bad, plan, *mod_params)``; differentiable in q, k,
-    v, bias, sinks and the score modifier's tensors ``mod_params`` (``plan.score_mod.parameters()``).
-    Written with ``setup_context`` and a ``vmap`` rule so ``torch.func`` transforms work."""
+    """``(out, lse, hit) = f(q, k, v, bias, sinks, bad, plan, mod_flat)``; differentiable in q, k, v,
+    bias, sinks and ``mod_flat`` (:func:`_flat_params`: the modifier reads its own tensors, the
+    backward returns their gradients concatenated). ``setup_context`` and a ``vmap`` rule make
+    ``torch.func`` transforms work."""
 
     @staticmethod
-    def forward(q, k, v, bias, sinks, bad, plan, *mod_params):
+    def forward(q, k, v, bias, sinks, bad, plan, mod_flat):
         return _forward(plan, q, k, v, bias, sinks, bad)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, bias, sinks, _, plan, *mod_params = inputs
+        q, k, v, bias, sinks, _, plan, mod_flat = inputs
         out, lse, hit = output
-        ctx.save_for_backward(q, k, v, bias, sinks, out, lse, *mod_params)
+        ctx.save_for_backward(q, k, v, bias, sinks, out, lse)
         ctx.plan = plan
         if hit is not None:
             ctx.mark_non_differentiable(hit)
 
     @staticmethod
     def backward(ctx, dout, dlse, _dhit):
-        q, k, v, bias, sinks, out, lse, *mod_params = ctx.saved_tensors
+        q, k, v, bias, sinks, out, lse = ctx.saved_tensors
+        plan = ctx.plan
         need_dbias = bias is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dbias, dsinks, dparams = _backward(
-            ctx.plan, q, k, v, bias, sinks, out, lse, dout, dlse, need_dbias, tuple(mod_params)
-        )
-        return (dq, dk, dv, dbias, dsinks if ctx.needs_input_grad[4] else None, None, None, *dparams)
+        params = () if plan.score_mod is None or not ctx.needs_input_grad[7] else tuple(
+            t for t in plan.score_mod.parameters() if t.requires_grad)
+        dq, dk, dv, dbias, dsinks, dparams = _backward(plan, q, k, v, bias, sinks, out, lse, dout, dlse, need_dbias,
+                                                       params)
+        dflat = torch.cat([g.reshape(-1) for g in dparams]) if params else None
+        return dq, dk, dv, dbias, dsinks if ctx.needs_input_grad[4] else None, None, None, dflat
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, bias, sinks, bad, plan, *mod_params):
+    def vmap(info, in_dims, q, k, v, bias, sinks, bad, plan, mod_flat):
         """Fold the mapped dimension into the batch (one call over ``V * B`` rows); a mask that
         depends on the batch index keeps its per-example meaning, so it maps one slice at a time."""
         V = info.batch_size
         moved = [None if x is None else x.movedim(d, 0) if d is not None else x.expand(V, *x.shape)
                  for x, d in zip((q, k, v, bias, bad), in_dims[:3] + in_dims[3:4] + in_dims[5:6])]  # (V, B|1, ...)
-        if (sinks is not None and in_dims[4] is not None) or any(d is not None for d in in_dims[7:]):
+        if (sinks is not None and in_dims[4] is not None) or (mod_flat is not None and in_dims[7] is not None):
             raise NotImplementedError("tiled: vmap over sinks or score-modifier tensors is not supported")
         B = moved[0].shape[1]
         if plan.mask is not None and plan.mask.batch_size not in (None, 1):
             outs = []
             for i in range(V):
                 qi, ki, vi, bi, badi = (None if x is None else x[i] for x in moved)
-                outs.append(_TiledFunction.apply(qi, ki, vi, bi, sinks, badi, plan, *mod_params))
+                outs.append(_TiledFunction.apply(qi, ki, vi, bi, sinks, badi, plan, mod_flat))
             out, lse = torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
             hit = None if outs[0][2] is None else torch.stack([o[2] for o in outs])
         else:
             flat = [None if x is None else x.expand(V, B, *x.shape[2:]).reshape(V * B, *x.shape[2:]).contiguous()
                     for x in moved]
             qf, kf, vf, bf, badf = flat
-            out, lse, hit = _TiledFunction.apply(qf, kf, vf, bf, sinks, badf, plan, *mod_params)
+            out, lse, hit = _TiledFunction.apply(qf, kf, vf, bf, sinks, badf, plan, mod_flat)
             out, lse = out.view(V, B, *out.shape[1:]), lse.view(V, B, *lse.shape[1:])
             hit = None if hit is None else hit.view(V, B, *hit.shape[1:])
         return (out, lse, hit), (0, 0, None if hit is None else 0)
@@ -346,7 +356,6 @@ class Tiled(Backend):
         upcast = options.upcast if options.upcast is not None else inp.device.type == "cpu"
         if upcast and inp.dtype in (torch.float16, torch.bfloat16):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
-        mod_params = () if inp.score_mod is None else inp.score_mod.parameters()
-        out, lse, hit = _TiledFunction.apply(q, k, v, bias, inp.sinks, bad, plan, *mod_params)
+        out, lse, hit = _TiledFunction.apply(q, k, v, bias, inp.sinks, bad, plan, _flat_params(inp.score_mod))
         out, lse = poison_rows(out.to(inp.dtype), lse, hit)
         return (out, lse) if inp.return_lse else out
