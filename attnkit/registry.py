@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .inputs import FLOAT_DTYPES, AttentionInputs
-from .masks import Mask
+from .masks import MaskSupport
 
 __all__ = ["Backend", "register_backend", "get_backend", "list_backends", "ALL_DEVICES"]
 
@@ -37,8 +37,8 @@ class Backend:
     exact: ClassVar[bool] = True
     devices: ClassVar[frozenset[str]] = ALL_DEVICES
     dtypes: ClassVar[frozenset[torch.dtype]] = FLOAT_DTYPES
-    #: Mask classes the backend honours; ``None`` means every mask. And/Or are checked by leaves.
-    mask_kinds: ClassVar[frozenset[type[Mask]] | None] = None
+    #: The mask forms the backend honours, checked and printed from one declaration.
+    mask_support: ClassVar[MaskSupport] = MaskSupport("any")
     supports_gqa: ClassVar[bool] = True  # False: dispatch expands K/V to Hq heads first
     supports_dropout: ClassVar[bool] = False
     supports_bias: ClassVar[bool] = False
@@ -75,11 +75,9 @@ class Backend:
             yield f"runs on {sorted(cls.devices)}, not {inp.device.type}"
         if inp.dtype not in cls.dtypes:
             yield f"supports dtypes {sorted(str(d).removeprefix('torch.') for d in cls.dtypes)}, not {inp.dtype}"
-        if inp.mask is not None and cls.mask_kinds is not None:
-            bad = sorted({type(m).__name__ for m in inp.mask.leaves() if not isinstance(m, tuple(cls.mask_kinds))})
-            if bad:
-                names = sorted(k.__name__ for k in cls.mask_kinds)
-                yield f"cannot apply mask kind(s) {', '.join(bad)} (supports {', '.join(names) or 'no mask'})"
+        mask_reason = cls.mask_support.reason(inp.mask)
+        if mask_reason is not None:
+            yield mask_reason
         if inp.dropout_p > 0 and not cls.supports_dropout:
             yield "has no dropout (dropout_p > 0)"
         if inp.bias is not None and not cls.supports_bias:
@@ -114,7 +112,7 @@ class Backend:
             "available": cls.available(),
             "devices": sorted(cls.devices),
             "dtypes": sorted(str(d).removeprefix("torch.") for d in cls.dtypes),
-            "masks": "any" if cls.mask_kinds is None else sorted(k.__name__ for k in cls.mask_kinds) or ["none"],
+            "masks": str(cls.mask_support),
             "gqa": cls.supports_gqa,
             "dropout": cls.supports_dropout,
             "bias": cls.supports_bias,

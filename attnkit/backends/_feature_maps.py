@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..inputs import AttentionInputs
-from ..masks import And, Causal, Dense, KeyPadding, Mask
+from ..masks import Mask, MaskSupport
 from ..registry import Backend
 
 #: ``queries(q (B, H, T, D)) -> (B, H, T, M)`` (any positive per-row factor is allowed: it cancels).
@@ -100,35 +100,18 @@ def quadratic_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, keep: Tensor | 
 
 # -- masks ----------------------------------------------------------------------------------------
 def split_mask(mask: Mask | None) -> tuple[bool, list[Mask]]:
-    """``(causal, key_masks)``: the causal flag and the per-key parts (KeyPadding, Dense over keys)."""
-    parts = [] if mask is None else (list(mask.parts) if isinstance(mask, And) else [mask])
-    causal = any(isinstance(p, Causal) for p in parts)
-    return causal, [p for p in parts if not isinstance(p, Causal)]
-
-
-def mask_reasons(inp: AttentionInputs) -> list[str]:
-    """Reasons a kernelized backend cannot honour ``inp.mask`` (it needs masks that are causal
-    and/or per key: the prefix sums cannot skip arbitrary (query, key) pairs)."""
-    mask = inp.mask
-    if mask is None:
-        return []
-    parts = list(mask.parts) if isinstance(mask, And) else [mask]
-    for p in parts:
-        if isinstance(p, Dense) and p.keep.shape[2] != 1:
-            return [
-                "can only apply a bool mask that is the same for every query (shape (B|1, H|1, 1, Tk), "
-                "e.g. from_key_padding_mask); kernelized attention sums over keys, it cannot drop single pairs"
-            ]
-        if not isinstance(p, (Causal, KeyPadding, Dense)):
-            return [f"can apply only Causal, KeyPadding and per-key bool masks (and their And), not {type(p).__name__}"]
-    return []
+    """``(causal, key_masks)`` of a mask that ``MaskSupport("none", "per_key")`` accepts: whether a
+    causal conjunct is present, and the query-independent conjuncts (one keep per key)."""
+    parts = () if mask is None else mask.conjuncts()
+    return any(p.is_causal() for p in parts), [p for p in parts if not p.is_causal()]
 
 
 def key_keep(inp: AttentionInputs, key_masks: list[Mask]) -> Tensor | None:
     """Per-key keep ``(B|1, H|1, Tk)`` from the per-key masks, or None."""
     keep = None
     for m in key_masks:
-        part = m.materialize(1, inp.Tk, q_offset=inp.kv_offset, kv_offset=inp.kv_offset, device=inp.device)[:, :, 0]
+        part = m.materialize(1, inp.Tk, q_offset=inp.kv_offset, kv_offset=inp.kv_offset, device=inp.device,
+                             batch_size=inp.B, num_heads=inp.Hq)[:, :, 0]
         keep = part if keep is None else keep & part
     return keep
 
@@ -219,11 +202,8 @@ class KernelizedBackend(Backend):
     through :func:`kernel_attention` with the subclass's :meth:`feature_maps`."""
 
     exact = False
-    mask_kinds = frozenset({Causal, KeyPadding, Dense})
-
-    @classmethod
-    def extra_reasons(cls, inp: AttentionInputs) -> list[str]:
-        return mask_reasons(inp)
+    #: The prefix sums cannot skip arbitrary (query, key) pairs: only causality and per-key masks.
+    mask_support = MaskSupport("none", "per_key")
 
     @classmethod
     def feature_maps(cls, options, head_dim: int, scale: float, device=None) -> tuple[FeatureFn, KeyFeatureFn, int, int]:

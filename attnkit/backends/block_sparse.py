@@ -14,17 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from ..inputs import AttentionInputs
-from ..masks import And, Mask
-from ..masks import BlockSparse
+from ..masks import MaskSupport
 from ..registry import Backend, register_backend
 from ._common import grouped, kv_finite, mask_on, safe, softmax_parts, upcast_on_cpu
-
-
-def block_sparse_part(mask: Mask | None) -> BlockSparse | None:
-    """The ``BlockSparse`` that bounds ``mask`` (itself, or one part of an ``And``), or None."""
-    parts = mask.parts if isinstance(mask, And) else (mask,)
-    found = [p for p in parts if isinstance(p, BlockSparse)]
-    return found[0] if found else None
 
 
 @register_backend
@@ -33,16 +25,12 @@ class BlockSparseBackend(Backend):
     summary = "gathers only the active blocks of a BlockSparse layout (BigBird, Longformer, Sparse Transformer)"
     supports_lse = True
 
-    @classmethod
-    def extra_reasons(cls, inp: AttentionInputs) -> list[str]:
-        if inp.mask is None or block_sparse_part(inp.mask) is None:
-            return ["needs a BlockSparse mask (alone or in an And), e.g. BlockSparse.bigbird(...)"]
-        return []
+    mask_support = MaskSupport("layout")
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: None):
         dtype, inp = inp.dtype, upcast_on_cpu(inp)
-        pattern = block_sparse_part(inp.mask)
+        pattern = inp.mask.block_layout()
         bs = pattern.block_size
         B, Hq, Tq, D = inp.q.shape
         Hkv, Tk, Dv, G = inp.Hkv, inp.Tk, inp.Dv, inp.groups

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..inputs import AttentionInputs
-from ..masks import Causal
+from ..masks import MaskSupport
 from ..registry import Backend, register_backend
 
 __all__ = ["LSHOptions", "shared_qk", "self_exclusion", "hash_buckets"]
@@ -188,7 +188,7 @@ class LSH(Backend):
     name = "lsh"
     exact = False
     summary = "APPROXIMATE Reformer LSH attention (hash buckets, sorted chunks): O(T * bucket_size * n_hashes)"
-    mask_kinds = frozenset({Causal})
+    mask_support = MaskSupport("none", "causal")
     Options = LSHOptions
     no_recurrent_reason = NO_DECODE
 

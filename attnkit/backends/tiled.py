@@ -58,6 +58,8 @@ class _Plan:
     block_q: int
     block_k: int
     finite_kv: bool  # K and V hold no NaN/Inf: no need to zero keys that no query attends
+    batch_size: int = 1  # the call's B and Hq: a mask may depend on every b and h (Custom)
+    num_heads: int = 1
 
     def tiles(self, Tq: int, Tk: int):
         """Yield ``(q0, q1, [(k0, k1, status), ...])`` per query tile, EMPTY key tiles left out."""
@@ -73,6 +75,8 @@ class _Plan:
                         (self.kv_offset + k0, self.kv_offset + k1),
                         q_offset=self.q_offset,
                         kv_offset=self.kv_offset,
+                        batch_size=self.batch_size,
+                        num_heads=self.num_heads,
                     )
                 if status is not BlockStatus.EMPTY:
                     row.append((k0, k1, status))
@@ -86,6 +90,8 @@ class _Plan:
             q_offset=self.q_offset,
             kv_offset=self.kv_offset,
             device=device,
+            batch_size=self.batch_size,
+            num_heads=self.num_heads,
         )
         return _group(keep, Hkv)
 
@@ -253,7 +259,8 @@ class Tiled(Backend):
         if bias is not None:
             bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
         finite_kv = bool(torch.isfinite(inp.k).all()) and bool(torch.isfinite(inp.v).all())
-        plan = _Plan(inp.mask, inp.scale, inp.q_offset, inp.kv_offset, options.block_q, options.block_k, finite_kv)
+        plan = _Plan(inp.mask, inp.scale, inp.q_offset, inp.kv_offset, options.block_q, options.block_k, finite_kv,
+                     inp.B, inp.Hq)
         q, k, v = inp.q.contiguous(), inp.k.contiguous(), inp.v.contiguous()
         upcast = options.upcast if options.upcast is not None else inp.device.type == "cpu"
         if upcast and inp.dtype in (torch.float16, torch.bfloat16):
