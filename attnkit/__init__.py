@@ -42,7 +42,7 @@ from .masks import (
     from_key_padding_mask,
     longformer,
 )
-from .recurrent import RecurrentState
+from .backends.kernelized import RecurrentState
 from .registry import Backend, get_backend, list_backends, register_backend
 from .cache import DynamicLayerCache, KVCache, SlidingWindowLayerCache, StateCache, StaticLayerCache
 from .generation import generate

@@ -10,9 +10,11 @@ from attnkit._validate import finite_float, non_negative_int, positive_int
 @pytest.mark.parametrize("bad", [0, -3, 1.0, 2.5, True, False, "4", None, float("nan")])
 def test_positive_int_rejects_with_name_value_and_fix(bad):
     with pytest.raises(ValueError) as info:
-        positive_int(bad, "Thing(count)", fix="pass e.g. 8")
+        positive_int(bad, "count", owner="Thing", fix="pass e.g. 8")
     text = str(info.value)
-    assert text.startswith(f"Thing(count)={bad!r}: expected a positive int") and text.endswith("Fix: pass e.g. 8.")
+    assert text.startswith(f"Thing(count={bad!r}): expected a positive int") and text.endswith("Fix: pass e.g. 8.")
+    with pytest.raises(ValueError, match=rf"^count={bad!r}: expected a positive int\.$"):
+        positive_int(bad, "count")
 
 
 def test_positive_int_and_non_negative_int_accept():

@@ -245,7 +245,7 @@ class _TiledFunction(torch.autograd.Function):
 
 
 @register_backend
-class Tiled(Backend):
+class TiledBackend(Backend):
     name = "tiled"
     summary = "flash-style online softmax over tiles in PyTorch: any mask, O(n) memory fwd+bwd, skips empty tiles"
     supports_bias = True

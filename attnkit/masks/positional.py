@@ -58,7 +58,7 @@ class SlidingWindow(Mask):
 
     def __post_init__(self):
         for name in ("left", "right"):
-            non_negative_int(getattr(self, name), f"SlidingWindow({name})", allow_none=True,
+            non_negative_int(getattr(self, name), name, owner="SlidingWindow", allow_none=True,
                              fix="pass e.g. SlidingWindow(left=256, right=0) for causal local attention")
 
     def band(self):

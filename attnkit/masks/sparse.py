@@ -48,7 +48,7 @@ class BlockSparse(Mask):
             )
         if layout.dim() not in (2, 3) or layout.numel() == 0:
             raise ValueError(f"BlockSparse(layout): expected shape (nQB, nKB) or (H, nQB, nKB), got {tuple(layout.shape)}.")
-        positive_int(self.block_size, "BlockSparse(block_size)", fix="pass e.g. block_size=64")
+        positive_int(self.block_size, "block_size", owner="BlockSparse", fix="pass e.g. block_size=64")
         layout = layout.reshape((1,) * (3 - layout.dim()) + tuple(layout.shape)).cpu()
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "num_heads", layout.shape[0])
@@ -172,7 +172,7 @@ class BlockSparse(Mask):
     def random(cls, num_blocks: int, block_size: int, *, density: float = 0.1, seed: int = 0, causal: bool = False) -> Mask:
         """Each block on with probability ``density`` (seeded); the diagonal is always on."""
         n = positive_int(num_blocks, "num_blocks")
-        finite_float(density, "BlockSparse.random(density)", low=0.0, high=1.0, fix="pass a probability such as 0.1")
+        finite_float(density, "density", owner="BlockSparse.random", low=0.0, high=1.0, fix="pass a probability such as 0.1")
         gen = torch.Generator().manual_seed(seed)
         layout = (torch.rand(n, n, generator=gen) < density) | torch.eye(n, dtype=torch.bool)
         return cls._finish(layout, block_size, causal)
@@ -243,6 +243,6 @@ def longformer(window: int, global_positions, *, causal: bool = False) -> Mask:
     ``SlidingWindow(window, window) | GlobalTokens(global_positions)``; with ``causal=True``,
     ``(SlidingWindow(window, 0) | GlobalTokens(global_positions)) & Causal()``: no query sees a
     later key, global ones included (a global query sees every earlier key)."""
-    window = non_negative_int(window, "longformer(window)", fix="pass the window width, e.g. 256")
+    window = non_negative_int(window, "window", owner="longformer", fix="pass the window width, e.g. 256")
     mask = SlidingWindow(window, 0 if causal else window) | GlobalTokens(global_positions)
     return mask & Causal() if causal else mask
