@@ -113,6 +113,7 @@ class Backend:
             "devices": sorted(cls.devices),
             "dtypes": sorted(str(d).removeprefix("torch.") for d in cls.dtypes),
             "masks": str(cls.mask_support),
+            "mask_forms": list(cls.mask_support.forms),  # short names of the same declaration
             "gqa": cls.supports_gqa,
             "dropout": cls.supports_dropout,
             "bias": cls.supports_bias,

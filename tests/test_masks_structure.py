@@ -242,3 +242,10 @@ def test_materialize_cache_is_keyed_and_bounded():
     with torch.inference_mode():
         d = mask.materialize(2, 6)
     assert d is not c and torch.equal(d, c)  # inference tensors are never handed to autograd code
+
+
+def test_materialize_cache_does_not_pin_large_tensors(monkeypatch):
+    monkeypatch.setattr(mask_base, "_CACHE_BYTES", 100)
+    mask = Causal() & KeyPadding([3, 5])
+    small, large = mask.materialize(4, 6), mask.materialize(16, 16)
+    assert mask.materialize(4, 6) is small and mask.materialize(16, 16) is not large

@@ -53,7 +53,6 @@ class MaskSpec:
     name: str
     label: str
     build: Callable[[int, BenchConfig], Mask | None]
-    unavailable: str = ""  # non-empty: why this mask cannot be built here (every case is skipped)
 
 
 def _pattern(name: str) -> Callable[[int, BenchConfig], Mask]:

@@ -75,6 +75,9 @@ class Band:
 
 UNBOUNDED = Band(None, None)
 
+#: Largest keep-tensor (bytes) that ``materialize`` keeps on the mask for the next call.
+_CACHE_BYTES = 2**24
+
 
 class Mask:
     """Base class of all masks. Subclasses implement :meth:`mask_mod`.
@@ -213,8 +216,9 @@ class Mask:
         """The whole mask for a call as a bool tensor broadcastable to ``(B, H, Tq, Tk)``.
 
         Masks are immutable values, so the result is cached on the instance (the last two calls'
-        sizes, offsets, device and batch/head counts): a model that builds its mask once per forward
-        pass materializes it once however many layers use it. Treat the result as read-only."""
+        sizes, offsets, device and batch/head counts; up to 16 MiB each): a model that builds its
+        mask once per forward pass materializes it once however many layers use it. Treat the
+        result as read-only."""
         if q_offset is None:
             q_offset = kv_offset + Tk - Tq
         nb, nh = self.index_sizes(batch_size, num_heads)
@@ -228,7 +232,9 @@ class Mask:
             (q_offset, q_offset + Tq), (kv_offset, kv_offset + Tk), q_offset=q_offset, kv_offset=kv_offset,
             device=device, batch_size=nb, num_heads=nh,
         )
-        if not torch.compiler.is_compiling():  # a traced graph must not capture Python-side state
+        # A traced graph must not capture Python-side state; a long-lived mask (a module's default
+        # Causal()) must not pin a huge tensor: past _CACHE_BYTES it is rebuilt on every call.
+        if not torch.compiler.is_compiling() and keep.untyped_storage().nbytes() <= _CACHE_BYTES:
             object.__setattr__(self, "_prepared", ((key, keep),) + cached[:1])
         return keep
 
