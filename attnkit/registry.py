@@ -1,6 +1,6 @@
 """Backends: capabilities as class data, one ``not_supported_reasons`` function each.
 
-A backend is a stateless class. Its capabilities (devices, dtypes, mask kinds, GQA, dropout, bias,
+A backend is a stateless class. Its capabilities (devices, dtypes, mask support, GQA, dropout, bias,
 backward, offsets, LSE) are checked generically by :meth:`Backend.not_supported_reasons`; a backend
 adds input-specific reasons by overriding :meth:`Backend.extra_reasons`. Register with
 ``@register_backend``; ``attnkit/backends/__init__.py`` imports each module by name.

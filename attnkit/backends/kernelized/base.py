@@ -87,7 +87,7 @@ class KernelizedBackend(Backend):
 
     @classmethod
     def feature_maps(cls, options, head_dim: int, scale: float, device=None) -> tuple[FeatureFn, KeyFeatureFn, int, int]:
-        """``(queries, keys, chunk, segment)``, also for :class:`~attnkit.recurrent.RecurrentState`."""
+        """``(queries, keys, chunk, segment)``, also for :class:`~attnkit.backends.kernelized.state.RecurrentState`."""
         raise NotImplementedError
 
     @classmethod
