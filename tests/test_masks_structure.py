@@ -99,6 +99,38 @@ def test_structure_answers_are_sound(mask):
     assert all("(" not in leaf.structure_key() for leaf in mask.leaves())
 
 
+_G = torch.Generator().manual_seed(1)
+Q, K, V = torch.randn(B, H, T, 8, generator=_G), torch.randn(B, 1, T, 8, generator=_G), torch.randn(B, 1, T, 8, generator=_G)
+
+
+@st.composite
+def structured_trees(draw):
+    """Mask trees that the structured backends can often take: ``& SlidingWindow(l, r)`` (a band,
+    sometimes ``| GlobalTokens``) or ``& BlockSparse`` around a random tree."""
+    tree = draw(mask_trees(depth=2))
+    kind = draw(st.sampled_from(["band", "band_globals", "layout", "plain"]))
+    if kind.startswith("band"):
+        tree = tree & SlidingWindow(draw(st.integers(0, 6)), draw(st.integers(0, 3)))
+        return tree | GlobalTokens(draw(st.lists(st.integers(0, T - 1), max_size=3))) if kind == "band_globals" else tree
+    if kind == "layout":
+        return tree & BlockSparse.bigbird(T // 4, 4, seed=draw(st.integers(0, 3)), random_blocks=1)
+    return tree
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mask=structured_trees())
+def test_every_exact_backend_that_accepts_a_mask_computes_it(mask):
+    """A backend's declared mask support is honest: whatever it accepts, it computes exactly."""
+    ref, _ = reference_attention(Q, K, V, mask=mask, q_offset=0)
+    explained = attnkit.explain(Q, K, V, mask=mask, q_offset=0).reasons
+    for name, impl in list_backends().items():
+        if not impl.exact or explained.get(name):
+            continue
+        assert impl.mask_support.accepts(mask)
+        out = attnkit.attention(Q, K, V, mask=mask, q_offset=0, backend=name)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5, msg=lambda m: f"{name} {mask!r}: {m}")
+
+
 def test_structure_of_known_masks():
     assert (Causal() & Causal()).is_causal() and (Causal() & SlidingWindow(None, 0)).is_causal()
     assert not (Causal() & KeyPadding([3])).is_causal()
