@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from ._validate import positive_int
+
 __all__ = [
     "LayerCache",
     "DynamicLayerCache",
@@ -150,8 +152,7 @@ class StaticLayerCache(LayerCache):
 
     def __init__(self, max_len: int) -> None:
         super().__init__()
-        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
-            raise ValueError(f"max_len: expected a positive int (tokens the cache can hold), got {max_len!r}.")
+        positive_int(max_len, "max_len", owner="StaticLayerCache", fix="pass the tokens the cache can hold")
         self.max_len = max_len
         self.k: Tensor | None = None
         self.v: Tensor | None = None
@@ -210,8 +211,7 @@ class SlidingWindowLayerCache(LayerCache):
 
     def __init__(self, window: int) -> None:
         super().__init__()
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"window: expected a positive int (past keys to keep), got {window!r}.")
+        positive_int(window, "window", owner="SlidingWindowLayerCache", fix="pass the past keys to keep")
         self.window = window
         self.k: Tensor | None = None  # (B, Hkv, window, D), slot order
         self.v: Tensor | None = None

@@ -66,7 +66,7 @@ def keep_of(mask):
     return mask.materialize(T, T, q_offset=0, kv_offset=0, batch_size=B, num_heads=H).expand(B, H, T, T)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mask=mask_trees())
 def test_structure_answers_are_sound(mask):
     keep = keep_of(mask)
@@ -97,6 +97,18 @@ def test_structure_answers_are_sound(mask):
     if glob is not None:
         assert isinstance(glob, GlobalTokens) and torch.equal(keep_of(core) | keep_of(glob), keep), mask
     assert all("(" not in leaf.structure_key() for leaf in mask.leaves())
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mask=mask_trees(), q0=st.integers(0, T - 1), k0=st.integers(0, T - 1), n=st.integers(1, 9), m=st.integers(1, 9))
+def test_block_status_is_sound_over_every_batch_and_head(mask, q0, k0, n, m):
+    """FULL: every pair of the tile kept for every b and h; EMPTY: none (PARTIAL is always allowed)."""
+    q_range, kv_range = (q0, min(q0 + n, T)), (k0, min(k0 + m, T))
+    sizes = dict(q_offset=0, kv_offset=0, batch_size=B, num_heads=H)
+    status = mask.block_status(q_range, kv_range, **sizes)
+    keep = mask.evaluate(q_range, kv_range, **sizes)
+    assert status is not attnkit.BlockStatus.FULL or keep.all(), mask
+    assert status is not attnkit.BlockStatus.EMPTY or not keep.any(), mask
 
 
 _G = torch.Generator().manual_seed(1)

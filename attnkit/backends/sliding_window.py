@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._validate import positive_int
 from ..inputs import AttentionInputs
 from ..masks import Mask, MaskSupport
 from ..registry import Backend, register_backend
@@ -34,8 +35,7 @@ class SlidingWindowOptions:
     chunk: int | None = None
 
     def __post_init__(self):
-        if self.chunk is not None and (not isinstance(self.chunk, int) or isinstance(self.chunk, bool) or self.chunk < 1):
-            raise ValueError(f"SlidingWindowOptions(chunk={self.chunk!r}): expected a positive int or None.")
+        positive_int(self.chunk, "chunk", owner="SlidingWindowOptions", allow_none=True, fix="pass e.g. chunk=64")
 
 
 def band_of(mask: Mask | None) -> tuple[int, int, Mask, Tensor | None] | None:

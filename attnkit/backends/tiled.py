@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._validate import positive_int
 from ..inputs import AttentionInputs
 from ..masks import BlockStatus, Mask
 from ..registry import Backend, register_backend
@@ -42,9 +43,7 @@ class TiledOptions:
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"TiledOptions({name}={value!r}): expected a positive int, e.g. {name}=256.")
+            positive_int(getattr(self, name), name, owner="TiledOptions", fix=f"pass e.g. {name}=256")
 
 
 @dataclass(frozen=True, eq=False)

@@ -16,6 +16,7 @@ exact element-level Longformer use :func:`longformer` = ``SlidingWindow(w, w) | 
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import torch
@@ -215,20 +216,22 @@ class GlobalTokens(Mask):
     and columns; combine with a window: ``SlidingWindow(w, w) | GlobalTokens([0])``."""
 
     positions: Tensor
+    _sorted: tuple[int, ...] = field(init=False, repr=False)  # for block_status without tensor reads
 
     def __post_init__(self):
         pos = _as_long_tensor(self.positions, "GlobalTokens(positions)").flatten().unique()
         if pos.numel() and int(pos.min()) < 0:
             raise ValueError(f"GlobalTokens(positions): expected non-negative positions, got {pos.tolist()}.")
         object.__setattr__(self, "positions", pos)
+        object.__setattr__(self, "_sorted", tuple(pos.tolist()))
 
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
         pos = self.positions.to(q_idx.device)
         return torch.isin(q_idx, pos) | torch.isin(kv_idx, pos)
 
     def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0, batch_size=None, num_heads=None):
-        pos = self.positions
-        inside = lambda r: bool(((pos >= r[0]) & (pos < r[1])).any())  # noqa: E731
+        pos = self._sorted
+        inside = lambda r: bisect.bisect_left(pos, r[0]) < bisect.bisect_left(pos, r[1])  # noqa: E731  any in [r0, r1)
         if inside(q_range) and q_range[1] - q_range[0] == 1 or inside(kv_range) and kv_range[1] - kv_range[0] == 1:
             return BlockStatus.FULL
         return BlockStatus.PARTIAL if inside(q_range) or inside(kv_range) else BlockStatus.EMPTY
