@@ -125,9 +125,9 @@ def estimate_bytes(config: BenchConfig, backend: str, n: int, mask: Mask | None,
     if backend == "naive":
         # fp32 scores + probabilities (+ their gradients and saved copies for backward)
         quadratic = B * H * n * n * 8 * (3 if passes == "train" else 1)
-    if mask is not None and backend in ("naive", "sdpa") and not (type(mask) is Causal and backend == "sdpa"):
+    if mask is not None and backend in ("naive", "sdpa") and not (mask.is_causal() and backend == "sdpa"):
         quadratic += B * n * n  # the materialized bool mask
-    if backend == "sdpa" and mask is not None and type(mask) is not Causal:
+    if backend == "sdpa" and mask is not None and not mask.is_causal():
         # SDPA with an attn_mask may fall back to the math kernel: scores in the input dtype
         quadratic += B * H * n * n * max(item, 4) * (3 if passes == "train" else 1)
     return linear + quadratic
