@@ -240,8 +240,9 @@ def test_declared_mask_support_is_what_capabilities_print_and_reasons_name():
             reasons = attnkit.explain(q, q, q, mask=mask, backend=name).reasons.get(name) or []
             declined = any(printed in r for r in reasons)
             assert declined == (not impl.mask_support.accepts(mask)), (name, mask, reasons)
-    assert list_backends()["sliding_window"].capabilities()["masks"].startswith("a banded mask")
-    assert list_backends()["block_sparse"].capabilities()["masks"].startswith("a BlockSparse layout")
+    assert list_backends()["sliding_window"].capabilities()["masks"] == "banded"
+    assert list_backends()["block_sparse"].capabilities()["masks"] == "BlockSparse layout"
+    assert list_backends()["linear"].capabilities()["masks"] == "no mask or per-key"
 
 
 def test_mask_support_rejects_unknown_forms():

@@ -36,16 +36,17 @@ def _band(mask: Mask) -> bool:
     return core.band().bounded
 
 
-_FORMS: dict[str, tuple[str, Callable[[Mask | None], bool]]] = {
-    "any": ("any mask", lambda m: True),
-    "none": ("no mask", lambda m: m is None),
-    "causal": ("causal", lambda m: m is not None and m.is_causal()),
-    "per_key": ("masks that are causal and/or the same for every query (KeyPadding, Padding, "
-                "Dense (B|1, H|1, 1, Tk)) and their And",
+#: form -> (short name for capability tables, detail for reasons, predicate)
+_FORMS: dict[str, tuple[str, str, Callable[[Mask | None], bool]]] = {
+    "any": ("any mask", "", lambda m: True),
+    "none": ("no mask", "", lambda m: m is None),
+    "causal": ("causal", "Causal(), also repeated, or SlidingWindow(None, 0)", lambda m: m is not None and m.is_causal()),
+    "per_key": ("per-key", "masks that are causal and/or the same for every query (KeyPadding, Padding, "
+                "Dense (B|1, H|1, 1, Tk)) and their And: it sums over keys and cannot drop single pairs",
                 lambda m: m is not None and _per_key(m)),
-    "band": ("a banded mask: SlidingWindow(left, right) with finite bounds (or with Causal()), "
-             "optionally & other masks and | GlobalTokens(...)", lambda m: m is not None and _band(m)),
-    "layout": ("a BlockSparse layout (alone or in an And), e.g. BlockSparse.bigbird(...)",
+    "band": ("banded", "SlidingWindow(left, right) with finite bounds (or with Causal()), optionally & other "
+             "masks and | GlobalTokens(...)", lambda m: m is not None and _band(m)),
+    "layout": ("BlockSparse layout", "alone or in an And, e.g. BlockSparse.bigbird(...)",
                lambda m: m is not None and m.block_layout() is not None),
 }
 
@@ -65,16 +66,18 @@ class MaskSupport:
 
     def accepts(self, mask: Mask | None) -> bool:
         """True when ``mask`` (None = no mask) has one of the declared forms."""
-        return any(_FORMS[form][1](mask) for form in self.forms)
+        return any(_FORMS[form][2](mask) for form in self.forms)
 
     def reason(self, mask: Mask | None) -> str | None:
         """Why ``mask`` is not supported (one sentence naming the requirement), or None."""
         if self.accepts(mask):
             return None
         got = "no mask" if mask is None else mask.structure_key()
-        return f"needs {self}; got {got}"
+        details = "; ".join(f"{_FORMS[f][0]}: {_FORMS[f][1]}" for f in self.forms if _FORMS[f][1])
+        return f"needs {self}" + (f" ({details})" if details else "") + f"; got {got}"
 
     def __str__(self) -> str:
+        """The short form names, e.g. ``"no mask or causal"`` (what capability tables print)."""
         return " or ".join(_FORMS[form][0] for form in self.forms)
 
     def __repr__(self) -> str:
