@@ -83,10 +83,13 @@ class Mask:
     """Base class of all masks. Subclasses implement :meth:`mask_mod`.
 
     ``mask_mod(b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0)`` receives broadcasting integer
-    tensors: ``b`` of shape ``(B, 1, 1, 1)``, ``h`` ``(1, H, 1, 1)``, ``q_idx`` ``(1, 1, Tq, 1)``
+    tensors: ``b`` of shape ``(B, 1, 1, 1)``, ``h`` ``(1, Hq, 1, 1)``, ``q_idx`` ``(1, 1, Tq, 1)``
     and ``kv_idx`` ``(1, 1, 1, Tk)`` holding *absolute* positions, and returns a bool tensor that
-    broadcasts against them. ``q_offset``/``kv_offset`` are the positions of the call's first
-    query and key; only masks defined relative to the call (``Dense``) need them.
+    broadcasts against them. ``b`` and ``h`` hold every batch row and query head of the call when
+    the mask :attr:`depends_on_batch` / :attr:`depends_on_head` (``Custom`` always may), else just
+    ``0``; so evaluation takes the call's sizes (``batch_size=``, ``num_heads=``) and refuses to
+    guess them. ``q_offset``/``kv_offset`` are the positions of the call's first query and key;
+    only masks defined relative to the call (``Dense``) need them.
     """
 
     #: True when the mask depends on the batch index (its ``batch_size`` must match ``B``).
