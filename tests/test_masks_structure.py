@@ -207,6 +207,10 @@ def test_custom_mask_without_the_call_sizes_is_refused():
         Custom(lambda b, h, q, k: q >= k).materialize(4, 4)
     keep = Custom(lambda b, h, q, k: k <= b + h).materialize(1, 4, batch_size=2, num_heads=3)
     assert keep.shape == (2, 3, 1, 4) and keep[1, 2, 0].tolist() == [True, True, True, True]
+    empty = torch.randn(0, 2, 4, 8)  # an empty batch stays valid
+    for backend in ("naive", "sdpa", "tiled"):
+        out = attnkit.attention(empty, empty, empty, mask=Causal() & Custom(lambda b, h, q, k: q >= k), backend=backend)
+        assert out.shape == (0, 2, 4, 8)
 
 
 @pytest.mark.parametrize("backend", ["naive", "sdpa", "tiled"])

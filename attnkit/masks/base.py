@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .._validate import positive_int
+from .._validate import non_negative_int, positive_int
 
 __all__ = ["BlockStatus", "Band", "Mask", "And", "Or", "as_mask"]
 
@@ -129,7 +129,7 @@ class Mask:
             if not depends:
                 sizes.append(1)
             elif given is not None:
-                sizes.append(positive_int(given, arg))
+                sizes.append(non_negative_int(given, arg))  # 0: an empty batch
             elif own not in (None, 1):
                 sizes.append(own)
             else:
