@@ -150,6 +150,8 @@ def test_structure_of_known_masks():
     assert (SlidingWindow(4, 2) & Causal()).band() == attnkit.Band(4, 0)
     core, glob = longformer(3, [0]).split_globals()
     assert core == SlidingWindow(3, 3) and glob.positions.tolist() == [0]
+    core, glob = (SlidingWindow(2, 2) | GlobalTokens([5]) | GlobalTokens([0, 5])).split_globals()
+    assert core == SlidingWindow(2, 2) and glob.positions.tolist() == [0, 5]
     causal_lf = longformer(3, [0], causal=True)
     assert causal_lf.split_globals()[1] is None and not causal_lf.band().bounded  # global keys far left
     assert (KeyPadding([3]) & Padding(VALID)).query_independent and not (KeyPadding([3]) & Causal()).query_independent

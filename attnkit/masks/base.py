@@ -440,9 +440,10 @@ class Or(_Combination):
 
         globs = [p for p in self.parts if isinstance(p, GlobalTokens)]
         others = [p for p in self.parts if not isinstance(p, GlobalTokens)]
-        if len(globs) != 1 or not others:
+        if not globs or not others:
             return self, None
-        return (others[0] if len(others) == 1 else Or(*others)), globs[0]
+        glob = globs[0] if len(globs) == 1 else GlobalTokens(torch.cat([g.positions for g in globs]))  # their union
+        return (others[0] if len(others) == 1 else Or(*others)), glob
 
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
         keep = self.parts[0].mask_mod(b, h, q_idx, kv_idx, q_offset=q_offset, kv_offset=kv_offset)
