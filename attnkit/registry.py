@@ -130,6 +130,13 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
         raise TypeError(f"register_backend: {cls.__name__} needs a class attribute `name` (a non-empty str).")
     if name in _REGISTRY and _REGISTRY[name] is not cls:
         raise ValueError(f"register_backend: a backend named {name!r} is already registered ({_REGISTRY[name].__name__}).")
+    if hasattr(cls, "mask_kinds"):  # the old declaration would be ignored: the backend would accept every mask
+        raise TypeError(
+            f"register_backend: {cls.__name__}.mask_kinds is no longer read. Fix: declare the mask forms it "
+            "honours as mask_support = MaskSupport(...), e.g. MaskSupport('none', 'causal')."
+        )
+    if not isinstance(cls.mask_support, MaskSupport):
+        raise TypeError(f"register_backend: {cls.__name__}.mask_support must be a MaskSupport, got {cls.mask_support!r}.")
     if cls.Options is not None and not is_dataclass(cls.Options):
         raise TypeError(f"register_backend: {cls.__name__}.Options must be a dataclass, got {cls.Options!r}.")
     _REGISTRY[name] = cls

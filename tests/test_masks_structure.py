@@ -251,6 +251,22 @@ def test_declared_mask_support_is_what_capabilities_print_and_reasons_name():
     assert list_backends()["linear"].capabilities()["masks"] == "no mask or per-key"
 
 
+def test_registering_a_backend_with_the_old_mask_kinds_is_refused():
+    from attnkit.registry import Backend, register_backend
+
+    class OldStyle(Backend):
+        name = "old_style_mask_kinds"
+        mask_kinds = frozenset({Causal})
+
+    with pytest.raises(TypeError, match="mask_kinds is no longer read"):
+        register_backend(OldStyle)
+    OldStyle.mask_support = "causal"
+    del OldStyle.mask_kinds
+    with pytest.raises(TypeError, match="must be a MaskSupport"):
+        register_backend(OldStyle)
+    assert "old_style_mask_kinds" not in list_backends()
+
+
 def test_mask_support_rejects_unknown_forms():
     with pytest.raises(ValueError, match="unknown or missing form"):
         MaskSupport("banded")
