@@ -54,7 +54,7 @@ _FORMS: dict[str, tuple[str, str, Callable[[Mask | None], bool]]] = {
 class MaskSupport:
     """The mask forms a backend honours (see the module docstring for the forms)."""
 
-    __slots__ = ("forms",)
+    __slots__ = ("forms", "_checks")
 
     def __init__(self, *forms: str):
         unknown = [f for f in forms if f not in _FORMS]
@@ -63,10 +63,12 @@ class MaskSupport:
                 f"MaskSupport{forms!r}: unknown or missing form(s) {unknown}; expected some of {sorted(_FORMS)}."
             )
         self.forms = tuple(dict.fromkeys(forms))
+        # "any" accepts everything: no checks at all on dispatch's hot path (one call per layer per token)
+        self._checks = () if "any" in self.forms else tuple(_FORMS[form][2] for form in self.forms)
 
     def accepts(self, mask: Mask | None) -> bool:
         """True when ``mask`` (None = no mask) has one of the declared forms."""
-        return any(_FORMS[form][2](mask) for form in self.forms)
+        return not self._checks or any(check(mask) for check in self._checks)
 
     def reason(self, mask: Mask | None) -> str | None:
         """Why ``mask`` is not supported (one sentence naming the requirement), or None."""
