@@ -116,3 +116,23 @@ def test_block_status_is_consistent_with_materialize(mask, q0, q_len, k0, k_len)
         assert keep.all()
     elif status is BlockStatus.EMPTY:
         assert not keep.any()
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: KeyPadding([1.5, 2.7]), r"KeyPadding\(lengths\)=\[1\.5, 2\.7\]: expected integers, got dtype torch\.float32"),
+    (lambda: KeyPadding([True, False]), r"KeyPadding\(lengths\)=\[True, False\]: expected integers, got dtype torch\.bool"),
+    (lambda: KeyPadding(torch.tensor([True])), r"KeyPadding\(lengths\)=\[True\]: expected integers"),
+    (lambda: Document([[0.0, 1.0]]), r"Document\(ids\)=\[\[0\.0, 1\.0\]\]: expected integers"),
+    (lambda: KeyPadding("ab"), r"KeyPadding\(lengths\): expected a sequence of ints"),
+])
+def test_integer_arguments_refuse_floats_and_bools(build, match):
+    """Regression: floats were truncated (1.5 -> 1) and bools read as 0/1, silently."""
+    with pytest.raises(TypeError, match=match):
+        build()
+
+
+def test_integer_arguments_accept_ints_tensors_and_ranges():
+    assert KeyPadding([3, 5]).lengths.tolist() == [3, 5]
+    assert KeyPadding(torch.tensor([3, 5], dtype=torch.int32)).lengths.dtype == torch.long
+    assert KeyPadding(range(2, 4)).lengths.tolist() == [2, 3]
+    assert Document([[0, 0, 1]]).ids.shape == (1, 3)

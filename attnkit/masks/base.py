@@ -325,12 +325,13 @@ def _as_long_tensor(values, name: str) -> Tensor:
             tensor = torch.as_tensor(values if isinstance(values, (list, tuple)) else list(values))
         except (TypeError, ValueError, RuntimeError) as exc:
             raise TypeError(f"{name}: expected a sequence of ints or an integer tensor, got {values!r}.") from exc
-        if tensor.numel() == 0:
-            tensor = tensor.long()
+    if tensor.numel() == 0:  # no values: nothing to round (torch.as_tensor([]) is float32)
+        return tensor.long()
     if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
-        shown = values.tolist() if isinstance(values, Tensor) and values.numel() <= 8 else values
+        shown = repr(values.tolist() if isinstance(values, Tensor) else values)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
         raise TypeError(
-            f"{name}={shown!r}: expected integers, got dtype {tensor.dtype}. "
+            f"{name}={shown}: expected integers, got dtype {tensor.dtype}. "
             "Fix: pass whole numbers (e.g. `lengths.long()` after checking they are integral)."
         )
     return tensor.long()
