@@ -92,7 +92,7 @@ class Mask:
     only masks defined relative to the call (``Dense``) need them.
     """
 
-    #: True when the mask depends on the batch index (its ``batch_size`` must match ``B``).
+    #: Batch size the mask is built for (None: the same for every batch row; otherwise it must be 1 or ``B``).
     batch_size: int | None = None
     #: Number of heads the mask distinguishes (None: same for all heads).
     num_heads: int | None = None
