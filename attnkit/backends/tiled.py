@@ -57,8 +57,8 @@ class _Plan:
     block_q: int
     block_k: int
     finite_kv: bool  # K and V hold no NaN/Inf: no need to zero keys that no query attends
-    batch_size: int = 1  # the call's B and Hq: a mask may depend on every b and h (Custom)
-    num_heads: int = 1
+    batch_size: int | None = None  # the call's B and Hq: a mask may depend on every b and h (Custom);
+    num_heads: int | None = None  # None makes such a mask refuse to evaluate rather than guess
 
     def tiles(self, Tq: int, Tk: int):
         """Yield ``(q0, q1, [(k0, k1, status), ...])`` per query tile, EMPTY key tiles left out."""
