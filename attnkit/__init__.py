@@ -24,21 +24,25 @@ from .functional import attention, attention_weights
 from .inputs import AttentionInputs
 from .masks import (
     And,
+    Band,
+    BlockSparse,
     BlockStatus,
     Causal,
     Custom,
     Dense,
     Document,
+    GlobalTokens,
     KeyPadding,
-    Padding,
     Mask,
+    MaskSupport,
     Or,
+    Padding,
     SlidingWindow,
     as_mask,
     from_key_padding_mask,
+    longformer,
 )
-from .masks import BlockSparse, GlobalTokens, longformer
-from .recurrent import RecurrentState
+from .backends.kernelized import RecurrentState
 from .registry import Backend, get_backend, list_backends, register_backend
 from .cache import DynamicLayerCache, KVCache, SlidingWindowLayerCache, StateCache, StaticLayerCache
 from .generation import generate
@@ -54,6 +58,8 @@ __all__ = [
     "AttentionInputs",
     "Mask",
     "BlockStatus",
+    "Band",
+    "MaskSupport",
     "Causal",
     "SlidingWindow",
     "KeyPadding",

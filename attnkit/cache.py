@@ -26,7 +26,7 @@ Layer caches:
   offsets is right. Exact for masks that never look further back than ``window``
   (``SlidingWindow(left<=window, 0)``); per-token cost is flat in the context length.
 * :class:`StateCache` — the hook for recurrent (linear-attention) layers: it holds a state object
-  with ``step(q, k, v) -> out``, ``seq_len`` and ``reset()`` (e.g. ``attnkit.recurrent.RecurrentState``)
+  with ``step(q, k, v) -> out``, ``seq_len`` and ``reset()`` (e.g. ``attnkit.RecurrentState``)
   instead of keys and values.
 """
 
@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
+
+from ._validate import positive_int
 
 __all__ = [
     "LayerCache",
@@ -150,8 +152,7 @@ class StaticLayerCache(LayerCache):
 
     def __init__(self, max_len: int) -> None:
         super().__init__()
-        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
-            raise ValueError(f"max_len: expected a positive int (tokens the cache can hold), got {max_len!r}.")
+        positive_int(max_len, "max_len", owner="StaticLayerCache", fix="pass the tokens the cache can hold")
         self.max_len = max_len
         self.k: Tensor | None = None
         self.v: Tensor | None = None
@@ -210,8 +211,7 @@ class SlidingWindowLayerCache(LayerCache):
 
     def __init__(self, window: int) -> None:
         super().__init__()
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"window: expected a positive int (past keys to keep), got {window!r}.")
+        positive_int(window, "window", owner="SlidingWindowLayerCache", fix="pass the past keys to keep")
         self.window = window
         self.k: Tensor | None = None  # (B, Hkv, window, D), slot order
         self.v: Tensor | None = None
@@ -282,7 +282,7 @@ class StateCache(LayerCache):
 
     ``make_state()`` builds the state; it must provide ``step(q, k, v) -> out`` (causal attention
     of the new tokens over everything seen, then absorb them), ``seq_len`` and ``reset()`` —
-    ``attnkit.recurrent.RecurrentState`` does. ``MultiHeadAttention`` given a ``StateCache`` calls
+    ``attnkit.RecurrentState`` does. ``MultiHeadAttention`` given a ``StateCache`` calls
     :meth:`step` instead of ``attention()``. Per-token cost is O(1) in the context length.
     ``reorder`` selects batch rows of every tensor attribute of the state (batch is dim 0)."""
 
@@ -300,11 +300,8 @@ class StateCache(LayerCache):
 
     @classmethod
     def recurrent(cls, backend: str, head_dim: int, *, options=None, scale: float | None = None) -> StateCache:
-        """A cache over ``attnkit.recurrent.RecurrentState.create(backend, head_dim, ...)``."""
-        try:
-            from .recurrent import RecurrentState
-        except ImportError as exc:  # the recurrent module lands with the approximate-attention issue
-            raise ValueError("backend: recurrent state caches need attnkit.recurrent, which is not installed.") from exc
+        """A cache over ``attnkit.RecurrentState.create(backend, head_dim, ...)``."""
+        from .backends.kernelized import RecurrentState
         return cls(lambda: RecurrentState.create(backend, head_dim, options=options, scale=scale))
 
     def step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

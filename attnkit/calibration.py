@@ -48,8 +48,9 @@ def calibration_path() -> Path:
 
 
 def mask_kind(mask: Mask | None) -> str:
-    """The mask's kind as stored in the table: ``"none"`` or the mask class name (``"Causal"``)."""
-    return "none" if mask is None else type(mask).__name__
+    """The mask's kind as stored in the table: ``"none"`` or its structure key (``"Causal"``,
+    ``"And(Causal,KeyPadding)"``): masks of one structure share measurements."""
+    return "none" if mask is None else mask.structure_key()
 
 
 def entry_key(device: str, dtype: str, kind: str, passes: str) -> str:

@@ -252,7 +252,8 @@ class AttentionInputs:
         """The mask as a bool tensor broadcastable to ``(B, Hq, Tq, Tk)``, or None."""
         if self.mask is None:
             return None
-        return self.mask.materialize(self.Tq, self.Tk, q_offset=self.q_offset, kv_offset=self.kv_offset, device=self.device)
+        return self.mask.materialize(self.Tq, self.Tk, q_offset=self.q_offset, kv_offset=self.kv_offset,
+                                     device=self.device, batch_size=self.B, num_heads=self.Hq)
 
     def kv_for(self, keep: Tensor | None, k: Tensor | None = None, v: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """K and V with the keys that no query may attend (under ``keep``) zeroed, so NaN/Inf in

@@ -1,6 +1,6 @@
 """Backends: capabilities as class data, one ``not_supported_reasons`` function each.
 
-A backend is a stateless class. Its capabilities (devices, dtypes, mask kinds, GQA, dropout, bias,
+A backend is a stateless class. Its capabilities (devices, dtypes, mask support, GQA, dropout, bias,
 backward, offsets, LSE) are checked generically by :meth:`Backend.not_supported_reasons`; a backend
 adds input-specific reasons by overriding :meth:`Backend.extra_reasons`. Register with
 ``@register_backend``; ``attnkit/backends/__init__.py`` imports each module by name.
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .inputs import FLOAT_DTYPES, AttentionInputs
-from .masks import Mask
+from .masks import MaskSupport
 
 __all__ = ["Backend", "register_backend", "get_backend", "list_backends", "ALL_DEVICES"]
 
@@ -37,8 +37,8 @@ class Backend:
     exact: ClassVar[bool] = True
     devices: ClassVar[frozenset[str]] = ALL_DEVICES
     dtypes: ClassVar[frozenset[torch.dtype]] = FLOAT_DTYPES
-    #: Mask classes the backend honours; ``None`` means every mask. And/Or are checked by leaves.
-    mask_kinds: ClassVar[frozenset[type[Mask]] | None] = None
+    #: The mask forms the backend honours, checked and printed from one declaration.
+    mask_support: ClassVar[MaskSupport] = MaskSupport("any")
     supports_gqa: ClassVar[bool] = True  # False: dispatch expands K/V to Hq heads first
     supports_dropout: ClassVar[bool] = False
     supports_bias: ClassVar[bool] = False
@@ -78,11 +78,9 @@ class Backend:
             yield f"runs on {sorted(cls.devices)}, not {inp.device.type}"
         if inp.dtype not in cls.dtypes:
             yield f"supports dtypes {sorted(str(d).removeprefix('torch.') for d in cls.dtypes)}, not {inp.dtype}"
-        if inp.mask is not None and cls.mask_kinds is not None:
-            bad = sorted({type(m).__name__ for m in inp.mask.leaves() if not isinstance(m, tuple(cls.mask_kinds))})
-            if bad:
-                names = sorted(k.__name__ for k in cls.mask_kinds)
-                yield f"cannot apply mask kind(s) {', '.join(bad)} (supports {', '.join(names) or 'no mask'})"
+        mask_reason = cls.mask_support.reason(inp.mask)
+        if mask_reason is not None:
+            yield mask_reason
         if inp.dropout_p > 0 and not cls.supports_dropout:
             yield "has no dropout (dropout_p > 0)"
         if inp.bias is not None and not cls.supports_bias:
@@ -121,7 +119,8 @@ class Backend:
             "available": cls.available(),
             "devices": sorted(cls.devices),
             "dtypes": sorted(str(d).removeprefix("torch.") for d in cls.dtypes),
-            "masks": "any" if cls.mask_kinds is None else sorted(k.__name__ for k in cls.mask_kinds) or ["none"],
+            "masks": str(cls.mask_support),
+            "mask_forms": list(cls.mask_support.forms),  # short names of the same declaration
             "gqa": cls.supports_gqa,
             "dropout": cls.supports_dropout,
             "bias": cls.supports_bias,
@@ -140,6 +139,13 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
         raise TypeError(f"register_backend: {cls.__name__} needs a class attribute `name` (a non-empty str).")
     if name in _REGISTRY and _REGISTRY[name] is not cls:
         raise ValueError(f"register_backend: a backend named {name!r} is already registered ({_REGISTRY[name].__name__}).")
+    if hasattr(cls, "mask_kinds"):  # the old declaration would be ignored: the backend would accept every mask
+        raise TypeError(
+            f"register_backend: {cls.__name__}.mask_kinds is no longer read. Fix: declare the mask forms it "
+            "honours as mask_support = MaskSupport(...), e.g. MaskSupport('none', 'causal')."
+        )
+    if not isinstance(cls.mask_support, MaskSupport):
+        raise TypeError(f"register_backend: {cls.__name__}.mask_support must be a MaskSupport, got {cls.mask_support!r}.")
     if cls.Options is not None and not is_dataclass(cls.Options):
         raise TypeError(f"register_backend: {cls.__name__}.Options must be a dataclass, got {cls.Options!r}.")
     _REGISTRY[name] = cls

@@ -27,8 +27,7 @@ from torch.utils import benchmark
 import attnkit
 from attnkit import Causal
 from attnkit.backends import lsh
-from attnkit.backends.performer import PerformerOptions, draw_projection
-from attnkit.recurrent import RecurrentState
+from attnkit.backends.kernelized import PerformerOptions, RecurrentState, draw_projection
 
 ROOT = Path(__file__).resolve().parents[1]
 B, H, D = 1, 8, 64

@@ -66,7 +66,7 @@ def sliding_window(n: int, w: int, repeats: int) -> None:
 def bigbird(n: int, bs: int, repeats: int) -> None:
     q, k, v = qkv(n)
     mask = BlockSparse.bigbird(n // bs, bs, window=1, global_blocks=1, random_blocks=2, seed=0)
-    density = mask.block_density()
+    density = mask.density()
     t = interleaved(
         {
             "block_sparse": lambda: attnkit.attention(q, k, v, mask=mask, backend="block_sparse"),

@@ -21,7 +21,8 @@ def reference_attention(q, k, v, *, mask=None, bias=None, scale=None, q_offset=N
     if bias is not None:
         scores = scores + bias.double()
     if mask is not None:
-        keep = as_mask(mask).materialize(Tq, Tk, q_offset=q_offset, kv_offset=kv_offset, device=q.device)
+        keep = as_mask(mask).materialize(Tq, Tk, q_offset=q_offset, kv_offset=kv_offset, device=q.device,
+                                         batch_size=B, num_heads=Hq)
         keep = keep.expand(B, Hq, Tq, Tk)
     else:
         keep = torch.ones(B, Hq, Tq, Tk, dtype=torch.bool, device=q.device)

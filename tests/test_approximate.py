@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import Causal, KeyPadding, NoBackendError, RecurrentState, SlidingWindow
-from attnkit.backends import _feature_maps as fm
+from attnkit.backends.kernelized import features as fm
+from attnkit.backends.kernelized import ops
 from attnkit.backends import lsh
-from attnkit.backends.linear import LinearOptions
-from attnkit.backends.performer import PerformerOptions, PerformerProjection, draw_projection, kernel_estimate
+from attnkit.backends.kernelized import LinearOptions
+from attnkit.backends.kernelized import PerformerOptions, PerformerProjection, draw_projection, kernel_estimate
 from attnkit.dispatch import select
 from attnkit.inputs import AttentionInputs
 
@@ -36,7 +37,7 @@ def twin(q, k, v, mask, phi_q_fn, phi_k_fn, **kw):
     """The quadratic form on the materialized mask."""
     inp = AttentionInputs.create(q, k, v, mask=mask, **kw)
     kk, vv = inp.expand_kv()
-    return fm.quadratic_attention(phi_q_fn(q, inp.scale), phi_k_fn(kk, inp.scale), vv, inp.materialize_mask())
+    return ops.quadratic_attention(phi_q_fn(q, inp.scale), phi_k_fn(kk, inp.scale), vv, inp.materialize_mask())
 
 
 def elu(x, scale):

@@ -229,8 +229,6 @@ def test_state_cache_hook_is_called_by_attention():
 
 
 def test_state_cache_with_recurrent_linear_attention():
-    recurrent = pytest.importorskip("attnkit.recurrent")
-    del recurrent
     torch.manual_seed(0)
     mha = MultiHeadAttention(AttentionConfig(embed_dim=16, num_heads=4, backend="linear"))
     x = torch.randn(2, 10, 16)
@@ -242,7 +240,6 @@ def test_state_cache_with_recurrent_linear_attention():
 
 
 def test_linear_attention_gpt_decodes_with_a_recurrent_cache():
-    pytest.importorskip("attnkit.recurrent")
     model = _model(backend="linear", position="rope")
     x = torch.randint(0, 50, (2, 12))
     with torch.no_grad():

@@ -57,11 +57,12 @@ def test_dense_is_relative_to_the_call():
 
 def test_and_or_flatten_and_evaluate():
     m = Causal() & SlidingWindow(1, 0) & KeyPadding([4])
-    assert isinstance(m, attnkit.And) and len(m.parts) == 3
+    assert m.conjuncts() == (Causal(), SlidingWindow(1, 0), m.conjuncts()[2]) and len(m.leaves()) == 3
     a = Causal().materialize(5, 5) & SlidingWindow(1, 0).materialize(5, 5) & KeyPadding([4]).materialize(5, 5)
     assert torch.equal(m.materialize(5, 5), a)
     o = SlidingWindow(0, 0) | Custom(lambda b, h, q, k: k == 0)
-    assert o.materialize(4, 4)[0, 0, :, 0].all() and o.materialize(4, 4)[0, 0].diagonal().all()
+    keep = o.materialize(4, 4, batch_size=1, num_heads=1)[0, 0]
+    assert keep[:, 0].all() and keep.diagonal().all()
 
 
 def test_key_padding_mask_converter_flips_polarity():
@@ -109,9 +110,29 @@ def test_block_status_is_consistent_with_materialize(mask, q0, q_len, k0, k_len)
     q1, k1 = min(q0 + q_len, 24), min(k0 + k_len, 24)
     if q1 <= q0 or k1 <= k0:
         return
-    keep = mask.evaluate((q0, q1), (k0, k1), q_offset=0, kv_offset=0)
-    status = mask.block_status((q0, q1), (k0, k1))
+    keep = mask.evaluate((q0, q1), (k0, k1), q_offset=0, kv_offset=0, batch_size=2, num_heads=1)
+    status = mask.block_status((q0, q1), (k0, k1), batch_size=2, num_heads=1)
     if status is BlockStatus.FULL:
         assert keep.all()
     elif status is BlockStatus.EMPTY:
         assert not keep.any()
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: KeyPadding([1.5, 2.7]), r"KeyPadding\(lengths\)=\[1\.5, 2\.7\]: expected integers, got dtype torch\.float32"),
+    (lambda: KeyPadding([True, False]), r"KeyPadding\(lengths\)=\[True, False\]: expected integers, got dtype torch\.bool"),
+    (lambda: KeyPadding(torch.tensor([True])), r"KeyPadding\(lengths\)=\[True\]: expected integers"),
+    (lambda: Document([[0.0, 1.0]]), r"Document\(ids\)=\[\[0\.0, 1\.0\]\]: expected integers"),
+    (lambda: KeyPadding("ab"), r"KeyPadding\(lengths\): expected a sequence of ints"),
+])
+def test_integer_arguments_refuse_floats_and_bools(build, match):
+    """Regression: floats were truncated (1.5 -> 1) and bools read as 0/1, silently."""
+    with pytest.raises(TypeError, match=match):
+        build()
+
+
+def test_integer_arguments_accept_ints_tensors_and_ranges():
+    assert KeyPadding([3, 5]).lengths.tolist() == [3, 5]
+    assert KeyPadding(torch.tensor([3, 5], dtype=torch.int32)).lengths.dtype == torch.long
+    assert KeyPadding(range(2, 4)).lengths.tolist() == [2, 3]
+    assert Document([[0, 0, 1]]).ids.shape == (1, 3)

@@ -23,7 +23,7 @@ WINDOW_MASKS = {
 
 BLOCK_MASKS = {
     "bigbird": BlockSparse.bigbird(9, 8, seed=3),
-    "longformer": BlockSparse.longformer(9, 8, window=1, global_blocks=(0,)),
+    "longformer": BlockSparse.window_global(9, 8, window=1, global_blocks=(0,)),
     "fixed_causal": BlockSparse.fixed(9, 8, stride=3),
     "strided_bidirectional": BlockSparse.strided(9, 8, stride=2, causal=False),
     "random_padding": BlockSparse.random(9, 8, density=0.3) & KeyPadding([21, 60]),
@@ -70,7 +70,7 @@ def test_every_block_on_equals_dense():
 
 
 @pytest.mark.parametrize("backend,mask", [("sliding_window", SlidingWindow(3, 0) & KeyPadding([25])),
-                                          ("block_sparse", BlockSparse.longformer(5, 8) & KeyPadding([25]))])
+                                          ("block_sparse", BlockSparse.window_global(5, 8) & KeyPadding([25]))])
 def test_nan_in_unattended_keys_and_masked_rows(backend, mask):
     q, k, v = make_qkv(1, 2, 2, 40, 40, 8)
     k2, v2 = k.detach().clone(), v.detach().clone()

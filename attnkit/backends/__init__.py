@@ -1,5 +1,7 @@
 """Built-in backends; importing this package registers them (in this order)."""
 
 from . import naive, sdpa  # noqa: F401
-from . import linear, lsh, performer  # noqa: F401  (approximate: used only when named)
+from .kernelized import linear  # noqa: F401  (approximate: used only when named)
+from . import lsh  # noqa: F401
+from .kernelized import performer  # noqa: F401
 from . import block_sparse, sliding_window, tiled  # noqa: F401  (exact at scale)

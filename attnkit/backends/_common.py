@@ -75,8 +75,8 @@ def connected(out: Tensor, *inputs: Tensor) -> Tensor:
 def mask_on(mask, inp: AttentionInputs, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     """``mask.mask_mod`` on gathered absolute positions ``q_pos (N, c)`` × ``k_pos (N, L)``:
     a bool tensor ``(B|1, Hq|1, N, c, L)``."""
-    b = torch.arange(mask.batch_size or 1, device=q_pos.device).view(-1, 1, 1, 1, 1)
-    h = torch.arange(mask.num_heads or 1, device=q_pos.device).view(1, -1, 1, 1, 1)
+    b, h = mask.batch_head_index(inp.B, inp.Hq, device=q_pos.device)
+    b, h = b[..., None], h[..., None]  # (B|1, 1, 1, 1, 1), (1, Hq|1, 1, 1, 1)
     keep = mask.mask_mod(b, h, q_pos[None, None, :, :, None], k_pos[None, None, :, None, :],
                          q_offset=inp.q_offset, kv_offset=inp.kv_offset)
     return keep.expand(torch.broadcast_shapes(keep.shape, (1, 1, *q_pos.shape, k_pos.shape[-1])))

@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..inputs import AttentionInputs
-from ..masks import And, Mask
-from ..masks import BlockSparse
+from ..masks import MaskSupport
 from ..registry import Backend, register_backend
 from ._common import (
     connected, finite_kv, grouped, mask_on, modify_gathered, nonfinite_keys, poison_rows, safe, softmax_parts,
@@ -23,15 +22,8 @@ from ._common import (
 )
 
 
-def block_sparse_part(mask: Mask | None) -> BlockSparse | None:
-    """The ``BlockSparse`` that bounds ``mask`` (itself, or one part of an ``And``), or None."""
-    parts = mask.parts if isinstance(mask, And) else (mask,)
-    found = [p for p in parts if isinstance(p, BlockSparse)]
-    return found[0] if found else None
-
-
 @torch.compiler.assume_constant_result
-def _row_groups(pattern: BlockSparse, r0: int, r1: int, c0: int, c1: int) -> tuple:
+def _row_groups(pattern, r0: int, r1: int, c0: int, c1: int) -> tuple:
     """The call's block rows grouped by their number of active key blocks (union over heads;
     ``mask_mod`` applies the per-head layout): ``((rows, cols_per_row), ...)`` as plain ints,
     planned on the host from the layout so no device data decides control flow (and
@@ -56,18 +48,14 @@ class BlockSparseBackend(Backend):
     supports_score_mod = True
     supports_sinks = True
 
-    @classmethod
-    def extra_reasons(cls, inp: AttentionInputs) -> list[str]:
-        if inp.mask is None or block_sparse_part(inp.mask) is None:
-            return ["needs a BlockSparse mask (alone or in an And), e.g. BlockSparse.bigbird(...)"]
-        return []
+    mask_support = MaskSupport("layout")
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: None):
         dtype, inp = inp.dtype, upcast_on_cpu(inp)
         bad = nonfinite_keys(inp)
         inp = finite_kv(inp, bad)
-        pattern = block_sparse_part(inp.mask)
+        pattern = inp.mask.block_layout()
         bs = pattern.block_size
         B, Hq, Tq, D = inp.q.shape
         Hkv, Tk, Dv, G = inp.Hkv, inp.Tk, inp.Dv, inp.groups

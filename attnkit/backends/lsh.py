@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..inputs import AttentionInputs
-from ..masks import Causal
+from .._validate import positive_int
+from ..masks import MaskSupport
 from ..registry import Backend, register_backend
 
 __all__ = ["LSHOptions", "shared_qk", "self_exclusion", "hash_buckets"]
@@ -59,12 +60,10 @@ class LSHOptions:
     exclude_self: bool = True
 
     def __post_init__(self):
-        for name in ("n_hashes", "bucket_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"LSHOptions({name}={value!r}): expected a positive int.")
-        nb = self.n_buckets
-        if nb is not None and (not isinstance(nb, int) or nb < 1 or (nb > 1 and nb % 2)):
+        positive_int(self.n_hashes, "n_hashes", owner="LSHOptions", fix="pass e.g. n_hashes=4")
+        positive_int(self.bucket_size, "bucket_size", owner="LSHOptions", fix="pass e.g. bucket_size=64")
+        nb = positive_int(self.n_buckets, "n_buckets", owner="LSHOptions", allow_none=True)
+        if nb is not None and nb > 1 and nb % 2:
             raise ValueError(f"LSHOptions(n_buckets={nb!r}): expected 1 or an even int >= 2 (or None = automatic).")
 
     def buckets_for(self, T: int) -> int:
@@ -184,11 +183,11 @@ def lsh_attention(inp: AttentionInputs, options: LSHOptions) -> Tensor:
 
 
 @register_backend
-class LSH(Backend):
+class LSHBackend(Backend):
     name = "lsh"
     exact = False
     summary = "APPROXIMATE Reformer LSH attention (hash buckets, sorted chunks): O(T * bucket_size * n_hashes)"
-    mask_kinds = frozenset({Causal})
+    mask_support = MaskSupport("none", "causal")
     Options = LSHOptions
     no_recurrent_reason = NO_DECODE
 

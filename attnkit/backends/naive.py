@@ -57,7 +57,7 @@ def probabilities(inp: AttentionInputs, k: Tensor, keep: Tensor | None) -> tuple
 
 
 @register_backend
-class Naive(Backend):
+class NaiveBackend(Backend):
     name = "naive"
     summary = "reference: materialized mask, fp32 softmax, supports everything, O(Tq*Tk) memory"
     supports_dropout = True

@@ -18,7 +18,7 @@ from ..registry import Backend, register_backend
 
 
 @register_backend
-class SDPA(Backend):
+class SDPABackend(Backend):
     name = "sdpa"
     summary = "torch.nn.functional.scaled_dot_product_attention (fused flash/efficient/math kernels)"
     supports_dropout = True

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._validate import positive_int
 from ..inputs import AttentionInputs
-from ..masks import And, Causal, Mask, Or, SlidingWindow
-from ..masks import GlobalTokens
+from ..masks import Mask, MaskSupport
 from ..registry import Backend, register_backend
 from ._common import (
     connected, finite_kv, grouped, mask_on, modify_gathered, nonfinite_keys, poison_rows, safe, softmax_parts,
@@ -39,32 +39,19 @@ class SlidingWindowOptions:
     chunk: int | None = None
 
     def __post_init__(self):
-        if self.chunk is not None and (not isinstance(self.chunk, int) or isinstance(self.chunk, bool) or self.chunk < 1):
-            raise ValueError(f"SlidingWindowOptions(chunk={self.chunk!r}): expected a positive int or None.")
+        positive_int(self.chunk, "chunk", owner="SlidingWindowOptions", allow_none=True, fix="pass e.g. chunk=64")
 
 
-def band_of(mask: Mask | None) -> tuple[int, int, Tensor | None] | None:
-    """``(left, right, global_positions)`` bounding every kept pair of ``mask``, or None if unbounded."""
-    glob = None
-    if isinstance(mask, Or):
-        others = [p for p in mask.parts if not isinstance(p, GlobalTokens)]
-        globs = [p for p in mask.parts if isinstance(p, GlobalTokens)]
-        if len(others) != 1 or len(globs) != 1:
-            return None
-        mask, glob = others[0], globs[0].positions
-    parts = mask.parts if isinstance(mask, And) else (mask,)
-    left = right = None
-    for part in parts:
-        if isinstance(part, SlidingWindow):
-            if part.left is not None:
-                left = part.left if left is None else min(left, part.left)
-            if part.right is not None:
-                right = part.right if right is None else min(right, part.right)
-        elif isinstance(part, Causal):
-            right = 0 if right is None else min(right, 0)
-    if left is None or right is None:
+def band_of(mask: Mask | None) -> tuple[int, int, Mask, Tensor | None] | None:
+    """``(left, right, core, global_positions)`` for ``core | GlobalTokens(...)`` (or a mask without
+    globals) whose core has a bounded band ``-left <= pos(k) - pos(q) <= right``, else None."""
+    if mask is None:
         return None
-    return left, right, glob
+    core, glob = mask.split_globals()
+    band = core.band()
+    if not band.bounded:
+        return None
+    return band.left, band.right, core, None if glob is None else glob.positions
 
 
 def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk: int, glob: Tensor | None,
@@ -163,23 +150,19 @@ class SlidingWindowBackend(Backend):
     supports_sinks = True
     Options = SlidingWindowOptions
 
+    mask_support = MaskSupport("band")
+
     @classmethod
     def extra_reasons(cls, inp: AttentionInputs) -> list[str]:
         band = None if inp.mask is None else band_of(inp.mask)
-        if band is None:
-            return [
-                "needs a banded mask: SlidingWindow(left, right) with finite bounds (or with Causal()), "
-                "optionally & other masks and | GlobalTokens(...)"
-            ]
-        if band[2] is not None and (inp.score_mod is not None or inp.sinks is not None):
+        if band is not None and band[3] is not None and (inp.score_mod is not None or inp.sinks is not None):
             return ["applies score_mod and sinks to banded masks only, not with GlobalTokens"]
         return []
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: SlidingWindowOptions | None):
         dtype, inp = inp.dtype, upcast_on_cpu(inp)
-        left, right, glob = band_of(inp.mask)
-        band_mask = inp.mask if glob is None else next(p for p in inp.mask.parts if not isinstance(p, GlobalTokens))
+        left, right, band_mask, glob = band_of(inp.mask)
         chunk = (options.chunk if options and options.chunk else None) or max(16, min(128, (left + right + 1) // 4))
         bad = nonfinite_keys(inp)
         inp = finite_kv(inp, bad)

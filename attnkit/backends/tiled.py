@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._validate import positive_int
 from ..inputs import AttentionInputs
 from ..masks import BlockStatus, Mask
 from ..score_mods import ScoreMod
@@ -44,9 +45,7 @@ class TiledOptions:
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"TiledOptions({name}={value!r}): expected a positive int, e.g. {name}=256.")
+            positive_int(getattr(self, name), name, owner="TiledOptions", fix=f"pass e.g. {name}=256")
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,6 +59,8 @@ class _Plan:
     block_q: int
     block_k: int
     score_mod: ScoreMod | None = None
+    batch_size: int | None = None  # the call's B and Hq: a mask may depend on every b and h (Custom);
+    num_heads: int | None = None  # None makes such a mask refuse to evaluate rather than guess
 
     def modified(self, s5: Tensor, q0, q1, k0, k1) -> Tensor:
         """The score modifier applied to a tile's scores ``(B, Hkv, G, n, m)`` (out of place)."""
@@ -82,6 +83,8 @@ class _Plan:
                         (self.kv_offset + k0, self.kv_offset + k1),
                         q_offset=self.q_offset,
                         kv_offset=self.kv_offset,
+                        batch_size=self.batch_size,
+                        num_heads=self.num_heads,
                     )
                 if status is not BlockStatus.EMPTY:
                     row.append((k0, k1, status))
@@ -95,6 +98,8 @@ class _Plan:
             q_offset=self.q_offset,
             kv_offset=self.kv_offset,
             device=device,
+            batch_size=self.batch_size,
+            num_heads=self.num_heads,
         )
         return _group(keep, Hkv)
 
@@ -316,7 +321,7 @@ class _TiledFunction(torch.autograd.Function):
         if (sinks is not None and in_dims[4] is not None) or (mod_flat is not None and in_dims[7] is not None):
             raise NotImplementedError("tiled: vmap over sinks or score-modifier tensors is not supported")
         B = moved[0].shape[1]
-        if plan.mask is not None and plan.mask.batch_size not in (None, 1):
+        if plan.mask is not None and plan.mask.depends_on_batch:
             outs = []
             for i in range(V):
                 qi, ki, vi, bi, badi = (None if x is None else x[i] for x in moved)
@@ -334,7 +339,7 @@ class _TiledFunction(torch.autograd.Function):
 
 
 @register_backend
-class Tiled(Backend):
+class TiledBackend(Backend):
     name = "tiled"
     summary = "flash-style online softmax over tiles in PyTorch: any mask, O(n) memory fwd+bwd, skips empty tiles"
     supports_bias = True
@@ -349,7 +354,8 @@ class Tiled(Backend):
         bias = inp.bias
         if bias is not None:
             bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
-        plan = _Plan(inp.mask, inp.scale, inp.q_offset, inp.kv_offset, options.block_q, options.block_k, inp.score_mod)
+        plan = _Plan(inp.mask, inp.scale, inp.q_offset, inp.kv_offset, options.block_q, options.block_k, inp.score_mod,
+                     inp.B, inp.Hq)
         bad = nonfinite_keys(inp)
         clean = finite_kv(inp, bad)
         q, k, v = clean.q.contiguous(), clean.k.contiguous(), clean.v.contiguous()

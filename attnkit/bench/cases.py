@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..masks import Causal, KeyPadding, Mask, SlidingWindow
+from ..masks import BlockSparse, Causal, KeyPadding, Mask, SlidingWindow
 
 __all__ = ["BenchConfig", "MaskSpec", "Case", "MASK_SPECS", "mask_spec", "density", "useful_flops", "estimate_bytes"]
 
@@ -53,26 +53,19 @@ class MaskSpec:
     name: str
     label: str
     build: Callable[[int, BenchConfig], Mask | None]
-    unavailable: str = ""  # non-empty: why this mask cannot be built here (every case is skipped)
 
 
-def _pattern(name: str) -> tuple[Callable[[int, BenchConfig], Mask | None], str]:
-    """BigBird / Longformer block layouts from ``attnkit.patterns.BlockSparse`` when this build has
-    them (bidirectional, ``window // block`` blocks each side, block 0 global; BigBird adds one
-    random block per row), otherwise a reason to skip."""
-    try:
-        from ..masks import BlockSparse
-        builder = getattr(BlockSparse, name)
-    except (ImportError, AttributeError):
-        return (lambda n, c: None), f"attnkit.patterns.BlockSparse.{name} is not available in this build"
+def _pattern(name: str) -> Callable[[int, BenchConfig], Mask]:
+    """BigBird / Longformer block layouts (bidirectional, ``window // block`` blocks each side,
+    block 0 global; BigBird adds one random block per row)."""
 
-    def build(n: int, c: BenchConfig) -> Mask | None:
+    def build(n: int, c: BenchConfig) -> Mask:
         blocks, window = -(-n // c.block), max(1, c.window // c.block)
         if name == "longformer":
-            return builder(blocks, c.block, window=window, global_blocks=(0,))
-        return builder(blocks, c.block, window=window, global_blocks=1, random_blocks=1, seed=c.seed)
+            return BlockSparse.window_global(blocks, c.block, window=window, global_blocks=(0,))
+        return BlockSparse.bigbird(blocks, c.block, window=window, global_blocks=1, random_blocks=1, seed=c.seed)
 
-    return build, ""
+    return build
 
 
 def _mask_specs() -> dict[str, MaskSpec]:
@@ -83,8 +76,7 @@ def _mask_specs() -> dict[str, MaskSpec]:
         MaskSpec("padding", "key padding 25%", lambda n, c: KeyPadding([n - n // 4] * c.batch)),
     ]
     for name, label in (("bigbird", "BigBird"), ("longformer", "Longformer")):
-        build, why = _pattern(name)
-        specs.append(MaskSpec(name, label, build, why))
+        specs.append(MaskSpec(name, label, _pattern(name)))
     return {s.name: s for s in specs}
 
 
@@ -112,15 +104,9 @@ class Case:
 
 
 def density(mask: Mask | None, n: int, rows: int = 256) -> float:
-    """Fraction of kept (query, key) pairs at Tq = Tk = n, estimated on ``rows`` evenly spaced query
-    rows (exact when n <= rows): O(rows * n), so it is cheap at any length."""
-    if mask is None:
-        return 1.0
-    q_idx = torch.linspace(0, n - 1, min(rows, n)).round().long().view(1, 1, -1, 1)
-    kv_idx = torch.arange(n).view(1, 1, 1, -1)
-    zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
-    keep = mask.mask_mod(zero, zero, q_idx, kv_idx, q_offset=0, kv_offset=0)
-    return float(torch.broadcast_to(keep, (1, 1, q_idx.shape[2], n)).float().mean())
+    """Fraction of kept (query, key) pairs at Tq = Tk = n (:meth:`Mask.density` on ``rows`` evenly
+    spaced query rows, exact when n <= rows): O(rows * n), so it is cheap at any length."""
+    return 1.0 if mask is None else mask.density(n, n, rows=rows)
 
 
 def useful_flops(config: BenchConfig, n: int, dens: float, passes: str) -> float:
@@ -139,9 +125,9 @@ def estimate_bytes(config: BenchConfig, backend: str, n: int, mask: Mask | None,
     if backend == "naive":
         # fp32 scores + probabilities (+ their gradients and saved copies for backward)
         quadratic = B * H * n * n * 8 * (3 if passes == "train" else 1)
-    if mask is not None and backend in ("naive", "sdpa") and not (type(mask) is Causal and backend == "sdpa"):
+    if mask is not None and backend in ("naive", "sdpa") and not (mask.is_causal() and backend == "sdpa"):
         quadratic += B * n * n  # the materialized bool mask
-    if backend == "sdpa" and mask is not None and type(mask) is not Causal:
+    if backend == "sdpa" and mask is not None and not mask.is_causal():
         # SDPA with an attn_mask may fall back to the math kernel: scores in the input dtype
         quadratic += B * H * n * n * max(item, 4) * (3 if passes == "train" else 1)
     return linear + quadratic

@@ -156,8 +156,6 @@ def run_sweep(config: BenchConfig, progress: Callable[[Iterable], Iterable] | No
 
 def _run_case(case, config, registry, dtype, peak, memory, measured) -> dict:
     spec = mask_spec(case.mask)
-    if spec.unavailable:
-        return _skip(case, spec.unavailable)
     n, grad = case.n, case.passes == "train"
     mask = spec.build(n, config)
     q, k, v = _inputs(config, n, dtype, grad, config.seed + n)

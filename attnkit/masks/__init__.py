@@ -2,12 +2,14 @@
 
 ``base`` holds the :class:`Mask` protocol, its structure API and ``And``/``Or``; ``positional``
 the masks defined by positions and a few integers or index vectors; ``tensor`` the masks given as
-data (``Dense``, ``Custom``); ``sparse`` block layouts and global tokens.
+data (``Dense``, ``Custom``); ``sparse`` block layouts and global tokens; ``support`` the mask forms
+a backend declares it honours (:class:`MaskSupport`).
 """
 
 from .base import UNBOUNDED, And, Band, BlockStatus, Mask, Or, Range, as_mask
 from .positional import Causal, Document, KeyPadding, Padding, SlidingWindow
 from .sparse import BlockSparse, GlobalTokens, longformer
+from .support import MaskSupport
 from .tensor import Custom, Dense, from_key_padding_mask
 
 __all__ = [
@@ -29,5 +31,6 @@ __all__ = [
     "And",
     "Or",
     "as_mask",
+    "MaskSupport",
     "from_key_padding_mask",
 ]

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .._validate import non_negative_int, positive_int
+
 __all__ = ["BlockStatus", "Band", "Mask", "And", "Or", "as_mask"]
 
 
@@ -73,18 +75,24 @@ class Band:
 
 UNBOUNDED = Band(None, None)
 
+#: Largest keep-tensor (bytes) that ``materialize`` keeps on the mask for the next call.
+_CACHE_BYTES = 2**24
+
 
 class Mask:
     """Base class of all masks. Subclasses implement :meth:`mask_mod`.
 
     ``mask_mod(b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0)`` receives broadcasting integer
-    tensors: ``b`` of shape ``(B, 1, 1, 1)``, ``h`` ``(1, H, 1, 1)``, ``q_idx`` ``(1, 1, Tq, 1)``
+    tensors: ``b`` of shape ``(B, 1, 1, 1)``, ``h`` ``(1, Hq, 1, 1)``, ``q_idx`` ``(1, 1, Tq, 1)``
     and ``kv_idx`` ``(1, 1, 1, Tk)`` holding *absolute* positions, and returns a bool tensor that
-    broadcasts against them. ``q_offset``/``kv_offset`` are the positions of the call's first
-    query and key; only masks defined relative to the call (``Dense``) need them.
+    broadcasts against them. ``b`` and ``h`` hold every batch row and query head of the call when
+    the mask :attr:`depends_on_batch` / :attr:`depends_on_head` (``Custom`` always may), else just
+    ``0``; so evaluation takes the call's sizes (``batch_size=``, ``num_heads=``) and refuses to
+    guess them. ``q_offset``/``kv_offset`` are the positions of the call's first query and key;
+    only masks defined relative to the call (``Dense``) need them.
     """
 
-    #: True when the mask depends on the batch index (its ``batch_size`` must match ``B``).
+    #: Batch size the mask is built for (None: the same for every batch row; otherwise it must be 1 or ``B``).
     batch_size: int | None = None
     #: Number of heads the mask distinguishes (None: same for all heads).
     num_heads: int | None = None
@@ -97,6 +105,48 @@ class Mask:
     #: True when the mask keeps or drops whole key columns: the same keep for every query of a row
     #: (``KeyPadding``, ``Padding``, a ``Dense`` of shape ``(B|1, H|1, 1, Tk)``).
     query_independent: bool = False
+
+    @property
+    def depends_on_batch(self) -> bool:
+        """True when the keep may differ between batch rows: evaluation then passes every ``b``
+        of the call (a ``Custom`` mask always may; a per-example mask of batch size 1 broadcasts)."""
+        return self.batch_size not in (None, 1)
+
+    @property
+    def depends_on_head(self) -> bool:
+        """True when the keep may differ between heads: evaluation then passes every ``h``."""
+        return self.num_heads not in (None, 1)
+
+    def index_sizes(self, batch_size: int | None = None, num_heads: int | None = None) -> tuple[int, int]:
+        """How many batch and head indices to evaluate this mask on for a call with ``batch_size``
+        rows and ``num_heads`` query heads: 1 where the mask does not depend on them, else the
+        call's size (or the mask's own). ``ValueError`` when a size the mask needs is unknown."""
+        sizes = []
+        for depends, given, own, what, arg in (
+            (self.depends_on_batch, batch_size, self.batch_size, "batch index b", "batch_size"),
+            (self.depends_on_head, num_heads, self.num_heads, "head index h", "num_heads"),
+        ):
+            if not depends:
+                sizes.append(1)
+            elif given is not None:
+                sizes.append(non_negative_int(given, arg))  # 0: an empty batch
+            elif own not in (None, 1):
+                sizes.append(own)
+            else:
+                raise ValueError(
+                    f"{arg}=None: the mask {self!r} may depend on the {what}, so it must be evaluated for "
+                    f"every one of the call's. Fix: pass {arg}= (the call's B and Hq; attention() does)."
+                )
+        return sizes[0], sizes[1]
+
+    def batch_head_index(
+        self, batch_size: int | None = None, num_heads: int | None = None, *, device: torch.device | str | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """The index tensors ``b (B|1, 1, 1, 1)`` and ``h (1, H|1, 1, 1)`` to pass to
+        :meth:`mask_mod` for a call with ``batch_size`` rows and ``num_heads`` query heads
+        (FlexAttention's contract: every ``b`` and ``h`` the mask may depend on)."""
+        nb, nh = self.index_sizes(batch_size, num_heads)
+        return (torch.arange(nb, device=device).view(-1, 1, 1, 1), torch.arange(nh, device=device).view(1, -1, 1, 1))
 
     # -- structure (the one API every backend and the dispatcher reads) -----------------------
     def leaves(self) -> tuple[Mask, ...]:
@@ -138,19 +188,21 @@ class Mask:
         q_offset: int,
         kv_offset: int,
         device: torch.device | str | None = None,
+        batch_size: int | None = None,
+        num_heads: int | None = None,
     ) -> Tensor:
-        """Boolean keep-tensor ``(B|1, H|1, len(q_range), len(kv_range))`` for absolute ranges."""
-        b = torch.arange(self.batch_size or 1, device=device).view(-1, 1, 1, 1)
-        h = torch.arange(self.num_heads or 1, device=device).view(1, -1, 1, 1)
+        """Boolean keep-tensor ``(B|1, H|1, len(q_range), len(kv_range))`` for absolute ranges of a
+        call with ``batch_size`` rows and ``num_heads`` query heads (see :meth:`index_sizes`)."""
+        b, h = self.batch_head_index(batch_size, num_heads, device=device)
         q_idx = torch.arange(q_range[0], q_range[1], device=device).view(1, 1, -1, 1)
         kv_idx = torch.arange(kv_range[0], kv_range[1], device=device).view(1, 1, 1, -1)
         keep = self.mask_mod(b, h, q_idx, kv_idx, q_offset=q_offset, kv_offset=kv_offset)
-        if keep.dtype != torch.bool:
+        if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
             raise TypeError(
-                f"{type(self).__name__}.mask_mod returned dtype {keep.dtype}; expected torch.bool. "
-                "Fix: return a comparison such as `q_idx >= kv_idx`."
+                f"{type(self).__name__}.mask_mod returned {getattr(keep, 'dtype', type(keep).__name__)}; expected a "
+                "torch.bool tensor. Fix: return a comparison such as `q_idx >= kv_idx`."
             )
-        shape = torch.broadcast_shapes(keep.shape, (1, 1, q_idx.shape[2], kv_idx.shape[3]))
+        shape = torch.broadcast_shapes(keep.shape, (b.shape[0], h.shape[1], q_idx.shape[2], kv_idx.shape[3]))
         return keep.expand(shape)
 
     def materialize(
@@ -161,19 +213,45 @@ class Mask:
         q_offset: int | None = None,
         kv_offset: int = 0,
         device: torch.device | str | None = None,
+        batch_size: int | None = None,
+        num_heads: int | None = None,
     ) -> Tensor:
-        """The whole mask for a call as a bool tensor broadcastable to ``(B, H, Tq, Tk)``."""
+        """The whole mask for a call as a bool tensor broadcastable to ``(B, H, Tq, Tk)``.
+
+        Masks are immutable values, so the result is cached on the instance (the last two calls'
+        sizes, offsets, device and batch/head counts; up to 16 MiB each): a model that builds its
+        mask once per forward pass materializes it once however many layers use it. Treat the
+        result as read-only."""
         if q_offset is None:
             q_offset = kv_offset + Tk - Tq
-        return self.evaluate(
-            (q_offset, q_offset + Tq), (kv_offset, kv_offset + Tk), q_offset=q_offset, kv_offset=kv_offset, device=device
+        nb, nh = self.index_sizes(batch_size, num_heads)
+        key = (Tq, Tk, q_offset, kv_offset, None if device is None else torch.device(device), nb, nh,
+               torch.is_inference_mode_enabled())
+        cached = self.__dict__.get("_prepared", ())
+        for entry in cached:
+            if entry[0] == key:
+                return entry[1]
+        keep = self.evaluate(
+            (q_offset, q_offset + Tq), (kv_offset, kv_offset + Tk), q_offset=q_offset, kv_offset=kv_offset,
+            device=device, batch_size=nb, num_heads=nh,
         )
+        # A traced graph must not capture Python-side state; a long-lived mask (a module's default
+        # Causal()) must not pin a huge tensor: past _CACHE_BYTES it is rebuilt on every call.
+        if not torch.compiler.is_compiling() and keep.untyped_storage().nbytes() <= _CACHE_BYTES:
+            object.__setattr__(self, "_prepared", ((key, keep),) + cached[:1])
+        return keep
 
-    def block_status(self, q_range: Range, kv_range: Range, *, q_offset: int = 0, kv_offset: int = 0) -> BlockStatus:
-        """FULL / PARTIAL / EMPTY for a tile of absolute positions, over every batch and head.
+    def block_status(
+        self, q_range: Range, kv_range: Range, *, q_offset: int = 0, kv_offset: int = 0,
+        batch_size: int | None = None, num_heads: int | None = None,
+    ) -> BlockStatus:
+        """FULL / PARTIAL / EMPTY for a tile of absolute positions, over every batch and head of a
+        call with ``batch_size`` rows and ``num_heads`` query heads.
 
         The base version evaluates the tile; structured masks answer in O(1)."""
-        keep = self.evaluate(q_range, kv_range, q_offset=q_offset, kv_offset=kv_offset)
+        keep = self.evaluate(
+            q_range, kv_range, q_offset=q_offset, kv_offset=kv_offset, batch_size=batch_size, num_heads=num_heads
+        )
         if bool(keep.all()):
             return BlockStatus.FULL
         if not bool(keep.any()):
@@ -193,15 +271,35 @@ class Mask:
                 "Fix: give the mask one entry per query head, or 1 to share it."
             )
 
-    def to_string(self, Tq: int, Tk: int, *, q_offset: int | None = None, kv_offset: int = 0) -> str:
-        """Draw the mask (batch 0, head 0): '█' = attend, '·' = masked."""
-        keep = self.materialize(Tq, Tk, q_offset=q_offset, kv_offset=kv_offset)[0, 0]
+    def to_string(
+        self, Tq: int, Tk: int, *, q_offset: int | None = None, kv_offset: int = 0, batch: int = 0, head: int = 0
+    ) -> str:
+        """Draw the mask for one batch row and head: '█' = attend, '·' = masked."""
+        keep = self.materialize(
+            Tq, Tk, q_offset=q_offset, kv_offset=kv_offset, batch_size=batch + 1, num_heads=head + 1
+        )
+        keep = keep[min(batch, keep.shape[0] - 1), min(head, keep.shape[1] - 1)]
         return "\n".join("".join("█" if x else "·" for x in row.tolist()) for row in keep)
 
-    def density(self, Tq: int, Tk: int, *, q_offset: int | None = None, kv_offset: int = 0) -> float:
-        """Fraction of (query, key) pairs kept."""
-        keep = self.materialize(Tq, Tk, q_offset=q_offset, kv_offset=kv_offset)
-        return float(keep.float().mean())
+    def density(
+        self, Tq: int, Tk: int, *, q_offset: int | None = None, kv_offset: int = 0, rows: int | None = None,
+        batch_size: int | None = None, num_heads: int | None = None,
+    ) -> float:
+        """Fraction of (query, key) pairs kept, over every batch row and head the mask distinguishes.
+
+        ``rows``: estimate from that many evenly spaced query rows (exact when ``rows >= Tq``), so
+        the cost is O(rows * Tk) at any length."""
+        if q_offset is None:
+            q_offset = kv_offset + Tk - Tq
+        if rows is None or positive_int(rows, "rows") >= Tq:
+            keep = self.materialize(Tq, Tk, q_offset=q_offset, kv_offset=kv_offset, batch_size=batch_size,
+                                    num_heads=num_heads)
+            return float(keep.float().mean())
+        b, h = self.batch_head_index(batch_size, num_heads)
+        q_idx = q_offset + torch.linspace(0, Tq - 1, rows).round().long().view(1, 1, -1, 1)
+        kv_idx = torch.arange(kv_offset, kv_offset + Tk).view(1, 1, 1, -1)
+        keep = self.mask_mod(b, h, q_idx, kv_idx, q_offset=q_offset, kv_offset=kv_offset)
+        return float(keep.expand(b.shape[0], h.shape[1], rows, Tk).float().mean())
 
     # -- combination ------------------------------------------------------------------------
     def __and__(self, other: Mask) -> Mask:
@@ -218,15 +316,25 @@ def _status_from_bounds(full: bool, empty: bool) -> BlockStatus:
 
 
 def _as_long_tensor(values, name: str) -> Tensor:
+    """``values`` (ints, nested lists of ints, an integer tensor) as a long tensor; floats and bools
+    are refused (a length of 2.7 or True is a bug upstream, not something to round)."""
     if isinstance(values, Tensor):
-        if values.dtype == torch.bool or values.is_floating_point() or values.is_complex():
-            raise TypeError(f"{name}: expected an integer tensor, got dtype {values.dtype}. Fix: pass .long() values.")
-        return values.long()
-    try:
-        return torch.as_tensor(list(values), dtype=torch.long)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{name}: expected a sequence of ints or an integer tensor, got {values!r}.") from exc
-
+        tensor = values
+    else:
+        try:
+            tensor = torch.as_tensor(values if isinstance(values, (list, tuple)) else list(values))
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(f"{name}: expected a sequence of ints or an integer tensor, got {values!r}.") from exc
+    if tensor.numel() == 0:  # no values: nothing to round (torch.as_tensor([]) is float32)
+        return tensor.long()
+    if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
+        shown = repr(values.tolist() if isinstance(values, Tensor) else values)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise TypeError(
+            f"{name}={shown}: expected integers, got dtype {tensor.dtype}. "
+            "Fix: pass whole numbers (e.g. `lengths.long()` after checking they are integral)."
+        )
+    return tensor.long()
 
 
 class _Combination(Mask):
@@ -256,6 +364,14 @@ class _Combination(Mask):
 
     def leaves(self):
         return tuple(leaf for part in self.parts for leaf in part.leaves())
+
+    @property
+    def depends_on_batch(self):  # type: ignore[override]
+        return any(p.depends_on_batch for p in self.parts)
+
+    @property
+    def depends_on_head(self):  # type: ignore[override]
+        return any(p.depends_on_head for p in self.parts)
 
     @property
     def query_independent(self):  # type: ignore[override]
@@ -299,8 +415,12 @@ class And(_Combination):
             keep = keep & part.mask_mod(b, h, q_idx, kv_idx, q_offset=q_offset, kv_offset=kv_offset)
         return keep
 
-    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0):
-        states = [p.block_status(q_range, kv_range, q_offset=q_offset, kv_offset=kv_offset) for p in self.parts]
+    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0, batch_size=None, num_heads=None):
+        states = [
+            p.block_status(q_range, kv_range, q_offset=q_offset, kv_offset=kv_offset, batch_size=batch_size,
+                           num_heads=num_heads)
+            for p in self.parts
+        ]
         if BlockStatus.EMPTY in states:
             return BlockStatus.EMPTY
         if all(s is BlockStatus.FULL for s in states):
@@ -321,9 +441,10 @@ class Or(_Combination):
 
         globs = [p for p in self.parts if isinstance(p, GlobalTokens)]
         others = [p for p in self.parts if not isinstance(p, GlobalTokens)]
-        if len(globs) != 1 or not others:
+        if not globs or not others:
             return self, None
-        return (others[0] if len(others) == 1 else Or(*others)), globs[0]
+        glob = globs[0] if len(globs) == 1 else GlobalTokens(torch.cat([g.positions for g in globs]))  # their union
+        return (others[0] if len(others) == 1 else Or(*others)), glob
 
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
         keep = self.parts[0].mask_mod(b, h, q_idx, kv_idx, q_offset=q_offset, kv_offset=kv_offset)
@@ -331,8 +452,12 @@ class Or(_Combination):
             keep = keep | part.mask_mod(b, h, q_idx, kv_idx, q_offset=q_offset, kv_offset=kv_offset)
         return keep
 
-    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0):
-        states = [p.block_status(q_range, kv_range, q_offset=q_offset, kv_offset=kv_offset) for p in self.parts]
+    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0, batch_size=None, num_heads=None):
+        states = [
+            p.block_status(q_range, kv_range, q_offset=q_offset, kv_offset=kv_offset, batch_size=batch_size,
+                           num_heads=num_heads)
+            for p in self.parts
+        ]
         if BlockStatus.FULL in states:
             return BlockStatus.FULL
         if all(s is BlockStatus.EMPTY for s in states):

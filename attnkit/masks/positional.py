@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .._validate import non_negative_int
 from .base import Band, Mask, _as_long_tensor, _status_from_bounds
 
 __all__ = ["Causal", "SlidingWindow", "KeyPadding", "Padding", "Document"]
@@ -32,7 +33,7 @@ class Causal(Mask):
     def is_causal(self):
         return True
 
-    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0):
+    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0, batch_size=None, num_heads=None):
         (q0, q1), (k0, k1) = q_range, kv_range
         return _status_from_bounds(full=k1 - 1 <= q0, empty=k0 > q1 - 1)
 
@@ -57,12 +58,8 @@ class SlidingWindow(Mask):
 
     def __post_init__(self):
         for name in ("left", "right"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise ValueError(
-                    f"SlidingWindow({name}={value!r}): expected a non-negative int or None (unbounded). "
-                    f"Fix: pass e.g. SlidingWindow(left=256, right=0) for causal local attention."
-                )
+            non_negative_int(getattr(self, name), name, owner="SlidingWindow", allow_none=True,
+                             fix="pass e.g. SlidingWindow(left=256, right=0) for causal local attention")
 
     def band(self):
         return Band(self.left, self.right)
@@ -78,7 +75,7 @@ class SlidingWindow(Mask):
             keep = keep & (kv_idx <= q_idx + self.right)
         return keep
 
-    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0):
+    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0, batch_size=None, num_heads=None):
         (q0, q1), (k0, k1) = q_range, kv_range
         inf = float("inf")
         left = inf if self.left is None else self.left
@@ -114,9 +111,10 @@ class KeyPadding(Mask):
         object.__setattr__(self, "batch_size", lengths.numel())
 
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
-        return kv_idx < self.lengths.to(kv_idx.device)[b]
+        lengths = self.lengths.to(kv_idx.device)
+        return kv_idx < lengths[b.clamp(max=lengths.shape[0] - 1)]  # batch 1 broadcasts over an And's b
 
-    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0):
+    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0, batch_size=None, num_heads=None):
         k0, k1 = kv_range
         return _status_from_bounds(full=k1 <= self._min, empty=k0 >= self._max)
 
@@ -148,7 +146,7 @@ class Padding(Mask):
 
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
         valid = self.valid.to(kv_idx.device)
-        return valid[b, kv_idx.clamp(0, valid.shape[1] - 1)]
+        return valid[b.clamp(max=valid.shape[0] - 1), kv_idx.clamp(0, valid.shape[1] - 1)]  # batch 1 broadcasts
 
     def validate(self, B, H, Tq, Tk, q_offset, kv_offset):
         super().validate(B, H, Tq, Tk, q_offset, kv_offset)

@@ -4,22 +4,25 @@
 when ``layout[h, i // block_size, j // block_size]`` is True. Builders (all classmethods, seeded
 where random, ``causal=True`` returns ``BlockSparse(...) & Causal()``):
 
-* ``BlockSparse.longformer``  — window of blocks + global blocks (Beltagy et al. 2020)
+* ``BlockSparse.window_global`` — window of blocks + global blocks (Longformer's pattern at block
+  granularity, Beltagy et al. 2020)
 * ``BlockSparse.bigbird``     — window + global + random blocks (Zaheer et al. 2020)
 * ``BlockSparse.fixed`` / ``BlockSparse.strided`` — Sparse Transformer (Child et al. 2019)
 * ``BlockSparse.random``      — each block on with a given probability
 
-``layout_string()`` draws one character per block, ``density()`` is the kept fraction. For exact
-element-level Longformer use :func:`longformer` = ``SlidingWindow(w, w) | GlobalTokens(ids)``.
+``to_string(blocks=True)`` draws one character per block, ``density()`` is the kept fraction. For
+exact element-level Longformer use :func:`longformer` = ``SlidingWindow(w, w) | GlobalTokens(ids)``.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from .._validate import finite_float, non_negative_int, positive_int
 from .base import BlockStatus, Mask, _as_long_tensor
 from .positional import Causal, SlidingWindow
 
@@ -46,9 +49,7 @@ class BlockSparse(Mask):
             )
         if layout.dim() not in (2, 3) or layout.numel() == 0:
             raise ValueError(f"BlockSparse(layout): expected shape (nQB, nKB) or (H, nQB, nKB), got {tuple(layout.shape)}.")
-        bs = self.block_size
-        if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
-            raise ValueError(f"BlockSparse(block_size={bs!r}): expected a positive int, e.g. 64.")
+        positive_int(self.block_size, "block_size", owner="BlockSparse", fix="pass e.g. block_size=64")
         layout = layout.reshape((1,) * (3 - layout.dim()) + tuple(layout.shape)).cpu()
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "num_heads", layout.shape[0])
@@ -66,7 +67,7 @@ class BlockSparse(Mask):
         rows = (q_idx // self.block_size).clamp(min=0)
         return layout[h, rows, kv_idx // self.block_size] & (q_idx >= 0)
 
-    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0):
+    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0, batch_size=None, num_heads=None):
         bs = self.block_size
         r0, r1 = q_range[0] // bs, (q_range[1] - 1) // bs + 1
         c0, c1 = kv_range[0] // bs, (kv_range[1] - 1) // bs + 1
@@ -88,22 +89,36 @@ class BlockSparse(Mask):
                 "Fix: build the layout with ceil(length / block_size) blocks per side."
             )
 
-    def block_density(self) -> float:
-        """Fraction of layout blocks that are on (averaged over heads)."""
-        return float(self.layout.float().mean())
+    def density(self, Tq: int | None = None, Tk: int | None = None, **kwargs) -> float:
+        """Fraction of (query, key) pairs kept; without sizes, over the whole layout (which equals
+        the fraction of blocks that are on, averaged over heads)."""
+        if Tq is None and Tk is None and not kwargs:
+            return float(self.layout.float().mean())
+        return super().density(Tq, Tk, **kwargs)
 
-    def layout_string(self, head: int = 0) -> str:
-        """Draw the layout of one head, one character per block: '█' on, '·' off."""
-        return "\n".join("".join("█" if x else "·" for x in row) for row in self.layout[head].tolist())
+    def to_string(self, Tq: int | None = None, Tk: int | None = None, *, blocks: bool = False, head: int = 0,
+                  **kwargs) -> str:
+        """Draw the mask like every mask (``Tq``, ``Tk``), or with ``blocks=True`` its layout, one
+        character per block: '█' on, '·' off."""
+        if blocks:
+            return "\n".join("".join("█" if x else "·" for x in row) for row in self.layout[head].tolist())
+        if Tq is None or Tk is None:
+            raise ValueError(
+                f"BlockSparse.to_string(Tq={Tq!r}, Tk={Tk!r}): expected both sizes, or blocks=True to draw the layout."
+            )
+        return super().to_string(Tq, Tk, head=head, **kwargs)
 
     def __repr__(self):
-        return f"BlockSparse(layout=<{tuple(self.layout.shape)}>, block_size={self.block_size}, density={self.block_density():.3f})"
+        return f"BlockSparse(layout=<{tuple(self.layout.shape)}>, block_size={self.block_size}, density={self.density():.3f})"
 
     # -- pattern builders -------------------------------------------------------------------
     @classmethod
-    def longformer(cls, num_blocks: int, block_size: int, *, window: int = 1, global_blocks=(0,), causal: bool = False) -> Mask:
-        """Each block attends ``window`` blocks on either side; ``global_blocks`` attend and are
-        attended everywhere. ``num_blocks=6, window=1, global_blocks=(0,)``::
+    def window_global(
+        cls, num_blocks: int, block_size: int, *, window: int = 1, global_blocks=(0,), causal: bool = False
+    ) -> Mask:
+        """Longformer's pattern at block granularity: each block attends ``window`` blocks on either
+        side; ``global_blocks`` attend and are attended everywhere. ``num_blocks=6, window=1,
+        global_blocks=(0,)``::
 
             ██████
             ███···
@@ -112,8 +127,8 @@ class BlockSparse(Mask):
             █··███
             █···██
         """
-        idx = torch.arange(_positive(num_blocks, "num_blocks"))
-        layout = (idx[:, None] - idx[None, :]).abs() <= _non_negative(window, "window")
+        idx = torch.arange(positive_int(num_blocks, "num_blocks"))
+        layout = (idx[:, None] - idx[None, :]).abs() <= non_negative_int(window, "window")
         layout |= _global(num_blocks, global_blocks)
         return cls._finish(layout, block_size, causal)
 
@@ -124,12 +139,12 @@ class BlockSparse(Mask):
     ) -> Mask:
         """Window of ``window`` blocks per side, the first ``global_blocks`` blocks global, plus
         ``random_blocks`` random key blocks per query block row (``torch.Generator`` seeded by ``seed``)."""
-        n = _positive(num_blocks, "num_blocks")
+        n = positive_int(num_blocks, "num_blocks")
         idx = torch.arange(n)
-        layout = (idx[:, None] - idx[None, :]).abs() <= _non_negative(window, "window")
-        layout |= _global(n, range(min(_non_negative(global_blocks, "global_blocks"), n)))
+        layout = (idx[:, None] - idx[None, :]).abs() <= non_negative_int(window, "window")
+        layout |= _global(n, range(min(non_negative_int(global_blocks, "global_blocks"), n)))
         gen = torch.Generator().manual_seed(seed)
-        r = min(_non_negative(random_blocks, "random_blocks"), n)
+        r = min(non_negative_int(random_blocks, "random_blocks"), n)
         for row in range(n):
             layout[row, torch.randperm(n, generator=gen)[:r]] = True
         return cls._finish(layout, block_size, causal)
@@ -138,18 +153,18 @@ class BlockSparse(Mask):
     def fixed(cls, num_blocks: int, block_size: int, *, stride: int = 4, summary: int = 1, causal: bool = True) -> Mask:
         """Sparse Transformer "fixed": blocks attend within their segment of ``stride`` blocks and to
         the last ``summary`` blocks of every segment."""
-        idx = torch.arange(_positive(num_blocks, "num_blocks"))
-        stride = _positive(stride, "stride")
+        idx = torch.arange(positive_int(num_blocks, "num_blocks"))
+        stride = positive_int(stride, "stride")
         layout = (idx[:, None] // stride) == (idx[None, :] // stride)
-        layout |= (idx[None, :] % stride) >= stride - min(_positive(summary, "summary"), stride)
+        layout |= (idx[None, :] % stride) >= stride - min(positive_int(summary, "summary"), stride)
         return cls._finish(layout, block_size, causal)
 
     @classmethod
     def strided(cls, num_blocks: int, block_size: int, *, stride: int = 4, causal: bool = True) -> Mask:
         """Sparse Transformer "strided": blocks attend the ``stride`` nearest blocks (a local window)
         and every block at a distance that is a multiple of ``stride``."""
-        idx = torch.arange(_positive(num_blocks, "num_blocks"))
-        stride = _positive(stride, "stride")
+        idx = torch.arange(positive_int(num_blocks, "num_blocks"))
+        stride = positive_int(stride, "stride")
         dist = idx[:, None] - idx[None, :]
         layout = (dist.abs() < stride) | (dist % stride == 0)
         return cls._finish(layout, block_size, causal)
@@ -157,9 +172,8 @@ class BlockSparse(Mask):
     @classmethod
     def random(cls, num_blocks: int, block_size: int, *, density: float = 0.1, seed: int = 0, causal: bool = False) -> Mask:
         """Each block on with probability ``density`` (seeded); the diagonal is always on."""
-        n = _positive(num_blocks, "num_blocks")
-        if not 0.0 <= density <= 1.0:
-            raise ValueError(f"BlockSparse.random(density={density!r}): expected a probability in [0, 1].")
+        n = positive_int(num_blocks, "num_blocks")
+        finite_float(density, "density", owner="BlockSparse.random", low=0.0, high=1.0, fix="pass a probability such as 0.1")
         gen = torch.Generator().manual_seed(seed)
         layout = (torch.rand(n, n, generator=gen) < density) | torch.eye(n, dtype=torch.bool)
         return cls._finish(layout, block_size, causal)
@@ -186,22 +200,10 @@ def _box(sat, r0, r1, c0, c1) -> int:
     return sat[r1][c1] - sat[r0][c1] - sat[r1][c0] + sat[r0][c0]
 
 
-def _positive(value, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r}: expected a positive int.")
-    return value
-
-
-def _non_negative(value, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name}={value!r}: expected a non-negative int.")
-    return value
-
-
 def _global(n: int, blocks) -> Tensor:
     g = torch.zeros(n, dtype=torch.bool)
     for b in blocks:
-        if not isinstance(b, int) or not 0 <= b < n:
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < n:
             raise ValueError(f"global block {b!r}: expected an int in 0..{n - 1}.")
         g[b] = True
     return g[:, None] | g[None, :]
@@ -214,20 +216,22 @@ class GlobalTokens(Mask):
     and columns; combine with a window: ``SlidingWindow(w, w) | GlobalTokens([0])``."""
 
     positions: Tensor
+    _sorted: tuple[int, ...] = field(init=False, repr=False)  # for block_status without tensor reads
 
     def __post_init__(self):
         pos = _as_long_tensor(self.positions, "GlobalTokens(positions)").flatten().unique()
         if pos.numel() and int(pos.min()) < 0:
             raise ValueError(f"GlobalTokens(positions): expected non-negative positions, got {pos.tolist()}.")
         object.__setattr__(self, "positions", pos)
+        object.__setattr__(self, "_sorted", tuple(pos.tolist()))
 
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
         pos = self.positions.to(q_idx.device)
         return torch.isin(q_idx, pos) | torch.isin(kv_idx, pos)
 
-    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0):
-        pos = self.positions
-        inside = lambda r: bool(((pos >= r[0]) & (pos < r[1])).any())  # noqa: E731
+    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0, batch_size=None, num_heads=None):
+        pos = self._sorted
+        inside = lambda r: bisect.bisect_left(pos, r[0]) < bisect.bisect_left(pos, r[1])  # noqa: E731  any in [r0, r1)
         if inside(q_range) and q_range[1] - q_range[0] == 1 or inside(kv_range) and kv_range[1] - kv_range[0] == 1:
             return BlockStatus.FULL
         return BlockStatus.PARTIAL if inside(q_range) or inside(kv_range) else BlockStatus.EMPTY
@@ -237,5 +241,11 @@ class GlobalTokens(Mask):
 
 
 def longformer(window: int, global_positions, *, causal: bool = False) -> Mask:
-    """Element-level Longformer: ``SlidingWindow(window, window or 0) | GlobalTokens(global_positions)``."""
-    return SlidingWindow(window, 0 if causal else window) | GlobalTokens(global_positions)
+    """Element-level Longformer (Beltagy et al. 2020): a sliding window plus global tokens.
+
+    ``SlidingWindow(window, window) | GlobalTokens(global_positions)``; with ``causal=True``,
+    ``(SlidingWindow(window, 0) | GlobalTokens(global_positions)) & Causal()``: no query sees a
+    later key, global ones included (a global query sees every earlier key)."""
+    window = non_negative_int(window, "window", owner="longformer", fix="pass the window width, e.g. 256")
+    mask = SlidingWindow(window, 0 if causal else window) | GlobalTokens(global_positions)
+    return mask & Causal() if causal else mask

@@ -49,10 +49,11 @@ class Dense(Mask):
         j = (kv_idx - kv_offset).clamp(max=keep.shape[3] - 1) if keep.shape[3] > 1 else kv_idx * 0
         return keep[b, h, i, j]
 
-    def evaluate(self, q_range, kv_range, *, q_offset, kv_offset, device=None):
+    def evaluate(self, q_range, kv_range, *, q_offset, kv_offset, device=None, batch_size=None, num_heads=None):
         if q_range == (q_offset, q_offset + self.keep.shape[2]) and kv_range == (kv_offset, kv_offset + self.keep.shape[3]):
             return self.keep if device is None else self.keep.to(device)  # the whole call: no gather
-        return super().evaluate(q_range, kv_range, q_offset=q_offset, kv_offset=kv_offset, device=device)
+        return super().evaluate(q_range, kv_range, q_offset=q_offset, kv_offset=kv_offset, device=device,
+                                batch_size=batch_size, num_heads=num_heads)
 
     def validate(self, B, H, Tq, Tk, q_offset, kv_offset):
         super().validate(B, H, Tq, Tk, q_offset, kv_offset)
@@ -69,11 +70,15 @@ class Dense(Mask):
 @dataclass(frozen=True)
 class Custom(Mask):
     """Escape hatch: ``fn(b, h, q_idx, kv_idx) -> bool tensor`` over absolute positions,
-    FlexAttention's ``mask_mod`` convention. Backends can only evaluate it, never skip work
+    FlexAttention's ``mask_mod`` convention: ``b (B, 1, 1, 1)`` and ``h (1, Hq, 1, 1)`` hold every
+    batch row and query head of the call, so ``Custom(lambda b, h, q, k: k < lengths[b])`` equals
+    ``KeyPadding(lengths)`` and per-head masks work. Backends can only evaluate it, never skip work
     from its structure unless ``block_status`` finds a tile FULL or EMPTY by evaluation."""
 
     fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
     name: str = "custom"
+    depends_on_batch = True  # fn may read b and h: it is evaluated for every one of the call's
+    depends_on_head = True
 
     def __post_init__(self):
         if not callable(self.fn):

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ..functional import attention
 from ..cache import LayerCache, StateCache
-from ..masks import Causal, Mask
+from ..masks import Mask, as_mask
 from ..registry import get_backend
 from ..score_mods import ALiBi, RelativeBias, SoftCap
 from .positional import RotaryEmbedding
@@ -187,8 +187,11 @@ class MultiHeadAttention(nn.Module):
                 positions = torch.arange(q_offset, q_offset + Tq, device=x.device)
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         if isinstance(cache, StateCache):
-            if mask is not None and type(mask) is not Causal:
-                raise ValueError(f"mask: a recurrent StateCache computes causal attention only, got {mask!r}.")
+            if mask is not None and not as_mask(mask).is_causal():
+                raise ValueError(
+                    f"mask: a recurrent StateCache computes causal attention only, got {mask!r}. "
+                    "Fix: pass mask=None or Causal(); padding needs a KV cache and an exact backend."
+                )
             out = cache.step(q, k, v)  # (B, Hq, Tq, Dv)
             return self.out_proj(out.transpose(1, 2).reshape(x.shape[0], Tq, -1))
         if cache is not None:

@@ -32,6 +32,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..._validate import positive_int
+from .ops import causal_segment, normalize, with_ones
+
 __all__ = ["RecurrentState"]
 
 
@@ -39,7 +42,7 @@ class RecurrentState:
     """Running sums ``S = Σ φ(k) vᵀ`` and ``z = Σ φ(k)`` of causal kernelized attention.
 
     Build with :meth:`create` (from a backend name and options); ``queries``/``keys`` are the
-    feature maps of ``attnkit.backends._feature_maps``. ``chunk``/``segment`` only set how a
+    feature maps of :mod:`attnkit.backends.kernelized.features`. ``chunk``/``segment`` only set how a
     multi-token step is blocked (see there); they do not change the result."""
 
     def __init__(
@@ -73,7 +76,7 @@ class RecurrentState:
         """An empty state for the named backend (``"linear"`` or ``"performer"``) and its options.
 
         ``scale`` is the attention scale (``None``: ``head_dim ** -0.5``), as in ``attention()``."""
-        from .registry import get_backend
+        from ...registry import get_backend  # a name lookup: the registry never imports backends
 
         impl = get_backend(backend)
         feature_maps = getattr(impl, "feature_maps", None)
@@ -82,8 +85,7 @@ class RecurrentState:
                 f"backend: {backend!r} has no recurrent state; expected 'linear' or 'performer'. "
                 + getattr(impl, "no_recurrent_reason", "Fix: decode with a KV cache and an exact backend.")
             )
-        if not isinstance(head_dim, int) or head_dim < 1:
-            raise ValueError(f"head_dim: expected a positive int, got {head_dim!r}.")
+        positive_int(head_dim, "head_dim")
         scale = head_dim**-0.5 if scale is None else float(scale)
         queries, keys, chunk, segment = feature_maps(options, head_dim, scale)
         return cls(queries, keys, chunk=chunk, segment=segment)
@@ -91,8 +93,6 @@ class RecurrentState:
     # -- the recurrence --------------------------------------------------------------------------
     def _keys(self, k: Tensor, v: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
         """Key features and ``[v, 1]`` for a segment, with the state brought to a common scale."""
-        from .backends._feature_maps import with_ones
-
         phi_k, log_scale = self.keys(k, keep, self.log_scale)  # log_scale >= the state's
         B, H, _, M = phi_k.shape
         if self.state is None:
@@ -116,8 +116,6 @@ class RecurrentState:
 
     def read(self, q: Tensor) -> Tensor:
         """Attention of queries ``(B, H, T, D)`` over every absorbed key (non-causal read)."""
-        from .backends._feature_maps import normalize
-
         if self.state is None:
             raise ValueError("state: empty; absorb keys (or step) before reading it.")
         outs = [normalize(torch.matmul(self.queries(q[:, :, s : s + self.segment]), self.state))
@@ -127,8 +125,6 @@ class RecurrentState:
     def step_features(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None = None) -> Tensor:
         """Causal attention of ``T`` new tokens (query ``i`` sees the state and new keys ``<= i``),
         then absorb the keys. Inputs ``(B, H, T, ·)`` in the accumulation dtype, heads matched."""
-        from .backends._feature_maps import causal_segment, normalize
-
         outs = []
         for s in range(0, q.shape[2], self.segment):
             part = slice(s, s + self.segment)

@@ -1,4 +1,4 @@
-"""BlockSparse layouts and their pattern builders, GlobalTokens and longformer()."""
+"""attnkit.masks.sparse: BlockSparse layouts and their pattern builders, GlobalTokens and longformer()."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from attnkit import And, BlockSparse, BlockStatus, Causal, GlobalTokens, SlidingWindow, longformer
+from attnkit import BlockSparse, BlockStatus, Causal, GlobalTokens, SlidingWindow, longformer
 
 
 def brute_status(mask, q_range, kv_range):
@@ -16,7 +16,7 @@ def brute_status(mask, q_range, kv_range):
 
 
 PATTERNS = {
-    "longformer": lambda: BlockSparse.longformer(9, 4, window=1, global_blocks=(0, 5)),
+    "window_global": lambda: BlockSparse.window_global(9, 4, window=1, global_blocks=(0, 5)),
     "bigbird": lambda: BlockSparse.bigbird(9, 4, seed=3),
     "fixed": lambda: BlockSparse.fixed(9, 4, stride=3, causal=False),
     "strided": lambda: BlockSparse.strided(9, 4, stride=3, causal=False),
@@ -35,10 +35,12 @@ def test_block_status_matches_evaluation(name):
         assert mask.block_status((q0, q1), (k0, k1)) is brute_status(mask, (q0, q1), (k0, k1)), (q0, q1, k0, k1)
 
 
-def test_longformer_drawing_matches_docstring():
+def test_window_global_drawing_matches_docstring():
     expected = "██████\n███···\n████··\n█·███·\n█··███\n█···██"
-    assert BlockSparse.longformer(6, 1, window=1, global_blocks=(0,)).layout_string() == expected
-    assert expected in BlockSparse.longformer.__doc__.replace("            ", "")
+    mask = BlockSparse.window_global(6, 1, window=1, global_blocks=(0,))
+    assert mask.to_string(blocks=True) == expected
+    assert expected in BlockSparse.window_global.__doc__.replace("            ", "")
+    assert mask.to_string(6, 6) == expected  # block size 1: the element drawing is the layout
 
 
 def test_bigbird_is_seeded_and_has_window_global_random():
@@ -49,12 +51,13 @@ def test_bigbird_is_seeded_and_has_window_global_random():
     assert lay[idx, idx].all() and lay[idx[1:], idx[:-1]].all()  # window
     assert lay[0].all() and lay[:, 0].all()  # global block
     assert (lay.sum(1)[1:] >= 3 + 1).all()  # window (3) + global column, plus random blocks
-    assert 0 < a.block_density() < 1 and abs(a.density(128, 128) - a.block_density()) < 1e-6
+    assert 0 < a.density() < 1 and abs(a.density(128, 128) - a.density()) < 1e-6
+    assert a.density() == pytest.approx(float(lay.float().mean()))
 
 
 def test_causal_patterns_are_lower_triangular_and_causal():
     for mask in (BlockSparse.fixed(8, 4, stride=4), BlockSparse.strided(8, 4, stride=3), BlockSparse.bigbird(8, 4, causal=True)):
-        assert isinstance(mask, And) and Causal() in mask.parts
+        assert mask.is_causal() is False and Causal() in mask.conjuncts() and mask.block_layout() is not None
         keep = mask.materialize(32, 32)[0, 0]
         assert not torch.triu(keep, diagonal=1).any()
         assert keep.diagonal().all()
@@ -94,7 +97,42 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="density"):
         BlockSparse.random(4, 4, density=1.5)
     with pytest.raises(ValueError, match="global block"):
-        BlockSparse.longformer(4, 4, global_blocks=(7,))
+        BlockSparse.window_global(4, 4, global_blocks=(7,))
     mask = BlockSparse(torch.ones(2, 2, dtype=torch.bool), 4)
     with pytest.raises(ValueError, match="ceil"):
         mask.validate(1, 1, 9, 9, 0, 0)
+
+
+def test_causal_longformer_is_causal_and_keeps_global_keys_for_later_queries():
+    """Regression: causal=True used to let query 0 see the later global token at position 4."""
+    mask = longformer(1, [0, 4], causal=True)
+    keep = mask.materialize(8, 8)[0, 0]
+    assert not torch.triu(keep, diagonal=1).any()  # no query sees a later key, global or not
+    assert keep[:, 0].all()  # every query sees global key 0
+    assert keep[4:, 4].all() and not keep[:4, 4].any()  # global key 4: only from position 4 on
+    assert keep[4, :5].all()  # global query 4 sees every earlier key
+    window = torch.tril(torch.ones(8, 8, dtype=torch.bool)) & ~torch.tril(torch.ones(8, 8, dtype=torch.bool), -2)
+    assert (keep & window).equal(window)  # the causal window itself
+    assert all(j in (0, 4) or i == 4 for i, j in (keep & ~window).nonzero().tolist())  # beyond it: globals only
+
+
+@pytest.mark.parametrize("build, error, match", [
+    (lambda: longformer(2, [0.5]), TypeError, r"GlobalTokens\(positions\)=\[0\.5\]: expected integers"),
+    (lambda: longformer(2, [True]), TypeError, r"GlobalTokens\(positions\)=\[True\]: expected integers"),
+    (lambda: longformer(-1, [0]), ValueError, r"longformer\(window=-1\): expected a non-negative int"),
+    (lambda: longformer(2.0, [0]), ValueError, r"longformer\(window=2\.0\)"),
+    (lambda: BlockSparse.window_global(4, 4, global_blocks=(True,)), ValueError, "global block True"),
+    (lambda: BlockSparse.bigbird(0, 4), ValueError, r"num_blocks=0: expected a positive int"),
+    (lambda: BlockSparse.random(4, 4, density=float("nan")), ValueError, r"density=nan\)"),
+    (lambda: BlockSparse(torch.ones(2, 2, dtype=torch.bool), True), ValueError, r"block_size=True\)"),
+])
+def test_nonsense_inputs_are_refused(build, error, match):
+    with pytest.raises(error, match=match):
+        build()
+
+
+def test_to_string_needs_sizes_or_blocks():
+    mask = BlockSparse.bigbird(4, 2)
+    with pytest.raises(ValueError, match="blocks=True"):
+        mask.to_string()
+    assert mask.to_string(blocks=True).count("\n") == 3

@@ -4,9 +4,9 @@ Not softmax attention: a different function, used only when named (``backend="li
 
     out_i = Σ_j φ(q_i)ᵀφ(k_j) v_j / Σ_j φ(q_i)ᵀφ(k_j)        over the keys j that query i may see
 
-Naive twin: ``_feature_maps.quadratic_attention(φ(Q), φ(K), V, keep)`` — the masked quadratic form.
+Naive twin: ``kernelized.ops.quadratic_attention(φ(Q), φ(K), V, keep)`` — the masked quadratic form.
 Non-causal costs O(T · D · Dv) (``φ(K)ᵀV`` first); causal uses chunked prefix sums (never an
-``(n, D, Dv)`` tensor) and decodes in O(1) per token with :class:`attnkit.recurrent.RecurrentState`.
+``(n, D, Dv)`` tensor) and decodes in O(1) per token with :class:`~attnkit.backends.kernelized.state.RecurrentState`.
 ``scale`` is not used: φ is applied to the raw q and k, and the row normalization removes any
 constant factor. Masks: ``Causal``, ``KeyPadding``, per-key bool masks and their ``And``.
 """
@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..registry import register_backend
-from . import _feature_maps as fm
+from ..._validate import positive_int
+from ...registry import register_backend
+from . import features as fm
+from .base import KernelizedBackend
 
 
 @dataclass(frozen=True)
@@ -29,17 +31,12 @@ class LinearOptions:
     segment: int = 4096
 
     def __post_init__(self):
-        check_blocking(self.chunk, self.segment, "LinearOptions")
-
-
-def check_blocking(chunk, segment, owner: str) -> None:
-    for name, value in (("chunk", chunk), ("segment", segment)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{owner}({name}={value!r}): expected a positive int.")
+        positive_int(self.chunk, "chunk", owner="LinearOptions", fix="pass e.g. chunk=64")
+        positive_int(self.segment, "segment", owner="LinearOptions", fix="pass e.g. segment=4096")
 
 
 @register_backend
-class Linear(fm.KernelizedBackend):
+class LinearBackend(KernelizedBackend):
     name = "linear"
     summary = "APPROXIMATE linear attention, phi = elu+1 (Katharopoulos 2020): O(T) time and memory, O(1) decode"
     Options = LinearOptions

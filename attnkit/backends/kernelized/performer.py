@@ -7,12 +7,12 @@ norms, ``E[φ(q)ᵀφ(k)] = exp(scale · qᵀk)``, so::
 
     out_i = Σ_j φ(q_i)ᵀφ(k_j) v_j / Σ_j φ(q_i)ᵀφ(k_j)      ≈  softmax attention
 
-Naive twin: ``_feature_maps.quadratic_attention(φ(Q), φ(K), V, keep)``; the kernel estimate
+Naive twin: ``kernelized.ops.quadratic_attention(φ(Q), φ(K), V, keep)``; the kernel estimate
 itself is tested to be unbiased. Numerically stabilized: query features are divided by their row
 max and key features by a per-head running max (constants that cancel; in causal mode the max of
 a segment may include later keys, which only rounding can notice — gradients into the future are
 exactly 0), so large-norm inputs stay finite. Causal attention and O(1) decoding share linear attention's prefix sums and
-:class:`attnkit.recurrent.RecurrentState`.
+:class:`~attnkit.backends.kernelized.state.RecurrentState`.
 
 The projection ``W`` is data: the backend is stateless, a module holds ``W`` (a buffer, see
 :class:`PerformerProjection`, which can redraw it) and passes it as
@@ -27,9 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..registry import register_backend
-from . import _feature_maps as fm
-from .linear import check_blocking
+from ..._validate import positive_int
+from ...registry import register_backend
+from . import features as fm
+from .base import KernelizedBackend
 
 __all__ = ["PerformerOptions", "PerformerProjection", "draw_projection"]
 
@@ -49,9 +50,8 @@ def draw_projection(
     matrix), each row rescaled to the norm of a Gaussian vector, so every row is still marginally
     N(0, I) (the estimate stays unbiased) but rows within a block are orthogonal (lower variance).
     ``orthogonal=False``: i.i.d. N(0, I) rows."""
-    for name, value in (("num_features", num_features), ("head_dim", head_dim)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"draw_projection({name}={value!r}): expected a positive int.")
+    positive_int(num_features, "num_features", owner="draw_projection", fix="pass e.g. 256")
+    positive_int(head_dim, "head_dim", owner="draw_projection")
     gauss = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64)
     if not orthogonal:
         return gauss.to(device=device, dtype=dtype)
@@ -78,14 +78,14 @@ class PerformerOptions:
     segment: int = 4096
 
     def __post_init__(self):
-        check_blocking(self.chunk, self.segment, "PerformerOptions")
+        positive_int(self.chunk, "chunk", owner="PerformerOptions", fix="pass e.g. chunk=64")
+        positive_int(self.segment, "segment", owner="PerformerOptions", fix="pass e.g. segment=4096")
         if self.projection is not None and (not isinstance(self.projection, Tensor) or self.projection.dim() != 2):
             raise ValueError(
                 f"PerformerOptions(projection=...): expected a (num_features, head_dim) tensor, got "
                 f"{getattr(self.projection, 'shape', type(self.projection).__name__)}. Fix: use draw_projection()."
             )
-        if not isinstance(self.num_features, int) or self.num_features < 1:
-            raise ValueError(f"PerformerOptions(num_features={self.num_features!r}): expected a positive int.")
+        positive_int(self.num_features, "num_features", owner="PerformerOptions", fix="pass e.g. num_features=256")
 
     def resolve(self, head_dim: int, device=None) -> Tensor:
         """The projection to use for ``head_dim``, checked."""
@@ -109,8 +109,7 @@ class PerformerProjection(nn.Module):
     def __init__(self, num_features: int, head_dim: int, *, orthogonal: bool = True, redraw_interval: int | None = None,
                  generator: torch.Generator | None = None):
         super().__init__()
-        if redraw_interval is not None and (not isinstance(redraw_interval, int) or redraw_interval < 1):
-            raise ValueError(f"redraw_interval: expected a positive int or None, got {redraw_interval!r}.")
+        positive_int(redraw_interval, "redraw_interval", owner="PerformerProjection", allow_none=True)
         self.num_features, self.head_dim, self.orthogonal = num_features, head_dim, orthogonal
         self.redraw_interval = redraw_interval
         self.calls = 0
@@ -131,7 +130,7 @@ class PerformerProjection(nn.Module):
 
 
 @register_backend
-class Performer(fm.KernelizedBackend):
+class PerformerBackend(KernelizedBackend):
     name = "performer"
     summary = "APPROXIMATE Performer FAVOR+ positive orthogonal random features: O(T*M) time, O(1) decode"
     Options = PerformerOptions

@@ -1,0 +1,71 @@
+"""Argument checks shared by masks, options and configs: one message format everywhere.
+
+Each check returns the value it accepted, so a constructor reads ``self.n = positive_int(n, "n")``.
+The message names the argument (inside its ``owner``, a class or function name, when given), the
+value given, what was expected and (with ``fix=``) how to repair the call::
+
+    >>> positive_int(0, "block_q", owner="TiledOptions", fix="pass e.g. block_q=256")
+    Traceback (most recent call last):
+    ...
+    ValueError: TiledOptions(block_q=0): expected a positive int. Fix: pass e.g. block_q=256.
+
+``bool`` is rejected although it is an ``int`` subclass (``True`` is never meant as a count).
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["positive_int", "non_negative_int", "finite_float"]
+
+
+def _fail(value, name: str, expected: str, fix: str | None, allow_none: bool, owner: str | None):
+    if allow_none:
+        expected += " or None"
+    given = f"{name}={value!r}"
+    message = f"{owner}({given}): expected {expected}." if owner else f"{given}: expected {expected}."
+    if fix:
+        message += f" Fix: {fix.rstrip('.')}."
+    raise ValueError(message)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(value, name: str, *, owner: str | None = None, fix: str | None = None, allow_none: bool = False):
+    """``value`` if it is an int ``>= 1`` (or None when ``allow_none``), else ``ValueError``."""
+    if value is None and allow_none:
+        return None
+    if not _is_int(value) or value < 1:
+        _fail(value, name, "a positive int", fix, allow_none, owner)
+    return value
+
+
+def non_negative_int(value, name: str, *, owner: str | None = None, fix: str | None = None,
+                     allow_none: bool = False):
+    """``value`` if it is an int ``>= 0`` (or None when ``allow_none``), else ``ValueError``."""
+    if value is None and allow_none:
+        return None
+    if not _is_int(value) or value < 0:
+        _fail(value, name, "a non-negative int", fix, allow_none, owner)
+    return value
+
+
+def finite_float(
+    value, name: str, *, low: float | None = None, high: float | None = None, owner: str | None = None,
+    fix: str | None = None, low_inclusive: bool = True, high_inclusive: bool = True,
+) -> float:
+    """``float(value)`` if it is a finite real number within ``[low, high]`` (bounds optional;
+    ``*_inclusive=False`` makes a bound strict), else ``ValueError``."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value >= low if low_inclusive else value > low
+    if ok and high is not None:
+        ok = value <= high if high_inclusive else value < high
+    if not ok:
+        lo = "" if low is None else f"{'>=' if low_inclusive else '>'} {low}"
+        hi = "" if high is None else f"{'<=' if high_inclusive else '<'} {high}"
+        bounds = " and ".join(x for x in (lo, hi) if x)
+        _fail(value, name, "a finite number" + (f" {bounds}" if bounds else ""), fix, False, owner)
+    return float(value)

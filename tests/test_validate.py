@@ -1,0 +1,33 @@
+"""The shared argument checks: accepted values come back unchanged, rejected ones name themselves."""
+
+import math
+
+import pytest
+
+from attnkit._validate import finite_float, non_negative_int, positive_int
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.0, 2.5, True, False, "4", None, float("nan")])
+def test_positive_int_rejects_with_name_value_and_fix(bad):
+    with pytest.raises(ValueError) as info:
+        positive_int(bad, "count", owner="Thing", fix="pass e.g. 8")
+    text = str(info.value)
+    assert text.startswith(f"Thing(count={bad!r}): expected a positive int") and text.endswith("Fix: pass e.g. 8.")
+    with pytest.raises(ValueError, match=rf"^count={bad!r}: expected a positive int\.$"):
+        positive_int(bad, "count")
+
+
+def test_positive_int_and_non_negative_int_accept():
+    assert positive_int(7, "n") == 7 and positive_int(None, "n", allow_none=True) is None
+    assert non_negative_int(0, "n") == 0 and non_negative_int(None, "n", allow_none=True) is None
+    with pytest.raises(ValueError, match=r"n=-1: expected a non-negative int or None\."):
+        non_negative_int(-1, "n", allow_none=True)
+
+
+def test_finite_float_bounds():
+    assert finite_float(0.5, "p", low=0, high=1) == 0.5 and finite_float(3, "x") == 3.0
+    for bad in (math.nan, math.inf, -math.inf, True, "1", 1.5):
+        with pytest.raises(ValueError, match=r"p=.*expected a finite number >= 0 and <= 1"):
+            finite_float(bad, "p", low=0, high=1)
+    with pytest.raises(ValueError, match=r"t=0: expected a finite number > 0\."):
+        finite_float(0, "t", low=0, low_inclusive=False)
