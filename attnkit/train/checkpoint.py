@@ -302,8 +302,9 @@ def model_from_header(build: Callable[[], nn.Module], stored: Mapping[str, tuple
     with torch.device("meta"):
         try:
             skeleton = build()
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"{where}: the stored config is not valid ({exc}). Fix: {_FIX}.") from None
+        except (TypeError, ValueError, LookupError) as exc:  # the config's own validation, unknown names
+            raise CheckpointError(f"{where}: the stored config is not valid ({type(exc).__name__}: {exc}). "
+                                  f"Fix: {_FIX}.") from None
     expected = {k: (tuple(t.shape), t.is_floating_point()) for k, t in skeleton.state_dict().items()}
     aliases = _aliases(skeleton)
     unexpected = [k for k in info if k not in expected]
