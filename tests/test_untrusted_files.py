@@ -183,7 +183,7 @@ def test_a_config_claiming_a_huge_model_is_refused_before_allocating(tmp_path):
 @pytest.mark.parametrize("tamper, message", [
     (lambda d: d["config"].update(num_layers=3), r"missing \['layers.1"),
     (lambda d: d["config"].update(num_layers=10**8), r"num_layers=100000000"),
-    (lambda d: d.update(model="Encoder", model_type="encoder"), r"does not describe the stored weights"),
+    (lambda d: d.update(model="Decoder", model_type="decoder"), r"does not describe the stored weights"),
     (lambda d: d.update(model="os.system"), r"unknown model 'os.system'"),
     (lambda d: d.update(model_type="bert"), r"model_type 'bert' disagrees with model 'GPT'"),
     (lambda d: d.update(config=[1]), r"'config' is missing or not an object"),
