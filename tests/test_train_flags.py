@@ -78,3 +78,15 @@ def test_a_run_logged_to_a_file_reads_as_plain_lines_and_draws_its_loss_curve(tm
     png = out / "loss.png"
     assert f"loss curve → {png}" in lines
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 5000
+
+
+def test_readme_model_format_example_runs(capsys):
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Training and deployment", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "True"
