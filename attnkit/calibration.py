@@ -101,7 +101,7 @@ def _problem(data) -> str | None:
     if not isinstance(entries, dict):
         return "'entries' is missing or not an object"
     for key, points in entries.items():
-        if len(key.split("|")) != 4:
+        if not isinstance(key, str) or len(key.split("|")) < 4:
             return f"entry key {key!r} is not 'device|dtype|mask kind|pass'"
         if not isinstance(points, list) or not points:
             return f"entry {key!r} has no points"

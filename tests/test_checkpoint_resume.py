@@ -136,3 +136,17 @@ def test_resume_restores_the_weights_exactly(tmp_path):
     (_, a, _), (_, b, _) = load_checkpoint(str(full)), load_checkpoint(str(cut))
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7)
+
+
+def test_resuming_into_another_out_leaves_the_original_run_untouched(tmp_path):
+    source = tmp_path / "source"
+    train(tiny_train_config(source, steps=4), tiny_gpt_config(), stop_at=2)
+    before = _snapshot(source)
+    branch = tmp_path / "branch"
+    resumed = train(TrainConfig(resume=str(source), out=str(branch), device="cpu"))
+    assert _snapshot(source) == before
+    assert [r["step"] for r in resumed["history"]] == [1, 2, 3, 4]
+    assert load_checkpoint(str(branch))[0]["step"] == 4 and len(read_losses(branch)) == 4
+    (branch / "x").write_text("")  # a non-empty --out is refused for a resume into it as for a new run
+    with pytest.raises(ValueError, match="is not empty"):
+        train(TrainConfig(resume=str(source), out=str(tmp_path / "branch"), steps=4, device="cpu"))
