@@ -14,7 +14,9 @@ import torch
 
 pytest.importorskip("safetensors")
 
-from attnkit.train import CheckpointError, TrainConfig, TrainingDiverged, load_checkpoint, save_checkpoint, train  # noqa: E402
+from attnkit.train import (  # noqa: E402
+    CheckpointError, TrainConfig, TrainingDiverged, load_checkpoint, save_checkpoint, train,
+)
 from attnkit.train import loop as train_loop  # noqa: E402
 
 from .train_helpers import read_losses, tiny_gpt_config, tiny_train_config  # noqa: E402

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("safetensors")
 
 from attnkit import attention, calibration  # noqa: E402
-from attnkit.interop import load_pretrained, save_pretrained  # noqa: E402
+from attnkit.interop import load_pretrained  # noqa: E402
 from attnkit.masks import Causal  # noqa: E402
 from attnkit.nn.layers import TransformerConfig  # noqa: E402
 from attnkit.nn.models import GPT, Encoder  # noqa: E402

@@ -278,13 +278,15 @@ def load_checkpoint(path: str) -> tuple[dict, dict[str, Tensor], dict[str, Tenso
 def _aliases(model: nn.Module) -> dict[str, set[str]]:
     """Each state-dict name -> every name of the same tensor (tied weights share one)."""
     groups: dict[int, set[str]] = {}
-    for name, p in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, p in named:
         groups.setdefault(id(p), set()).add(name)
     return {n: group for group in groups.values() for n in group}
 
 
-def model_from_header(build: Callable[[], nn.Module], stored: Mapping[str, tuple[tuple[int, ...], str]] | Mapping[str, Tensor],
-                      where: str, *, config: Mapping | None = None) -> nn.Module:
+def model_from_header(build: Callable[[], nn.Module],
+                      stored: Mapping[str, tuple[tuple[int, ...], str]] | Mapping[str, Tensor], where: str, *,
+                      config: Mapping | None = None) -> nn.Module:
     """``build()`` after checking on the meta device (no memory) that the model it makes has exactly
     the stored tensors, with the same shapes and dtype families.
 

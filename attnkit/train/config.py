@@ -9,14 +9,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-__all__ = ["TrainConfig", "lr_at", "GPT_TRAIN_DEFAULTS", "SCHEDULE_FIELDS"]
+__all__ = ["TrainConfig", "lr_at", "GPT_TRAIN_DEFAULTS"]
 
 # The small GPT the `train` command starts from. RoPE positions: no learned-position table, so
 # sampling is not capped at the training length.
 GPT_TRAIN_DEFAULTS = {"embed_dim": 128, "num_layers": 4, "num_heads": 4, "max_len": 128, "position": "rope"}
-
-# Fields that define the learning-rate schedule; a resumed run keeps the stored values.
-SCHEDULE_FIELDS = ("lr", "min_lr_ratio", "warmup_steps", "decay_steps")
 
 
 @dataclass
@@ -42,7 +39,8 @@ class TrainConfig:
     precision: str = field(default="fp32", metadata={"help": "'fp32' or 'bf16' (autocast)"})
     device: str = field(default="auto", metadata={"help": "'auto', 'cpu', 'cuda', 'cuda:1', ..."})
     seed: int = field(default=0, metadata={"help": "seed for weights, data and sampling"})
-    log_every: int = field(default=10, metadata={"help": "print a line (step, loss, lr, tokens/s) every N steps (0 = off)"})
+    log_every: int = field(default=10, metadata={"help": "print a line (step, loss, lr, tokens/s) every N steps "
+                                                         "(0 = off)"})
     eval_every: int = field(default=100, metadata={"help": "evaluate (and sample) every N steps (0 = only at the end)"})
     eval_batches: int = field(default=4, metadata={"help": "validation batches per evaluation"})
     sample_tokens: int = field(default=200, metadata={"help": "tokens sampled at each evaluation (0 = none)"})

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .checkpoint import load_checkpoint, load_model_weights, model_from_header, restore_training_state, save_checkpoint
-from .config import GPT_TRAIN_DEFAULTS, SCHEDULE_FIELDS, TrainConfig, lr_at
+from .config import GPT_TRAIN_DEFAULTS, TrainConfig, lr_at
 from .data import IGNORE_INDEX, load_corpus
 from .distill import distill_loss, distill_report
 from .distributed import DistContext, all_reduce_sum, barrier, setup_distributed, teardown
