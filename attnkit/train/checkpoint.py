@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
+from .config import MODEL_KINDS
 from .files import atomic_write_text, fsync_dir, read_json, remove_stale_temporaries, temp_prefix
 
 __all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "load_model_weights", "model_from_header",
@@ -226,8 +227,6 @@ def _fail(path: str, problem: str) -> CheckpointError:
 
 def check_meta(meta, path: str) -> dict:
     """``meta`` if it has the fields and types :func:`save_checkpoint` writes, else ``CheckpointError``."""
-    from .modeling import MODEL_KINDS
-
     if not isinstance(meta, dict):
         raise _fail(path, f"expected a JSON object, got {type(meta).__name__}")
     step = meta.get("step")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-__all__ = ["TrainConfig", "lr_at", "GPT_TRAIN_DEFAULTS"]
+__all__ = ["TrainConfig", "lr_at", "GPT_TRAIN_DEFAULTS", "MODEL_KINDS"]
+
+MODEL_KINDS = ("gpt", "lstm")  # what a run trains: attnkit's GPT, or the LSTM baseline
 
 # The small GPT the `train` command starts from. RoPE positions: no learned-position table, so
 # sampling is not capped at the training length.
@@ -58,7 +60,7 @@ class TrainConfig:
     progress: bool = field(default=True, metadata={"help": "show a progress bar (only on a terminal)"})
 
     def __post_init__(self):
-        for name, allowed in (("precision", ("fp32", "bf16")), ("model", ("gpt", "lstm")),
+        for name, allowed in (("precision", ("fp32", "bf16")), ("model", MODEL_KINDS),
                               ("quantize", ("none", "int8"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}.")

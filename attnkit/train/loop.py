@@ -81,6 +81,11 @@ def _train(cfg: TrainConfig, model_config, ctx: DistContext, stop_at: int | None
     elif not cfg.decay_steps:
         cfg = replace(cfg, decay_steps=cfg.steps)  # stored resolved: extending the run keeps this schedule
     _check_batch_split(cfg, ctx)
+    start_step = meta["step"] if meta is not None else 0
+    end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+    writes = end > start_step  # a finished run is only analysed: nothing is written
+    if writes and ctx.is_main and (meta is None or not same_directory(cfg.out, _run_dir_of(cfg.resume))):
+        prepare_new_run(cfg.out, cfg.overwrite)  # before any work: a non-empty --out is refused at once
     data = load_data(cfg.data)
     if isinstance(data, SyntheticTask):
         cfg = replace(cfg, seq_len=data.seq_len)
@@ -91,11 +96,11 @@ def _train(cfg: TrainConfig, model_config, ctx: DistContext, stop_at: int | None
         kind, model_cfg = meta["model_kind"], meta["model_config"]
         model = model_from_header(lambda: build_model(kind, model_cfg), weights, cfg.resume, config=model_cfg)
         load_model_weights(model, weights)
-        start_step, history, evals = meta["step"], list(meta.get("history", [])), list(meta.get("evals", []))
+        history, evals = list(meta.get("history", [])), list(meta.get("evals", []))
     else:
         kind, model_cfg = _new_model_config(cfg, model_config, data)
         model = build_model(kind, model_cfg)
-        start_step, history, evals = 0, [], []
+        history, evals = [], []
     model.to(device).train()
     optimizer = _optimizer(model, cfg)
     if state is not None:
@@ -108,13 +113,9 @@ def _train(cfg: TrainConfig, model_config, ctx: DistContext, stop_at: int | None
     if ctx.enabled:
         net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    # 2. the run directory: nothing is written when a finished run is only analysed
-    end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
-    writes = end > start_step
+    # 2. what the run says, and its metrics file
     log = RunLog(ctx, cfg.steps, start_step, cfg.progress and writes)
     if meta is None:
-        if ctx.is_main:
-            prepare_new_run(cfg.out, cfg.overwrite)
         log(f"model {kind}: {num_params(model) / 1e6:.2f}M parameters | data {getattr(data, 'name', cfg.data)} | "
             f"{ctx.world} process(es) on {device} | {cfg.precision} | global batch {cfg.batch_size}x{cfg.seq_len} | "
             f"{cfg.steps} steps, lr {cfg.lr:g} (warmup {cfg.warmup_steps}) -> {cfg.out}")
@@ -127,8 +128,6 @@ def _train(cfg: TrainConfig, model_config, ctx: DistContext, stop_at: int | None
         if not writes:
             log("the run is finished: evaluating only, nothing in the run directory is written")
         elif ctx.is_main:
-            if not same_directory(cfg.out, _run_dir_of(cfg.resume)):
-                prepare_new_run(cfg.out, cfg.overwrite)
             write_metrics(cfg.out, history)  # lines written after the checkpoint (a crash) are dropped
 
     # 3. the loop

@@ -9,15 +9,12 @@ from torch import Tensor, nn
 
 from ..generation import process_logits
 from .checkpoint import load_checkpoint, load_model_weights, model_from_header
-from .config import GPT_TRAIN_DEFAULTS
+from .config import GPT_TRAIN_DEFAULTS, MODEL_KINDS
 from .data import decode, encode
 from .lstm import LSTMConfig, LSTMLanguageModel
 
-__all__ = ["MODEL_KINDS", "build_model", "config_dict", "default_model_config", "load_model", "num_params",
+__all__ = ["build_model", "config_dict", "default_model_config", "load_model", "num_params",
            "model_bytes", "sample_text"]
-
-MODEL_KINDS = ("gpt", "lstm")
-
 
 def _config_class(kind: str):
     if kind == "lstm":
