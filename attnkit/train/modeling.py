@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 import torch
 from torch import Tensor, nn
@@ -31,9 +31,9 @@ def build_model(kind: str, config: dict) -> nn.Module:
     config's own ``ValueError``."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"model kind: expected one of {MODEL_KINDS}, got {kind!r}.")
-    cls = _config_class(kind)
-    names = {f.name for f in fields(cls)} - {"backend_options"}
-    model_config = cls(**{k: v for k, v in config.items() if k in names})
+    from ..nn.pretrained import config_from_dict
+
+    model_config = config_from_dict(_config_class(kind), config)
     if kind == "lstm":
         return LSTMLanguageModel(model_config)
     from ..nn.models import GPT
