@@ -150,3 +150,14 @@ def test_resuming_into_another_out_leaves_the_original_run_untouched(tmp_path):
     (branch / "x").write_text("")  # a non-empty --out is refused for a resume into it as for a new run
     with pytest.raises(ValueError, match="is not empty"):
         train(TrainConfig(resume=str(source), out=str(tmp_path / "branch"), steps=4, device="cpu"))
+
+
+def test_where_and_how_a_run_is_resumed_is_not_taken_from_the_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    train(tiny_train_config(out, steps=3, quantize="int8"), tiny_gpt_config(), stop_at=2)
+    meta, path = load_checkpoint(str(out))[0], out / "step-000002" / "meta.json"
+    meta["train_config"]["device"] = "cuda:7"  # trained elsewhere
+    path.write_text(json.dumps(meta))
+    resumed = train(TrainConfig(resume=str(out), device="cpu"))
+    assert "quantize" not in resumed and resumed["steps"] == 3  # the stored report request is not repeated
+    assert load_checkpoint(str(out))[0]["train_config"]["device"] == "cpu"

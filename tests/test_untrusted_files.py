@@ -317,3 +317,14 @@ def test_calibration_is_written_atomically_and_never_through_a_link(tmp_path, mo
     with pytest.raises(ValueError, match="not saving an unusable table"):
         calibration.save({"entries": {KEY: []}})
     assert calibration.load()["entries"][KEY] == [GOOD_POINT]
+
+
+def test_an_lstm_baseline_run_is_not_an_attnkit_model(tmp_path):
+    from attnkit.train import LSTMConfig
+
+    out = tmp_path / "lstm"
+    train(tiny_train_config(out, steps=1, model="lstm"), LSTMConfig(embed_dim=4, hidden_dim=4, num_layers=1))
+    with pytest.raises(TypeError, match=r"run of the 'lstm' baseline.*attnkit.train.load_model"):
+        GPT.from_pretrained(out)
+    model, _ = load_model(str(out))
+    assert model.config.hidden_dim == 4

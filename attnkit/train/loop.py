@@ -40,8 +40,10 @@ from .tasks import SyntheticTask, make_task
 __all__ = ["TrainConfig", "TrainingDiverged", "train", "build_model", "load_model", "evaluate", "lr_at",
            "load_data", "GPT_TRAIN_DEFAULTS", "num_params"]
 
-# Settings that describe this invocation, not the run: never taken from a stored config.
-_INVOCATION_FIELDS = ("out", "resume", "overwrite")
+# Settings of this invocation, not of the run (where it runs, what it prints, which reports it adds):
+# never taken from a stored config. A run trained on a GPU resumes on a CPU-only machine.
+_INVOCATION_FIELDS = ("out", "resume", "overwrite", "device", "progress", "log_every", "profile", "profile_steps",
+                      "quantize")
 
 
 class TrainingDiverged(ValueError):
@@ -63,7 +65,8 @@ def train(cfg: TrainConfig, model_config=None, *, stop_at: int | None = None,
 
     With ``cfg.resume`` the stored training config applies, except the fields named in ``given``
     (the flags given explicitly; None means every field whose value differs from the
-    ``TrainConfig`` default). Resuming a finished run (``steps`` equal to its step) trains nothing
+    ``TrainConfig`` default) and the settings of the invocation itself (``out``, ``device``,
+    ``progress``, ``log_every``, ``profile``, ``quantize``), which always come from ``cfg``. Resuming a finished run (``steps`` equal to its step) trains nothing
     and writes nothing: evaluation and ``quantize`` are read-only there."""
     ctx = setup_distributed(cfg.device)
     try:
