@@ -161,3 +161,14 @@ def test_where_and_how_a_run_is_resumed_is_not_taken_from_the_checkpoint(tmp_pat
     resumed = train(TrainConfig(resume=str(out), device="cpu"))
     assert "quantize" not in resumed and resumed["steps"] == 3  # the stored report request is not repeated
     assert load_checkpoint(str(out))[0]["train_config"]["device"] == "cpu"
+
+
+def test_continuing_an_older_checkpoint_inside_its_run_is_refused(tmp_path):
+    out = tmp_path / "run"
+    train(tiny_train_config(out, steps=4, save_every=2), tiny_gpt_config())
+    before = _snapshot(out)
+    with pytest.raises(ValueError, match=r"step 2 but its run directory .* holds the newer step-000004.*--out"):
+        train(TrainConfig(resume=str(out / "step-000002"), steps=6, device="cpu"))
+    assert _snapshot(out) == before
+    branch = train(TrainConfig(resume=str(out / "step-000002"), out=str(tmp_path / "branch"), steps=4, device="cpu"))
+    assert branch["steps"] == 4

@@ -38,6 +38,7 @@ from .config import MODEL_KINDS
 from .files import atomic_write_text, fsync_dir, read_json, remove_stale_temporaries, temp_prefix
 
 __all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "load_model_weights", "model_from_header",
+           "checkpoint_names", "checkpoint_order",
            "non_finite_parameters", "read_safetensors", "CheckpointError"]
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d{6,})(?:-r(\d+))?$")
@@ -121,7 +122,7 @@ def non_finite_parameters(model: nn.Module) -> list[str]:
     return bad
 
 
-def _checkpoint_order(name: str) -> tuple[int, int]:
+def checkpoint_order(name: str) -> tuple[int, int]:
     match = CHECKPOINT_NAME.match(name)
     return (int(match.group(1)), int(match.group(2) or 0)) if match else (-1, -1)
 
@@ -134,7 +135,7 @@ def checkpoint_names(out_dir: str) -> list[str]:
         return []
     found = [n for n in names if CHECKPOINT_NAME.match(n) and os.path.isdir(os.path.join(out_dir, n))
              and not os.path.islink(os.path.join(out_dir, n))]
-    return sorted(found, key=_checkpoint_order)
+    return sorted(found, key=checkpoint_order)
 
 
 def save_checkpoint(out_dir: str, step: int, model: nn.Module, meta: dict,

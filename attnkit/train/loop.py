@@ -24,7 +24,10 @@ from dataclasses import asdict, fields, replace
 import torch
 from torch import nn
 
-from .checkpoint import load_checkpoint, load_model_weights, model_from_header, restore_training_state, save_checkpoint
+from .checkpoint import (
+    checkpoint_names, checkpoint_order, load_checkpoint, load_model_weights, model_from_header, restore_training_state,
+    save_checkpoint,
+)
 from .config import GPT_TRAIN_DEFAULTS, TrainConfig, lr_at
 from .data import IGNORE_INDEX, load_corpus
 from .distill import distill_loss, distill_report
@@ -87,8 +90,11 @@ def _train(cfg: TrainConfig, model_config, ctx: DistContext, stop_at: int | None
     start_step = meta["step"] if meta is not None else 0
     end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     writes = end > start_step  # a finished run is only analysed: nothing is written
-    if writes and ctx.is_main and (meta is None or not same_directory(cfg.out, _run_dir_of(cfg.resume))):
-        prepare_new_run(cfg.out, cfg.overwrite)  # before any work: a non-empty --out is refused at once
+    if writes and ctx.is_main:
+        if meta is None or not same_directory(cfg.out, _run_dir_of(cfg.resume)):
+            prepare_new_run(cfg.out, cfg.overwrite)  # before any work: a non-empty --out is refused at once
+        else:
+            _check_newest(cfg.out, start_step, cfg.resume)
     data = load_data(cfg.data)
     if isinstance(data, SyntheticTask):
         cfg = replace(cfg, seq_len=data.seq_len)
@@ -245,6 +251,15 @@ def _resumed_config(cfg: TrainConfig, meta: dict, given) -> tuple[TrainConfig, l
                          f"resumed run only moves forward. Fix: pass --steps {meta['step']} or more (equal: "
                          f"evaluate only), or start a new run with --out.")
     return resumed, changes
+
+
+def _check_newest(run_dir: str, step: int, resume: str) -> None:
+    """Continuing an older checkpoint inside its run would move ``latest`` backwards: refuse."""
+    newer = [n for n in checkpoint_names(run_dir) if checkpoint_order(n)[0] > step]
+    if newer:
+        raise ValueError(f"resume: {resume} is at step {step} but its run directory {run_dir} holds the newer "
+                         f"{newer[-1]}; continuing there would move 'latest' backwards. Fix: --resume {run_dir} "
+                         f"to continue the newest, or add --out NEW_DIR to branch from step {step}.")
 
 
 def _run_dir_of(path: str) -> str:
