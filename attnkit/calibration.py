@@ -22,6 +22,7 @@ import bisect
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 
 from .inputs import AttentionInputs
@@ -59,15 +60,61 @@ def entry_key(device: str, dtype: str, kind: str, passes: str) -> str:
 
 
 def load() -> dict | None:
-    """The raw calibration file as a dict, or None when there is none (or it is unreadable)."""
+    """The calibration file as a dict, or None when there is none.
+
+    A file that cannot be used as it is (unreadable, not JSON, another version, or any entry that
+    is not a non-empty list of ``{"n": positive number, "order": [names], "times": {name: seconds}}``)
+    is ignored as a whole with one ``RuntimeWarning`` naming the file and the fix: ``attention()``
+    then uses the built-in rules, it never fails because of this file."""
     path = calibration_path()
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        text = path.read_text()
+    except FileNotFoundError:
         return None
-    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("entries"), dict):
-        return None
-    return data
+    except (OSError, UnicodeDecodeError) as exc:
+        return _ignored(path, f"unreadable ({exc})")
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        return _ignored(path, f"not valid JSON ({exc})")
+    problem = _problem(data)
+    return _ignored(path, problem) if problem else data
+
+
+def _ignored(path: Path, problem: str) -> None:
+    warnings.warn(f"calibration: ignoring {path}: {problem}; built-in dispatch rules apply. Fix: run "
+                  f"`python -m attnkit bench --calibrate` to write a new one, or delete the file.",
+                  RuntimeWarning, stacklevel=3)
+    return None
+
+
+def _positive_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _problem(data) -> str | None:
+    """What makes ``data`` unusable as a calibration table, or None when it is usable."""
+    if not isinstance(data, dict):
+        return f"expected a JSON object, got {type(data).__name__}"
+    if data.get("version") != VERSION:
+        return f"version {data.get('version')!r}, this attnkit reads version {VERSION}"
+    entries = data.get("entries")
+    if not isinstance(entries, dict):
+        return "'entries' is missing or not an object"
+    for key, points in entries.items():
+        if not isinstance(key, str) or len(key.split("|")) < 4:
+            return f"entry key {key!r} is not 'device|dtype|mask kind|pass'"
+        if not isinstance(points, list) or not points:
+            return f"entry {key!r} has no points"
+        for p in points:
+            if not isinstance(p, dict) or not _positive_number(p.get("n")):
+                return f"entry {key!r} has a point without a positive 'n': {p!r:.80}"
+            order, times = p.get("order"), p.get("times")
+            if not isinstance(order, list) or not order or not all(isinstance(b, str) for b in order):
+                return f"entry {key!r} has a point whose 'order' is not a non-empty list of backend names"
+            if not isinstance(times, dict) or not all(b in times and _positive_number(times[b]) for b in order):
+                return f"entry {key!r} has a point whose 'times' lack a positive time for each backend of 'order'"
+    return None
 
 
 def _table() -> _Table | None:
@@ -92,10 +139,20 @@ def reload() -> None:
 
 
 def save(data: dict) -> Path:
-    """Write a calibration (see the module docstring for the format) and reload it."""
+    """Write a calibration (see the module docstring for the format) and reload it.
+
+    Written atomically (a temporary file beside it, then ``os.replace``): a crash mid-write leaves the
+    previous file, never half of one; a symbolic link at the path is replaced, not written through.
+    A table that :func:`load` would ignore is refused with a ``ValueError``."""
+    data = {"version": VERSION, **data}
+    problem = _problem(data)
+    if problem:
+        raise ValueError(f"calibration: not saving an unusable table: {problem}.")
+    from .train.files import atomic_write_text  # only `bench --calibrate` writes: not on the import path
+
     path = calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"version": VERSION, **data}, indent=1))
+    atomic_write_text(path, json.dumps(data, indent=1))
     reload()
     return path
 

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
                 if time.perf_counter() - start > args.time_limit:
                     print(f"time limit reached: skipping {task_name} d={distance} {label}", flush=True)
                     continue
-                cfg = TrainConfig(data=f"task:{task_name}:{distance}", out=os.path.join(tmp, "run"),
+                cfg = TrainConfig(data=f"task:{task_name}:{distance}", out=os.path.join(tmp, "run"), overwrite=True,
                                   steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                                   warmup_steps=max(args.steps // 10, 1), eval_every=0, eval_batches=4,
                                   sample_tokens=0, progress=False, device=args.device, seed=args.seed,

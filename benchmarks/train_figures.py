@@ -38,7 +38,8 @@ def attnkit_train(out, flags, cores, threads, nproc=1):
                   "--master_addr", "127.0.0.1", "--master_port", str(port)]
     else:
         launch = [sys.executable]
-    cmd = pin + launch + ["-m", "attnkit", "train", "--out", out, "--device", "cpu", "--no-progress", *flags]
+    cmd = pin + launch + ["-m", "attnkit", "train", "--out", out, "--overwrite", "--device", "cpu", "--no-progress",
+                          *flags]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:

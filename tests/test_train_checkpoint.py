@@ -44,15 +44,16 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path):
 
 
 def test_checkpoint_holds_only_safetensors_and_json_and_loads_without_pickle(tmp_path, monkeypatch):
-    train(tiny_train_config(tmp_path, steps=2, data=_text_file(tmp_path)), LSTMConfig(embed_dim=8, hidden_dim=8, num_layers=1))
-    ckpt = resolve_checkpoint(str(tmp_path))
+    out = tmp_path / "run"
+    train(tiny_train_config(out, steps=2, data=_text_file(tmp_path)), LSTMConfig(embed_dim=8, hidden_dim=8, num_layers=1))
+    ckpt = resolve_checkpoint(str(out))
     assert sorted(os.listdir(ckpt)) == ["meta.json", "model.safetensors", "state.safetensors"]
 
     def no_pickle(*args, **kwargs):
         raise AssertionError("torch.load (pickle) must not be used")
 
     monkeypatch.setattr(torch, "load", no_pickle)
-    meta, weights, state = load_checkpoint(str(tmp_path))
+    meta, weights, state = load_checkpoint(str(out))
     assert meta["step"] == 2 and "rng.cpu" in state and any(k.startswith("optim.") for k in state)
 
 

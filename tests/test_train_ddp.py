@@ -15,7 +15,7 @@ from attnkit.train import train  # noqa: E402
 
 from .train_helpers import read_losses, tiny_gpt_config, tiny_train_config  # noqa: E402
 
-MODEL_FLAGS = ["--embed-dim", "32", "--num-layers", "2", "--num-heads", "2", "--max-len", "64"]
+MODEL_FLAGS = ["--embed-dim", "32", "--num-layers", "2", "--num-heads", "2", "--max-len", "64", "--position", "learned"]
 
 
 def _free_port() -> int:

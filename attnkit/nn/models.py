@@ -18,6 +18,7 @@ from ..cache import KVCache, SlidingWindowLayerCache
 from ..masks import Mask, Padding, as_mask
 from .layers import DecoderLayer, EncoderLayer, TransformerConfig, make_norm
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding, sinusoidal_2d
+from .pretrained import PretrainedModel
 
 __all__ = [
     "Embeddings", "Encoder", "Decoder", "GPT", "EncoderDecoder", "ViTConfig", "ViT", "positions_from_attention_mask",
@@ -113,7 +114,7 @@ def _input_shape(input_ids, inputs_embeds) -> tuple[int, int, torch.device]:
     return x.shape[0], x.shape[1], x.device
 
 
-class Encoder(nn.Module):
+class Encoder(PretrainedModel, nn.Module):
     """Bidirectional Transformer encoder (BERT with ``norm_first=False, embedding_norm=True,
     type_vocab_size=2, final_norm=False``). Returns hidden states ``(B, T, E)``."""
 
@@ -172,7 +173,7 @@ def _check_cache(cache, config: TransformerConfig) -> None:
             )
 
 
-class _CausalStack(nn.Module):
+class _CausalStack(PretrainedModel, nn.Module):
     """Shared forward of GPT and Decoder: embeddings, causal layers with a cache, final norm."""
 
     def _run(self, input_ids, *, memory=None, memory_mask=None, cache=None, attention_mask=None, positions=None,
@@ -268,7 +269,7 @@ class Decoder(_CausalStack):
                          attention_mask=attention_mask, positions=positions)[0]
 
 
-class EncoderDecoder(nn.Module):
+class EncoderDecoder(PretrainedModel, nn.Module):
     """Seq2seq Transformer: ``encoder`` (Encoder), ``decoder`` (Decoder), ``lm_head``.
 
     ``forward(input_ids (B, S), decoder_input_ids (B, T), *, attention_mask=None (B, S) 1/0,
@@ -347,7 +348,7 @@ class ViTConfig(TransformerConfig):
         return self.grid_size**2
 
 
-class ViT(nn.Module):
+class ViT(PretrainedModel, nn.Module):
     """Vision Transformer (Dosovitskiy et al. 2020): patch embedding (a strided conv), a CLS token,
     2-D positions, encoder layers, classifier on the CLS output.
 

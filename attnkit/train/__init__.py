@@ -1,10 +1,20 @@
-"""Training and deployment: data, synthetic tasks, the training loop, checkpoints, DDP, int8, distillation."""
+"""Training and deployment: data, synthetic tasks, the training loop, checkpoints, DDP, int8, distillation.
 
-from .checkpoint import load_checkpoint, save_checkpoint
+Where things live: ``config`` (TrainConfig, the LR schedule), ``loop`` (the loop itself), ``modeling``
+(building and loading models), ``evaluate``, ``distill``, ``deploy`` (int8), ``profiler``, ``logs``
+(progress, log lines, loss curve), ``checkpoint`` (save/load, untrusted directories), ``run_dir``
+and ``files`` (what a run writes, and how), ``data``, ``tasks``, ``lstm``, ``distributed``.
+"""
+
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .config import TrainConfig, lr_at
 from .data import TextCorpus, load_corpus
-from .loop import TrainConfig, build_model, evaluate, load_model, train
+from .evaluate import evaluate
+from .loop import TrainingDiverged, train
 from .lstm import LSTMConfig, LSTMLanguageModel
+from .modeling import build_model, load_model
 from .tasks import SyntheticTask, make_task
 
 __all__ = ["TrainConfig", "train", "evaluate", "build_model", "load_model", "save_checkpoint", "load_checkpoint",
-           "TextCorpus", "load_corpus", "SyntheticTask", "make_task", "LSTMConfig", "LSTMLanguageModel"]
+           "CheckpointError", "TrainingDiverged", "lr_at", "TextCorpus", "load_corpus", "SyntheticTask", "make_task",
+           "LSTMConfig", "LSTMLanguageModel"]

@@ -11,21 +11,44 @@ Layout of a run directory::
 
 A checkpoint directory is first written under a temporary name, flushed, and renamed into place
 with ``os.replace``; only then is ``latest`` replaced (temp file + ``os.replace``). A crash at any
-moment leaves ``latest`` naming a complete checkpoint. Loading uses ``safetensors`` and ``json``
-only, never ``torch.load``/pickle, so a checkpoint from elsewhere cannot run code.
+moment leaves ``latest`` naming a complete checkpoint; the next save removes the crashed one's
+temporary directory. Weights with a NaN or infinity are never saved, so a diverging run cannot
+rotate the good checkpoints out.
+
+Loading treats the directory as untrusted: ``safetensors`` and ``json`` only, never
+``torch.load``/pickle; ``latest`` must name a checkpoint directory inside the run directory (no
+``..``, absolute paths or symbolic links); ``meta.json`` is size-limited and checked field by field;
+a stored config is checked against the weights' shapes before the model is allocated
+(:func:`model_from_header`). Every refusal is a ``ValueError`` naming the file and the fix.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "load_model_weights"]
+from .config import MODEL_KINDS
+from .files import atomic_write_text, fsync_dir, read_json, remove_stale_temporaries, temp_prefix
+
+__all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "load_model_weights", "model_from_header",
+           "checkpoint_names", "checkpoint_order",
+           "non_finite_parameters", "read_safetensors", "CheckpointError"]
+
+CHECKPOINT_NAME = re.compile(r"^step-(\d{6,})(?:-r(\d+))?$")
+META_LIMIT_BYTES = 64 * 2**20  # meta.json holds the per-step history: ~100 bytes a step
+FILES = ("meta.json", "model.safetensors", "state.safetensors")
+_FIX = "pass the --out directory of a training run made by attnkit (or one of its step-* directories)"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or run directory that cannot be used as it is (the message names the file and the fix)."""
 
 
 def _require_safetensors():
@@ -34,34 +57,6 @@ def _require_safetensors():
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("checkpoints need safetensors: pip install 'attnkit[train]'") from exc
     return st
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - not every platform opens directories
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same directory and ``os.replace``."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    _fsync_dir(directory)
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict]:
@@ -118,18 +113,53 @@ def _weights(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
+def non_finite_parameters(model: nn.Module) -> list[str]:
+    """Names of the parameters and floating buffers holding a NaN or an infinity."""
+    bad = []
+    for name, t in model.state_dict().items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad.append(name)
+    return bad
+
+
+def checkpoint_order(name: str) -> tuple[int, int]:
+    match = CHECKPOINT_NAME.match(name)
+    return (int(match.group(1)), int(match.group(2) or 0)) if match else (-1, -1)
+
+
+def checkpoint_names(out_dir: str) -> list[str]:
+    """The checkpoint directories (real directories, not links) in ``out_dir``, oldest first."""
+    try:
+        names = os.listdir(out_dir)
+    except FileNotFoundError:
+        return []
+    found = [n for n in names if CHECKPOINT_NAME.match(n) and os.path.isdir(os.path.join(out_dir, n))
+             and not os.path.islink(os.path.join(out_dir, n))]
+    return sorted(found, key=checkpoint_order)
+
+
 def save_checkpoint(out_dir: str, step: int, model: nn.Module, meta: dict,
                     optimizer: torch.optim.Optimizer | None = None, keep: int = 2) -> str:
-    """Write ``out_dir/step-XXXXXX`` atomically, point ``out_dir/latest`` at it, keep the newest ``keep``."""
+    """Write ``out_dir/step-XXXXXX`` atomically, point ``out_dir/latest`` at it, keep the newest ``keep``.
+
+    Refuses (``CheckpointError``, nothing written or rotated) when a weight is NaN or infinite."""
     st = _require_safetensors()
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step: expected an int >= 0, got {step!r}.")
+    bad = non_finite_parameters(model)
+    if bad:
+        raise CheckpointError(f"checkpoint: refusing to save step {step} to {out_dir}: {len(bad)} weight tensor(s) "
+                              f"hold NaN or infinity ({', '.join(bad[:3])}); the previous checkpoints are kept. "
+                              f"Fix: resume from them with a lower --lr or a --grad-clip.")
     os.makedirs(out_dir, exist_ok=True)
+    remove_stale_temporaries(out_dir)
     name = f"step-{step:06d}"
     revision = 0
-    while os.path.exists(os.path.join(out_dir, name)):  # re-saving a step never touches the saved one
+    while os.path.lexists(os.path.join(out_dir, name)):  # re-saving a step never touches the saved one
         revision += 1
         name = f"step-{step:06d}-r{revision}"
     final = os.path.join(out_dir, name)
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=out_dir)
+    tmp = tempfile.mkdtemp(prefix=temp_prefix(name), dir=out_dir)
     try:
         st.save_file(_weights(model), os.path.join(tmp, "model.safetensors"))
         state = rng_tensors()
@@ -147,51 +177,174 @@ def save_checkpoint(out_dir: str, step: int, model: nn.Module, meta: dict,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
     atomic_write_text(os.path.join(out_dir, "latest"), name + "\n")
-    old = sorted(d for d in os.listdir(out_dir) if d.startswith("step-") and d != name)
+    old = [d for d in checkpoint_names(out_dir) if d != name]
     for d in old[: max(len(old) - (keep - 1), 0)]:
         shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)
     return final
 
 
+def _check_checkpoint_dir(ckpt: str) -> str:
+    for fname in FILES:
+        path = os.path.join(ckpt, fname)
+        if os.path.islink(path) or not os.path.isfile(path):
+            what = "a symbolic link" if os.path.islink(path) else "missing"
+            raise CheckpointError(f"checkpoint: {path} is {what}; a checkpoint directory holds {', '.join(FILES)} "
+                                  f"as regular files. Fix: {_FIX}.")
+    return ckpt
+
+
 def resolve_checkpoint(path: str) -> str:
-    """A checkpoint directory from a run directory (via ``latest``) or a checkpoint directory itself."""
-    if os.path.isfile(os.path.join(path, "meta.json")):
-        return path
+    """A checkpoint directory from a run directory (via ``latest``) or a checkpoint directory itself.
+
+    ``latest`` must be one line naming a ``step-*`` directory of the run directory itself: no path
+    separators, no ``..``, no symbolic links."""
+    path = os.fspath(path)
+    if os.path.lexists(os.path.join(path, "meta.json")):
+        return _check_checkpoint_dir(path)
     latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            return os.path.join(path, f.read().strip())
-    raise ValueError(f"checkpoint: {path!r} is neither a run directory with a 'latest' file nor a checkpoint "
-                     f"directory with meta.json; pass the --out directory of a training run.")
+    if not os.path.lexists(latest):
+        raise CheckpointError(f"checkpoint: {path!r} is neither a run directory with a 'latest' file nor a "
+                              f"checkpoint directory with meta.json. Fix: {_FIX}.")
+    if os.path.islink(latest) or not os.path.isfile(latest) or os.path.getsize(latest) > 256:
+        raise CheckpointError(f"checkpoint: {latest} is not the small regular file attnkit writes (a link, a "
+                              f"directory or too large). Fix: {_FIX}.")
+    with open(latest, "rb") as f:
+        name = f.read().decode("utf-8", errors="replace").strip()
+    ckpt = os.path.join(path, name)
+    if not CHECKPOINT_NAME.match(name) or os.path.islink(ckpt) or not os.path.isdir(ckpt):
+        raise CheckpointError(f"checkpoint: {latest} names {name!r}, which is not a step-* directory inside "
+                              f"{path} (links, '..' and absolute paths are refused). Fix: write the name of one "
+                              f"of its checkpoints ({', '.join(checkpoint_names(path)) or 'none found'}) into it, "
+                              f"or pass the checkpoint directory itself.")
+    return _check_checkpoint_dir(ckpt)
+
+
+def _fail(path: str, problem: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint: {path}: {problem}. Fix: {_FIX}; a checkpoint edited by hand cannot be "
+                           f"trusted, resume from another one.")
+
+
+def check_meta(meta, path: str) -> dict:
+    """``meta`` if it has the fields and types :func:`save_checkpoint` writes, else ``CheckpointError``."""
+    if not isinstance(meta, dict):
+        raise _fail(path, f"expected a JSON object, got {type(meta).__name__}")
+    step = meta.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise _fail(path, f"'step' must be an integer >= 0, got {step!r}")
+    if meta.get("model_kind") not in MODEL_KINDS:
+        raise _fail(path, f"'model_kind' must be one of {MODEL_KINDS}, got {meta.get('model_kind')!r}")
+    for key, kind in (("model_config", dict), ("train_config", dict), ("history", list), ("evals", list),
+                      ("optimizer", dict)):
+        if key in meta and not isinstance(meta[key], kind):
+            raise _fail(path, f"{key!r} must be a JSON {'object' if kind is dict else 'array'}, "
+                              f"got {type(meta[key]).__name__}")
+    if "model_config" not in meta:
+        raise _fail(path, "'model_config' is missing")
+    history = meta.get("history")
+    if history is not None:
+        if len(history) != step:
+            raise _fail(path, f"'history' has {len(history)} entries for step {step}")
+        for i, rec in enumerate(history):
+            if not (isinstance(rec, dict) and rec.get("step") == i + 1 and isinstance(rec.get("loss"), (int, float))):
+                raise _fail(path, f"'history' entry {i} is not {{'step': {i + 1}, 'loss': <number>, ...}}")
+    opt = meta.get("optimizer")
+    if opt is not None and not (isinstance(opt.get("param_groups"), list) and isinstance(opt.get("scalars"), dict)):
+        raise _fail(path, "'optimizer' must hold 'param_groups' (array) and 'scalars' (object)")
+    return meta
+
+
+def read_safetensors(path: str, *, device: str = "cpu") -> dict[str, Tensor]:
+    """The tensors of a safetensors file, with a ``CheckpointError`` naming the file when it is not one."""
+    st = _require_safetensors()
+    if os.path.islink(path):
+        raise _fail(path, "is a symbolic link")
+    try:
+        return st.load_file(path, device=device)
+    except Exception as exc:  # safetensors raises its own SafetensorError (and OSError, ValueError)
+        raise _fail(path, f"not a readable safetensors file ({type(exc).__name__}: {exc})") from None
 
 
 def load_checkpoint(path: str) -> tuple[dict, dict[str, Tensor], dict[str, Tensor]]:
     """``(meta, model_tensors, state_tensors)`` of a checkpoint, read with safetensors and json only."""
-    st = _require_safetensors()
     ckpt = resolve_checkpoint(path)
-    with open(os.path.join(ckpt, "meta.json")) as f:
-        meta = json.load(f)
-    return meta, st.load_file(os.path.join(ckpt, "model.safetensors")), st.load_file(
-        os.path.join(ckpt, "state.safetensors"))
+    meta_path = os.path.join(ckpt, "meta.json")
+    meta = check_meta(read_json(meta_path, limit_bytes=META_LIMIT_BYTES, fix=_FIX + "."), meta_path)
+    return (meta, read_safetensors(os.path.join(ckpt, "model.safetensors")),
+            read_safetensors(os.path.join(ckpt, "state.safetensors")))
+
+
+def _aliases(model: nn.Module) -> dict[str, set[str]]:
+    """Each state-dict name -> every name of the same tensor (tied weights share one)."""
+    groups: dict[int, set[str]] = {}
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, p in named:
+        groups.setdefault(id(p), set()).add(name)
+    return {n: group for group in groups.values() for n in group}
+
+
+def model_from_header(build: Callable[[], nn.Module],
+                      stored: Mapping[str, tuple[tuple[int, ...], str]] | Mapping[str, Tensor], where: str, *,
+                      config: Mapping | None = None) -> nn.Module:
+    """``build()`` after checking on the meta device (no memory) that the model it makes has exactly
+    the stored tensors, with the same shapes and dtype families.
+
+    ``stored`` maps names to tensors or to ``(shape, dtype name)`` as read from a safetensors header.
+    Every layer stores at least one tensor, so a ``config`` whose ``num_layers`` exceeds the number
+    of stored tensors is refused before even the meta-device model is built (building a million
+    layers takes minutes). Raises ``CheckpointError`` naming ``where``."""
+    info = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) if isinstance(v, Tensor) else (tuple(v[0]), v[1])
+            for k, v in stored.items()}
+    layers = (config or {}).get("num_layers")
+    if isinstance(layers, int) and layers > len(info):
+        raise CheckpointError(f"{where}: the stored config claims num_layers={layers} but the weights hold only "
+                              f"{len(info)} tensors; nothing was allocated. Fix: keep the config and the weights "
+                              f"of one save together (a hand-edited config cannot be loaded).")
+    with torch.device("meta"):
+        try:
+            skeleton = build()
+        except (TypeError, ValueError, LookupError) as exc:  # the config's own validation, unknown names
+            raise CheckpointError(f"{where}: the stored config is not valid ({type(exc).__name__}: {exc}). "
+                                  f"Fix: {_FIX}.") from None
+    expected = {k: (tuple(t.shape), t.is_floating_point()) for k, t in skeleton.state_dict().items()}
+    aliases = _aliases(skeleton)
+    unexpected = [k for k in info if k not in expected]
+    missing = [k for k in expected if not (aliases.get(k, {k}) & info.keys())]
+    wrong = [f"{k}: stored {list(info[k][0])} {info[k][1]}, config needs {list(expected[k][0])}"
+             for k in info if k in expected and (info[k][0] != expected[k][0]
+                                                 or _is_float_name(info[k][1]) != expected[k][1])]
+    if missing or unexpected or wrong:
+        raise CheckpointError(
+            f"{where}: the stored config does not describe the stored weights (missing {missing[:4]}, unexpected "
+            f"{unexpected[:4]}, mismatched {wrong[:3]}); nothing was allocated. Fix: keep the config and the "
+            f"weights of one save together (a hand-edited config cannot be loaded).")
+    del skeleton
+    return build()
+
+
+def _is_float_name(dtype: str) -> bool:
+    return dtype.lower() in ("float64", "float32", "float16", "bfloat16", "f64", "f32", "f16", "bf16")
 
 
 def load_model_weights(model: nn.Module, tensors: dict[str, Tensor]) -> None:
     """Load weights saved by :func:`save_checkpoint` (tied tensors were stored once)."""
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     # a tied weight is stored under one of its names; the others are loaded through it
-    aliases: dict[int, set[str]] = {}
-    for name, p in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
-        aliases.setdefault(id(p), set()).add(name)
-    by_name = {n: group for group in aliases.values() for n in group}
+    by_name = _aliases(model)
     missing = [m for m in missing if not (by_name.get(m, set()) & tensors.keys())]
     if missing or unexpected:
-        raise ValueError(f"checkpoint: weights do not match the model (missing {missing[:5]}, unexpected "
-                         f"{unexpected[:5]}); was it saved from a different config?")
+        raise CheckpointError(f"checkpoint: weights do not match the model (missing {missing[:5]}, unexpected "
+                              f"{unexpected[:5]}); was it saved from a different config?")
 
 
-def restore_training_state(optimizer: torch.optim.Optimizer, meta: dict, state: dict[str, Tensor]) -> None:
-    if "optimizer" in meta:
-        _restore_optimizer(optimizer, state, meta["optimizer"])
-    restore_rng(state)
+def restore_training_state(optimizer: torch.optim.Optimizer, meta: dict, state: dict[str, Tensor],
+                           where: str = "checkpoint") -> None:
+    """Optimizer moments and RNG states from a checkpoint (``CheckpointError`` when they do not fit)."""
+    try:
+        if "optimizer" in meta:
+            _restore_optimizer(optimizer, state, meta["optimizer"])
+        restore_rng(state)
+    except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as exc:
+        raise CheckpointError(f"{where}: the optimizer or RNG state does not fit this model ({type(exc).__name__}: "
+                              f"{exc}). Fix: {_FIX}.") from None

@@ -9,6 +9,9 @@ import torch
 from torch import nn
 from torch.utils import benchmark
 
+from .evaluate import evaluate
+from .modeling import model_bytes
+
 __all__ = ["quantize_int8", "quantize_report"]
 
 
@@ -26,8 +29,6 @@ def quantize_int8(model: nn.Module) -> nn.Module:
 def quantize_report(model: nn.Module, data, cfg, log=print, repeats: int = 3) -> dict:
     """Eval loss and forward time of the float model vs its int8 version on CPU (same batch, interleaved)."""
     from dataclasses import replace
-
-    from .loop import evaluate, model_bytes
 
     fp = copy.deepcopy(model).float().cpu().eval()
     q = quantize_int8(fp)

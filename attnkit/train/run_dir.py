@@ -1,0 +1,69 @@
+"""The run directory a training run writes: refuse to mix runs, rewrite the metrics on resume.
+
+A new run goes into an empty (or absent) ``--out``; a non-empty one is refused unless the user
+asks to ``--overwrite`` it (which removes attnkit's own files there, nothing else) or to
+``--resume`` it. Every file is written through :mod:`attnkit.train.files`, so a symbolic link
+planted in the directory is replaced, never written through.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from .checkpoint import CHECKPOINT_NAME
+from .files import append_line, atomic_write_text, remove_stale_temporaries
+
+__all__ = ["prepare_new_run", "same_directory", "write_metrics", "append_metric", "write_results",
+           "METRICS", "RESULTS", "LOSS_CURVE"]
+
+METRICS, RESULTS, LOSS_CURVE, LATEST = "metrics.jsonl", "results.json", "loss.png", "latest"
+_RUN_FILES = (METRICS, RESULTS, LOSS_CURVE, LATEST, "trace.json")
+
+
+def _is_run_file(name: str) -> bool:
+    return name in _RUN_FILES or bool(CHECKPOINT_NAME.match(name)) or (
+        name.startswith("trace-rank") and name.endswith(".json"))
+
+
+def prepare_new_run(out: str, overwrite: bool) -> None:
+    """Make ``out`` ready for a new run: create it, or refuse a non-empty one unless ``overwrite``."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise ValueError(f"out: {out!r} exists and is not a directory. Fix: pass a directory for --out.")
+    os.makedirs(out, exist_ok=True)
+    remove_stale_temporaries(out)
+    present = sorted(os.listdir(out))
+    if not present:
+        return
+    if not overwrite:
+        shown = ", ".join(present[:4]) + (", ..." if len(present) > 4 else "")
+        raise ValueError(f"out: {out!r} is not empty ({shown}). Fix: --resume {out} to continue that run, "
+                         f"--overwrite to replace it, or another --out.")
+    for name in present:
+        path = os.path.join(out, name)
+        if not _is_run_file(name):
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
+def same_directory(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def write_metrics(out: str, history: list[dict]) -> None:
+    """``metrics.jsonl`` holding exactly ``history`` (one JSON line a step), replaced atomically."""
+    atomic_write_text(os.path.join(out, METRICS), "".join(json.dumps(r) + "\n" for r in history))
+
+
+def append_metric(out: str, record: dict) -> None:
+    append_line(os.path.join(out, METRICS), json.dumps(record))
+
+
+def write_results(out: str, results: dict) -> str:
+    path = os.path.join(out, RESULTS)
+    atomic_write_text(path, json.dumps(results, indent=1) + "\n")
+    return path
