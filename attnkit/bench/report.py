@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from .cases import describe_bytes, mask_spec
 
-__all__ = ["terminal_table", "skip_hint", "crossovers", "crossover_table", "write_json", "write_markdown", "auto_ratios"]
+__all__ = ["command_line", "terminal_table", "skip_hint", "crossovers", "crossover_table", "write_json", "write_markdown", "auto_ratios"]
+
+
+def command_line(head: str, argv: list[str]) -> str:
+    """The command line to store with results, without ``--out``: where the files went is no
+    property of the figures, and it would write this machine's paths into shared files."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            kept.append(arg)
+    return f"{head} {shlex.join(kept)}".strip()
 
 
 def _table(rows: list[list[str]], header: list[str], markdown: bool = False, right: frozenset[int] = frozenset()) -> str:

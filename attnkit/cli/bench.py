@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from ..bench.cases import DTYPES, MASK_SPECS, PASSES, BenchConfig
 from ..bench.plots import missing_extra, write_plots
 from ..bench.report import (
     auto_table,
+    command_line,
     crossover_table,
     crossovers,
     skip_hint,
@@ -117,25 +117,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
-def recorded_command(prog: str, argv: list[str]) -> str:
-    """The command line to store with the results: without ``--out`` (where the files went is no
-    property of the figures, and it would write this machine's paths into shared files)."""
-    kept, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--out":
-            skip = True
-        elif not arg.startswith("--out="):
-            kept.append(arg)
-    return f"{prog} bench {shlex.join(kept)}".strip()
-
-
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if not args.no_plots and missing_extra():
         raise ValueError(f"{missing_extra()}, or pass --no-plots")
-    command = recorded_command(getattr(args, "_prog", "attnkit"), getattr(args, "_argv", None) or [])
+    command = command_line(f"{getattr(args, '_prog', 'attnkit')} bench", getattr(args, "_argv", None) or [])
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
     results = run_sweep(config, progress=_progress(args.no_progress))
