@@ -75,7 +75,7 @@ class BenchConfig:
                 raise ValueError(
                     f"--lengths {longest}: the q, k, v inputs alone ({self.batch}x{self.heads}x{longest}x"
                     f"{self.head_dim} {dtype}) need about {describe_bytes(need)}, over --memory-budget "
-                    f"{self.memory_budget_bytes / 2**30:g} GiB; use shorter lengths or raise the budget")
+                    f"{describe_bytes(self.memory_budget_bytes)}; use shorter lengths or raise the budget")
 
 
 # BenchConfig field -> the `attnkit bench` flag that sets it (for error messages)
