@@ -183,3 +183,10 @@ def test_program_name(capsys):
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 2
     assert "usage: python -m attnkit info" in result.stderr and "python -m attnkit info: error:" in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("argv", [["generate", "runs/none", "--device", "cuda"], ["train", "--device", "cuda:0"]])
+def test_every_command_checks_its_device_first(argv, capsys):
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2 and "cuda is not available on this machine" in err and not out

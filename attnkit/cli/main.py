@@ -17,6 +17,7 @@ import sys
 
 from .. import __version__
 from ..dispatch import NoBackendError
+from . import options
 
 # command name -> module under attnkit.cli (each defines add_arguments(parser) and run(args) -> int)
 COMMANDS = {
@@ -69,6 +70,18 @@ def missing_extra(command: str) -> str | None:
     return f"needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed: pip install 'attnkit[{extra}]'"
 
 
+def _missing_device(args: argparse.Namespace) -> str | None:
+    """Every command's ``--device`` names a device this machine has (checked before any work)."""
+    value = getattr(args, "device", None)
+    if not isinstance(value, str) or value == "auto":  # train's "auto": the best device there is
+        return None
+    try:
+        options.device(value)
+    except argparse.ArgumentTypeError as err:
+        return f"--device {err}"
+    return None
+
+
 def one_line(text: str) -> str:
     """A multi-line message (e.g. ``NoBackendError``'s per-backend reasons) as one line."""
     parts = [line.strip() for line in text.strip().splitlines() if line.strip()]
@@ -89,7 +102,7 @@ def main(argv: list[str] | None = None, prog: str = "attnkit") -> int:
     args._argv = list(sys.argv[1:] if argv is None else argv)[1:]  # the command's own flags (bench records them)
     args._prog = prog
     where = f"{prog} {args.command}"
-    why = missing_extra(args.command)
+    why = missing_extra(args.command) or _missing_device(args)
     if why:
         print(f"{where}: error: {why}", file=sys.stderr)
         return 2
