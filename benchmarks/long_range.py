@@ -187,6 +187,9 @@ def plot(rows, path) -> None:
     except ImportError:
         print("matplotlib missing: pip install 'attnkit[bench]' for the plot")
         return
+    if len({r["distance"] for r in rows}) < 2:
+        print("(no plot: accuracy vs distance needs two distances or more)")
+        return
     tasks = sorted({r["task"] for r in rows})
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
     for ax, task in zip(axes[0], tasks):
