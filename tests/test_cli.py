@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -176,13 +177,15 @@ def test_version(capsys):
     assert code == 0 and out.strip() == f"attnkit {attnkit.__version__}"
 
 
-def test_program_name(capsys):
+def test_program_name(capsys, monkeypatch):
     code, out, _ = run_cli(["--help"], capsys)
     assert code == 0 and out.startswith("usage: attnkit ")  # the console script
-    result = subprocess.run([sys.executable, "-m", "attnkit", "info", "--shape", "x"], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 2
-    assert "usage: python -m attnkit info" in result.stderr and "python -m attnkit info: error:" in result.stderr
+    monkeypatch.setattr(sys, "argv", ["attnkit", "info", "--shape", "x"])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_module("attnkit", run_name="__main__")  # what `python -m attnkit` runs
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "usage: python -m attnkit info" in err and "python -m attnkit info: error:" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

@@ -93,7 +93,8 @@ def _progress(disabled: bool):
     except ImportError:
         print("(no progress bar: pip install 'attnkit[bench]')", file=sys.stderr)
         return None
-    return lambda cases: tqdm(cases, desc="bench", unit="case", file=sys.stderr, dynamic_ncols=True)
+    # disable=None: a bar on a terminal only, so a log file gets no carriage-return soup
+    return lambda cases: tqdm(cases, desc="bench", unit="case", file=sys.stderr, dynamic_ncols=True, disable=None)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:

@@ -152,8 +152,8 @@ def backend_table() -> str:
             [row["name"], row["avail"], "exact" if c["exact"] else "approx", ",".join(c["devices"]),
              ",".join(d.replace("float", "f") for d in c["dtypes"]), row["masks"], ",".join(flags)]
         )
-    legend = (f"masks: the masks each backend accepts among {', '.join(probe_masks())} "
-              f"(its own reasons, as explain() reports them, at T={PROBE_LENGTH}); 'any' = all of them")
+    legend = (f"masks: those each backend accepts (its own reasons, as explain() reports them, at T={PROBE_LENGTH})"
+              f" among\n  {', '.join(probe_masks())}; 'any' = all of them")
     return _table(rows, ["backend", "avail", "kind", "devices", "dtypes", "masks", "features"]) + "\n" + legend
 
 
