@@ -157,14 +157,14 @@ def backend_table() -> str:
     return _table(rows, ["backend", "avail", "kind", "devices", "dtypes", "masks", "features"]) + "\n" + legend
 
 
-def policy_line() -> str:
+def policy_line(prog: str = "attnkit") -> str:
     """Whether ``auto`` follows a measured calibration of this machine or the built-in defaults."""
     data = calibration.load()
     if data is None:
         return (f"auto policy: built-in defaults (no calibration at {calibration.calibration_path()}; "
-                "measure this machine with `attnkit bench --calibrate`)")
+                f"measure this machine with `{prog} bench --calibrate`)")
     return (f"auto policy: measured on this machine ({len(data['entries'])} device/dtype/mask/pass entries "
-            f"in {calibration.calibration_path()}, from `{data.get('command', 'attnkit bench --calibrate')}`)")
+            f"in {calibration.calibration_path()}, from `{data.get('command', prog + ' bench --calibrate')}`)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -189,8 +189,8 @@ def run(args: argparse.Namespace) -> int:
     print(backend_table())
     print()
     if explanation is None:
-        print(policy_line())
         prog = getattr(args, "_prog", "attnkit")
+        print(policy_line(prog))
         print(f"\nFor a choice explained: {prog} info --shape B,H,T,D --mask causal")
         return 0
     print(explanation)  # it ends with the policy line
