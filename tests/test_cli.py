@@ -193,3 +193,32 @@ def test_program_name(capsys, monkeypatch):
 def test_every_command_checks_its_device_first(argv, capsys):
     code, out, err = run_cli(argv, capsys)
     assert code == 2 and "cuda is not available on this machine" in err and not out
+
+
+def test_info_masks_column_is_what_explain_says():
+    """Each backend's accepted masks, checked against explain() itself for every probe mask."""
+    from attnkit.cli.info import PROBE_LENGTH, probe_masks
+
+    q = torch.empty(2, 4, PROBE_LENGTH, 16)
+    for row in backend_rows():
+        accepted = set(probe_masks()) if row["masks"] == "any" else set(row["masks"].split(","))
+        for label, mask in probe_masks().items():
+            reasons = attnkit.explain(q, q, q, mask=mask, backend=row["name"]).reasons[row["name"]]
+            assert (label in accepted) == (not reasons), (row["name"], label, reasons)
+
+
+def test_argument_types():
+    import argparse
+
+    from attnkit.cli import options
+
+    assert options.int_list()("16, 32") == [16, 32]
+    assert options.name_list({"a", "b"})("a,b") == ["a", "b"]
+    assert options.device("cpu") == "cpu"
+    for parse, text in [(options.int_list(), "16,x"), (options.int_list(), ""), (options.positive_int, "0"),
+                        (options.nonnegative_int, "-1"), (options.name_list({"a"}), "b"), (options.device, "gpu0")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(text) if text else "list"):
+            parse(text)
+    if not torch.cuda.is_available():
+        with pytest.raises(argparse.ArgumentTypeError, match="not available"):
+            options.device("cuda:5")
