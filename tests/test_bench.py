@@ -186,6 +186,7 @@ BAD_FLAGS = [
     (["--backends", "nope"], "unknown backend 'nope'"),
     (["--masks", "bogus"], "--masks"),
     (["--dtypes", "int8"], "--dtypes"),
+    (["--out", __file__], "is not a directory"),
 ]
 
 
@@ -193,7 +194,7 @@ BAD_FLAGS = [
 def test_bad_flag_is_one_line_error_before_work(flags, named, tmp_path, capsys):
     out = tmp_path / "never"
     try:
-        code = main(["bench", *flags, "--out", str(out), "--no-progress"])
+        code = main(["bench", "--out", str(out), *flags, "--no-progress"])
     except SystemExit as exc:  # argparse's own usage errors
         code = exc.code
     err = capsys.readouterr().err.strip().splitlines()

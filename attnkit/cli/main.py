@@ -38,8 +38,8 @@ REQUIRED_EXTRAS = {
 
 # What a user's mistake raises inside a command. A programming error raises something else and keeps
 # its traceback.
-USER_ERRORS = (NoBackendError, ValueError, TypeError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-               PermissionError)
+USER_ERRORS = (NoBackendError, ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError,
+               IsADirectoryError, PermissionError)
 
 
 def build_parser(prog: str = "attnkit") -> argparse.ArgumentParser:
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None, prog: str = "attnkit") -> int:
         if not _is_user_error(exc) or os.environ.get("ATTNKIT_TRACEBACK"):
             raise
         message = one_line(str(exc))
-        if isinstance(exc, OSError) and exc.filename is not None and str(exc.filename) not in message:
-            message = f"{message}: {exc.filename}"
+        if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:  # not "[Errno 2] ..."
+            message = f"{exc.strerror}: {exc.filename}"
         print(f"{where}: error: {message or type(exc).__name__}", file=sys.stderr)
         return 2
