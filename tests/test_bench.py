@@ -315,3 +315,12 @@ def test_plots_skip_single_point_panels(tmp_path):
     two = {"results": one_length["results"] + [_row(n=2048, median_s=0.05)], "memory_method": "none"}
     made = write_plots(two, tmp_path)
     assert [p.name for p in made] == ["time_vs_length.png", "memory_vs_length.png"]
+
+
+def test_markdown_table_escapes_pipes_in_reasons():
+    from attnkit.bench.report import terminal_table
+
+    row = {**_row(backend="sliding_window"), "status": "skipped", "reason": "needs a band | GlobalTokens(...)"}
+    md = terminal_table({"results": [_row(), row]}, markdown=True).splitlines()
+    skipped = md[-1]
+    assert skipped.count(" | ") == 5 and "band \\| GlobalTokens" in skipped  # six cells, the pipe escaped

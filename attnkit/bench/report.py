@@ -30,7 +30,8 @@ def _table(rows: list[list[str]], header: list[str], markdown: bool = False, rig
     if markdown:
         rule = "|" + "".join("---:|" if i in right else "---|" for i in range(len(header)))
         lines = ["| " + " | ".join(header) + " |", rule]
-        return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+        cell = lambda c: str(c).replace("|", "\\|")  # noqa: E731  (a reason may quote `a | b`)
+        return "\n".join(lines + ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows])
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
 
     def line(r):
