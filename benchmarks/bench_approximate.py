@@ -233,7 +233,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument("--full-sdpa", action="store_true", help="time SDPA on all n=65536 queries (minutes)")
-    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from the output's approximate_bench.json")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="redraw the plot from the output's approximate_bench.json")
     parser.add_argument("--out", type=Path, default=Path("bench-results/approximate"),
                         help="output directory (default bench-results/approximate)")
     parser.add_argument("--update-docs", action="store_true", help="write into docs/ (the README's figures) instead")

@@ -60,13 +60,15 @@ class BenchConfig:
                 raise ValueError(f"{_flag(name)}: expected a finite number of seconds > 0, got {value!r}")
         if isinstance(self.memory_budget_bytes, bool) or not isinstance(self.memory_budget_bytes, int) \
                 or self.memory_budget_bytes <= 0:
-            raise ValueError(f"{_flag('memory_budget_bytes')}: expected a positive size, got {self.memory_budget_bytes!r}")
+            raise ValueError(f"{_flag('memory_budget_bytes')}: expected a positive size, "
+                             f"got {self.memory_budget_bytes!r}")
         for name, allowed in (("passes", PASSES), ("dtypes", DTYPES), ("masks", None)):
             values = getattr(self, name)
             allowed = allowed or tuple(MASK_SPECS)
             bad = [v for v in values if v not in allowed]
             if bad or not values:
-                raise ValueError(f"{_flag(name)}: expected some of {','.join(allowed)}, got {','.join(map(str, values))!r}")
+                raise ValueError(f"{_flag(name)}: expected some of {','.join(allowed)}, "
+                                 f"got {','.join(map(str, values))!r}")
         # the inputs alone must fit the memory budget: refuse before anything is allocated
         for dtype in self.dtypes:
             longest = max(self.lengths)

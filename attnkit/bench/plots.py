@@ -56,7 +56,8 @@ def style(backend: str, exact: bool | None = None) -> dict:
 def _series(results: dict, passes: str, dtype: str, mask: str, key: str) -> dict[str, tuple[list, list, bool]]:
     out: dict[str, tuple[list, list, bool]] = {}
     for r in results["results"]:
-        if r["status"] == "ok" and (r["passes"], r["dtype"], r["mask"]) == (passes, dtype, mask) and r[key]:  # log axes: drop None and 0
+        # log axes: drop None and 0
+        if r["status"] == "ok" and (r["passes"], r["dtype"], r["mask"]) == (passes, dtype, mask) and r[key]:
             xs, ys, _ = out.setdefault(r["backend"], ([], [], r["exact"]))
             xs.append(r["n"])
             ys.append(r[key])

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from .cases import describe_bytes, mask_spec
 
-__all__ = ["command_line", "terminal_table", "skip_hint", "crossovers", "crossover_table", "write_json", "write_markdown", "auto_ratios"]
+__all__ = ["command_line", "terminal_table", "skip_hint", "crossovers", "crossover_table", "write_json",
+           "write_markdown", "auto_ratios"]
 
 
 def command_line(head: str, argv: list[str]) -> str:
@@ -25,7 +26,8 @@ def command_line(head: str, argv: list[str]) -> str:
     return f"{head} {shlex.join(kept)}".strip()
 
 
-def _table(rows: list[list[str]], header: list[str], markdown: bool = False, right: frozenset[int] = frozenset()) -> str:
+def _table(rows: list[list[str]], header: list[str], markdown: bool = False,
+           right: frozenset[int] = frozenset()) -> str:
     """A plain or Markdown table; the columns in ``right`` (numbers) are right-aligned."""
     if markdown:
         rule = "|" + "".join("---:|" if i in right else "---|" for i in range(len(header)))
@@ -64,7 +66,8 @@ def terminal_table(results: dict, markdown: bool = False, group_skips: bool = Fa
             mem = "-" if r["peak_bytes"] is None else describe_bytes(r["peak_bytes"])
             pct = r.get("pct_of_matmul_peak")
             rows.append(head + [_ms(r["median_s"]), _spread(r), str(r["runs"]), mem, f"{r['gflops']:.1f}",
-                                "-" if pct is None else f"{pct:.0f}%", f"{r['error']:.1e} {'abs' if r['exact'] else 'rel'}"])
+                                "-" if pct is None else f"{pct:.0f}%",
+                                f"{r['error']:.1e} {'abs' if r['exact'] else 'rel'}"])
         else:
             skipped.append(head + [r["status"] + ": " + (r["group"] if group_skips else r["reason"])])
     out = _table(rows, ["dtype", "pass", "mask", "n", "backend", "median ms", "IQR ms", "runs", "peak mem", "GFLOP/s",

@@ -158,8 +158,9 @@ def run_sweep(config: BenchConfig, progress: Callable[[Iterable], Iterable] | No
 def _memory_skip(case: Case, config: BenchConfig, estimate: int) -> dict | None:
     if estimate <= config.memory_budget_bytes:
         return None
-    return _skip(case, f"predicted memory {describe_bytes(estimate)} > budget {describe_bytes(config.memory_budget_bytes)}",
-                 "predicted memory over budget", memory_estimate_bytes=estimate)
+    budget = describe_bytes(config.memory_budget_bytes)
+    return _skip(case, f"predicted memory {describe_bytes(estimate)} > budget {budget}", "predicted memory over budget",
+                 memory_estimate_bytes=estimate)
 
 
 def _run_case(case, config, registry, dtype, peak, memory, measured) -> dict:

@@ -74,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {d.memory_budget_bytes / 2**30:g} GiB)")
     parser.add_argument("--min-run-time", type=float, default=d.min_run_time,
                         help=f"seconds of timing per case (default {d.min_run_time:g} s)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default bench-results)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"),
+                        help="output directory (default bench-results)")
     parser.add_argument("--calibrate", action="store_true",
                         help="store the measured crossovers for `auto` in the user cache directory "
                              f"({calibration.calibration_path()}; ATTNKIT_CALIBRATION overrides), then verify auto "
@@ -119,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_plots and missing_extra():
         raise ValueError(f"{missing_extra()}, or pass --no-plots")
     if args.out.exists() and not args.out.is_dir():
-        raise ValueError(f"--out {args.out}: exists and is not a directory; name a directory (it is created if missing)")
+        raise ValueError(f"--out {args.out}: exists and is not a directory; "
+                         "name a directory (it is created if missing)")
     command = command_line(f"{getattr(args, '_prog', 'attnkit')} bench", getattr(args, "_argv", None) or [])
     results = run_sweep(config, progress=_progress(args.no_progress))  # checks the backend names first
     out_dir: Path = args.out

@@ -67,7 +67,8 @@ def missing_extra(command: str) -> str | None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if not missing:
         return None
-    return f"needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed: pip install 'attnkit[{extra}]'"
+    verb = "is" if len(missing) == 1 else "are"
+    return f"needs {', '.join(missing)}, which {verb} not installed: pip install 'attnkit[{extra}]'"
 
 
 def _missing_device(args: argparse.Namespace) -> str | None:
