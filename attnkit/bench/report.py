@@ -8,7 +8,8 @@ from pathlib import Path
 
 from .cases import describe_bytes, mask_spec
 
-__all__ = ["command_line", "terminal_table", "skip_hint", "crossovers", "crossover_table", "write_json",
+__all__ = ["command_line", "format_table", "terminal_table", "skip_hint", "crossovers", "crossover_table",
+           "write_json",
            "write_markdown", "auto_ratios"]
 
 
@@ -26,7 +27,7 @@ def command_line(head: str, argv: list[str]) -> str:
     return f"{head} {shlex.join(kept)}".strip()
 
 
-def _table(rows: list[list[str]], header: list[str], markdown: bool = False,
+def format_table(rows: list[list[str]], header: list[str], markdown: bool = False,
            right: frozenset[int] = frozenset()) -> str:
     """A plain or Markdown table; the columns in ``right`` (numbers) are right-aligned."""
     if markdown:
@@ -70,7 +71,7 @@ def terminal_table(results: dict, markdown: bool = False, group_skips: bool = Fa
                                 f"{r['error']:.1e} {'abs' if r['exact'] else 'rel'}"])
         else:
             skipped.append(head + [r["status"] + ": " + (r["group"] if group_skips else r["reason"])])
-    out = _table(rows, ["dtype", "pass", "mask", "n", "backend", "median ms", "IQR ms", "runs", "peak mem", "GFLOP/s",
+    out = format_table(rows, ["dtype", "pass", "mask", "n", "backend", "median ms", "IQR ms", "runs", "peak mem", "GFLOP/s",
                         "% peak", "error"], markdown, right=frozenset({3, 5, 6, 7, 8, 9, 10, 11}))
     if skipped and group_skips:
         groups: dict[tuple[str, str], list[str]] = {}
@@ -78,9 +79,9 @@ def terminal_table(results: dict, markdown: bool = False, group_skips: bool = Fa
             groups.setdefault((name, why), []).append(f"{dtype}/{passes}/{mask}/{n}")
         rows = [[name, str(len(where)), why] for (name, why), where in groups.items()]
         out += f"\n\n{len(skipped)} cases skipped (every reason in results.json and report.md):\n"
-        out += _table(rows, ["backend", "cases", "skipped because"], markdown, right=frozenset({1}))
+        out += format_table(rows, ["backend", "cases", "skipped because"], markdown, right=frozenset({1}))
     elif skipped:
-        out += "\n\n" + _table(skipped, ["dtype", "pass", "mask", "n", "backend", "skipped because"], markdown,
+        out += "\n\n" + format_table(skipped, ["dtype", "pass", "mask", "n", "backend", "skipped because"], markdown,
                                 right=frozenset({3}))
     return out
 
@@ -130,7 +131,7 @@ def crossover_table(results: dict, markdown: bool = False) -> str:
                  for n, best, x, second in pts]
         changes = [f"{a[1]}->{b[1]} in ({a[0]}, {b[0]}]" for a, b in zip(pts, pts[1:]) if a[1] != b[1]]
         rows.append([dtype, passes, mask_spec(mask).label, "; ".join(cells), ", ".join(changes) or "none"])
-    return _table(rows, ["dtype", "pass", "mask", "fastest exact backend per n", "crossovers"], markdown)
+    return format_table(rows, ["dtype", "pass", "mask", "fastest exact backend per n", "crossovers"], markdown)
 
 
 def auto_ratios(results: dict) -> list[dict]:
@@ -159,7 +160,7 @@ def auto_ratios(results: dict) -> list[dict]:
 def auto_table(results: dict, markdown: bool = False) -> str:
     rows = [[r["dtype"], r["passes"], r["mask"], str(r["n"]), r["best"], r["auto_chose"], f"{r['auto_over_best']:.2f}"]
             for r in auto_ratios(results)]
-    return _table(rows, ["dtype", "pass", "mask", "n", "best", "auto chose", "auto/best"], markdown, right=frozenset({3, 6}))
+    return format_table(rows, ["dtype", "pass", "mask", "n", "best", "auto chose", "auto/best"], markdown, right=frozenset({3, 6}))
 
 
 def write_json(results: dict, path: Path) -> Path:

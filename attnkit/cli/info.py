@@ -17,6 +17,7 @@ import torch
 
 from .. import __version__, calibration
 from ..bench.cases import MASK_SPECS, BenchConfig
+from ..bench.report import format_table
 from ..dispatch import explain
 from ..masks import Custom, Dense, Document, KeyPadding, Mask, SlidingWindow
 from ..registry import list_backends
@@ -98,12 +99,6 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
     return parts  # type: ignore[return-value]
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
 def probe_masks(batch: int = 2, n: int = PROBE_LENGTH) -> dict[str, Mask | None]:
     """The masks the capability table asks each backend about: every ``bench`` mask, plus the
     kinds ``bench`` does not sweep (a dense bool tensor, ``Document``, ``Custom``)."""
@@ -154,7 +149,7 @@ def backend_table() -> str:
         )
     legend = (f"masks: those each backend accepts (its own reasons, as explain() reports them, at T={PROBE_LENGTH})"
               f" among\n  {', '.join(probe_masks())}; 'any' = all of them")
-    return _table(rows, ["backend", "avail", "kind", "devices", "dtypes", "masks", "features"]) + "\n" + legend
+    return format_table(rows, ["backend", "avail", "kind", "devices", "dtypes", "masks", "features"]) + "\n" + legend
 
 
 def policy_line(prog: str = "attnkit") -> str:
