@@ -9,8 +9,7 @@ from pathlib import Path
 from .cases import describe_bytes, mask_spec
 
 __all__ = ["command_line", "format_table", "terminal_table", "skip_hint", "crossovers", "crossover_table",
-           "write_json",
-           "write_markdown", "auto_ratios"]
+           "write_json", "write_markdown", "auto_ratios"]
 
 
 def command_line(head: str, argv: list[str]) -> str:
