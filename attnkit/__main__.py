@@ -1,3 +1,3 @@
 from .cli.main import main
 
-raise SystemExit(main())
+raise SystemExit(main(prog="python -m attnkit"))

@@ -1,4 +1,4 @@
-"""KV caches for autoregressive decoding (DESIGN.md §5).
+"""KV caches for autoregressive decoding.
 
 A :class:`KVCache` holds one layer cache per layer. A layer cache's ``update(k, v)`` appends new
 keys/values ``(B, Hkv, Tnew, D)`` and returns ``(k_all, v_all, kv_offset)``: every key the new

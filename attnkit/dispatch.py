@@ -27,7 +27,7 @@ _SCOPED: ContextVar[tuple[str, ...] | None] = ContextVar("attnkit_backend", defa
 
 # Above this many materialized mask/score elements per call (B*H*Tq*Tk), a backend that builds the
 # whole (Tq, Tk) mask costs more memory than a tiled one: 2**26 bool elements = 64 MiB.
-# The benchmark issue replaces these constants with per-machine measured crossovers.
+# `attnkit bench --calibrate` replaces these constants with this machine's measured crossovers.
 MATERIALIZE_LIMIT = 2**26
 # Structured backends (tried in this order) and the score count per head (Tq * Tk) from which
 # they beat SDPA's materialized-mask path when no calibration exists. Measured forward, fp32 and

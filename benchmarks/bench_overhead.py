@@ -1,6 +1,6 @@
 """attention(backend="auto") against a direct F.scaled_dot_product_attention call.
 
-Figures (issue: foundation): the time ratio auto / direct SDPA for dense and causal attention at
+Figures: the time ratio auto / direct SDPA for dense and causal attention at
 B=1, H=8, D=64, n in {1024, 4096} (aim <= 1.03), and the per-call overhead at the decode shape
 Tq=1, Tk=512 (aim <= 15 us above the direct call). Both sides are timed interleaved in one run with
 torch.utils.benchmark (blocked_autorange); the table prints medians and ratios.

@@ -30,7 +30,7 @@ def main() -> None:
         config = BenchConfig(backends=exact, lengths=[int(n) for n in args.lengths.split(",")],
                              masks=args.masks.split(","), dtypes=[args.dtype], passes=["forward"], time_budget_s=2.0)
         results = run_sweep(config)
-    print("seed: standard < 4096 <= flash < 32768 <= sparse.  Here (fastest exact family per length):")
+    print("rule of thumb: standard < 4096 <= flash < 32768 <= sparse.  Here (fastest exact family per length):")
     for r in boundaries(crossovers(results)):
         print(f"  {r['dtype']} {r['passes']} {r['mask']}: {r['families']}")
 

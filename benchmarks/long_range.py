@@ -9,8 +9,10 @@ of parameters; the dependency distance grows from 32 to 1024 tokens. The score i
     python benchmarks/long_range.py --quick               # ~1-2 min smoke run
     python benchmarks/long_range.py --tasks copy --distances 32 64 --steps 100
 
-Writes docs/long_range.md (table), docs/long_range.json and docs/long_range.png (needs matplotlib:
-pip install 'attnkit[bench]'). Rerun time is bounded: steps x batch x length is fixed by the flags,
+Writes long_range.md (table), long_range.json and long_range.png into --out (default
+bench-results/long_range; the plot needs matplotlib: pip install 'attnkit[bench]'). `--update-docs`
+writes the JSON and the plot into docs/ instead, never over the hand-written docs/long_range.md;
+`--replot` only redraws the plot from the JSON. Rerun time is bounded: steps x batch x length is fixed by the flags,
 and `--time-limit` (default 600 s) skips the runs left once it is exceeded (they are listed as
 skipped). On a 2-core CPU, distances up to 1024 cost minutes per step for every model, so the CPU
 default stops at 256; the table in docs/ comes from the `--device cuda` run.
@@ -29,12 +31,18 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from attnkit.bench.plots import style  # noqa: E402
+from attnkit.bench.report import command_line  # noqa: E402
+from attnkit.bench.runner import machine_description  # noqa: E402
 from attnkit.inputs import AttentionInputs  # noqa: E402
 from attnkit.masks import Causal  # noqa: E402
 from attnkit.registry import list_backends  # noqa: E402
 from attnkit.train.loop import TrainConfig, build_model, num_params, train  # noqa: E402
 from attnkit.train.lstm import LSTMConfig  # noqa: E402
 from attnkit.train.tasks import TASKS, SyntheticTask  # noqa: E402
+
+
+DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs")
 
 
 def causal_backends(length: int, device: str) -> list[str]:
@@ -80,10 +88,21 @@ def main(argv=None) -> int:
                         "elsewhere only the first backend, since exact backends compute the same function")
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds; later runs are skipped past it")
     p.add_argument("--quick", action="store_true", help="tiny smoke run: copy task, distances 32 64, 30 steps")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs"))
+    p.add_argument("--out", default=os.path.join("bench-results", "long_range"),
+                   help="output directory (default bench-results/long_range)")
+    p.add_argument("--update-docs", action="store_true",
+                   help="write long_range.json and long_range.png into docs/ instead (the analysis in "
+                        "docs/long_range.md is written by hand: update its table from the printed one)")
+    p.add_argument("--replot", action="store_true", help="only redraw long_range.png from the output's long_range.json")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="'cpu' or 'cuda'")
     args = p.parse_args(argv)
+    if args.update_docs:
+        args.out = DOCS
+    if args.replot:
+        with open(os.path.join(args.out, "long_range.json")) as f:
+            plot(json.load(f)["rows"], os.path.join(args.out, "long_range.png"))
+        return 0
     cuda = args.device.startswith("cuda")
     args.distances = args.distances or ([32, 64, 128, 256, 512, 1024] if cuda else [32, 64, 128, 256])
     args.steps = args.steps or (300 if cuda else 150)
@@ -125,17 +144,19 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - start
     print(f"total {elapsed:.0f}s")
     os.makedirs(args.out, exist_ok=True)
-    command = "python benchmarks/long_range.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    meta = {"command": command.strip(), "steps": args.steps, "batch_size": args.batch_size, "seconds": elapsed,
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "device": args.device}
+    command = command_line("python benchmarks/long_range.py", list(argv if argv is not None else sys.argv[1:]))
+    meta = {"command": command, "steps": args.steps, "batch_size": args.batch_size, "seconds": elapsed,
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "device": args.device,
+            "machine": machine_description(args.device)}
     with open(os.path.join(args.out, "long_range.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     table = markdown_table(rows)
-    with open(os.path.join(args.out, "long_range.md"), "w") as f:
-        f.write(f"# Long-range benchmark\n\nCommand: `{meta['command']}` ({elapsed:.0f} s, torch {torch.__version__}, "
-                f"{meta['threads']} threads, device {args.device}). Answer accuracy after {args.steps} steps of batch "
-                f"{args.batch_size}; every model has about the same parameter count (column `params`).\n\n"
-                f"{table}\n\n![accuracy vs distance](long_range.png)\n")
+    if not args.update_docs:  # never over the hand-written docs/long_range.md
+        with open(os.path.join(args.out, "long_range.md"), "w") as f:
+                f.write(f"# Long-range benchmark\n\nCommand: `{meta['command']}` ({elapsed:.0f} s, torch {torch.__version__}, "
+                    f"{meta['threads']} threads, device {args.device}). Answer accuracy after {args.steps} steps of "
+                    f"batch {args.batch_size}; every model has about the same parameter count (column `params`).\n\n"
+                    f"{table}\n\n![accuracy vs distance](long_range.png)\n")
     print(table)
     plot(rows, os.path.join(args.out, "long_range.png"))
     return 0
@@ -166,18 +187,31 @@ def plot(rows, path) -> None:
     except ImportError:
         print("matplotlib missing: pip install 'attnkit[bench]' for the plot")
         return
+    if len({r["distance"] for r in rows}) < 2:
+        print("(no plot: accuracy vs distance needs two distances or more)")
+        return
     tasks = sorted({r["task"] for r in rows})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        for model in sorted({r["model"] for r in rows if r["task"] == task}):
-            pts = sorted((r["distance"], r["accuracy"]) for r in rows if r["task"] == task and r["model"] == model)
-            ax.plot([d for d, _ in pts], [a for _, a in pts], marker="o", label=model)
+        series = {model: sorted((r["distance"], r["accuracy"]) for r in rows if r["task"] == task and r["model"] == model)
+                  for model in sorted({r["model"] for r in rows if r["task"] == task})}
+        full = max(len(pts) for pts in series.values())
+        for model, pts in series.items():
+            # the GPT takes its backend's colour and marker; the LSTM baseline is grey and dashed
+            look = style(model.removeprefix("gpt-")) if model.startswith("gpt-") else \
+                {"color": "#7f7f7f", "marker": "o", "linestyle": "--"}
+            label = model
+            if len(pts) < full:  # spot checks at a few distances: points, not a line through the gaps
+                look, label = {**look, "linestyle": ""}, f"{model} (spot checks)"
+            ax.plot([d for d, _ in pts], [a for _, a in pts], label=label, markersize=6, **look)
         ax.set_xscale("log", base=2)
         ax.set_ylim(0, 1.02)
         ax.set_title(task)
         ax.set_xlabel("dependency distance (tokens)")
         ax.set_ylabel("answer accuracy")
+        ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
+    fig.suptitle("Answer accuracy vs dependency distance (same steps, batches and parameter count)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

@@ -39,7 +39,9 @@ def test_json_schema(tiny_run):
         assert {"backend", "n", "mask", "dtype", "passes"} <= set(r)
         if r["status"] == "ok":
             assert r["median_s"] > 0 and r["iqr_s"] >= 0 and r["runs"] >= 1
-            assert r["gflops"] > 0 and r["pct_of_matmul_peak"] > 0
+            assert r["gflops"] > 0
+            pct = r["pct_of_matmul_peak"]
+            assert (pct is None) if not r["exact"] else (pct is None or 0 < pct <= 100), r
             assert r["peak_bytes"] is None or r["peak_bytes"] >= 0
             assert r["error_kind"] == ("max abs" if r["exact"] else "relative")
             if r["exact"]:
@@ -63,7 +65,8 @@ def test_outputs_written(tiny_run):
         assert (out / name).stat().st_size > 1000
         assert f"]({name})" in (out / "report.md").read_text()
     report = (out / "report.md").read_text()
-    assert "crossovers" in report and "The seeds' claims" in report and "results.json" in report
+    assert "crossovers" in report and "The textbook rules of thumb" in report and "results.json" in report
+    assert str(out) not in report and str(out) not in (out / "results.json").read_text()  # no machine paths
     claims = results["claims"]
     scaled = {r["d_k"]: r for r in claims["scaling"] if r["scaled"]}
     unscaled = {r["d_k"]: r for r in claims["scaling"] if not r["scaled"]}
@@ -73,16 +76,17 @@ def test_outputs_written(tiny_run):
 
 
 def test_skip_by_memory_budget(tmp_path):
-    config = BenchConfig(backends=["naive"], lengths=[64], masks=["none"], passes=["forward"], heads=2, head_dim=8,
-                         memory_budget_bytes=1024, min_run_time=0.001)
+    # the inputs fit (32 KiB), naive's scores do not (+64 KiB), sdpa runs
+    config = BenchConfig(backends=["naive", "sdpa"], lengths=[64], masks=["none"], passes=["forward"], heads=2,
+                         head_dim=8, memory_budget_bytes=40 * 1024, min_run_time=0.001)
     rows = run_sweep(config)["results"]
-    assert [r["status"] for r in rows] == ["skipped"]
-    assert "predicted memory" in rows[0]["reason"] and rows[0]["memory_estimate_bytes"] > 1024
+    assert [r["status"] for r in rows] == ["skipped", "ok"]
+    assert "predicted memory" in rows[0]["reason"] and rows[0]["memory_estimate_bytes"] > 40 * 1024
 
 
 def test_skip_by_time_budget():
     config = BenchConfig(backends=["naive"], lengths=[16, 64], masks=["none"], passes=["forward"], heads=2, head_dim=8,
-                         time_budget_s=0.0, min_run_time=0.001)
+                         time_budget_s=1e-9, min_run_time=0.001)
     rows = run_sweep(config)["results"]
     assert [r["status"] for r in rows] == ["ok", "skipped"]  # the first length is measured, then extrapolated
     assert "predicted" in rows[1]["reason"] and "budget" in rows[1]["reason"]
@@ -122,7 +126,7 @@ def test_calibration_changes_auto_and_info_explains(tmp_path, monkeypatch, capsy
     assert "no entry" in attnkit.explain(*long_, mask=attnkit.Causal()).measured
     assert main(["info", "--shape", "1,2,256,8"]) == 0
     out = capsys.readouterr().out
-    assert "measured on this machine (1 device/dtype/mask/pass entries" in out
+    assert out.count("policy:") == 1  # said once, by the explanation
     assert "chosen: naive" in out and "naive 1.80x faster than sdpa" in out
 
 
@@ -161,3 +165,162 @@ def test_build_calibration_pools_block_sparse_patterns():
     table = build_calibration(results)["entries"]
     (point,) = table["cpu|float32|BlockSparse|forward"]
     assert point["order"] == ["sdpa", "block_sparse"]  # 2.0 s vs 2.5 s summed; approximate ones never ranked
+
+
+# --- flags and configuration: every bad value refused before any work, one line, exit status 2 ---
+
+BAD_FLAGS = [
+    (["--min-run-time", "nan"], "--min-run-time"),
+    (["--min-run-time", "0"], "--min-run-time"),
+    (["--time-budget", "-1"], "--time-budget"),
+    (["--time-budget", "inf"], "--time-budget"),
+    (["--memory-budget", "nan"], "--memory-budget"),
+    (["--memory-budget", "-2"], "--memory-budget"),
+    (["--lengths", "1e8"], "--lengths"),
+    (["--lengths", "100000000"], "--lengths 100000000"),
+    (["--lengths", "0,16"], "--lengths"),
+    (["--heads", "0"], "--heads"),
+    (["--batch", "-1"], "--batch"),
+    (["--head-dim", "0"], "--head-dim"),
+    (["--window", "0"], "--window"),
+    (["--backends", "nope"], "unknown backend 'nope'"),
+    (["--masks", "bogus"], "--masks"),
+    (["--dtypes", "int8"], "--dtypes"),
+    (["--out", __file__], "is not a directory"),
+]
+
+
+@pytest.mark.parametrize("flags, named", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flag_is_one_line_error_before_work(flags, named, tmp_path, capsys):
+    out = tmp_path / "never"
+    try:
+        code = main(["bench", "--out", str(out), *flags, "--no-progress"])
+    except SystemExit as exc:  # argparse's own usage errors
+        code = exc.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert named in err[-1] and err[-1].startswith("attnkit bench: error:"), err
+    assert "Traceback" not in "\n".join(err)
+    assert not out.exists()  # refused before anything was written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_a_clean_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--device", "cuda"])
+    assert exc.value.code == 2
+    assert "cuda is not available on this machine" in capsys.readouterr().err
+
+
+def test_config_refuses_values_that_would_hang_or_not_fit():
+    for bad in (dict(min_run_time=float("nan")), dict(time_budget_s=-1.0), dict(memory_budget_bytes=0),
+                dict(lengths=[]), dict(lengths=[16, 0]), dict(heads=True), dict(passes=["fwd"])):
+        with pytest.raises(ValueError):
+            BenchConfig(**bad)
+    with pytest.raises(ValueError, match="inputs alone"):
+        BenchConfig(lengths=[10**8])
+    BenchConfig(lengths=[16], min_run_time=0.001)  # a good one passes
+
+
+def test_help_shows_budgets(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default 0.25 s)" in text and "(default 4 GiB)" in text and "(default 0.05 s)" in text
+
+
+def test_missing_plot_extra_is_refused_before_work(tmp_path, monkeypatch, capsys):
+    from attnkit.cli import bench as bench_cli
+
+    monkeypatch.setattr(bench_cli, "missing_extra", lambda: "plots need matplotlib: pip install 'attnkit[bench]'")
+    out = tmp_path / "never"
+    assert main(["bench", *TINY, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "attnkit[bench]" in err and "--no-plots" in err and not out.exists()
+
+
+# --- the terminal table and the report ---
+
+def _row(**kw):
+    row = {"backend": "sdpa", "n": 1024, "mask": "none", "dtype": "float32", "passes": "forward", "status": "ok",
+           "chosen": "sdpa", "exact": True, "median_s": 0.0123, "iqr_s": 0.0, "runs": 1, "peak_bytes": 3 * 2**20,
+           "gflops": 12.5, "pct_of_matmul_peak": 40.0, "error": 1e-7}
+    return {**row, **kw}
+
+
+def test_table_counts_runs_hides_meaningless_spread_and_aligns_numbers():
+    from attnkit.bench.report import terminal_table
+
+    rows = [_row(), _row(backend="linear", chosen="linear", exact=False, pct_of_matmul_peak=None, runs=7, iqr_s=0.002),
+            _row(backend="tiled", n=64, median_s=1.5)]
+    lines = terminal_table({"results": rows}).splitlines()
+    header = lines[0]
+    sdpa, linear, tiled = lines[2], lines[3], lines[4]
+    spread = header.index("IQR ms") + len("IQR ms")
+    assert sdpa[spread - 1] == "-" and linear[spread - 3:spread] == "  2"  # IQR only from 4 timed runs
+    assert "runs" in header
+    peak_end = header.index("% peak") + len("% peak")
+    assert linear[peak_end - 1] == "-" and sdpa[peak_end - 3:peak_end] == "40%"  # no % peak for approximations
+    n_end = header.index(" n ") + 2
+    assert tiled[n_end - 2:n_end] == "64" and sdpa[n_end - 4:n_end] == "1024"  # right-aligned
+
+
+def test_skipped_reasons_are_never_cut_and_hint_names_the_flag():
+    from attnkit.bench.report import skip_hint, terminal_table
+
+    reason = "needs a banded mask: " + "x" * 200 + " END"
+    rows = [_row(), {**_row(backend="sliding_window"), "status": "skipped", "reason": reason, "group": reason}]
+    rows += [{**_row(n=4096 * i), "status": "skipped", "reason": "predicted 3 s per call > budget 0.25 s",
+              "group": "predicted time over budget", "predicted_s": 3.0} for i in (2, 3, 4)]
+    results = {"results": rows, "config": {"time_budget_s": 0.25, "memory_budget_bytes": 4 * 2**30}}
+    assert reason in terminal_table(results, group_skips=True)
+    hint = skip_hint(results)
+    assert hint and "4 of 5 cases were skipped" in hint and "--time-budget 3" in hint
+    assert skip_hint({**results, "results": rows[:1]}) is None  # nothing skipped: no hint
+
+
+def test_pct_of_peak_only_where_meaningful():
+    from attnkit.bench.runner import pct_of_peak
+
+    assert pct_of_peak(50.0, 100.0, True) == 50.0
+    assert pct_of_peak(50.0, 100.0, False) is None  # approximate: not the FLOPs it is credited with
+    assert pct_of_peak(150.0, 100.0, True) is None  # above the measured peak: that peak is no ceiling
+
+
+def test_recorded_command_has_no_output_path():
+    from attnkit.bench.report import command_line
+
+    argv = ["--lengths", "16", "--out", "/some/dir", "--out=/x", "--no-plots"]
+    assert command_line("attnkit bench", argv) == "attnkit bench --lengths 16 --no-plots"
+
+
+# --- plots ---
+
+def test_plot_style_is_fixed_per_backend_and_marks_approximations():
+    from attnkit.bench.plots import style
+
+    assert style("sdpa") == style("sdpa") and style("sdpa")["linestyle"] == "-"
+    assert style("linear")["linestyle"] == "--" and style("auto")["linestyle"] == ":"
+    colors = {style(name)["color"] for name in attnkit.list_backends()}
+    assert len(colors) == len(attnkit.list_backends())  # every registered backend has its own colour
+    assert style("some_new_backend") == style("some_new_backend")  # stable without a table entry
+
+
+def test_plots_skip_single_point_panels(tmp_path):
+    pytest.importorskip("matplotlib")
+    from attnkit.bench.plots import write_plots
+
+    one_length = {"results": [_row(), _row(backend="naive", chosen="naive")], "memory_method": "none"}
+    assert write_plots(one_length, tmp_path) == []  # no curve anywhere: no plot at all
+    two = {"results": one_length["results"] + [_row(n=2048, median_s=0.05)], "memory_method": "none"}
+    made = write_plots(two, tmp_path)
+    assert [p.name for p in made] == ["time_vs_length.png", "memory_vs_length.png"]
+
+
+def test_markdown_table_escapes_pipes_in_reasons():
+    from attnkit.bench.report import terminal_table
+
+    row = {**_row(backend="sliding_window"), "status": "skipped", "reason": "needs a band | GlobalTokens(...)"}
+    md = terminal_table({"results": [_row(), row]}, markdown=True).splitlines()
+    skipped = md[-1]
+    assert skipped.count(" | ") == 5 and "band \\| GlobalTokens" in skipped  # six cells, the pipe escaped

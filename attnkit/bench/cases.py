@@ -21,6 +21,7 @@ from ..masks import BlockSparse, Causal, KeyPadding, Mask, SlidingWindow
 __all__ = ["BenchConfig", "MaskSpec", "Case", "MASK_SPECS", "mask_spec", "density", "useful_flops", "estimate_bytes"]
 
 PASSES = ("forward", "train")  # train = forward + backward
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 BACKWARD_FACTOR = 3.5  # fwd+bwd FLOPs / fwd FLOPs (flash-attn benchmark convention)
 
 
@@ -45,6 +46,53 @@ class BenchConfig:
     error_rows: int = 64  # error vs the float64 reference on the last rows (O(rows * n) cost)
     seed: int = 0
 
+    def __post_init__(self):
+        """Refuse values that would hang (NaN timing budgets), allocate absurd inputs, or mean nothing."""
+        for name in ("batch", "heads", "head_dim", "window", "block", "error_rows"):
+            _check_positive_int(getattr(self, name), name)
+        if not isinstance(self.lengths, (list, tuple)) or not self.lengths:
+            raise ValueError(f"{_flag('lengths')}: expected a non-empty list of lengths, got {self.lengths!r}")
+        for n in self.lengths:
+            _check_positive_int(n, "lengths")
+        for name in ("time_budget_s", "min_run_time"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{_flag(name)}: expected a finite number of seconds > 0, got {value!r}")
+        if isinstance(self.memory_budget_bytes, bool) or not isinstance(self.memory_budget_bytes, int) \
+                or self.memory_budget_bytes <= 0:
+            raise ValueError(f"{_flag('memory_budget_bytes')}: expected a positive size, "
+                             f"got {self.memory_budget_bytes!r}")
+        for name, allowed in (("passes", PASSES), ("dtypes", DTYPES), ("masks", None)):
+            values = getattr(self, name)
+            allowed = allowed or tuple(MASK_SPECS)
+            bad = [v for v in values if v not in allowed]
+            if bad or not values:
+                raise ValueError(f"{_flag(name)}: expected some of {','.join(allowed)}, "
+                                 f"got {','.join(map(str, values))!r}")
+        # the inputs alone must fit the memory budget: refuse before anything is allocated
+        for dtype in self.dtypes:
+            longest = max(self.lengths)
+            need = estimate_bytes(self, None, longest, "none", getattr(torch, dtype), "forward")
+            if need > self.memory_budget_bytes:
+                raise ValueError(
+                    f"--lengths {longest}: the q, k, v inputs alone ({self.batch}x{self.heads}x{longest}x"
+                    f"{self.head_dim} {dtype}) need about {describe_bytes(need)}, over --memory-budget "
+                    f"{describe_bytes(self.memory_budget_bytes)}; use shorter lengths or raise the budget")
+
+
+# BenchConfig field -> the `attnkit bench` flag that sets it (for error messages)
+_FLAGS = {"head_dim": "--head-dim", "time_budget_s": "--time-budget", "memory_budget_bytes": "--memory-budget",
+          "min_run_time": "--min-run-time", "error_rows": "BenchConfig.error_rows", "block": "BenchConfig.block"}
+
+
+def _flag(field_name: str) -> str:
+    return _FLAGS.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def _check_positive_int(value, field_name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{_flag(field_name)}: expected a positive integer, got {value!r}")
+
 
 @dataclass(frozen=True)
 class MaskSpec:
@@ -55,11 +103,13 @@ class MaskSpec:
     build: Callable[[int, BenchConfig], Mask | None]
 
 
-def _pattern(name: str) -> Callable[[int, BenchConfig], Mask]:
-    """BigBird / Longformer block layouts (bidirectional, ``window // block`` blocks each side,
-    block 0 global; BigBird adds one random block per row)."""
+def _block_pattern(name: str) -> Callable[[int, BenchConfig], Mask]:
+    """BigBird / Longformer block layouts (``attnkit.BlockSparse``): bidirectional,
+    ``window // block`` blocks each side, block 0 global; BigBird adds one random block per row."""
 
     def build(n: int, c: BenchConfig) -> Mask:
+        from ..masks import BlockSparse
+
         blocks, window = -(-n // c.block), max(1, c.window // c.block)
         if name == "longformer":
             return BlockSparse.window_global(blocks, c.block, window=window, global_blocks=(0,))
@@ -74,9 +124,9 @@ def _mask_specs() -> dict[str, MaskSpec]:
         MaskSpec("causal", "causal", lambda n, c: Causal()),
         MaskSpec("window", "sliding window", lambda n, c: SlidingWindow(c.window, 0)),
         MaskSpec("padding", "key padding 25%", lambda n, c: KeyPadding([n - n // 4] * c.batch)),
+        MaskSpec("bigbird", "BigBird", _block_pattern("bigbird")),
+        MaskSpec("longformer", "Longformer", _block_pattern("longformer")),
     ]
-    for name, label in (("bigbird", "BigBird"), ("longformer", "Longformer")):
-        specs.append(MaskSpec(name, label, _pattern(name)))
     return {s.name: s for s in specs}
 
 
@@ -114,23 +164,29 @@ def useful_flops(config: BenchConfig, n: int, dens: float, passes: str) -> float
     return fwd * (BACKWARD_FACTOR if passes == "train" else 1.0)
 
 
-def estimate_bytes(config: BenchConfig, backend: str, n: int, mask: Mask | None, dtype: torch.dtype, passes: str) -> int:
-    """A rough upper estimate of the extra memory a case allocates, used only to skip cases that
-    would not fit (the reported peak is measured). Backends that build score matrices (naive; any
-    backend that is given a mask it must materialize) pay O(B * H * n^2); the rest O(B * H * n * D)."""
+def estimate_bytes(config: BenchConfig, backend: str | None, n: int, mask: str, dtype: torch.dtype, passes: str) -> int:
+    """A rough upper estimate of the memory a case allocates (its inputs included), used only to
+    skip cases that would not fit (the reported peak is measured). Backends that build score
+    matrices (naive; any backend that is given a mask it must materialize) pay O(B * H * n^2); the
+    rest O(B * H * n * D); block layouts cost one byte per (head, block, block).
+    ``backend=None``: only what every backend needs (the inputs and the mask), checked before
+    anything is allocated."""
     B, H, D = config.batch, config.heads, config.head_dim
     item = torch.empty((), dtype=dtype).element_size()
     linear = 8 * B * H * n * D * item * (3 if passes == "train" else 1)
+    blocks = -(-n // config.block)
+    structure = 2 * blocks * blocks if mask in ("bigbird", "longformer") else 0
     quadratic = 0
     if backend == "naive":
         # fp32 scores + probabilities (+ their gradients and saved copies for backward)
         quadratic = B * H * n * n * 8 * (3 if passes == "train" else 1)
-    if mask is not None and backend in ("naive", "sdpa") and not (mask.is_causal() and backend == "sdpa"):
+    materializes = mask != "none" and backend in ("naive", "sdpa") and not (mask == "causal" and backend == "sdpa")
+    if materializes:
         quadratic += B * n * n  # the materialized bool mask
-    if backend == "sdpa" and mask is not None and not mask.is_causal():
+    if backend == "sdpa" and mask not in ("none", "causal"):
         # SDPA with an attn_mask may fall back to the math kernel: scores in the input dtype
         quadratic += B * H * n * n * max(item, 4) * (3 if passes == "train" else 1)
-    return linear + quadratic
+    return linear + structure + quadratic
 
 
 def predicted_seconds(previous: dict[int, float], n: int) -> float | None:

@@ -1,10 +1,10 @@
-"""The seeds' claims about attention, measured here (each also has a script under ``benchmarks/``).
+"""Textbook rules of thumb about attention, measured here (each also has a script under ``benchmarks/``).
 
 1. ``scaling``: scores ``q·k`` of unit-variance vectors have variance ``d_k``; dividing by ``√d_k``
    brings it to ~1, while unscaled scores saturate the softmax (max weight -> 1) and the gradient
    through it vanishes.
 2. ``score_memory``: one fp32 (n, n) score matrix at n = 16384 is 16384² · 4 B = 1 GiB (1.07 GB).
-3. ``boundaries``: the seed's rule "standard attention below 4k tokens, flash 4k-32k, sparse beyond"
+3. ``boundaries``: the rule of thumb "standard attention below 4k tokens, flash 4k-32k, sparse beyond"
    against this machine's measured crossovers (from a sweep).
 4. ``multihead``: "multi-head is 3-5x faster than single-head at equal width for n > 1024".
 """
@@ -82,14 +82,14 @@ def multihead(lengths: tuple[int, ...] = (1024, 2048), width: int = 512, heads: 
     return rows
 
 
-# The seed's rule mapped onto attnkit backends: "standard" is the materialized softmax (naive),
+# The rule of thumb mapped onto attnkit backends: "standard" is the materialized softmax (naive),
 # "flash" the fused/tiled exact kernels, "sparse" the structured-sparsity backends.
 FAMILIES = {"naive": "standard", "sdpa": "flash", "tiled": "flash", "sliding_window": "sparse", "block_sparse": "sparse"}
 
 
 def boundaries(crossover_points: dict) -> list[dict]:
     """Where this machine's fastest exact backend changes family, per (dtype, pass, mask), from
-    :func:`attnkit.bench.report.crossovers`; compare with the seed's 4k (standard -> flash) and 32k
+    :func:`attnkit.bench.report.crossovers`; compare with the rule of thumb's 4k (standard -> flash) and 32k
     (flash -> sparse)."""
     rows = []
     for (dtype, passes, mask), pts in crossover_points.items():
@@ -118,7 +118,7 @@ def claims_markdown(scale_rows, memory_row, multi_rows, boundary_rows) -> str:
     lines += ["", f"**2. One fp32 score matrix** at n = {m['n']}: predicted {m['predicted_bytes'] / 2**20:.0f} MiB, "
               f"{measured} ({m['method']}){extra}. At n = 16384: 16384² · 4 B = {16384**2 * 4 / 1e9:.2f} GB = 1 GiB. "
               "`benchmarks/claim_score_memory.py` measures n = 16384 directly.", "",
-              "**3. Boundaries vs the seed's rule** (standard < 4k ≤ flash < 32k ≤ sparse; here: fastest exact "
+              "**3. Boundaries vs the textbook rule of thumb** (standard < 4k ≤ flash < 32k ≤ sparse; here: fastest exact "
               "family per length; `benchmarks/claim_boundaries.py`)", ""]
     for r in boundary_rows:
         lines.append(f"* {r['dtype']} {r['passes']} {r['mask']}: {r['families']} (measured n = {r['lengths']})")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import zlib
 from pathlib import Path
 
 from .cases import mask_spec
 
-__all__ = ["write_plots", "missing_extra"]
+__all__ = ["write_plots", "missing_extra", "style", "STYLES"]
 
 
 def missing_extra() -> str | None:
@@ -18,96 +20,142 @@ def missing_extra() -> str | None:
     return None
 
 
-def _series(results: dict, passes: str, dtype: str, mask: str, key: str) -> dict[str, tuple[list, list]]:
-    out: dict[str, tuple[list, list]] = {}
+# One colour and marker per backend in every plot and every run (a sweep measuring fewer backends
+# keeps the others' colours); exact backends are drawn solid, approximate ones dashed, auto dotted.
+STYLES = {
+    "naive": ("#1f77b4", "o"),
+    "sdpa": ("#d62728", "s"),
+    "tiled": ("#2ca02c", "^"),
+    "sliding_window": ("#9467bd", "v"),
+    "block_sparse": ("#8c564b", "D"),
+    "linear": ("#ff7f0e", "P"),
+    "performer": ("#e377c2", "X"),
+    "lsh": ("#17becf", "*"),
+    "auto": ("#000000", "x"),
+}
+_SPARE = ["#7f7f7f", "#bcbd22", "#aec7e8", "#98df8a", "#ff9896", "#c5b0d5"]
+_SPARE_MARKERS = ["h", "p", "<", ">", "d", "8"]
+APPROXIMATE = frozenset({"linear", "performer", "lsh"})
+
+
+def style(backend: str, exact: bool | None = None) -> dict:
+    """Matplotlib keyword arguments for ``backend``'s line: the same for a name in every plot and
+    run (names outside the table get a colour from a checksum of the name, not from the order)."""
+    family = backend.split("-")[0].split("->")[0]
+    if family in STYLES:
+        color, marker = STYLES[family]
+    else:
+        i = zlib.crc32(family.encode())
+        color, marker = _SPARE[i % len(_SPARE)], _SPARE_MARKERS[i % len(_SPARE_MARKERS)]
+    if exact is None:
+        exact = family not in APPROXIMATE
+    linestyle = ":" if family == "auto" else ("-" if exact else "--")
+    return {"color": color, "marker": marker, "linestyle": linestyle}
+
+
+def _series(results: dict, passes: str, dtype: str, mask: str, key: str) -> dict[str, tuple[list, list, bool]]:
+    out: dict[str, tuple[list, list, bool]] = {}
     for r in results["results"]:
-        if r["status"] == "ok" and (r["passes"], r["dtype"], r["mask"]) == (passes, dtype, mask) and r[key]:  # log axes: drop None and 0
-            xs, ys = out.setdefault(r["backend"], ([], []))
+        # log axes: drop None and 0
+        if r["status"] == "ok" and (r["passes"], r["dtype"], r["mask"]) == (passes, dtype, mask) and r[key]:
+            xs, ys, _ = out.setdefault(r["backend"], ([], [], r["exact"]))
             xs.append(r["n"])
             ys.append(r[key])
     return out
 
 
-def _colors(results: dict) -> dict[str, object]:
-    """One color per backend across every panel (so the shared legend is right)."""
-    import matplotlib.pyplot as plt
-
-    names = sorted({r["backend"] for r in results["results"]})
-    cycle = plt.get_cmap("tab10")
-    return {name: cycle(i % 10) for i, name in enumerate(names)}
-
-
-def _grid(results: dict, key: str, ylabel: str, title: str, path: Path) -> Path | None:
+def _grid(results: dict, key: str, scale: float, ylabel: str, title: str, path: Path) -> Path | None:
+    """One panel per (pass, dtype) row and mask column with at least one backend measured at two
+    or more lengths (a single point is no curve); None when no panel qualifies."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    combos = sorted({(r["passes"], r["dtype"]) for r in results["results"] if r["status"] == "ok"})
-    masks = list(dict.fromkeys(r["mask"] for r in results["results"] if r["status"] == "ok"))
+    ok = [r for r in results["results"] if r["status"] == "ok"]
+    combos = sorted({(r["passes"], r["dtype"]) for r in ok})
+    masks = list(dict.fromkeys(r["mask"] for r in ok))
+
+    def has_curve(passes, dtype, mask):
+        return any(len(xs) >= 2 for xs, _, _ in _series(results, passes, dtype, mask, key).values())
+
+    combos = [c for c in combos if any(has_curve(*c, m) for m in masks)]
+    masks = [m for m in masks if any(has_curve(*c, m) for c in combos)]
     if not combos or not masks:
         return None
-    fig, axes = plt.subplots(len(combos), len(masks), figsize=(3.2 * len(masks), 2.8 * len(combos)), squeeze=False)
-    colors = _colors(results)
+    fig, axes = plt.subplots(len(combos), len(masks), figsize=(3.6 * len(masks) + 1.6, 3.0 * len(combos)),
+                             squeeze=False)
+    handles: dict[str, object] = {}
     for i, (passes, dtype) in enumerate(combos):
         for j, mask in enumerate(masks):
             ax = axes[i][j]
-            for backend, (xs, ys) in sorted(_series(results, passes, dtype, mask, key).items()):
-                ax.plot(xs, ys, marker="o", markersize=3, label=backend, color=colors[backend],
-                        linestyle="--" if backend == "auto" else "-")
+            series = _series(results, passes, dtype, mask, key)
+            for backend, (xs, ys, exact) in sorted(series.items()):
+                (line,) = ax.plot(xs, [y * scale for y in ys], markersize=4, label=backend, **style(backend, exact))
+                handles.setdefault(backend, line)
+            if not series:
+                ax.text(0.5, 0.5, "nothing measured", ha="center", va="center", transform=ax.transAxes, fontsize=8)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_title(f"{mask_spec(mask).label}, {dtype}, {passes}", fontsize=8)
-            ax.tick_params(labelsize=7)
+            ax.set_title(f"{mask_spec(mask).label}, {dtype}, {passes}", fontsize=9)
+            ax.tick_params(labelsize=8)
+            ax.grid(True, which="major", alpha=0.3)
             if i == len(combos) - 1:
-                ax.set_xlabel("sequence length n", fontsize=8)
+                ax.set_xlabel("sequence length n", fontsize=9)
             if j == 0:
-                ax.set_ylabel(ylabel, fontsize=8)
-    handles, labels = {}, {}
-    for ax in axes.flat:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(lab, h)
-    fig.legend(list(handles.values()), list(handles), loc="upper right", fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.subplots_adjust(left=0.08, right=0.88, bottom=0.1, top=0.9, wspace=0.35, hspace=0.45)  # tight_layout is slow
-    fig.savefig(path, dpi=80)
+                ax.set_ylabel(ylabel, fontsize=9)
+    order = [b for b in STYLES if b in handles] + sorted(b for b in handles if b not in STYLES)
+    fig.legend([handles[b] for b in order], order, loc="center right", fontsize=8,
+               title="solid: exact\ndashed: approximate\ndotted: auto", title_fontsize=7)
+    fig.suptitle(title, fontsize=11)
+    fig.subplots_adjust(left=0.07, right=1 - 1.5 / fig.get_figwidth(), bottom=0.12, top=0.86, wspace=0.3,
+                        hspace=0.5)  # tight_layout is slow
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
 
 def _error_vs_speed(results: dict, path: Path) -> Path | None:
+    """Approximate backends: error against time, one colour per backend, one marker per mask."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     rows = [r for r in results["results"] if r["status"] == "ok" and not r["exact"]]
-    if not rows:
+    if len(rows) < 2:
         return None
-    fig, ax = plt.subplots(figsize=(6, 4))
-    colors = _colors(results)
-    for backend in sorted({r["backend"] for r in rows}):
-        mine = [r for r in rows if r["backend"] == backend]
-        ax.scatter([r["median_s"] * 1e3 for r in mine], [max(r["error"], 1e-12) for r in mine], label=backend, s=14,
-                   color=colors[backend])
-        for r in mine:
-            ax.annotate(f"{r['mask']} {r['n']}", (r["median_s"] * 1e3, max(r["error"], 1e-12)), fontsize=5)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    mask_markers = dict(zip(dict.fromkeys(r["mask"] for r in rows), "osD^vP*X"))
+    for r in rows:
+        ax.scatter(r["median_s"] * 1e3, max(r["error"], 1e-12), s=16 + 10 * math.log2(max(r["n"], 1)) / 4,
+                   color=style(r["backend"], False)["color"], marker=mask_markers[r["mask"]], alpha=0.85)
+    backends = sorted({r["backend"] for r in rows})
+    legend = [Line2D([], [], color=style(b, False)["color"], marker="o", linestyle="", label=b) for b in backends]
+    legend += [Line2D([], [], color="gray", marker=m, linestyle="", label=mask_spec(k).label)
+               for k, m in mask_markers.items()]
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("median time per call (ms)")
-    ax.set_ylabel("relative error vs exact (float64)")
-    ax.set_title("approximate backends: error vs speed")
-    ax.legend(fontsize=7)
-    fig.savefig(path, dpi=80, bbox_inches="tight")
+    ax.set_ylabel("relative error vs exact attention (float64)")
+    lengths = sorted({r["n"] for r in rows})
+    ax.set_title(f"Approximate backends: error vs time (n = {', '.join(map(str, lengths))}; larger marker = longer n)",
+                 fontsize=9)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(handles=legend, fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
 def write_plots(results: dict, out_dir: Path) -> list[Path]:
     """Time vs length (log-log) per backend and mask, peak memory vs length, error vs speed."""
+    method = results["memory_method"].split(" (")[0]
     made = [
-        _grid(results, "median_s", "median time (s)", "time vs length", out_dir / "time_vs_length.png"),
-        _grid(results, "peak_bytes", "peak memory (bytes)", f"peak memory vs length ({results['memory_method']})",
+        _grid(results, "median_s", 1e3, "median time per call (ms)", "Time per call vs sequence length",
+              out_dir / "time_vs_length.png"),
+        _grid(results, "peak_bytes", 2**-20, "peak memory (MiB)", f"Peak memory vs sequence length ({method})",
               out_dir / "memory_vs_length.png"),
         _error_vs_speed(results, out_dir / "error_vs_speed.png"),
     ]

@@ -3,19 +3,43 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from .cases import describe_bytes, mask_spec
 
-__all__ = ["terminal_table", "crossovers", "crossover_table", "write_json", "write_markdown", "auto_ratios"]
+__all__ = ["command_line", "format_table", "terminal_table", "skip_hint", "crossovers", "crossover_table",
+           "write_json", "write_markdown", "auto_ratios"]
 
 
-def _table(rows: list[list[str]], header: list[str], markdown: bool = False) -> str:
+def command_line(head: str, argv: list[str]) -> str:
+    """The command line to store with results, without ``--out``: where the files went is no
+    property of the figures, and it would write this machine's paths into shared files."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            kept.append(arg)
+    return f"{head} {shlex.join(kept)}".strip()
+
+
+def format_table(rows: list[list[str]], header: list[str], markdown: bool = False,
+           right: frozenset[int] = frozenset()) -> str:
+    """A plain or Markdown table; the columns in ``right`` (numbers) are right-aligned."""
     if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+        rule = "|" + "".join("---:|" if i in right else "---|" for i in range(len(header)))
+        lines = ["| " + " | ".join(header) + " |", rule]
+        cell = lambda c: str(c).replace("|", "\\|")  # noqa: E731  (a reason may quote `a | b`)
+        return "\n".join(lines + ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows])
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))  # noqa: E731
+
+    def line(r):
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        return "  ".join(cells).rstrip()
+
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
@@ -23,31 +47,63 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g}"
 
 
+# blocked_autorange's interquartile range needs a few timed blocks to mean anything
+MIN_RUNS_FOR_IQR = 4
+
+
+def _spread(r: dict) -> str:
+    return _ms(r["iqr_s"]) if r["runs"] >= MIN_RUNS_FOR_IQR else "-"
+
+
 def terminal_table(results: dict, markdown: bool = False, group_skips: bool = False) -> str:
     """One line per case that ran, then one per skipped case with its reason (``group_skips``: one
-    line per backend and reason, with the lengths, for the terminal)."""
+    line per backend and reason, with the case count, for the terminal)."""
     rows, skipped = [], []
     for r in results["results"]:
         name = r["backend"] + (f"->{r['chosen']}" if r["backend"] == "auto" and r["status"] == "ok" else "")
         head = [r["dtype"], r["passes"], r["mask"], str(r["n"]), name]
         if r["status"] == "ok":
             mem = "-" if r["peak_bytes"] is None else describe_bytes(r["peak_bytes"])
-            rows.append(head + [_ms(r["median_s"]), _ms(r["iqr_s"]), mem, f"{r['gflops']:.1f}",
-                                f"{r['pct_of_matmul_peak']:.0f}%", f"{r['error']:.1e} {'abs' if r['exact'] else 'rel'}"])
+            pct = r.get("pct_of_matmul_peak")
+            rows.append(head + [_ms(r["median_s"]), _spread(r), str(r["runs"]), mem, f"{r['gflops']:.1f}",
+                                "-" if pct is None else f"{pct:.0f}%",
+                                f"{r['error']:.1e} {'abs' if r['exact'] else 'rel'}"])
         else:
             skipped.append(head + [r["status"] + ": " + (r["group"] if group_skips else r["reason"])])
-    out = _table(rows, ["dtype", "pass", "mask", "n", "backend", "median ms", "IQR ms", "peak mem", "GFLOP/s",
-                        "% peak", "error"], markdown)
+    out = format_table(rows, ["dtype", "pass", "mask", "n", "backend", "median ms", "IQR ms", "runs", "peak mem", "GFLOP/s",
+                        "% peak", "error"], markdown, right=frozenset({3, 5, 6, 7, 8, 9, 10, 11}))
     if skipped and group_skips:
         groups: dict[tuple[str, str], list[str]] = {}
         for dtype, passes, mask, n, name, why in skipped:
             groups.setdefault((name, why), []).append(f"{dtype}/{passes}/{mask}/{n}")
-        rows = [[name, str(len(where)), why[:110]] for (name, why), where in groups.items()]
+        rows = [[name, str(len(where)), why] for (name, why), where in groups.items()]
         out += f"\n\n{len(skipped)} cases skipped (every reason in results.json and report.md):\n"
-        out += _table(rows, ["backend", "cases", "skipped because"], markdown)
+        out += format_table(rows, ["backend", "cases", "skipped because"], markdown, right=frozenset({1}))
     elif skipped:
-        out += "\n\n" + _table(skipped, ["dtype", "pass", "mask", "n", "backend", "skipped because"], markdown)
+        out += "\n\n" + format_table(skipped, ["dtype", "pass", "mask", "n", "backend", "skipped because"], markdown,
+                                right=frozenset({3}))
     return out
+
+
+def skip_hint(results: dict) -> str | None:
+    """When most cases were skipped for a budget, say which flag to raise (None otherwise)."""
+    rows = results["results"]
+    over_time = sum(r["status"] == "skipped" and r.get("group") == "predicted time over budget" for r in rows)
+    over_memory = sum(r["status"] == "skipped" and r.get("group") == "predicted memory over budget" for r in rows)
+    skipped = sum(r["status"] != "ok" for r in rows)
+    if not rows or skipped * 2 <= len(rows) or not (over_time or over_memory):
+        return None
+    config = results["config"]
+    parts = []
+    if over_time:
+        longest = max(r.get("predicted_s", 0) for r in rows)
+        parts.append(f"{over_time} were predicted to take over --time-budget {config['time_budget_s']:g} s per call "
+                     f"(the slowest {longest:.2g} s): raise it, e.g. --time-budget {max(1, min(60, round(longest)))}")
+    if over_memory:
+        parts.append(f"{over_memory} were predicted to need over --memory-budget "
+                     f"{config['memory_budget_bytes'] / 2**30:g} GiB: raise it or drop the longest lengths")
+    return (f"hint: {skipped} of {len(rows)} cases were skipped; " + "; ".join(parts) +
+            ". Or measure fewer backends (--backends) and masks (--masks).")
 
 
 def crossovers(results: dict, exact_only: bool = True) -> dict[tuple[str, str, str], list[tuple[int, str, float, str]]]:
@@ -74,7 +130,7 @@ def crossover_table(results: dict, markdown: bool = False) -> str:
                  for n, best, x, second in pts]
         changes = [f"{a[1]}->{b[1]} in ({a[0]}, {b[0]}]" for a, b in zip(pts, pts[1:]) if a[1] != b[1]]
         rows.append([dtype, passes, mask_spec(mask).label, "; ".join(cells), ", ".join(changes) or "none"])
-    return _table(rows, ["dtype", "pass", "mask", "fastest exact backend per n", "crossovers"], markdown)
+    return format_table(rows, ["dtype", "pass", "mask", "fastest exact backend per n", "crossovers"], markdown)
 
 
 def auto_ratios(results: dict) -> list[dict]:
@@ -103,7 +159,7 @@ def auto_ratios(results: dict) -> list[dict]:
 def auto_table(results: dict, markdown: bool = False) -> str:
     rows = [[r["dtype"], r["passes"], r["mask"], str(r["n"]), r["best"], r["auto_chose"], f"{r['auto_over_best']:.2f}"]
             for r in auto_ratios(results)]
-    return _table(rows, ["dtype", "pass", "mask", "n", "best", "auto chose", "auto/best"], markdown)
+    return format_table(rows, ["dtype", "pass", "mask", "n", "best", "auto chose", "auto/best"], markdown, right=frozenset({3, 6}))
 
 
 def write_json(results: dict, path: Path) -> Path:
@@ -123,9 +179,10 @@ def write_markdown(results: dict, out_dir: Path, plots: list[Path], claims: str 
         f"Python {machine['python']}  ",
         f"Measured matmul peak: {peaks}. Run took {results['elapsed_s']:.0f} s.",
         "",
-        f"* Time: median and interquartile range of `torch.utils.benchmark` blocked_autorange "
-        f"(min_run_time {results['config']['min_run_time']} s) after one warm-up call. A shared or busy "
-        "machine makes these noisy: compare ratios within one run, and repeat.",
+        f"* Time: median of `torch.utils.benchmark` blocked_autorange (min_run_time "
+        f"{results['config']['min_run_time']} s) after one warm-up call; `runs` is the number of timed blocks, "
+        f"and the interquartile range is shown from {MIN_RUNS_FOR_IQR} runs. A shared or busy machine makes "
+        "these noisy: compare ratios within one run, and repeat.",
         f"* Peak memory: {results['memory_method']}.",
         f"* GFLOP/s: {results['flops_convention']}; % peak: {results.get('pct_of_peak_convention', 'of the matmul peak')}.",
         f"* Error: {results['error_convention']}.",
@@ -143,7 +200,7 @@ def write_markdown(results: dict, out_dir: Path, plots: list[Path], claims: str 
     if plots:
         lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     if claims:
-        lines += ["## The seeds' claims, measured", "", claims, ""]
+        lines += ["## The textbook rules of thumb, measured", "", claims, ""]
     lines += ["## Every case", "", terminal_table(results, markdown=True), ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))

@@ -146,7 +146,8 @@ def run_sweep(config: BenchConfig, progress: Callable[[Iterable], Iterable] | No
         "config": asdict(config),
         "memory_method": memory.method,
         "matmul_peak_gflops": peaks,
-        "pct_of_peak_convention": "% of max(matmul peak of the case dtype, float32 matmul peak)",
+        "pct_of_peak_convention": "% of max(matmul peak of the case dtype, float32 matmul peak); "
+                                  "none for approximate backends and where a kernel outran that peak",
         "flops_convention": "useful (kept pairs) exact-attention FLOPs: 4*B*H*n^2*D*density forward, x3.5 forward+backward",
         "error_convention": f"forward output on the last {config.error_rows} query rows vs naive float64: exact backends max abs, approximate relative (Frobenius)",
         "elapsed_s": time.perf_counter() - start,
@@ -154,10 +155,21 @@ def run_sweep(config: BenchConfig, progress: Callable[[Iterable], Iterable] | No
     }
 
 
+def _memory_skip(case: Case, config: BenchConfig, estimate: int) -> dict | None:
+    if estimate <= config.memory_budget_bytes:
+        return None
+    budget = describe_bytes(config.memory_budget_bytes)
+    return _skip(case, f"predicted memory {describe_bytes(estimate)} > budget {budget}", "predicted memory over budget",
+                 memory_estimate_bytes=estimate)
+
+
 def _run_case(case, config, registry, dtype, peak, memory, measured) -> dict:
-    spec = mask_spec(case.mask)
     n, grad = case.n, case.passes == "train"
-    mask = spec.build(n, config)
+    # what every backend needs (inputs, mask structure), checked before anything is allocated
+    skip = _memory_skip(case, config, estimate_bytes(config, None, n, case.mask, dtype, case.passes))
+    if skip:
+        return skip
+    mask = mask_spec(case.mask).build(n, config)
     q, k, v = _inputs(config, n, dtype, grad, config.seed + n)
     inp = AttentionInputs.create(q, k, v, mask=mask)
     if case.backend == "auto":
@@ -173,10 +185,10 @@ def _run_case(case, config, registry, dtype, peak, memory, measured) -> dict:
             return _skip(case, "; ".join(reasons))
         chosen = impl.name
     dens = density(mask, n)
-    estimate = estimate_bytes(config, chosen, n, mask, dtype, case.passes)
-    if estimate > config.memory_budget_bytes:
-        return _skip(case, f"predicted memory {describe_bytes(estimate)} > budget {describe_bytes(config.memory_budget_bytes)}",
-                     "predicted memory over budget", memory_estimate_bytes=estimate)
+    estimate = estimate_bytes(config, chosen, n, case.mask, dtype, case.passes)
+    skip = _memory_skip(case, config, estimate)
+    if skip:
+        return skip
     guess = predicted_seconds(measured.get(case.series, {}), n)
     if guess is not None and guess > config.time_budget_s:
         return _skip(case, f"predicted {guess:.2g} s per call > budget {config.time_budget_s:g} s "
@@ -207,10 +219,20 @@ def _run_case(case, config, registry, dtype, peak, memory, measured) -> dict:
         "density": dens,
         "flops": flops,
         "gflops": gflops,
-        "pct_of_matmul_peak": 100 * gflops / peak,
+        "pct_of_matmul_peak": pct_of_peak(gflops, peak, impl.exact),
         "error": err,
         "error_kind": err_kind,
     }
+
+
+def pct_of_peak(gflops: float, peak: float, exact: bool) -> float | None:
+    """Useful throughput as % of the matmul peak; None where it means nothing: approximate
+    backends (they do not compute the exact-attention FLOPs they are credited with), and results
+    above the peak (the peak's torch.mm is then slower than the kernel, so it is no ceiling)."""
+    if not exact or peak <= 0:
+        return None
+    pct = 100 * gflops / peak
+    return pct if pct <= 100 else None
 
 
 def ok_rows(results: dict) -> list[dict]:

@@ -4,24 +4,89 @@ Examples:
     python -m attnkit info
     python -m attnkit info --shape 1,8,1024,64 --mask causal
     python -m attnkit info --shape 1,8,4096,64 --kv-heads 2 --mask window:256 --dtype bfloat16
+    python -m attnkit info --shape 1,8,4096,64 --mask bigbird
 """
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
+from dataclasses import dataclass, replace
 
 import torch
 
-from .. import calibration
+from .. import __version__, calibration
+from ..bench.cases import MASK_SPECS, BenchConfig
+from ..bench.report import format_table
 from ..dispatch import explain
-from ..masks import Causal, KeyPadding, Mask, SlidingWindow
-from ..masks import longformer
+from ..masks import Custom, Dense, Document, KeyPadding, Mask, SlidingWindow
 from ..registry import list_backends
+from .options import device, positive_int
 
 MASK_HELP = (
-    "none | causal | window:LEFT[,RIGHT] | padding:LEN (keys at positions >= LEN are padding) | "
-    "longformer:WINDOW[,GLOBALS] (two-sided window + the first GLOBALS tokens global)"
+    "one of the masks `bench` measures: none | causal | window[:LEFT[,RIGHT]] (default 256,0) | "
+    "padding[:LEN] (keys at positions >= LEN are padding; default 3/4 of the keys) | "
+    "bigbird[:WINDOW[,BLOCK]] | longformer[:WINDOW[,BLOCK]] (BlockSparse layouts, default 256,64)"
 )
+
+# The input the capability table probes each backend with (cheap: torch.empty, explain runs nothing).
+PROBE_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class MaskChoice:
+    """A parsed ``--mask``: a bench mask spec and its parameters; ``build(B, Tk)`` gives the mask."""
+
+    kind: str
+    config: BenchConfig
+    padding_length: int | None = None  # padding:LEN
+    right: int = 0  # window:LEFT,RIGHT (bench's window is one-sided)
+
+    def build(self, batch: int, kv_len: int) -> Mask | None:
+        if self.padding_length is not None:
+            return KeyPadding([self.padding_length] * batch)
+        if self.right:
+            return SlidingWindow(self.config.window, self.right)
+        return MASK_SPECS[self.kind].build(kv_len, replace(self.config, batch=batch))
+
+
+def parse_mask(text: str) -> MaskChoice:
+    """Parse a mask spec for the command line (see MASK_HELP)."""
+    kind, _, arg = text.partition(":")
+    args = arg.split(",") if arg else []
+    default = BenchConfig()
+    try:
+        numbers = [int(a) for a in args]
+    except ValueError:
+        numbers = None
+    limits = {"none": 0, "causal": 0, "window": 2, "padding": 1, "bigbird": 2, "longformer": 2}
+    if kind in limits and numbers is not None and len(numbers) <= limits[kind] and all(x >= 0 for x in numbers):
+        if kind == "window":
+            left, right = (numbers + [default.window, 0][len(numbers):])[:2]
+            if left >= 1:
+                return MaskChoice(kind, replace(default, window=left), right=right)
+        elif kind == "padding":
+            if not numbers or numbers[0] >= 1:
+                return MaskChoice(kind, default, numbers[0] if numbers else None)
+        elif kind in ("bigbird", "longformer"):
+            window, block = (numbers + [default.window, default.block][len(numbers):])[:2]
+            if window >= 1 and block >= 1:
+                return MaskChoice(kind, replace(default, window=window, block=block))
+        else:
+            return MaskChoice(kind, default)
+    raise argparse.ArgumentTypeError(f"expected {MASK_HELP}; got {text!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", type=parse_shape, help="query shape B,H,T,D: explain the choice for this input")
+    parser.add_argument("--kv-len", type=positive_int, default=None, help="key length Tk (default: T)")
+    parser.add_argument("--kv-heads", type=positive_int, default=None,
+                        help="key/value heads Hkv, a divisor of H (default: H)")
+    parser.add_argument("--mask", type=parse_mask, default=None, help=MASK_HELP)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    parser.add_argument("--device", type=device, default="cpu", help="a device this machine has (default cpu)")
+    parser.add_argument("--grad", action="store_true", help="the inputs require gradients (training)")
+    parser.add_argument("--lse", action="store_true", help="the log-sum-exp is requested")
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int]:
@@ -30,91 +95,98 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
     except ValueError:
         parts = ()
     if len(parts) != 4 or min(parts) < 1:
-        raise argparse.ArgumentTypeError(f"--shape: expected B,H,T,D as four positive ints, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected B,H,T,D as four positive ints, e.g. 1,8,1024,64; got {text!r}")
     return parts  # type: ignore[return-value]
 
 
-def parse_mask(text: str) -> Mask | None:
-    """Parse a mask spec for the command line (see MASK_HELP)."""
-    kind, _, arg = text.partition(":")
-    try:
-        if kind == "none":
-            return None
-        if kind == "causal":
-            return Causal()
-        if kind == "window":
-            left, _, right = arg.partition(",")
-            return SlidingWindow(int(left), int(right or 0))
-        if kind == "padding":
-            return KeyPadding([int(arg)])
-        if kind == "longformer":
-            window, _, globals_ = arg.partition(",")
-            return longformer(int(window), list(range(int(globals_ or 1))))
-    except ValueError:
-        pass
-    raise argparse.ArgumentTypeError(f"--mask: expected {MASK_HELP}, got {text!r}")
+def probe_masks(batch: int = 2, n: int = PROBE_LENGTH) -> dict[str, Mask | None]:
+    """The masks the capability table asks each backend about: every ``bench`` mask, plus the
+    kinds ``bench`` does not sweep (a dense bool tensor, ``Document``, ``Custom``)."""
+    config = replace(BenchConfig(), batch=batch, window=n // 4, block=n // 8)
+    masks: dict[str, Mask | None] = {name: spec.build(n, config) for name, spec in MASK_SPECS.items()}
+    masks["dense-bool"] = Dense(torch.ones(n, n, dtype=torch.bool).tril())
+    masks["document"] = Document(torch.arange(n).div(n // 2, rounding_mode="floor").expand(batch, n))
+    masks["custom"] = Custom(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
+    return masks
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", type=parse_shape, help="query shape B,H,T,D: explain the choice for this input")
-    parser.add_argument("--kv-len", type=int, default=None, help="key length Tk (default: T)")
-    parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads Hkv (default: H)")
-    parser.add_argument("--mask", type=parse_mask, default=None, help=MASK_HELP)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--grad", action="store_true", help="the inputs require gradients (training)")
-    parser.add_argument("--lse", action="store_true", help="the log-sum-exp is requested")
+def backend_rows() -> list[dict]:
+    """Per backend: availability and the probe masks it accepts, both from the backend's own
+    ``not_supported_reasons`` (what ``explain`` reports), on a float32 CPU input of length 256."""
+    masks = probe_masks()
+    q = torch.empty(2, 4, PROBE_LENGTH, 16)
+    rows = []
+    for name, impl in list_backends().items():
+        reasons = {label: impl.not_supported_reasons(_inputs(q, mask)) for label, mask in masks.items()}
+        accepted = [label for label, why in reasons.items() if not why]
+        c = impl.capabilities()
+        if not c["available"]:
+            avail = "no: " + next(iter(r for why in reasons.values() for r in why), "a required package is missing")
+        elif not accepted:
+            common = Counter(r for why in reasons.values() for r in why).most_common(1)
+            avail = "no: " + (common[0][0] if common else "unknown")
+        else:
+            avail = "yes"
+        rows.append({"name": name, "avail": avail, "capabilities": c,
+                     "masks": "any" if len(accepted) == len(masks) else ",".join(accepted) or "-"})
+    return rows
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))  # noqa: E731
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+def _inputs(q, mask):
+    from ..inputs import AttentionInputs
+
+    return AttentionInputs.create(q, q, q, mask=mask)
 
 
 def backend_table() -> str:
     rows = []
-    for name, impl in list_backends().items():
-        c = impl.capabilities()
+    for row in backend_rows():
+        c = row["capabilities"]
         flags = [f for f in ("gqa", "dropout", "bias", "backward", "lse") if c[f]]
         rows.append(
-            [name, "yes" if c["available"] else "no", "exact" if c["exact"] else "approx", ",".join(c["devices"]),
-             ",".join(d.replace("float", "f").replace("bf16", "bf16") for d in c["dtypes"]),
-             c["masks"] if isinstance(c["masks"], str) else ",".join(c["masks"]), ",".join(flags)]
+            [row["name"], row["avail"], "exact" if c["exact"] else "approx", ",".join(c["devices"]),
+             ",".join(d.replace("float", "f") for d in c["dtypes"]), row["masks"], ",".join(flags)]
         )
-    return _table(rows, ["backend", "avail", "kind", "devices", "dtypes", "masks", "features"])
+    legend = (f"masks: those each backend accepts (its own reasons, as explain() reports them, at T={PROBE_LENGTH})"
+              f" among\n  {', '.join(probe_masks())}; 'any' = all of them")
+    return format_table(rows, ["backend", "avail", "kind", "devices", "dtypes", "masks", "features"]) + "\n" + legend
 
 
-def policy_line() -> str:
+def policy_line(prog: str = "attnkit") -> str:
     """Whether ``auto`` follows a measured calibration of this machine or the built-in defaults."""
     data = calibration.load()
     if data is None:
         return (f"auto policy: built-in defaults (no calibration at {calibration.calibration_path()}; "
-                "measure this machine with `python -m attnkit bench --calibrate`)")
+                f"measure this machine with `{prog} bench --calibrate`)")
     return (f"auto policy: measured on this machine ({len(data['entries'])} device/dtype/mask/pass entries "
-            f"in {calibration.calibration_path()}, from `{data.get('command', 'attnkit bench --calibrate')}`)")
+            f"in {calibration.calibration_path()}, from `{data.get('command', prog + ' bench --calibrate')}`)")
 
 
 def run(args: argparse.Namespace) -> int:
-    print(f"attnkit on torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
+    explanation = None
+    if args.shape is not None:  # build and check the input first: a mistake is reported before any output
+        B, H, T, D = args.shape
+        Tk = args.kv_len or T
+        Hkv = args.kv_heads or H
+        if H % Hkv:
+            raise ValueError(f"--kv-heads {Hkv}: must divide the {H} query heads of --shape "
+                             f"(grouped-query attention); e.g. --kv-heads {H} or 1")
+        meta = dict(device=args.device, dtype=getattr(torch, args.dtype))
+        # selection reads only shapes/dtypes: empty tensors of the real shape cost no compute
+        q = torch.empty(B, H, T, D, **meta).requires_grad_(args.grad)
+        k = torch.empty(B, Hkv, Tk, D, **meta).requires_grad_(args.grad)
+        v = torch.empty(B, Hkv, Tk, D, **meta).requires_grad_(args.grad)
+        mask = None if args.mask is None else args.mask.build(B, Tk)
+        explanation = explain(q, k, v, mask=mask, return_lse=args.lse)
+    print(f"attnkit {__version__} on torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
           f"CUDA {'available' if torch.cuda.is_available() else 'not available'}")
     print()
     print(backend_table())
     print()
-    print(policy_line())
-    if args.shape is None:
-        print("\nFor a choice explained: python -m attnkit info --shape B,H,T,D --mask causal")
+    if explanation is None:
+        prog = getattr(args, "_prog", "attnkit")
+        print(policy_line(prog))
+        print(f"\nFor a choice explained: {prog} info --shape B,H,T,D --mask causal")
         return 0
-    B, H, T, D = args.shape
-    Tk = args.kv_len or T
-    Hkv = args.kv_heads or H
-    dtype = getattr(torch, args.dtype)
-    meta = dict(device=args.device, dtype=dtype)
-    # Meta-free but cheap: selection reads only shapes/dtypes, so tiny stand-ins are not enough;
-    # empty tensors of the real shape cost no compute (torch.empty does not touch memory).
-    q = torch.empty(B, H, T, D, **meta).requires_grad_(args.grad)
-    k = torch.empty(B, Hkv, Tk, D, **meta).requires_grad_(args.grad)
-    v = torch.empty(B, Hkv, Tk, D, **meta).requires_grad_(args.grad)
-    print()
-    print(explain(q, k, v, mask=args.mask, return_lse=args.lse))
+    print(explanation)  # it ends with the policy line
     return 0
