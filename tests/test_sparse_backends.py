@@ -112,4 +112,4 @@ def test_info_cli_explains_a_longformer_mask():
     mask = parse_mask("longformer:256,64").build(1, 4096)  # the BlockSparse layout `bench` measures
     q = torch.empty(1, 2, 4096, 8)
     explanation = attnkit.explain(q, q, q, mask=mask)
-    assert explanation.chosen == "block_sparse" and "needs a banded mask" in str(explanation)
+    assert explanation.chosen == "block_sparse" and "needs banded" in str(explanation)
