@@ -33,16 +33,19 @@ def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
     *,
     mask: Mask | Tensor | None = None,
     bias: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
     q_offset: int | None = None,
     kv_offset: int = 0,
     backend: str = "auto",
     options=None,
     return_lse: bool = False,
+    enable_gqa: bool = True,
 ):
     """Scaled dot-product attention ``softmax(q kᵀ · scale + bias) v`` under a mask.
 
@@ -52,8 +55,9 @@ def attention(
         mask: where attention is allowed (True = attend): a :class:`~attnkit.masks.Mask`
             (``Causal()``, ``SlidingWindow(...)``, ...) or a bool tensor broadcastable to
             ``(B, Hq, Tq, Tk)``. A query row with no allowed key yields 0.
-        bias: additive float scores broadcastable to ``(B, Hq, Tq, Tk)`` (ALiBi, relative positions).
-        scale: score scale; ``None`` means ``D ** -0.5``.
+        bias: additive float scores broadcastable to ``(B, Hq, Tq, Tk)`` (at least 2-D; ALiBi,
+            relative positions). A float32 bias on float16/bfloat16 inputs is used in float32.
+        scale: score scale, a finite float; ``None`` means ``D ** -0.5``.
         dropout_p: dropout on the attention weights (pass 0 at evaluation).
         q_offset, kv_offset: absolute position of the first query and key. The default
             ``q_offset = kv_offset + Tk - Tq`` aligns the last query with the last key, so
@@ -61,21 +65,43 @@ def attention(
 
                 Tq=2, Tk=5, Causal():  [[1,1,1,1,0],
                                         [1,1,1,1,1]]
+        attn_mask, is_causal: ``F.scaled_dot_product_attention``'s arguments, with its semantics, so
+            code written for SDPA runs unchanged (positionally too): a bool ``attn_mask`` (True =
+            attend) acts as ``mask=``, a float one is added to the scores as ``bias=``.
+            ``is_causal=True`` is SDPA's **top-left** causal mask (query ``i`` sees keys ``0..i``,
+            i.e. ``mask=Causal()`` with ``q_offset=kv_offset``), unlike ``Causal()``'s bottom-right
+            default when ``Tq != Tk``::
+
+                Tq=2, Tk=5, is_causal=True:  [[1,0,0,0,0],
+                                              [1,1,0,0,0]]
+
+            As in SDPA, ``is_causal`` together with ``attn_mask`` (or ``mask=``) is an error.
         backend: ``"auto"`` (the first exact backend that can run the input; see :func:`explain`)
             or a backend name; a named backend that cannot run raises ``NoBackendError``.
         options: the named backend's ``Options`` dataclass (tile sizes, features, ...).
         return_lse: also return the log-sum-exp of the masked scores per query row
             ``(B, Hq, Tq)`` in float32 (float64 for float64 inputs; ``-inf`` for fully masked rows).
+        enable_gqa: accepted for SDPA compatibility; grouped K/V heads are always supported.
+
+    NaN and Inf (every backend):
+        NaN in what a query row may attend — its query, or the key, value or bias entry of a key
+        it may see — makes that row NaN; an Inf there gives what IEEE arithmetic gives (NaN,
+        ±Inf, or weight 0 for a key whose score is -Inf). NaN/Inf in what a row may not see
+        (masked keys, keys only later queries see, padding) changes nothing in that row, and a
+        row with no allowed key is 0 whatever its inputs hold. ``scale`` NaN/±Inf is refused.
 
     Returns:
         ``out (B, Hq, Tq, Dv)`` in q's dtype, or ``(out, lse)`` with ``return_lse=True``.
     """
+    if enable_gqa is not True and not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa: expected True or False, got {type(enable_gqa).__name__} {enable_gqa!r}.")
     inp = AttentionInputs.create(
         q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, q_offset=q_offset,
-        kv_offset=kv_offset, return_lse=return_lse,
+        kv_offset=kv_offset, return_lse=return_lse, attn_mask=attn_mask, is_causal=is_causal,
     )
     impl = select(inp, backend)
-    options = _check_options(impl, options)
+    if options is not None:
+        options = _check_options(impl, options)
     return impl.forward(inp, options)
 
 
@@ -90,11 +116,15 @@ def attention_weights(
     kv_offset: int = 0,
 ) -> Tensor:
     """The attention probabilities ``(B, Hq, Tq, Tk)`` (rows sum to 1, fully masked rows are 0),
-    computed by the naive backend. Same arguments as :func:`attention`, without ``v``."""
+    computed by the naive backend in float32 (float64 for float64 inputs). Same arguments as
+    :func:`attention`, without ``v``."""
     from .backends.naive import probabilities
 
     v = k[..., :1]  # a stand-in: the weights do not depend on v
     inp = AttentionInputs.create(q, k, v, mask=mask, bias=bias, scale=scale, q_offset=q_offset, kv_offset=kv_offset)
-    keep = inp.materialize_mask()
-    k, _ = inp.kv_for(keep, *inp.expand_kv())
-    return probabilities(inp, k, keep)[0].to(inp.dtype)
+    from .backends._common import poison_rows
+
+    probs, _, _, poisoned = probabilities(inp)
+    if poisoned is not None:  # rows that may attend a NaN/Inf key are NaN, like attention()'s
+        probs = poison_rows(probs, poisoned)
+    return probs.to(inp.dtype)

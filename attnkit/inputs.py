@@ -17,6 +17,45 @@ from .masks import Mask, as_mask
 __all__ = ["AttentionInputs", "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_INF = float("inf")
+
+
+def _sdpa_arguments(attn_mask, is_causal, mask, bias, q_offset, kv_offset):
+    """``F.scaled_dot_product_attention``'s ``attn_mask``/``is_causal`` as attnkit's ``mask``/``bias``
+    (and offsets): a bool ``attn_mask`` (True = attend) is a ``Dense`` mask, a float one an additive
+    bias; ``is_causal=True`` is SDPA's top-left causal mask: query ``i`` sees keys ``0..i``."""
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal: expected True or False, got {type(is_causal).__name__} {is_causal!r}.")
+    if is_causal and attn_mask is not None:
+        raise ValueError("is_causal=True with attn_mask: expected one of them (as in "
+                         "F.scaled_dot_product_attention). Fix: fold the causal mask into attn_mask, or pass "
+                         "mask=Causal() & Dense(keep).")
+    if is_causal:
+        if mask is not None:
+            raise ValueError(f"is_causal=True with mask={mask!r}: expected one of them. Fix: pass mask=Causal() & ... "
+                             "to combine masks.")
+        if q_offset is not None and q_offset != kv_offset:
+            raise ValueError(
+                f"is_causal=True is top-left aligned (query i sees keys 0..i, as in SDPA), but q_offset={q_offset} "
+                f"differs from kv_offset={kv_offset}. Fix: for other alignments pass mask=Causal() with q_offset=."
+            )
+        from .masks import Causal
+
+        return Causal(), bias, kv_offset, kv_offset
+    if not isinstance(attn_mask, Tensor):
+        raise TypeError(f"attn_mask: expected a bool or float tensor (as in F.scaled_dot_product_attention), "
+                        f"got {type(attn_mask).__name__}.")
+    if attn_mask.dtype == torch.bool:
+        if mask is not None:
+            raise ValueError(f"attn_mask (bool) with mask={mask!r}: expected one of them. Fix: combine them as "
+                             "mask=Dense(attn_mask) & ...")
+        return attn_mask, bias, q_offset, kv_offset
+    if attn_mask.is_floating_point():
+        if bias is not None:
+            raise ValueError("attn_mask (float, additive) with bias=: expected one of them. Fix: pass bias=attn_mask + bias.")
+        return mask, attn_mask, q_offset, kv_offset
+    raise TypeError(f"attn_mask: expected dtype torch.bool (True = attend) or a float dtype (added to the scores), "
+                    f"got {attn_mask.dtype}.")
 
 
 def _check_tensor(name: str, x, expected: str) -> None:
@@ -74,8 +113,13 @@ class AttentionInputs:
         q_offset: int | None = None,
         kv_offset: int = 0,
         return_lse: bool = False,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
     ) -> AttentionInputs:
-        """Validate the arguments of ``attention()`` and fill in defaults."""
+        """Validate the arguments of ``attention()`` and fill in defaults (``attn_mask``/``is_causal``
+        are SDPA's spellings, turned into ``mask``/``bias`` here)."""
+        if attn_mask is not None or is_causal is not False:
+            mask, bias, q_offset, kv_offset = _sdpa_arguments(attn_mask, is_causal, mask, bias, q_offset, kv_offset)
         _check_tensor("q", q, "(B, Hq, Tq, D)")
         _check_tensor("k", k, "(B, Hkv, Tk, D)")
         _check_tensor("v", v, "(B, Hkv, Tk, Dv)")
@@ -115,10 +159,14 @@ class AttentionInputs:
                 if size == 0:
                     raise ValueError(f"{name}: expected at least 1, got 0. Fix: skip the call for empty inputs.")
         if scale is None:
-            scale = D**-0.5 if D > 0 else 1.0
-        elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
-            raise TypeError(f"scale: expected a float or None (= D ** -0.5), got {type(scale).__name__}.")
-        scale = float(scale)
+            scale = D**-0.5
+        elif type(scale) is not float or not -_INF < scale < _INF:
+            if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+                raise TypeError(f"scale: expected a float or None (= D ** -0.5), got {type(scale).__name__} {scale!r}.")
+            scale = float(scale)
+            if not -_INF < scale < _INF:
+                raise ValueError(f"scale: expected a finite number, got {scale}. Fix: pass None for D ** -0.5 "
+                                 f"(= {D ** -0.5:.4g} here) or a finite float.")
         if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
             raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}.")
         if not 0.0 <= dropout_p < 1.0:
@@ -146,6 +194,14 @@ class AttentionInputs:
                 )
             if bias.device != device:
                 raise ValueError(f"bias: expected device {device} like q, got {bias.device}.")
+            if bias.dim() < 2:
+                # SDPA documents attn_mask as (..., Tq, Tk); a 1-D (Tk,) or 0-D bias is ambiguous to
+                # read and not what SDPA accepts, so it is refused rather than guessed.
+                raise ValueError(
+                    f"bias: expected at least 2 dims (Tq, Tk) broadcastable to (B, Hq, Tq, Tk) = ({B}, {Hq}, {Tq}, {Tk}), "
+                    f"got shape {tuple(bias.shape)}. Fix: a per-key bias is bias.view(1, 1, 1, Tk); "
+                    "a constant changes nothing under softmax (drop it)."
+                )
             try:
                 shape = torch.broadcast_shapes(bias.shape, (B, Hq, Tq, Tk))
             except RuntimeError:
@@ -228,24 +284,6 @@ class AttentionInputs:
         if self.mask is None:
             return None
         return self.mask.materialize(self.Tq, self.Tk, q_offset=self.q_offset, kv_offset=self.kv_offset, device=self.device)
-
-    def kv_for(self, keep: Tensor | None, k: Tensor | None = None, v: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """K and V with the keys that no query may attend (under ``keep``) zeroed, so NaN/Inf in
-        padding or unwritten cache slots cannot leak into outputs or gradients through ``0 * NaN``.
-
-        ``k``/``v`` default to the inputs' (``Hkv`` heads); pass expanded ones to match ``keep``."""
-        k = self.k if k is None else k
-        v = self.v if v is None else v
-        if keep is None:
-            return k, v
-        dead = ~keep.any(dim=-2)  # (B|1, H|1, Tk): keys no query sees
-        H = k.shape[1]
-        if dead.shape[1] not in (1, H):  # per-query-head mask, grouped K/V: dead for the whole group
-            dead = dead.view(dead.shape[0], H, -1, dead.shape[-1]).all(dim=2)
-        if not bool(dead.any()):
-            return k, v
-        dead = dead[..., None]
-        return k.masked_fill(dead, 0), v.masked_fill(dead, 0)
 
     def expand_kv(self) -> tuple[Tensor, Tensor]:
         """K and V with their heads repeated to ``Hq`` (for backends without native GQA)."""

@@ -96,6 +96,12 @@ class Backend:
         return ()
 
     @classmethod
+    def dense_mask_elements(cls, inp: AttentionInputs) -> int:
+        """A cost hint for dispatch: elements of the ``(B, Hq, Tq, Tk)`` mask this backend would
+        materialize for ``inp`` (0 when it reads the mask's structure instead)."""
+        return 0
+
+    @classmethod
     def describe(cls, inp: AttentionInputs) -> str:
         """One plain sentence on how this backend would run ``inp`` (for ``explain()``)."""
         return cls.summary

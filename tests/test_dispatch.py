@@ -9,7 +9,7 @@ import torch
 
 import attnkit
 from attnkit import Causal, KeyPadding, NoBackendError, SlidingWindow
-from attnkit.dispatch import mask_needs_materializing, priority, select
+from attnkit.dispatch import priority, select
 from attnkit.inputs import AttentionInputs
 
 q = torch.randn(1, 4, 16, 8)
@@ -77,15 +77,38 @@ def test_use_backend_restores_after_exception():
     assert attnkit.explain(q, k, v).chosen == "sdpa"
 
 
-def test_mask_needs_materializing():
-    def needs(mask, Tq=16, Tk=16, **kw):
-        return mask_needs_materializing(AttentionInputs.create(q[:, :, :Tq], k[:, :, :Tk], v[:, :, :Tk], mask=mask, **kw))
+def test_sdpa_plan_decides_forward_describe_and_the_dispatch_hint():
+    sdpa = attnkit.list_backends()["sdpa"]
 
-    assert not needs(None)
-    assert not needs(Causal())  # Tq == Tk: bottom-right == top-left
-    assert not needs(Causal(), Tq=1)  # decode: hides nothing
-    assert needs(Causal(), Tq=4)  # chunked prefill: bottom-right != SDPA's top-left
-    assert needs(SlidingWindow(4, 0))
+    def inputs(mask, Tq=16, Tk=16, **kw):
+        return AttentionInputs.create(q[:, :, :Tq], k[:, :, :Tk], v[:, :, :Tk], mask=mask, **kw)
+
+    cases = [
+        (None, {}, "none"),
+        (Causal(), {}, "causal"),  # Tq == Tk: bottom-right == top-left
+        (Causal(), {"Tq": 1}, "none"),  # decode: hides nothing
+        (Causal(), {"Tq": 4}, "dense"),  # chunked prefill: bottom-right != SDPA's top-left
+        (Causal(), {"Tq": 4, "q_offset": 0}, "causal"),  # top-left, keys after the last query dropped
+        (Causal() & Causal(), {}, "causal"),
+        (SlidingWindow(4, 0), {}, "dense"),
+    ]
+    for mask, kw, expected in cases:
+        inp = inputs(mask, **kw)
+        assert sdpa.plan(inp) == expected, (mask, kw)
+        assert (sdpa.dense_mask_elements(inp) > 0) == (expected == "dense")
+        words = {"none": "no mask", "causal": "is_causal=True", "dense": "materialized"}[expected]
+        assert words in sdpa.describe(inp)
+
+
+def test_no_backend_imports_the_dispatcher():
+    import ast
+    import pathlib
+
+    for path in pathlib.Path(attnkit.__file__).parent.joinpath("backends").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").endswith("dispatch"), path.name
 
 
 def test_large_materialized_masks_prefer_tiled_when_registered():

@@ -1,4 +1,16 @@
-"""Helpers shared by the gathered backends (sliding_window, block_sparse)."""
+"""Helpers shared by the backends: the softmax parts, the NaN/Inf contract, grouped views.
+
+The NaN/Inf contract every exact backend keeps (see ``attnkit.attention``):
+
+* NaN in what a row may attend (its query, or the key, value or bias entry of a key it may see)
+  makes that row NaN; an Inf there gives what IEEE arithmetic gives (NaN, ±Inf, or weight 0 for
+  a key whose score is -Inf), in that row only;
+* NaN/Inf in what a row may not see (masked keys, keys only later queries see, padding) changes
+  nothing in that row; a row with no allowed key is 0 whatever its inputs hold.
+
+The helpers below do it without host synchronisation: they never ask the host whether a value
+is finite (no ``bool(tensor)``, ``.item()``), they zero and flag on the device.
+"""
 
 from __future__ import annotations
 
@@ -34,9 +46,49 @@ def safe(denom: Tensor) -> Tensor:
     return torch.where(denom == 0, 1.0, denom)
 
 
-def kv_finite(inp: AttentionInputs) -> bool:
-    """True when K and V hold no NaN/Inf, so dead keys need no zeroing."""
-    return bool(torch.isfinite(inp.k).all()) and bool(torch.isfinite(inp.v).all())
+def finite_rows(x: Tensor) -> Tensor:
+    """``(..., N, D) -> (..., N)`` bool: the row holds no NaN/Inf. A float64 row sum is non-finite
+    exactly when an entry is (float16/bfloat16/float32 sums cannot overflow it), and a reduction
+    allocates no full-size temporary the way ``isfinite(x)`` does."""
+    if x.dtype == torch.float64:
+        return torch.isfinite(x).all(dim=-1)
+    return torch.isfinite(x.sum(dim=-1, dtype=torch.float64))
+
+
+def zero_keys(k: Tensor, v: Tensor, drop: Tensor) -> tuple[Tensor, Tensor]:
+    """K and V with the keys flagged in ``drop`` (bool, broadcastable to ``k.shape[:-1]``) set to 0,
+    so NaN/Inf there cannot reach a row through ``0 * NaN`` in ``p @ v`` (or in the gradients)."""
+    drop = drop[..., None]
+    return k.masked_fill(drop, 0), v.masked_fill(drop, 0)
+
+
+def clean_keys(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(k, v, bad)``: K/V ``(B, H, Tk, ·)`` with every key holding a NaN/Inf (in K or V) zeroed,
+    and ``bad (B, H, Tk)`` flagging those keys. Rows that may attend a bad key must be set to NaN
+    afterwards (:func:`rows_seeing` + :func:`poison_rows`); every other row is then unaffected."""
+    bad = ~(finite_rows(k) & finite_rows(v))
+    k, v = zero_keys(k, v, bad)
+    return k, v, bad
+
+
+def rows_seeing(keep: Tensor | None, bad: Tensor, groups: int = 1) -> Tensor:
+    """``(B, Hq|1, Tq|1)`` bool: the query rows that may attend a key flagged in ``bad (B, Hkv, Tk)``
+    under ``keep`` (broadcastable to ``(B, Hq, Tq, Tk)``; None = every key). ``groups = Hq // Hkv``."""
+    if groups > 1:
+        bad = bad.repeat_interleave(groups, dim=1)  # (B, Hq, Tk)
+    if keep is None:
+        return bad.any(dim=-1, keepdim=True)
+    return (keep & bad[..., None, :]).any(dim=-1)
+
+
+def poison_rows(out: Tensor, rows: Tensor) -> Tensor:
+    """``out (B, H, Tq, Dv)`` with the rows flagged in ``rows (B|1, H|1, Tq|1)`` set to NaN."""
+    return out.masked_fill(rows[..., None], float("nan"))
+
+
+def nonfinite_queries(q: Tensor) -> Tensor:
+    """``(B, H, Tq)`` bool: the query row holds a NaN/Inf."""
+    return ~finite_rows(q)
 
 
 def mask_on(mask, inp: AttentionInputs, q_pos: Tensor, k_pos: Tensor) -> Tensor:

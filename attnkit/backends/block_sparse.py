@@ -17,7 +17,7 @@ from ..inputs import AttentionInputs
 from ..masks import And, Mask
 from ..masks import BlockSparse
 from ..registry import Backend, register_backend
-from ._common import grouped, kv_finite, mask_on, safe, softmax_parts, upcast_on_cpu
+from ._common import grouped, mask_on, safe, softmax_parts, upcast_on_cpu, zero_keys
 
 
 def block_sparse_part(mask: Mask | None) -> BlockSparse | None:
@@ -60,7 +60,6 @@ class BlockSparseBackend(Backend):
         q = F.pad(inp.q * inp.scale, (0, 0, qs, nR * bs - Tq - qs)).view(B, Hkv, G, nR, bs, D).transpose(2, 3)
         k = F.pad(inp.k, (0, 0, ks, nK * bs - Tk - ks)).view(B, Hkv, nK, bs, D)
         v = F.pad(inp.v, (0, 0, ks, nK * bs - Tk - ks)).view(B, Hkv, nK, bs, Dv)
-        finite = kv_finite(inp)
         offs = torch.arange(bs, device=dev)
         counts = layout.sum(1)
         outs, lses, rows_done = [], [], []
@@ -80,9 +79,8 @@ class BlockSparseBackend(Backend):
             keep = grouped(keep & in_call[:, None, :], Hkv)  # (B|1, Hkv|1, n, G|1, bs, r*bs)
             kg = k[:, :, cols].view(B, Hkv, n, r * bs, D)
             vg = v[:, :, cols].view(B, Hkv, n, r * bs, Dv)
-            if not finite:  # zero keys that no query of the row attends: NaN there must not leak
-                dead = ~keep.any(dim=4).any(dim=3)[..., None]
-                kg, vg = kg.masked_fill(dead, 0), vg.masked_fill(dead, 0)
+            # zero keys that no query of the row attends: NaN there must not leak
+            kg, vg = zero_keys(kg, vg, ~keep.any(dim=4).any(dim=3))
             qg = q[:, :, rows].reshape(B, Hkv, n, G * bs, D)
             s = torch.matmul(qg, kg.transpose(-2, -1)).to(torch.promote_types(inp.dtype, torch.float32))
             s = s.view(B, Hkv, n, G, bs, r * bs)

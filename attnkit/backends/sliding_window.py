@@ -21,7 +21,7 @@ from ..inputs import AttentionInputs
 from ..masks import And, Causal, Mask, Or, SlidingWindow
 from ..masks import GlobalTokens
 from ..registry import Backend, register_backend
-from ._common import grouped, kv_finite, mask_on, safe, softmax_parts, upcast_on_cpu
+from ._common import grouped, mask_on, safe, softmax_parts, upcast_on_cpu, zero_keys
 
 NEG_INF = float("-inf")
 
@@ -90,9 +90,8 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
         return x.unfold(2, L, c)[:, :, :nC].transpose(-2, -1)
 
     kw, vw = windows(inp.k), windows(inp.v)
-    if not kv_finite(inp):  # zero keys that no query of a chunk attends: NaN there must not leak
-        dead = ~keep.any(dim=4).any(dim=3)[..., None]  # (B|1, Hkv|1, nC, L, 1)
-        kw, vw = kw.masked_fill(dead, 0), vw.masked_fill(dead, 0)
+    # zero keys that no query of a chunk attends: NaN there must not leak
+    kw, vw = zero_keys(kw, vw, ~keep.any(dim=4).any(dim=3))  # dead keys (B|1, Hkv|1, nC, L)
     qp = F.pad(inp.q, (0, 0, 0, nC * c - Tq)).view(B, Hkv, G, nC, c, D).transpose(2, 3)  # (B, Hkv, nC, G, c, D)
     qg = qp.reshape(B, Hkv, nC, G * c, D) * inp.scale  # scale q: O(n*D) instead of O(n*L)
     inplace = not inp.requires_grad

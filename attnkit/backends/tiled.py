@@ -23,6 +23,7 @@ from torch import Tensor
 from ..inputs import AttentionInputs
 from ..masks import BlockStatus, Mask
 from ..registry import Backend, register_backend
+from ._common import zero_keys
 
 NEG_INF = float("-inf")
 
@@ -57,7 +58,6 @@ class _Plan:
     kv_offset: int
     block_q: int
     block_k: int
-    finite_kv: bool  # K and V hold no NaN/Inf: no need to zero keys that no query attends
 
     def tiles(self, Tq: int, Tk: int):
         """Yield ``(q0, q1, [(k0, k1, status), ...])`` per query tile, EMPTY key tiles left out."""
@@ -108,10 +108,8 @@ def _bias_tile(bias: Tensor | None, q0, q1, k0, k1, Hkv: int) -> Tensor | None:
 def _scores(plan: _Plan, qt, kt, vt, keep, acc_dtype, scale: float):
     """Scaled, biased, masked scores ``(B, Hkv, G, n, m)`` in ``acc_dtype``, and K/V tiles with the
     keys no query of the tile attends zeroed (so NaN/Inf there cannot leak through ``0 * NaN``)."""
-    if keep is not None and not plan.finite_kv:
-        dead = ~keep.any(dim=3).any(dim=2, keepdim=False)  # (B|1, Hkv|1, m)
-        kt = kt.masked_fill(dead[..., None], 0)
-        vt = vt.masked_fill(dead[..., None], 0)
+    if keep is not None:
+        kt, vt = zero_keys(kt, vt, ~keep.any(dim=3).any(dim=2))  # dead keys (B|1, Hkv|1, m)
     s = torch.matmul(qt, kt.transpose(-2, -1)).to(acc_dtype)  # (B, Hkv, G*n, m)
     return (s.mul_(scale) if scale != 1.0 else s), kt, vt
 
@@ -252,8 +250,7 @@ class Tiled(Backend):
         bias = inp.bias
         if bias is not None:
             bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
-        finite_kv = bool(torch.isfinite(inp.k).all()) and bool(torch.isfinite(inp.v).all())
-        plan = _Plan(inp.mask, inp.scale, inp.q_offset, inp.kv_offset, options.block_q, options.block_k, finite_kv)
+        plan = _Plan(inp.mask, inp.scale, inp.q_offset, inp.kv_offset, options.block_q, options.block_k)
         q, k, v = inp.q.contiguous(), inp.k.contiguous(), inp.v.contiguous()
         upcast = options.upcast if options.upcast is not None else inp.device.type == "cpu"
         if upcast and inp.dtype in (torch.float16, torch.bfloat16):

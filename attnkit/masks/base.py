@@ -350,7 +350,8 @@ def as_mask(mask, name: str = "mask") -> Mask:
         if mask.dtype != torch.bool:
             raise TypeError(
                 f"{name}: a tensor mask must have dtype torch.bool (True = attend), got {mask.dtype}. "
-                "Fix: pass additive float masks as bias=, or convert with `keep = m.bool()`."
+                "Fix: an additive float mask (0 = attend, -inf = blocked) goes to bias= (or attn_mask= of "
+                "attention()); a 0/1 float mask with 1 = attend becomes `mask=(m == 1)`."
             )
         return Dense(mask)
     raise TypeError(
