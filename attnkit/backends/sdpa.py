@@ -80,7 +80,7 @@ class SDPA(Backend):
             # SDPA's kernels scale the masked scores, so -inf * 0 = NaN and -inf * -1 = +inf: fold
             # the scale into q instead, where a zero or negative scale means what it says.
             q, scale = q * scale, 1.0
-        attn_mask, poisoned, is_causal = None, None, False
+        attn_mask, poisoned, empty, is_causal = None, None, None, False
         if plan == NONE:
             if inp.Tk < _NAN_CHECK_BELOW or inp.device.type != "cpu":  # every row sees every key
                 bad = ~(finite_rows(k) & finite_rows(v))  # (B, Hkv, Tk)
@@ -103,13 +103,16 @@ class SDPA(Backend):
         else:
             attn_mask = inp.materialize_mask()  # (B|1, Hq|1, Tq, Tk)
             k, v, bad = clean_keys(k, v)
-            poisoned = rows_seeing(attn_mask, bad, G) | (nonfinite_queries(q) & attn_mask.any(dim=-1))
+            empty = ~attn_mask.any(dim=-1)  # rows with no allowed key: 0, whatever their query holds
+            poisoned = rows_seeing(attn_mask, bad, G) | (nonfinite_queries(q) & ~empty)
         if bias is not None:
             bias = _bias_dtype(bias, inp.dtype)
             attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=inp.dropout_p, is_causal=is_causal, scale=scale, enable_gqa=G > 1,
         )
+        if empty is not None:
+            out = out.masked_fill(empty[..., None], 0.0)
         return out if poisoned is None else poison_rows(out, poisoned)
 
 

@@ -1,0 +1,178 @@
+"""The NaN/Inf contract of attention(), for every exact backend:
+
+* NaN in what a row may attend (its query, a key or value it may see) makes that row NaN;
+* NaN/Inf in what a row may not see (masked keys, keys only later queries see, padding) changes
+  nothing in that row; a row with no allowed key is 0 whatever its inputs hold;
+* ``scale`` NaN/±Inf is refused; a zero or negative scale means what it says.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import Causal, KeyPadding, SlidingWindow
+from attnkit.inputs import AttentionInputs
+
+B, HQ, HKV, T, D = 2, 4, 2, 24, 8
+NAN, INF = float("nan"), float("inf")
+EXACT = [name for name, impl in attnkit.list_backends().items() if impl.exact]
+# A mask per backend that it runs, where a key (KEY) is seen by the rows from KEY on, but not by
+# the rows before it: NaN there must reach those later rows only.
+MASKS = [Causal(), SlidingWindow(6, 0)]
+KEY = 13
+
+
+def _inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, HQ, T, D, generator=g, dtype=dtype)
+    k = torch.randn(B, HKV, T, D, generator=g, dtype=dtype)
+    v = torch.randn(B, HKV, T, D, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def _mask_for(backend):
+    q, k, v = _inputs()
+    for mask in MASKS:
+        if attnkit.list_backends()[backend].can_run(AttentionInputs.create(q, k, v, mask=mask)):
+            return mask
+    pytest.skip(f"{backend} runs none of {MASKS}")
+
+
+def _seen_by(mask, key):
+    """Rows (query indices) that may attend ``key`` under ``mask`` at Tq = Tk = T."""
+    keep = mask.materialize(T, T, q_offset=0, kv_offset=0)[0, 0]
+    return keep[:, key]
+
+
+# tiled and sliding_window zero, per tile/chunk, only the keys no query of that tile may see; a
+# value (not a key: its score is masked to -inf) seen by a later query of the same tile still
+# reaches the earlier rows through 0 * NaN in p @ v.
+WITHIN_TILE_LEAK = {"tiled", "sliding_window"}
+
+
+@pytest.mark.parametrize("backend", EXACT)
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("value", [NAN, INF])
+def test_nonfinite_key_reaches_only_the_rows_that_see_it(backend, where, value, request):
+    if backend in WITHIN_TILE_LEAK and where == "v":
+        request.applymarker(pytest.mark.xfail(strict=True, reason="per-tile dead-key zeroing only"))
+    mask = _mask_for(backend)
+    q, k, v = _inputs()
+    clean = attnkit.attention(q, k, v, mask=mask, backend=backend)
+    bad_k, bad_v = k.clone(), v.clone()
+    (bad_k if where == "k" else bad_v)[1, 0, KEY, 3] = value  # batch 1, kv head 0 (query heads 0, 1)
+    out = attnkit.attention(q, bad_k, bad_v, mask=mask, backend=backend)
+    seen = _seen_by(mask, KEY)
+    assert seen[KEY] and not seen[:KEY].any()  # later queries see it, earlier ones do not
+    affected = out[1, :2][:, seen]
+    untouched = torch.ones_like(out, dtype=torch.bool)
+    untouched[1, :2, seen] = False
+    assert torch.equal(out[untouched], clean[untouched]), "a row that cannot see the key changed"
+    if value != value:  # NaN: every row that may attend it is NaN
+        assert torch.isnan(affected).any(dim=-1).all(), "a row that sees the NaN key is not NaN"
+
+
+@pytest.mark.parametrize("backend", EXACT)
+def test_nan_query_row_is_nan_and_nothing_else_changes(backend):
+    mask = _mask_for(backend)
+    q, k, v = _inputs()
+    clean = attnkit.attention(q, k, v, mask=mask, backend=backend)
+    bad_q = q.clone()
+    bad_q[0, 1, 5, 2] = NAN
+    out = attnkit.attention(bad_q, k, v, mask=mask, backend=backend)
+    assert torch.isnan(out[0, 1, 5]).any()
+    rest = torch.ones_like(out, dtype=torch.bool)
+    rest[0, 1, 5] = False
+    assert torch.equal(out[rest], clean[rest])
+
+
+@pytest.mark.parametrize("backend", EXACT)
+def test_nonfinite_padding_changes_nothing_and_empty_rows_stay_zero(backend):
+    q, k, v = _inputs()
+    lengths = [T, 10]
+    for mask in (KeyPadding(lengths), Causal() & KeyPadding(lengths), SlidingWindow(6, 0) & KeyPadding(lengths)):
+        if attnkit.list_backends()[backend].can_run(AttentionInputs.create(q, k, v, mask=mask)):
+            break
+    else:
+        pytest.skip(f"{backend} runs no padded mask here")
+    clean = attnkit.attention(q, k, v, mask=mask, backend=backend)
+    bad_k, bad_v = k.clone(), v.clone()
+    bad_k[1, :, 10:] = NAN
+    bad_v[1, :, 12:] = INF
+    out = attnkit.attention(q, bad_k, bad_v, mask=mask, backend=backend)
+    assert torch.equal(out, clean)
+    # A query row with no allowed key is 0, even when the query itself is NaN.
+    empty = KeyPadding([T, 0]) if mask.is_causal() is False and "KeyPadding" in mask.structure_key() else None
+    if empty is not None and attnkit.list_backends()[backend].can_run(AttentionInputs.create(q, k, v, mask=empty)):
+        bad_q = q.clone()
+        bad_q[1] = NAN
+        out = attnkit.attention(bad_q, bad_k, bad_v, mask=empty, backend=backend)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@pytest.mark.parametrize("scale", [NAN, INF, -INF])
+def test_nonfinite_scale_is_refused(scale):
+    q, k, v = _inputs()
+    with pytest.raises(ValueError, match="scale: expected a finite number"):
+        attnkit.attention(q, k, v, scale=scale)
+    with pytest.raises(ValueError, match="scale"):
+        attnkit.explain(q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("backend", EXACT)
+@pytest.mark.parametrize("scale", [0.0, -0.7])
+def test_zero_and_negative_scale_mean_what_they_say(backend, scale):
+    mask = _mask_for(backend)
+    q, k, v = _inputs(torch.float64)
+    keep = mask.materialize(T, T, q_offset=0, kv_offset=0)
+    scores = (q @ k.repeat_interleave(HQ // HKV, 1).transpose(-2, -1) * scale).masked_fill(~keep, -INF)
+    expected = torch.softmax(scores, dim=-1) @ v.repeat_interleave(HQ // HKV, 1)
+    if not attnkit.list_backends()[backend].can_run(AttentionInputs.create(q, k, v, mask=mask)):
+        pytest.skip(f"{backend} does not run float64")
+    out = attnkit.attention(q, k, v, mask=mask, scale=scale, backend=backend)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=1e-9, rtol=1e-9)
+
+
+def test_sdpa_guard_for_rows_whose_every_score_is_nan():
+    """SDPA's CPU kernel drops NaN from the row max in its scalar tail: with few keys an all-NaN row
+    would come out 0. Small key counts are checked explicitly; larger ones propagate NaN."""
+    for Tk in (1, 2, 7, 15, 16, 17, 63, 64, 65, 200):
+        q = torch.randn(1, 2, 3, 8)
+        k, v = torch.randn(1, 2, Tk, 8), torch.randn(1, 2, Tk, 8)
+        q[0, 0, 1] = NAN
+        out = attnkit.attention(q, k, v, backend="sdpa")
+        assert torch.isnan(out[0, 0, 1]).all() and torch.isfinite(out[0, 1]).all(), Tk
+        k[0, 1] = NAN
+        out = attnkit.attention(torch.randn(1, 2, 3, 8), k, v, backend="sdpa")
+        assert torch.isnan(out[0, 1]).all() and torch.isfinite(out[0, 0]).all(), Tk
+
+
+def test_no_host_sync_on_masked_naive_and_sdpa_calls(monkeypatch):
+    """NaN protection must not ask the host whether values are finite (a device stall per layer)."""
+    count = {"n": 0}
+    for name in ("__bool__", "item", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, **kwargs):
+            count["n"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    q, k, v = _inputs()
+    calls = [
+        dict(mask=Causal()),  # is_causal path
+        dict(mask=Causal(), q_offset=5),  # materialized
+        dict(mask=KeyPadding(torch.tensor([T, 10]))),
+        dict(mask=SlidingWindow(6, 0)),
+    ]
+    for backend in ("naive", "sdpa"):
+        for kw in calls:
+            count["n"] = 0
+            attnkit.attention(q, k, v, backend=backend, **kw)
+            assert count["n"] == 0, (backend, kw)
+    count["n"] = 0
+    attnkit.attention(q, k, v, mask=Causal())  # auto: selection reads no tensor either
+    assert count["n"] == 0
