@@ -246,3 +246,31 @@ def test_mask_equals_sdpa_mask_for_windows_and_offsets(window, Tq, Tk, q_offset,
         got = make(fn, B=1, Tq=Tq, Tk=Tk, q_offset=q_offset, kv_offset=kv_offset)
         assert not isinstance(got.mask, Dense), got.mask  # every one of these is a band
         assert_same_as_sdpa_mask(got, fn, B=1, Tq=Tq, Tk=Tk, q_offset=q_offset, kv_offset=kv_offset)
+
+
+def test_output_attentions_returns_the_weights():
+    config = mistral_config(window=4)
+    ids, am = batch(T=7, right=False)
+    weights = {}
+    for impl in ("eager", "attnkit"):
+        torch.manual_seed(0)
+        model = transformers.MistralForCausalLM(config).eval()
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            weights[impl] = model(ids, attention_mask=am, output_attentions=True).attentions
+    assert len(weights["attnkit"]) == config.num_hidden_layers
+    for ours, eager in zip(weights["attnkit"], weights["eager"]):
+        rows = am.bool()[:, None, :, None].expand_as(ours)  # eager's rows of padding queries are arbitrary
+        torch.testing.assert_close(ours[rows], eager[rows], atol=ATOL, rtol=0)
+
+
+def test_sliding_window_decode_steps_run_on_the_named_sliding_window_backend():
+    """A decode step over more keys than the window is SlidingWindow(w - 1, 0), not (w - 1, None)."""
+    window = masking_utils.sliding_window_causal_mask_function(4)
+    step = make(window, B=1, Tq=1, Tk=9, q_offset=8)
+    assert step.mask == SlidingWindow(3, 0)
+    assert_same_as_sdpa_mask(step, window, B=1, Tq=1, Tk=9, q_offset=8)
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
+    kw = dict(mask=step.mask, q_offset=step.q_offset, kv_offset=step.kv_offset)
+    torch.testing.assert_close(attnkit.attention(q, k, v, backend="sliding_window", **kw),
+                               attnkit.attention(q, k, v, backend="naive", **kw))
