@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 from torch import Tensor
 
 from .dispatch import select
@@ -11,22 +9,6 @@ from .inputs import AttentionInputs
 from .masks import Mask
 
 __all__ = ["attention", "attention_weights"]
-
-
-def _check_options(impl, options):
-    if options is None:
-        return None
-    if impl.Options is None:
-        raise TypeError(
-            f"options: backend {impl.name!r} takes no options, got {type(options).__name__}. Fix: drop options= "
-            "or name the backend the options belong to."
-        )
-    if not isinstance(options, impl.Options):
-        raise TypeError(
-            f"options: backend {impl.name!r} takes {impl.Options.__name__}, got {type(options).__name__}. "
-            f"Fix: pass {impl.Options.__name__}({', '.join(f.name + '=...' for f in fields(impl.Options))})."
-        )
-    return options
 
 
 def attention(
@@ -101,7 +83,7 @@ def attention(
     )
     impl = select(inp, backend)
     if options is not None:
-        options = _check_options(impl, options)
+        options = impl.check_options(options)
     return impl.forward(inp, options)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Iterable, Iterator
-from dataclasses import is_dataclass
+from dataclasses import fields, is_dataclass
 from typing import ClassVar
 
 import torch
@@ -94,6 +94,22 @@ class Backend:
     def extra_reasons(cls, inp: AttentionInputs) -> Iterable[str]:
         """Input-specific limits beyond the class data (override in subclasses; a generator or a list)."""
         return ()
+
+    @classmethod
+    def check_options(cls, options):
+        """``options`` if it is this backend's ``Options`` (or None), else a ``TypeError`` that says
+        what this backend takes."""
+        if options is None or (cls.Options is not None and isinstance(options, cls.Options)):
+            return options
+        if cls.Options is None:
+            raise TypeError(
+                f"options: backend {cls.name!r} takes no options, got {type(options).__name__}. Fix: drop options= "
+                "(or backend_options=) or name the backend the options belong to."
+            )
+        raise TypeError(
+            f"options: backend {cls.name!r} takes {cls.Options.__name__}, got {type(options).__name__}. "
+            f"Fix: pass {cls.Options.__name__}({', '.join(f.name + '=...' for f in fields(cls.Options))})."
+        )
 
     @classmethod
     def dense_mask_elements(cls, inp: AttentionInputs) -> int:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import attnkit
+import attnkit.backends.naive
 from attnkit import Causal
 from attnkit.nn import AttentionConfig, MultiHeadAttention
 
@@ -35,6 +36,52 @@ def test_gqa_shapes_and_backend_from_config():
     assert layer.qkv_proj.out_features == (8 + 2 * 2) * 8
     out = layer(torch.randn(2, 5, 64), mask=Causal())
     assert out.shape == (2, 5, 64)
+
+
+@pytest.mark.parametrize("backend", ["naive", "tiled", "sdpa"])
+def test_the_configured_backend_actually_runs(backend, monkeypatch):
+    ran = []
+    for name, impl in attnkit.list_backends().items():
+        original = impl.forward.__func__
+
+        def spy(cls, inp, options, _original=original, _name=name):
+            ran.append(_name)
+            return _original(cls, inp, options)
+
+        monkeypatch.setattr(impl, "forward", classmethod(spy))
+    layer = MultiHeadAttention(AttentionConfig(32, 4, backend=backend))
+    layer(torch.randn(2, 5, 32), mask=Causal())
+    assert ran == [backend]
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(head_dim=True), TypeError, "AttentionConfig.head_dim: expected an int >= 1 or None, got bool True"),
+    (dict(bias="no"), TypeError, "AttentionConfig.bias: expected True or False, got str 'no'"),
+    (dict(kv_dim=0, cross_attention=True), ValueError, "AttentionConfig.kv_dim: expected an int >= 1, got 0"),
+    (dict(rope_base=0.0, position="rope"), ValueError, "AttentionConfig.rope_base: expected a positive finite number"),
+    (dict(rope_base=float("nan")), ValueError, "rope_base"),
+    (dict(dropout=float("nan")), ValueError, "AttentionConfig.dropout: expected a finite number"),
+    (dict(backend="sdpa", backend_options=attnkit.backends.naive.NaiveOptions()), TypeError,
+     "backend 'sdpa' takes no options, got NaiveOptions"),
+    (dict(backend="tiled", backend_options=attnkit.backends.naive.NaiveOptions()), TypeError,
+     "backend 'tiled' takes TiledOptions, got NaiveOptions"),
+])
+def test_config_nonsense_is_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        AttentionConfig(32, 4, **kwargs)
+
+
+def test_transformer_config_and_rope_nonsense_is_refused():
+    from attnkit.nn import TransformerConfig
+    from attnkit.nn.positional import RotaryEmbedding
+
+    for eps in (0.0, -1e-5, float("inf")):
+        with pytest.raises(ValueError, match="TransformerConfig.layer_norm_eps: expected a positive finite number"):
+            TransformerConfig(layer_norm_eps=eps)
+    with pytest.raises(ValueError, match="TransformerConfig.rope_base"):
+        TransformerConfig(position="rope", rope_base=-10.0)
+    with pytest.raises(ValueError, match="RotaryEmbedding.base"):
+        RotaryEmbedding(8, base=0.0)
 
 
 def test_cross_attention_with_memory_of_other_width():

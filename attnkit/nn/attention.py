@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 
+from .._validate import check_bool, finite_float, positive_int
 from ..functional import attention
 from ..cache import LayerCache, StateCache
 from ..masks import Causal, Mask
@@ -42,11 +43,13 @@ class AttentionConfig:
 
     def __post_init__(self):
         for name in ("embed_dim", "num_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"AttentionConfig.{name}: expected a positive int, got {value!r}.")
+            positive_int(f"AttentionConfig.{name}", getattr(self, name))
+        for name in ("num_kv_heads", "head_dim", "kv_dim", "rotary_dim"):
+            positive_int(f"AttentionConfig.{name}", getattr(self, name), optional=True)
+        for name in ("bias", "cross_attention"):
+            check_bool(f"AttentionConfig.{name}", getattr(self, name))
         kv = self.kv_heads
-        if not isinstance(kv, int) or kv < 1 or self.num_heads % kv:
+        if self.num_heads % kv:
             raise ValueError(
                 f"AttentionConfig.num_kv_heads: expected a positive divisor of num_heads={self.num_heads}, got {kv!r}."
             )
@@ -55,12 +58,12 @@ class AttentionConfig:
                 f"AttentionConfig: embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}. "
                 f"Fix: choose num_heads dividing {self.embed_dim}, or set head_dim explicitly."
             )
-        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 1):
-            raise ValueError(f"AttentionConfig.head_dim: expected a positive int or None, got {self.head_dim!r}.")
+        finite_float("AttentionConfig.dropout", self.dropout)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"AttentionConfig.dropout: expected a value in [0, 1), got {self.dropout}.")
+        finite_float("AttentionConfig.rope_base", self.rope_base, positive=True, hint="RoPE's usual base is 10000.0.")
         if self.backend != "auto":
-            get_backend(self.backend)  # ValueError listing the known names
+            get_backend(self.backend).check_options(self.backend_options)
         if self.position not in ("none", "rope", "alibi"):
             raise ValueError(
                 f"AttentionConfig.position: expected 'none', 'rope' or 'alibi', got {self.position!r}. "
@@ -193,7 +196,7 @@ class MultiHeadAttention(nn.Module):
             q0 = kv_offset + Tk - Tq if q_offset is None else q_offset
             q_pos = torch.arange(q0, q0 + Tq, device=q.device)
             k_pos = torch.arange(kv_offset, kv_offset + Tk, device=q.device)
-            alibi = alibi_bias(self.alibi_slopes, q_pos, k_pos).to(q.dtype)  # (1, Hq, Tq, Tk)
+            alibi = alibi_bias(self.alibi_slopes, q_pos, k_pos)  # (1, Hq, Tq, Tk) fp32: kept so on bf16/fp16
             bias = alibi if bias is None else bias + alibi
         out, weights = self.attend(q, k, v, mask=mask, bias=bias, q_offset=q_offset, kv_offset=kv_offset,
                                    need_weights=need_weights)
