@@ -120,18 +120,24 @@ class AttentionInputs:
         are SDPA's spellings, turned into ``mask``/``bias`` here)."""
         if attn_mask is not None or is_causal is not False:
             mask, bias, q_offset, kv_offset = _sdpa_arguments(attn_mask, is_causal, mask, bias, q_offset, kv_offset)
-        _check_tensor("q", q, "(B, Hq, Tq, D)")
-        _check_tensor("k", k, "(B, Hkv, Tk, D)")
-        _check_tensor("v", v, "(B, Hkv, Tk, Dv)")
-        # attention() runs per layer per token: read each tensor attribute once.
-        B, Hq, Tq, D = q.shape
-        Bk, Hkv, Tk, Dk = k.shape
-        Bv, Hv, Tv, Dv = v.shape
-        dtype, device = q.dtype, q.device
-        if k.dtype != dtype or v.dtype != dtype:
+        # attention() runs per layer per token: read each tensor attribute once, and spell out what
+        # was wrong only when the quick check fails.
+        try:
+            B, Hq, Tq, D = q.shape
+            Bk, Hkv, Tk, Dk = k.shape
+            Bv, Hv, Tv, Dv = v.shape
+            dtype = q.dtype
+            well_typed = dtype in FLOAT_DTYPES and k.dtype is dtype and v.dtype is dtype and isinstance(q, Tensor)
+        except (AttributeError, TypeError, ValueError):
+            well_typed = False
+        if not well_typed:
+            _check_tensor("q", q, "(B, Hq, Tq, D)")
+            _check_tensor("k", k, "(B, Hkv, Tk, D)")
+            _check_tensor("v", v, "(B, Hkv, Tk, Dv)")
             raise TypeError(
                 f"q, k, v: expected one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}. Fix: cast them to one dtype."
             )
+        device = q.device
         if k.device != device or v.device != device:
             raise ValueError(
                 f"q, k, v: expected one device, got q on {q.device}, k on {k.device}, v on {v.device}. "
@@ -167,10 +173,12 @@ class AttentionInputs:
             if not -_INF < scale < _INF:
                 raise ValueError(f"scale: expected a finite number, got {scale}. Fix: pass None for D ** -0.5 "
                                  f"(= {D ** -0.5:.4g} here) or a finite float.")
-        if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
-            raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}.")
-        if not 0.0 <= dropout_p < 1.0:
-            raise ValueError(f"dropout_p: expected a value in [0, 1), got {dropout_p}. Fix: use 0.0 for no dropout.")
+        if dropout_p != 0.0 or type(dropout_p) is not float:
+            if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
+                raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}.")
+            if not 0.0 <= dropout_p < 1.0:
+                raise ValueError(f"dropout_p: expected a value in [0, 1), got {dropout_p}. Fix: use 0.0 for no dropout.")
+            dropout_p = float(dropout_p)
         if type(kv_offset) is not int or kv_offset < 0:
             _check_int("kv_offset", kv_offset, minimum=0)
         if q_offset is None:
@@ -179,10 +187,11 @@ class AttentionInputs:
             # The default may be negative (Tq > Tk: the first Tq - Tk queries precede every key
             # and a causal mask hides all keys from them); an explicit offset is a position.
             _check_int("q_offset", q_offset, minimum=0)
-        if not isinstance(return_lse, bool):
+        if return_lse is not False and return_lse is not True:
             raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}.")
         if mask is not None:
-            mask = as_mask(mask, "mask")
+            if not isinstance(mask, Mask):
+                mask = as_mask(mask, "mask")
             mask.validate(B, Hq, Tq, Tk, q_offset, kv_offset)
         if bias is not None:
             if not isinstance(bias, Tensor):
@@ -213,7 +222,7 @@ class AttentionInputs:
         # A frozen dataclass's __init__ sets each field through object.__setattr__ (~2 us for ten
         # fields); filling the instance dict directly is ~0.3 us and the instance stays frozen.
         self = object.__new__(cls)
-        self.__dict__.update(q=q, k=k, v=v, mask=mask, bias=bias, scale=scale, dropout_p=float(dropout_p),
+        self.__dict__.update(q=q, k=k, v=v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p,
                              q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse,
                              B=B, Hq=Hq, Hkv=Hkv, Tq=Tq, Tk=Tk, D=D, Dv=Dv, groups=Hq // Hkv, dtype=dtype, device=device)
         return self

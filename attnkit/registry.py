@@ -62,8 +62,21 @@ class Backend:
 
     @classmethod
     def can_run(cls, inp: AttentionInputs) -> bool:
-        """``not not_supported_reasons(inp)``, stopping at the first reason (dispatch's hot path)."""
-        return next(cls.iter_reasons(inp), None) is None
+        """``not not_supported_reasons(inp)`` (dispatch's hot path: the class-data checks without
+        building a generator; the full reasons only for backends with more to check)."""
+        if (
+            inp.device.type not in cls.devices
+            or inp.dtype not in cls.dtypes
+            or (inp.dropout_p > 0 and not cls.supports_dropout)
+            or (inp.bias is not None and not cls.supports_bias)
+            or (inp.return_lse and not cls.supports_lse)
+        ):
+            return False
+        if cls.requires or cls.mask_kinds is not None or not cls.supports_backward or (
+            cls.extra_reasons.__func__ is not _NO_EXTRA_REASONS
+        ):
+            return next(cls.iter_reasons(inp), None) is None
+        return True
 
     @classmethod
     def iter_reasons(cls, inp: AttentionInputs) -> Iterator[str]:
@@ -144,6 +157,9 @@ class Backend:
             "lse": cls.supports_lse,
             "summary": cls.summary,
         }
+
+
+_NO_EXTRA_REASONS = Backend.extra_reasons.__func__
 
 
 def register_backend(cls: type[Backend]) -> type[Backend]:

@@ -134,3 +134,36 @@ def test_sdpa_paths_equal_naive(Tq):
         a = attnkit.attention(qq, k, v, mask=Causal(), backend="sdpa", q_offset=offset)
         b = attnkit.attention(qq, k, v, mask=Causal(), backend="naive", q_offset=offset)
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def _varied_inputs():
+    """Inputs that exercise every reason: masks, bias, dropout, LSE, gradients, GQA, dtypes, offsets."""
+    from attnkit import BlockSparse
+
+    base = torch.randn(1, 4, 64, 8)
+    kv = torch.randn(1, 2, 64, 8)
+    masks = [None, Causal(), SlidingWindow(8, 0), KeyPadding([40]), Causal() & KeyPadding([40]),
+             BlockSparse.bigbird(5, 16, window=1, global_blocks=1, random_blocks=1, seed=0)]
+    for mask in masks:
+        for kw in ({}, dict(bias=torch.zeros(1, 4, 64, 64)), dict(dropout_p=0.1), dict(return_lse=True),
+                   dict(q_offset=3), dict(q_offset=0)):
+            yield base, kv, kv, dict(mask=mask, **kw)
+    yield base.double(), kv.double(), kv.double(), dict(mask=Causal())
+    yield base.bfloat16(), kv.bfloat16(), kv.bfloat16(), dict(mask=SlidingWindow(8, 0))
+    grad = base.clone().requires_grad_()
+    yield grad, kv, kv, dict(mask=Causal())
+
+
+def test_can_run_agrees_with_the_reasons_and_select_with_explain():
+    known = attnkit.list_backends()
+    for qq, kk, vv, kw in _varied_inputs():
+        inp = AttentionInputs.create(qq, kk, vv, **kw)
+        for name, impl in known.items():
+            assert impl.can_run(inp) == (not impl.not_supported_reasons(inp)), (name, inp)
+        try:
+            chosen = select(inp).name
+        except attnkit.NoBackendError:
+            chosen = None
+        assert attnkit.explain(qq, kk, vv, **kw).chosen == chosen, inp
+        if chosen is not None:
+            assert known[chosen].can_run(inp)
