@@ -146,3 +146,12 @@ def test_padded_sdpa_equals_naive_with_bias():
     bias = torch.randn(1, 4, 6, 9)
     torch.testing.assert_close(attnkit.attention(q, k, v, mask=mask, bias=bias, backend="sdpa"),
                                attnkit.attention(q, k, v, mask=mask, bias=bias, backend="naive"))
+
+
+def test_readme_sdpa_section_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Coming from `F.scaled_dot_product_attention`", 1)[1]
+    exec(compile(re.search(r"```python\n(.*?)```", section, re.S).group(1), "README.md", "exec"), {})
