@@ -117,15 +117,20 @@ def test_sliding_window_gqa_model_every_exact_backend(backend):
     assert_close_on_tokens(outs, am)
 
 
+def seeded_mistral(impl: str, window: int = 4):
+    """The same random Mistral model under ``attn_implementation=impl``."""
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(mistral_config(window=window)).eval()
+    model.set_attn_implementation(impl)
+    return model
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_generate_with_cache_matches_sdpa(cache):
-    config = mistral_config(window=4)
     ids, am = batch(T=7, right=False)
     tokens = {}
     for impl in ("sdpa", "attnkit"):
-        torch.manual_seed(0)
-        model = transformers.MistralForCausalLM(config).eval()
-        model.set_attn_implementation(impl)
+        model = seeded_mistral(impl)
         kwargs = {"cache_implementation": "static"} if cache == "static" else {}
         tokens[impl] = model.generate(ids, attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=0,
                                       **kwargs)
@@ -249,16 +254,12 @@ def test_mask_equals_sdpa_mask_for_windows_and_offsets(window, Tq, Tk, q_offset,
 
 
 def test_output_attentions_returns_the_weights():
-    config = mistral_config(window=4)
     ids, am = batch(T=7, right=False)
     weights = {}
     for impl in ("eager", "attnkit"):
-        torch.manual_seed(0)
-        model = transformers.MistralForCausalLM(config).eval()
-        model.set_attn_implementation(impl)
         with torch.no_grad():
-            weights[impl] = model(ids, attention_mask=am, output_attentions=True).attentions
-    assert len(weights["attnkit"]) == config.num_hidden_layers
+            weights[impl] = seeded_mistral(impl)(ids, attention_mask=am, output_attentions=True).attentions
+    assert len(weights["attnkit"]) == mistral_config().num_hidden_layers
     for ours, eager in zip(weights["attnkit"], weights["eager"]):
         rows = am.bool()[:, None, :, None].expand_as(ours)  # eager's rows of padding queries are arbitrary
         torch.testing.assert_close(ours[rows], eager[rows], atol=ATOL, rtol=0)
