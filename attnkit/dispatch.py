@@ -57,17 +57,18 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
     replaces rules 1-2: when it has an entry for this device/dtype/mask kind/pass, its ranking of
     backends at the nearest measured length comes first (a cached dict + bisect lookup, no tensor reads).
     """
+    registered = registered_names()
     measured = calibration.preferred(inp)
     if measured is not None:
-        return _order(measured, registered_names())
+        return _order(measured, registered)
     sdpa = list_backends().get("sdpa")
     dense = sdpa.dense_mask_elements(inp) if sdpa is not None else 0
     if not dense:
-        return _order(("sdpa", "tiled"), registered_names())
+        return _order(("sdpa", "tiled"), registered)
     preferred = ("tiled", "sdpa") if dense > MATERIALIZE_LIMIT else ("sdpa", "tiled")
     scores = inp.Tq * inp.Tk
     preferred = tuple(name for name, n in STRUCTURED_MIN_SCORES.items() if scores >= n) + preferred
-    return _order(preferred, registered_names())
+    return _order(preferred, registered)
 
 
 @functools.lru_cache(maxsize=64)

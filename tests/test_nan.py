@@ -179,3 +179,26 @@ def test_no_host_sync_on_masked_calls(monkeypatch):
     count["n"] = 0
     attnkit.attention(q, k, v, mask=Causal())  # auto: selection reads no tensor either
     assert count["n"] == 0
+
+
+@pytest.mark.parametrize("Tq,Tk,q_offset", [(5, 9, 0), (9, 5, 0), (7, 7, None), (3, 11, None), (1, 20, None),
+                                            (4, 70, 0), (1, 70, None), (6, 6, 2)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_sdpa_paths_keep_the_contract_like_naive(Tq, Tk, q_offset, with_bias):
+    """Every SDPA plan (no mask, is_causal with dropped keys, materialized) against naive's NaN pattern."""
+    g = torch.Generator().manual_seed(Tq * 100 + Tk)
+    q, k, v = torch.randn(2, 4, Tq, 8, generator=g), torch.randn(2, 2, Tk, 8, generator=g), torch.randn(2, 2, Tk, 8, generator=g)
+    q[1, 3, Tq // 2, 0] = NAN
+    k[0, 1, Tk // 3, 5] = NAN
+    v[1, 0, Tk - 2, 1] = INF
+    bias = torch.randn(1, 4, Tq, Tk, generator=g) if with_bias else None
+    for mask in (None, Causal(), Causal() & KeyPadding([Tk, max(1, Tk // 2)])):
+        kw = dict(mask=mask, bias=bias, q_offset=q_offset)
+        if mask is None and q_offset is not None:
+            continue
+        got = attnkit.attention(q, k, v, backend="sdpa", **kw)
+        want = attnkit.attention(q, k, v, backend="naive", **kw)
+        # Inf follows IEEE arithmetic (Inf or NaN): compare which rows are not finite.
+        assert torch.equal(torch.isfinite(got).all(-1), torch.isfinite(want).all(-1)), (mask, kw)
+        finite_rows = torch.isfinite(want).all(-1)
+        torch.testing.assert_close(got[finite_rows], want[finite_rows])
