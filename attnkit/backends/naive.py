@@ -2,9 +2,9 @@
 
 ``softmax(q kᵀ · scale + bias, masked) v`` with the scores and softmax in float32 (float64 for
 float64 inputs) and the matrix products in the input dtype (float16's ``q·kᵀ`` in float32, where
-it cannot overflow) — the semantics every other backend must equal. It supports everything: any mask, bias, dropout, GQA, offsets, the log-sum-exp and the
-attention weights, at O(Tq · Tk) memory. It keeps the NaN/Inf contract of ``attention()`` (see
-:mod:`attnkit.backends._common`).
+it cannot overflow) — the semantics every other backend must equal. It supports everything: any
+mask, bias, dropout, GQA, offsets, the log-sum-exp and the attention weights, at O(Tq · Tk)
+memory. It keeps the NaN/Inf contract of ``attention()`` (see :mod:`attnkit.backends._common`).
 """
 
 from __future__ import annotations
