@@ -182,7 +182,7 @@ def test_no_host_sync_on_masked_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("Tq,Tk,q_offset", [(5, 9, 0), (9, 5, 0), (7, 7, None), (3, 11, None), (1, 20, None),
-                                            (4, 70, 0), (1, 70, None), (6, 6, 2)])
+                                            (4, 70, 0), (1, 70, None), (6, 6, 2), (130, 130, None), (150, 90, 0)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_sdpa_paths_keep_the_contract_like_naive(Tq, Tk, q_offset, with_bias):
     """Every SDPA plan (no mask, is_causal with dropped keys, materialized) against naive's NaN pattern."""

@@ -47,12 +47,9 @@ def safe(denom: Tensor) -> Tensor:
 
 
 def finite_rows(x: Tensor) -> Tensor:
-    """``(..., N, D) -> (..., N)`` bool: the row holds no NaN/Inf. A float64 row sum is non-finite
-    exactly when an entry is (float16/bfloat16/float32 sums cannot overflow it), and a reduction
-    allocates no full-size temporary the way ``isfinite(x)`` does."""
-    if x.dtype == torch.float64:
-        return torch.isfinite(x).all(dim=-1)
-    return torch.isfinite(x.sum(dim=-1, dtype=torch.float64))
+    """``(..., N, D) -> (..., N)`` bool: the row holds no NaN/Inf. Two reductions (max and min
+    propagate NaN and keep ±Inf, and cannot overflow the way a sum can), no full-size temporary."""
+    return torch.isfinite(x.amax(dim=-1)) & torch.isfinite(x.amin(dim=-1))
 
 
 def zero_keys(k: Tensor, v: Tensor, drop: Tensor) -> tuple[Tensor, Tensor]:
@@ -62,13 +59,17 @@ def zero_keys(k: Tensor, v: Tensor, drop: Tensor) -> tuple[Tensor, Tensor]:
     return k.masked_fill(drop, 0), v.masked_fill(drop, 0)
 
 
+def finite_values(x: Tensor) -> Tensor:
+    """``x`` with every NaN/Inf entry replaced by 0 (one pass; finite entries unchanged)."""
+    return x.nan_to_num(0.0, posinf=0.0, neginf=0.0)
+
+
 def clean_keys(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(k, v, bad)``: K/V ``(B, H, Tk, ·)`` with every key holding a NaN/Inf (in K or V) zeroed,
-    and ``bad (B, H, Tk)`` flagging those keys. Rows that may attend a bad key must be set to NaN
-    afterwards (:func:`rows_seeing` + :func:`poison_rows`); every other row is then unaffected."""
+    """``(k, v, bad)``: K/V ``(B, H, Tk, ·)`` with their NaN/Inf entries zeroed, and ``bad (B, H, Tk)``
+    flagging the keys that held any. Rows that may attend a bad key must be set to NaN afterwards
+    (:func:`rows_seeing` + :func:`poison_rows`); every other row is then unaffected."""
     bad = ~(finite_rows(k) & finite_rows(v))
-    k, v = zero_keys(k, v, bad)
-    return k, v, bad
+    return finite_values(k), finite_values(v), bad
 
 
 def rows_seeing(keep: Tensor | None, bad: Tensor, groups: int = 1) -> Tensor:
@@ -82,8 +83,13 @@ def rows_seeing(keep: Tensor | None, bad: Tensor, groups: int = 1) -> Tensor:
 
 
 def poison_rows(out: Tensor, rows: Tensor) -> Tensor:
-    """``out (B, H, Tq, Dv)`` with the rows flagged in ``rows (B|1, H|1, Tq|1)`` set to NaN."""
-    return out.masked_fill(rows[..., None], float("nan"))
+    """``out (B, H, Tq, Dv)`` with the rows flagged in ``rows (B|1, H|1, Tq|1)`` set to NaN (in place
+    when ``out`` is a fresh result outside autograd). Adding a per-row 0/NaN column is one cheap
+    broadcast pass, where a broadcast ``masked_fill`` over the row's values is several times slower."""
+    nan_or_zero = torch.zeros(rows.shape, dtype=out.dtype, device=out.device).masked_fill_(rows, float("nan"))
+    if out.requires_grad:
+        return out + nan_or_zero[..., None]
+    return out.add_(nan_or_zero[..., None])
 
 
 def nonfinite_queries(q: Tensor) -> Tensor:

@@ -23,14 +23,14 @@ from torch import Tensor
 from ..inputs import AttentionInputs
 from ..masks import Causal
 from ..registry import Backend, register_backend
-from ._common import clean_keys, finite_rows, nonfinite_queries, poison_rows, rows_seeing
+from ._common import clean_keys, finite_rows, finite_values, nonfinite_queries, poison_rows, rows_seeing
 
 NONE, CAUSAL, DENSE = "none", "causal", "dense"
 
 # SDPA's CPU kernels take a row max that skips NaN in their scalar (non-vectorized) tail, so a row
-# whose every score is NaN comes out 0 instead of NaN when it has fewer keys than one vector
+# whose every score is NaN comes out 0 instead of NaN when it sees fewer keys than one vector
 # (16 float32 lanes on AVX-512). With more keys the vectorized max propagates NaN by itself;
-# below this many keys (and on other devices) the unmasked path checks q and K/V explicitly.
+# rows that see fewer than this many keys (and every row on other devices) are checked explicitly.
 _NAN_CHECK_BELOW = 64
 
 
@@ -91,11 +91,24 @@ class SDPA(Backend):
                 k, v = k[:, :, :Tq], v[:, :, :Tq]
                 if bias is not None and bias.shape[-1] > 1:
                     bias = bias[..., :Tq]
-            k, v, bad = clean_keys(k, v)
+            if bias is None and inp.device.type == "cpu" and not inp.requires_grad:
+                # is_causal on CPU masks future scores by assignment, so a NaN/Inf key hidden from a
+                # row never reaches it (only values do, through 0 * NaN in p @ v), and a row with a
+                # vector's worth of keys propagates NaN itself: only values need cleaning, and only
+                # the first rows (and their keys and queries) need checking.
+                head = min(_NAN_CHECK_BELOW, k.shape[2])
+                bad = ~finite_rows(v)  # (B, Hkv, Tk')
+                bad[..., :head] |= ~finite_rows(k[:, :, :head])
+                v = finite_values(v)
+                bad_q = torch.zeros(q.shape[:3], dtype=torch.bool, device=q.device)
+                bad_q[..., :head] = nonfinite_queries(q[:, :, :head])
+            else:
+                k, v, bad = clean_keys(k, v)
+                bad_q = nonfinite_queries(q)
             # Top-left causal: query i sees keys 0..i, so it meets a bad key iff one lies at or before i.
             last_key = torch.arange(Tq, device=q.device).clamp_(max=k.shape[2] - 1)  # (Tq,)
             seen = (bad.cumsum(dim=-1) > 0)[..., last_key]  # (B, Hkv, Tq)
-            poisoned = nonfinite_queries(q) | (seen.repeat_interleave(G, dim=1) if G > 1 else seen)
+            poisoned = bad_q | (seen.repeat_interleave(G, dim=1) if G > 1 else seen)
             if bias is None:
                 is_causal = True
             else:  # SDPA takes is_causal or attn_mask, not both: fold the causal mask in
