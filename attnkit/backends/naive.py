@@ -18,7 +18,7 @@ from torch import Tensor
 from .._validate import check_bool
 from ..inputs import AttentionInputs
 from ..registry import Backend, register_backend
-from ._common import clean_keys, poison_rows, rows_seeing, safe, softmax_parts
+from ._common import clean_keys, finite_rows, finite_values, poison_rows, rows_seeing, safe, softmax_parts
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,14 @@ class Naive(Backend):
         probs, lse, v, poisoned = probabilities(inp)
         if inp.dropout_p > 0:
             probs = F.dropout(probs, p=inp.dropout_p, training=True)
-        out = torch.matmul(probs.to(inp.dtype), v)  # (B, Hq, Tq, Dv)
+        p = probs.to(inp.dtype)
+        if inp.dtype in (torch.float16, torch.bfloat16):
+            # CPU bfloat16 GEMMs can carry a NaN row of p into its neighbour (rows are packed in
+            # pairs for long inner dimensions): multiply finite rows only, set the others after.
+            nan_rows = ~finite_rows(probs)
+            p = finite_values(p)
+            poisoned = nan_rows if poisoned is None else poisoned | nan_rows
+        out = torch.matmul(p, v)  # (B, Hq, Tq, Dv)
         if poisoned is not None:
             out = poison_rows(out, poisoned)
         result = (out, lse) if inp.return_lse else (out,)

@@ -93,18 +93,16 @@ class SDPA(Backend):
                     bias = bias[..., :Tq]
             if bias is None and inp.device.type == "cpu" and not inp.requires_grad:
                 # is_causal on CPU masks future scores by assignment, so a NaN/Inf key hidden from a
-                # row never reaches it (only values do, through 0 * NaN in p @ v), and a row with a
-                # vector's worth of keys propagates NaN itself: only values need cleaning, and only
-                # the first rows (and their keys and queries) need checking.
+                # row never reaches it (only values do, through 0 * NaN in p @ v), and a NaN key
+                # among finite ones propagates by itself: only values need cleaning, and keys need
+                # checking only where a row may see nothing but bad keys (its first keys).
                 head = min(_NAN_CHECK_BELOW, k.shape[2])
                 bad = ~finite_rows(v)  # (B, Hkv, Tk')
                 bad[..., :head] |= ~finite_rows(k[:, :, :head])
                 v = finite_values(v)
-                bad_q = torch.zeros(q.shape[:3], dtype=torch.bool, device=q.device)
-                bad_q[..., :head] = nonfinite_queries(q[:, :, :head])
             else:
                 k, v, bad = clean_keys(k, v)
-                bad_q = nonfinite_queries(q)
+            bad_q = nonfinite_queries(q)  # a NaN query can be lost in any row (bf16 kernels drop it)
             # Top-left causal: query i sees keys 0..i, so it meets a bad key iff one lies at or before i.
             last_key = torch.arange(Tq, device=q.device).clamp_(max=k.shape[2] - 1)  # (Tq,)
             seen = (bad.cumsum(dim=-1) > 0)[..., last_key]  # (B, Hkv, Tq)
