@@ -1,49 +1,82 @@
-"""Small argument checks shared by configs, options and the public functions.
+"""Argument checks shared by masks, options and configs: one message format everywhere.
 
-Each raises ``TypeError`` (wrong type) or ``ValueError`` (wrong value) naming the argument, the
-value given, what was expected and the fix; ``bool`` is never accepted as a number.
+Each check returns the value it accepted, so a constructor reads ``self.n = positive_int(n, "n")``.
+The message names the argument (inside its ``owner``, a class or function name, when given), the
+value given, what was expected and (with ``fix=``) how to repair the call::
+
+    >>> positive_int(0, "block_q", owner="TiledOptions", fix="pass e.g. block_q=256")
+    Traceback (most recent call last):
+    ...
+    ValueError: TiledOptions(block_q=0): expected a positive int. Fix: pass e.g. block_q=256.
+
+``bool`` is rejected although it is an ``int`` subclass (``True`` is never meant as a count).
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["check_bool", "check_optional_bool", "positive_int", "finite_float"]
+__all__ = ["positive_int", "non_negative_int", "finite_float", "check_bool"]
 
 
-def check_bool(name: str, value) -> bool:
-    """``value`` if it is a bool, else ``TypeError`` (``'no'``, ``1`` and ``None`` are not bools)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}.")
-    return value
+def _fail(value, name: str, expected: str, fix: str | None, allow_none: bool, owner: str | None):
+    if allow_none:
+        expected += " or None"
+    given = f"{name}={value!r}"
+    message = f"{owner}({given}): expected {expected}." if owner else f"{given}: expected {expected}."
+    if fix:
+        message += f" Fix: {fix.rstrip('.')}."
+    raise ValueError(message)
 
 
-def check_optional_bool(name: str, value) -> bool | None:
-    """``value`` if it is a bool or None (None = the documented automatic choice)."""
-    if value is not None and not isinstance(value, bool):
-        raise TypeError(f"{name}: expected True, False or None (automatic), got {type(value).__name__} {value!r}.")
-    return value
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def positive_int(name: str, value, *, optional: bool = False, minimum: int = 1) -> int | None:
-    """``value`` if it is an int >= ``minimum`` (or None when ``optional``)."""
-    if value is None and optional:
+def positive_int(value, name: str, *, owner: str | None = None, fix: str | None = None, allow_none: bool = False):
+    """``value`` if it is an int ``>= 1`` (or None when ``allow_none``), else ``ValueError``."""
+    if value is None and allow_none:
         return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name}: expected an int >= {minimum}{' or None' if optional else ''}, "
-                        f"got {type(value).__name__} {value!r}.")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}.")
+    if not _is_int(value) or value < 1:
+        _fail(value, name, "a positive int", fix, allow_none, owner)
     return value
 
 
-def finite_float(name: str, value, *, positive: bool = False, hint: str = "") -> float:
-    """``float(value)`` if it is a finite real number (``> 0`` when ``positive``)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{name}: expected a {'positive ' if positive else ''}finite float, "
-                        f"got {type(value).__name__} {value!r}.")
-    value = float(value)
-    if not math.isfinite(value) or (positive and value <= 0):
-        raise ValueError(f"{name}: expected a {'positive ' if positive else ''}finite number, got {value}."
-                         + (f" Fix: {hint}" if hint else ""))
+def non_negative_int(value, name: str, *, owner: str | None = None, fix: str | None = None,
+                     allow_none: bool = False):
+    """``value`` if it is an int ``>= 0`` (or None when ``allow_none``), else ``ValueError``."""
+    if value is None and allow_none:
+        return None
+    if not _is_int(value) or value < 0:
+        _fail(value, name, "a non-negative int", fix, allow_none, owner)
     return value
+
+
+def finite_float(
+    value, name: str, *, low: float | None = None, high: float | None = None, owner: str | None = None,
+    fix: str | None = None, low_inclusive: bool = True, high_inclusive: bool = True,
+) -> float:
+    """``float(value)`` if it is a finite real number within ``[low, high]`` (bounds optional;
+    ``*_inclusive=False`` makes a bound strict), else ``ValueError``."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value >= low if low_inclusive else value > low
+    if ok and high is not None:
+        ok = value <= high if high_inclusive else value < high
+    if not ok:
+        lo = "" if low is None else f"{'>=' if low_inclusive else '>'} {low}"
+        hi = "" if high is None else f"{'<=' if high_inclusive else '<'} {high}"
+        bounds = " and ".join(x for x in (lo, hi) if x)
+        _fail(value, name, "a finite number" + (f" {bounds}" if bounds else ""), fix, False, owner)
+    return float(value)
+
+
+def check_bool(value, name: str, *, owner: str | None = None, allow_none: bool = False):
+    """``value`` if it is a bool (or None when ``allow_none``: the documented automatic choice),
+    else ``TypeError`` (``'no'``, ``1`` and ``None`` are not bools)."""
+    if isinstance(value, bool) or (value is None and allow_none):
+        return value
+    expected = "True or False" + (" or None (automatic)" if allow_none else "")
+    given = f"{name}={value!r}"
+    raise TypeError(f"{owner}({given}): expected {expected}, got {type(value).__name__}." if owner
+                    else f"{given}: expected {expected}, got {type(value).__name__}.")

@@ -107,6 +107,5 @@ def attention_weights(
     from .backends._common import poison_rows
 
     probs, _, _, poisoned = probabilities(inp)
-    if poisoned is not None:  # rows that may attend a NaN/Inf key are NaN, like attention()'s
-        probs = poison_rows(probs, poisoned)
+    probs, _ = poison_rows(probs, None, poisoned)  # rows that may attend a NaN/Inf key are NaN, like attention()'s
     return probs.to(inp.dtype)

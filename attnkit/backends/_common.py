@@ -82,14 +82,15 @@ def rows_seeing(keep: Tensor | None, bad: Tensor, groups: int = 1) -> Tensor:
     return (keep & bad[..., None, :]).any(dim=-1)
 
 
-def poison_rows(out: Tensor, rows: Tensor) -> Tensor:
-    """``out (B, H, Tq, Dv)`` with the rows flagged in ``rows (B|1, H|1, Tq|1)`` set to NaN (in place
-    when ``out`` is a fresh result outside autograd). Adding a per-row 0/NaN column is one cheap
-    broadcast pass, where a broadcast ``masked_fill`` over the row's values is several times slower."""
+def poison_rows(out: Tensor, lse: Tensor | None, rows: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """``out (B, H, Tq, Dv)`` and ``lse (B, H, Tq)`` (or None) set to NaN where ``rows (B|1, H|1, Tq|1)``
+    is True (``out`` in place when it is a fresh result outside autograd). Adding a per-row 0/NaN
+    column is one cheap broadcast pass; a broadcast ``masked_fill`` over the row is several times slower."""
+    if rows is None:
+        return out, lse
     nan_or_zero = torch.zeros(rows.shape, dtype=out.dtype, device=out.device).masked_fill_(rows, float("nan"))
-    if out.requires_grad:
-        return out + nan_or_zero[..., None]
-    return out.add_(nan_or_zero[..., None])
+    out = out + nan_or_zero[..., None] if out.requires_grad else out.add_(nan_or_zero[..., None])
+    return out, None if lse is None else lse.masked_fill(rows, float("nan"))
 
 
 def nonfinite_queries(q: Tensor) -> Tensor:

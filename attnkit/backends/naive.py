@@ -29,7 +29,7 @@ class NaiveOptions:
     return_weights: bool = False
 
     def __post_init__(self):
-        check_bool("NaiveOptions.return_weights", self.return_weights)
+        check_bool(self.return_weights, "return_weights", owner="NaiveOptions")
 
 
 def probabilities(inp: AttentionInputs) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -80,9 +80,7 @@ class Naive(Backend):
             nan_rows = ~finite_rows(probs)
             p = finite_values(p)
             poisoned = nan_rows if poisoned is None else poisoned | nan_rows
-        out = torch.matmul(p, v)  # (B, Hq, Tq, Dv)
-        if poisoned is not None:
-            out = poison_rows(out, poisoned)
+        out, lse = poison_rows(torch.matmul(p, v), lse, poisoned)  # (B, Hq, Tq, Dv)
         result = (out, lse) if inp.return_lse else (out,)
         if options is not None and options.return_weights:
             result = result + (probs.to(inp.dtype),)

@@ -124,7 +124,7 @@ class SDPA(Backend):
         )
         if empty is not None:
             out = out.masked_fill(empty[..., None], 0.0)
-        return out if poisoned is None else poison_rows(out, poisoned)
+        return poison_rows(out, None, poisoned)[0]
 
 
 def _bias_dtype(bias: Tensor, dtype: torch.dtype) -> Tensor:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._validate import check_optional_bool
+from .._validate import check_bool
 from ..inputs import AttentionInputs
 from ..masks import BlockStatus, Mask
 from ..registry import Backend, register_backend
@@ -47,7 +47,7 @@ class TiledOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"TiledOptions({name}={value!r}): expected a positive int, e.g. {name}=256.")
-        check_optional_bool("TiledOptions.upcast", self.upcast)
+        check_bool(self.upcast, "upcast", owner="TiledOptions", allow_none=True)
 
 
 @dataclass(frozen=True, eq=False)

@@ -43,11 +43,11 @@ class AttentionConfig:
 
     def __post_init__(self):
         for name in ("embed_dim", "num_heads"):
-            positive_int(f"AttentionConfig.{name}", getattr(self, name))
+            positive_int(getattr(self, name), name, owner="AttentionConfig")
         for name in ("num_kv_heads", "head_dim", "kv_dim", "rotary_dim"):
-            positive_int(f"AttentionConfig.{name}", getattr(self, name), optional=True)
+            positive_int(getattr(self, name), name, owner="AttentionConfig", allow_none=True)
         for name in ("bias", "cross_attention"):
-            check_bool(f"AttentionConfig.{name}", getattr(self, name))
+            check_bool(getattr(self, name), name, owner="AttentionConfig")
         kv = self.kv_heads
         if self.num_heads % kv:
             raise ValueError(
@@ -58,10 +58,9 @@ class AttentionConfig:
                 f"AttentionConfig: embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}. "
                 f"Fix: choose num_heads dividing {self.embed_dim}, or set head_dim explicitly."
             )
-        finite_float("AttentionConfig.dropout", self.dropout)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"AttentionConfig.dropout: expected a value in [0, 1), got {self.dropout}.")
-        finite_float("AttentionConfig.rope_base", self.rope_base, positive=True, hint="RoPE's usual base is 10000.0.")
+        finite_float(self.dropout, "dropout", low=0.0, high=1.0, high_inclusive=False, owner="AttentionConfig")
+        finite_float(self.rope_base, "rope_base", low=0.0, low_inclusive=False, owner="AttentionConfig",
+                     fix="RoPE's usual base is 10000.0")
         if self.backend != "auto":
             get_backend(self.backend).check_options(self.backend_options)
         if self.position not in ("none", "rope", "alibi"):
