@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["positive_int", "non_negative_int", "finite_float"]
+__all__ = ["positive_int", "non_negative_int", "finite_float", "check_bool"]
 
 
 def _fail(value, name: str, expected: str, fix: str | None, allow_none: bool, owner: str | None):
@@ -69,3 +69,14 @@ def finite_float(
         bounds = " and ".join(x for x in (lo, hi) if x)
         _fail(value, name, "a finite number" + (f" {bounds}" if bounds else ""), fix, False, owner)
     return float(value)
+
+
+def check_bool(value, name: str, *, owner: str | None = None, allow_none: bool = False):
+    """``value`` if it is a bool (or None when ``allow_none``: the documented automatic choice),
+    else ``TypeError`` (``'no'``, ``1`` and ``None`` are not bools)."""
+    if isinstance(value, bool) or (value is None and allow_none):
+        return value
+    expected = "True or False" + (" or None (automatic)" if allow_none else "")
+    given = f"{name}={value!r}"
+    raise TypeError(f"{owner}({given}): expected {expected}, got {type(value).__name__}." if owner
+                    else f"{given}: expected {expected}, got {type(value).__name__}.")

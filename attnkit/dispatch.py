@@ -25,9 +25,9 @@ __all__ = ["NoBackendError", "select", "explain", "use_backend", "priority", "Ex
 
 _SCOPED: ContextVar[tuple[str, ...] | None] = ContextVar("attnkit_backend", default=None)
 
-# Above this many materialized mask/score elements per call (B*H*Tq*Tk), a backend that builds the
+# Above this many materialized mask elements per call (B*H*Tq*Tk), a backend that builds the
 # whole (Tq, Tk) mask costs more memory than a tiled one: 2**26 bool elements = 64 MiB.
-# `attnkit bench --calibrate` replaces these constants with this machine's measured crossovers.
+# A measured calibration table (attnkit.calibration) takes precedence over these defaults.
 MATERIALIZE_LIMIT = 2**26
 # Structured backends (tried in this order) and the score count per head (Tq * Tk) from which
 # they beat SDPA's materialized-mask path when no calibration exists. Measured forward, fp32 and
@@ -40,44 +40,35 @@ class NoBackendError(ValueError):
     """No backend can run the input; the message lists every backend with its reasons."""
 
 
-def mask_needs_materializing(inp: AttentionInputs) -> bool:
-    """True when SDPA would need the mask as a dense (Tq, Tk) tensor: anything but no mask, a
-    causal mask aligned like SDPA's ``is_causal`` (top-left, i.e. ``q_offset == kv_offset``), or a
-    causal mask that hides nothing (every query at or after the last key)."""
-    mask = inp.mask
-    if mask is None:
-        return False
-    if mask.is_causal():
-        return not (inp.q_offset == inp.kv_offset or inp.q_offset >= inp.kv_offset + inp.Tk - 1)
-    return True
-
-
 def priority(inp: AttentionInputs) -> tuple[str, ...]:
     """The order in which ``auto`` tries backends for this input (the whole policy).
 
     1. SDPA first: PyTorch's fused kernels are the fastest exact path for dense and causal masks.
-    2. A structured sparse mask (a finite band, a BlockSparse layout) over at least
+    2. When SDPA would have to materialize the mask (its ``dense_mask_elements`` hint is not 0):
+       a structured sparse mask (a finite band, a BlockSparse layout) over at least
        STRUCTURED_MIN_SCORES[backend] scores per head goes to the backend that skips its
-       masked-out work (each declines, with a reason, masks it cannot use).
-    3. Any other mask SDPA would have to materialize over a large score matrix goes to ``tiled``,
-       which evaluates the mask per tile (skipping EMPTY tiles) in O(Tq + Tk) memory.
-    4. ``naive`` last: it runs everything (LSE, bias, dropout), but in O(Tq * Tk) memory.
+       masked-out work (each declines, with a reason, masks it cannot use); and over
+       MATERIALIZE_LIMIT mask elements ``tiled`` comes before SDPA: it evaluates the mask per tile
+       (skipping EMPTY tiles) in O(Tq + Tk) memory.
+    3. ``naive`` last: it runs everything (LSE, bias, dropout), but in O(Tq * Tk) memory.
     Backends registered later and not named here are tried before ``naive``.
 
     A measured table (``python -m attnkit bench --calibrate``, see :mod:`attnkit.calibration`)
-    replaces rules 1-3: when it has an entry for this device/dtype/mask kind/pass, its ranking of
+    replaces rules 1-2: when it has an entry for this device/dtype/mask kind/pass, its ranking of
     backends at the nearest measured length comes first (a cached dict + bisect lookup, no tensor reads).
     """
+    registered = registered_names()
     measured = calibration.preferred(inp)
     if measured is not None:
-        return _order(measured, registered_names())
-    preferred: tuple[str, ...] = ("sdpa", "tiled")
-    if mask_needs_materializing(inp):
-        if inp.B * inp.Hq * inp.Tq * inp.Tk > MATERIALIZE_LIMIT:
-            preferred = ("tiled", "sdpa")
-        scores = inp.Tq * inp.Tk
-        preferred = tuple(name for name, n in STRUCTURED_MIN_SCORES.items() if scores >= n) + preferred
-    return _order(preferred, registered_names())
+        return _order(measured, registered)
+    sdpa = list_backends().get("sdpa")
+    dense = sdpa.dense_mask_elements(inp) if sdpa is not None else 0
+    if not dense:
+        return _order(("sdpa", "tiled"), registered)
+    preferred = ("tiled", "sdpa") if dense > MATERIALIZE_LIMIT else ("sdpa", "tiled")
+    scores = inp.Tq * inp.Tk
+    preferred = tuple(name for name, n in STRUCTURED_MIN_SCORES.items() if scores >= n) + preferred
+    return _order(preferred, registered)
 
 
 @functools.lru_cache(maxsize=64)

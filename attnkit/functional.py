@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import torch
 from torch import Tensor
 
@@ -16,31 +14,17 @@ __all__ = ["attention", "attention_weights"]
 _AUTOCAST_FROM = (torch.float32, torch.float16, torch.bfloat16)  # dtypes autocast recasts (not float64)
 
 
-def _check_options(impl, options):
-    if options is None:
-        return None
-    if impl.Options is None:
-        raise TypeError(
-            f"options: backend {impl.name!r} takes no options, got {type(options).__name__}. Fix: drop options= "
-            "or name the backend the options belong to."
-        )
-    if not isinstance(options, impl.Options):
-        raise TypeError(
-            f"options: backend {impl.name!r} takes {impl.Options.__name__}, got {type(options).__name__}. "
-            f"Fix: pass {impl.Options.__name__}({', '.join(f.name + '=...' for f in fields(impl.Options))})."
-        )
-    return options
-
-
 def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
     *,
     mask: Mask | Tensor | None = None,
     bias: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
     q_offset: int | None = None,
     kv_offset: int = 0,
     backend: str = "auto",
@@ -48,6 +32,7 @@ def attention(
     return_lse: bool = False,
     score_mod=None,
     sinks: Tensor | None = None,
+    enable_gqa: bool = True,
 ):
     """Scaled dot-product attention ``softmax(q kᵀ · scale + bias) v`` under a mask.
 
@@ -57,8 +42,9 @@ def attention(
         mask: where attention is allowed (True = attend): a :class:`~attnkit.masks.Mask`
             (``Causal()``, ``SlidingWindow(...)``, ...) or a bool tensor broadcastable to
             ``(B, Hq, Tq, Tk)``. A query row with no allowed key yields 0.
-        bias: additive float scores broadcastable to ``(B, Hq, Tq, Tk)`` (ALiBi, relative positions).
-        scale: score scale; ``None`` means ``D ** -0.5``.
+        bias: additive float scores broadcastable to ``(B, Hq, Tq, Tk)`` (at least 2-D; ALiBi,
+            relative positions). A float32 bias on float16/bfloat16 inputs is used in float32.
+        scale: score scale, a finite float; ``None`` means ``D ** -0.5``.
         dropout_p: dropout on the attention weights (pass 0 at evaluation).
         q_offset, kv_offset: absolute position of the first query and key. The default
             ``q_offset = kv_offset + Tk - Tq`` aligns the last query with the last key, so
@@ -66,6 +52,17 @@ def attention(
 
                 Tq=2, Tk=5, Causal():  [[1,1,1,1,0],
                                         [1,1,1,1,1]]
+        attn_mask, is_causal: ``F.scaled_dot_product_attention``'s arguments, with its semantics, so
+            code written for SDPA runs unchanged (positionally too): a bool ``attn_mask`` (True =
+            attend) acts as ``mask=``, a float one is added to the scores as ``bias=``.
+            ``is_causal=True`` is SDPA's **top-left** causal mask (query ``i`` sees keys ``0..i``,
+            i.e. ``mask=Causal()`` with ``q_offset=kv_offset``), unlike ``Causal()``'s bottom-right
+            default when ``Tq != Tk``::
+
+                Tq=2, Tk=5, is_causal=True:  [[1,0,0,0,0],
+                                              [1,1,0,0,0]]
+
+            As in SDPA, ``is_causal`` together with ``attn_mask`` (or ``mask=``) is an error.
         backend: ``"auto"`` (the first exact backend that can run the input; see :func:`explain`)
             or a backend name; a named backend that cannot run raises ``NoBackendError``.
         options: the named backend's ``Options`` dataclass (tile sizes, features, ...).
@@ -78,6 +75,14 @@ def attention(
             ``scale`` and ``bias``, before the mask.
         sinks: ``(Hq,)`` float logits, one per query head (gpt-oss): each joins its rows' softmax
             normaliser and contributes no value, so rows can attend "nothing"; learnable.
+        enable_gqa: accepted for SDPA compatibility; grouped K/V heads are always supported.
+
+    NaN and Inf (every backend):
+        NaN in what a query row may attend — its query, or the key, value or bias entry of a key
+        it may see — makes that row NaN; an Inf there gives what IEEE arithmetic gives (NaN,
+        ±Inf, or weight 0 for a key whose score is -Inf). NaN/Inf in what a row may not see
+        (masked keys, keys only later queries see, padding) changes nothing in that row, and a
+        row with no allowed key is 0 whatever its inputs hold. ``scale`` NaN/±Inf is refused.
 
     Returns:
         ``out (B, Hq, Tq, Dv)`` in q's dtype, or ``(out, lse)`` with ``return_lse=True``.
@@ -86,21 +91,25 @@ def attention(
     for q, k, v: they are cast to the autocast dtype first and the output has that dtype; the backend
     runs with autocast off, so its softmax statistics and a float32 ``bias`` keep full precision.
     """
+    if enable_gqa is not True and not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa: expected True or False, got {type(enable_gqa).__name__} {enable_gqa!r}.")
     if isinstance(q, Tensor) and q.dtype in _AUTOCAST_FROM and torch.is_autocast_enabled(q.device.type):
         dtype = torch.get_autocast_dtype(q.device.type)
         cast = lambda t: t if t.dtype == dtype else t.to(dtype)  # noqa: E731
         with torch.autocast(q.device.type, enabled=False):
             return attention(
-                cast(q), cast(k), cast(v), mask=mask, bias=bias, scale=scale, dropout_p=dropout_p,
+                cast(q), cast(k), cast(v), attn_mask, dropout_p, is_causal, scale, mask=mask, bias=bias,
                 q_offset=q_offset, kv_offset=kv_offset, backend=backend, options=options, return_lse=return_lse,
                 score_mod=score_mod, sinks=sinks,
             )
     inp = AttentionInputs.create(
         q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, q_offset=q_offset,
-        kv_offset=kv_offset, return_lse=return_lse, score_mod=score_mod, sinks=sinks,
+        kv_offset=kv_offset, return_lse=return_lse, attn_mask=attn_mask, is_causal=is_causal,
+        score_mod=score_mod, sinks=sinks,
     )
     impl = select(inp, backend)
-    options = _check_options(impl, options)
+    if options is not None:
+        options = impl.check_options(options)
     return impl.forward(inp, options)
 
 
@@ -115,11 +124,14 @@ def attention_weights(
     kv_offset: int = 0,
 ) -> Tensor:
     """The attention probabilities ``(B, Hq, Tq, Tk)`` (rows sum to 1, fully masked rows are 0),
-    computed by the naive backend. Same arguments as :func:`attention`, without ``v``."""
+    computed by the naive backend in float32 (float64 for float64 inputs). Same arguments as
+    :func:`attention`, without ``v``."""
     from .backends.naive import probabilities
 
     v = k[..., :1]  # a stand-in: the weights do not depend on v
     inp = AttentionInputs.create(q, k, v, mask=mask, bias=bias, scale=scale, q_offset=q_offset, kv_offset=kv_offset)
-    keep = inp.materialize_mask()
-    k, _ = inp.kv_for(keep, *inp.expand_kv())
-    return probabilities(inp, k, keep)[0].to(inp.dtype)
+    from .backends._common import poison_rows
+
+    probs, _, _, poisoned = probabilities(inp)
+    probs, _ = poison_rows(probs, None, poisoned)  # rows that may attend a NaN/Inf key are NaN, like attention()'s
+    return probs.to(inp.dtype)

@@ -17,6 +17,45 @@ from .score_mods import ScoreMod, as_score_mod, check_sinks
 __all__ = ["AttentionInputs", "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_INF = float("inf")
+
+
+def _sdpa_arguments(attn_mask, is_causal, mask, bias, q_offset, kv_offset):
+    """``F.scaled_dot_product_attention``'s ``attn_mask``/``is_causal`` as attnkit's ``mask``/``bias``
+    (and offsets): a bool ``attn_mask`` (True = attend) is a ``Dense`` mask, a float one an additive
+    bias; ``is_causal=True`` is SDPA's top-left causal mask: query ``i`` sees keys ``0..i``."""
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal: expected True or False, got {type(is_causal).__name__} {is_causal!r}.")
+    if is_causal and attn_mask is not None:
+        raise ValueError("is_causal=True with attn_mask: expected one of them (as in "
+                         "F.scaled_dot_product_attention). Fix: fold the causal mask into attn_mask, or pass "
+                         "mask=Causal() & Dense(keep).")
+    if is_causal:
+        if mask is not None:
+            raise ValueError(f"is_causal=True with mask={mask!r}: expected one of them. Fix: pass mask=Causal() & ... "
+                             "to combine masks.")
+        if q_offset is not None and q_offset != kv_offset:
+            raise ValueError(
+                f"is_causal=True is top-left aligned (query i sees keys 0..i, as in SDPA), but q_offset={q_offset} "
+                f"differs from kv_offset={kv_offset}. Fix: for other alignments pass mask=Causal() with q_offset=."
+            )
+        from .masks import Causal
+
+        return Causal(), bias, kv_offset, kv_offset
+    if not isinstance(attn_mask, Tensor):
+        raise TypeError(f"attn_mask: expected a bool or float tensor (as in F.scaled_dot_product_attention), "
+                        f"got {type(attn_mask).__name__}.")
+    if attn_mask.dtype == torch.bool:
+        if mask is not None:
+            raise ValueError(f"attn_mask (bool) with mask={mask!r}: expected one of them. Fix: combine them as "
+                             "mask=Dense(attn_mask) & ...")
+        return attn_mask, bias, q_offset, kv_offset
+    if attn_mask.is_floating_point():
+        if bias is not None:
+            raise ValueError("attn_mask (float, additive) with bias=: expected one of them. Fix: pass bias=attn_mask + bias.")
+        return mask, attn_mask, q_offset, kv_offset
+    raise TypeError(f"attn_mask: expected dtype torch.bool (True = attend) or a float dtype (added to the scores), "
+                    f"got {attn_mask.dtype}.")
 
 
 def _check_tensor(name: str, x, expected: str) -> None:
@@ -94,20 +133,31 @@ class AttentionInputs:
         return_lse: bool = False,
         score_mod=None,
         sinks: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
     ) -> AttentionInputs:
-        """Validate the arguments of ``attention()`` and fill in defaults."""
-        _check_tensor("q", q, "(B, Hq, Tq, D)")
-        _check_tensor("k", k, "(B, Hkv, Tk, D)")
-        _check_tensor("v", v, "(B, Hkv, Tk, Dv)")
-        # attention() runs per layer per token: read each tensor attribute once.
-        B, Hq, Tq, D = q.shape
-        Bk, Hkv, Tk, Dk = k.shape
-        Bv, Hv, Tv, Dv = v.shape
-        dtype, device = q.dtype, q.device
-        if k.dtype != dtype or v.dtype != dtype:
+        """Validate the arguments of ``attention()`` and fill in defaults (``attn_mask``/``is_causal``
+        are SDPA's spellings, turned into ``mask``/``bias`` here)."""
+        if attn_mask is not None or is_causal is not False:
+            mask, bias, q_offset, kv_offset = _sdpa_arguments(attn_mask, is_causal, mask, bias, q_offset, kv_offset)
+        # attention() runs per layer per token: read each tensor attribute once, and spell out what
+        # was wrong only when the quick check fails.
+        try:
+            B, Hq, Tq, D = q.shape
+            Bk, Hkv, Tk, Dk = k.shape
+            Bv, Hv, Tv, Dv = v.shape
+            dtype = q.dtype
+            well_typed = dtype in FLOAT_DTYPES and k.dtype is dtype and v.dtype is dtype and isinstance(q, Tensor)
+        except (AttributeError, TypeError, ValueError):
+            well_typed = False
+        if not well_typed:
+            _check_tensor("q", q, "(B, Hq, Tq, D)")
+            _check_tensor("k", k, "(B, Hkv, Tk, D)")
+            _check_tensor("v", v, "(B, Hkv, Tk, Dv)")
             raise TypeError(
                 f"q, k, v: expected one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}. Fix: cast them to one dtype."
             )
+        device = q.device
         if k.device != device or v.device != device:
             raise ValueError(
                 f"q, k, v: expected one device, got q on {q.device}, k on {k.device}, v on {v.device}. "
@@ -135,14 +185,20 @@ class AttentionInputs:
                 if size == 0:
                     raise ValueError(f"{name}: expected at least 1, got 0. Fix: skip the call for empty inputs.")
         if scale is None:
-            scale = D**-0.5 if D > 0 else 1.0
-        elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
-            raise TypeError(f"scale: expected a float or None (= D ** -0.5), got {type(scale).__name__}.")
-        scale = float(scale)
-        if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
-            raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}.")
-        if not 0.0 <= dropout_p < 1.0:
-            raise ValueError(f"dropout_p: expected a value in [0, 1), got {dropout_p}. Fix: use 0.0 for no dropout.")
+            scale = D**-0.5
+        elif type(scale) is not float or not -_INF < scale < _INF:
+            if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+                raise TypeError(f"scale: expected a float or None (= D ** -0.5), got {type(scale).__name__} {scale!r}.")
+            scale = float(scale)
+            if not -_INF < scale < _INF:
+                raise ValueError(f"scale: expected a finite number, got {scale}. Fix: pass None for D ** -0.5 "
+                                 f"(= {D ** -0.5:.4g} here) or a finite float.")
+        if dropout_p != 0.0 or type(dropout_p) is not float:
+            if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
+                raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}.")
+            if not 0.0 <= dropout_p < 1.0:
+                raise ValueError(f"dropout_p: expected a value in [0, 1), got {dropout_p}. Fix: use 0.0 for no dropout.")
+            dropout_p = float(dropout_p)
         if type(kv_offset) is not int or kv_offset < 0:
             _check_int("kv_offset", kv_offset, minimum=0)
         if q_offset is None:
@@ -151,10 +207,11 @@ class AttentionInputs:
             # The default may be negative (Tq > Tk: the first Tq - Tk queries precede every key
             # and a causal mask hides all keys from them); an explicit offset is a position.
             _check_int("q_offset", q_offset, minimum=0)
-        if not isinstance(return_lse, bool):
+        if return_lse is not False and return_lse is not True:
             raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}.")
         if mask is not None:
-            mask = as_mask(mask, "mask")
+            if not isinstance(mask, Mask):
+                mask = as_mask(mask, "mask")
             mask.validate(B, Hq, Tq, Tk, q_offset, kv_offset)
         if bias is not None:
             if not isinstance(bias, Tensor):
@@ -166,6 +223,14 @@ class AttentionInputs:
                 )
             if bias.device != device:
                 raise ValueError(f"bias: expected device {device} like q, got {bias.device}.")
+            if bias.dim() < 2:
+                # SDPA documents attn_mask as (..., Tq, Tk); a 1-D (Tk,) or 0-D bias is ambiguous to
+                # read and not what SDPA accepts, so it is refused rather than guessed.
+                raise ValueError(
+                    f"bias: expected at least 2 dims (Tq, Tk) broadcastable to (B, Hq, Tq, Tk) = ({B}, {Hq}, {Tq}, {Tk}), "
+                    f"got shape {tuple(bias.shape)}. Fix: a per-key bias is bias.view(1, 1, 1, Tk); "
+                    "a constant changes nothing under softmax (drop it)."
+                )
             try:
                 shape = torch.broadcast_shapes(bias.shape, (B, Hq, Tq, Tk))
             except RuntimeError:
@@ -182,7 +247,7 @@ class AttentionInputs:
         # A frozen dataclass's __init__ sets each field through object.__setattr__ (~2 us for ten
         # fields); filling the instance dict directly is ~0.3 us and the instance stays frozen.
         self = object.__new__(cls)
-        self.__dict__.update(q=q, k=k, v=v, mask=mask, bias=bias, scale=scale, dropout_p=float(dropout_p),
+        self.__dict__.update(q=q, k=k, v=v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p,
                              q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse,
                              score_mod=score_mod, sinks=sinks, B=B, Hq=Hq, Hkv=Hkv, Tq=Tq, Tk=Tk, D=D, Dv=Dv, groups=Hq // Hkv, dtype=dtype, device=device)
         return self
@@ -254,24 +319,6 @@ class AttentionInputs:
             return None
         return self.mask.materialize(self.Tq, self.Tk, q_offset=self.q_offset, kv_offset=self.kv_offset,
                                      device=self.device, batch_size=self.B, num_heads=self.Hq)
-
-    def kv_for(self, keep: Tensor | None, k: Tensor | None = None, v: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """K and V with the keys that no query may attend (under ``keep``) zeroed, so NaN/Inf in
-        padding or unwritten cache slots cannot leak into outputs or gradients through ``0 * NaN``.
-
-        ``k``/``v`` default to the inputs' (``Hkv`` heads); pass expanded ones to match ``keep``."""
-        k = self.k if k is None else k
-        v = self.v if v is None else v
-        if keep is None:
-            return k, v
-        dead = ~keep.any(dim=-2)  # (B|1, H|1, Tk): keys no query sees
-        H = k.shape[1]
-        if dead.shape[1] not in (1, H):  # per-query-head mask, grouped K/V: dead for the whole group
-            dead = dead.view(dead.shape[0], H, -1, dead.shape[-1]).all(dim=2)
-        if not bool(dead.any()):
-            return k, v
-        dead = dead[..., None]
-        return k.masked_fill(dead, 0), v.masked_fill(dead, 0)
 
     def expand_kv(self) -> tuple[Tensor, Tensor]:
         """K and V with their heads repeated to ``Hq`` (for backends without native GQA)."""

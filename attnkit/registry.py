@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Iterable, Iterator
-from dataclasses import is_dataclass
+from dataclasses import fields, is_dataclass
 from typing import ClassVar
 
 import torch
@@ -65,8 +65,24 @@ class Backend:
 
     @classmethod
     def can_run(cls, inp: AttentionInputs) -> bool:
-        """``not not_supported_reasons(inp)``, stopping at the first reason (dispatch's hot path)."""
-        return next(cls.iter_reasons(inp), None) is None
+        """``not not_supported_reasons(inp)`` (dispatch's hot path: the class-data checks without
+        building a generator; the full reasons only for backends with more to check)."""
+        if (
+            inp.device.type not in cls.devices
+            or inp.dtype not in cls.dtypes
+            or (inp.dropout_p > 0 and not cls.supports_dropout)
+            or (inp.bias is not None and not cls.supports_bias)
+            or (inp.return_lse and not cls.supports_lse)
+            or (inp.score_mod is not None and not cls.supports_score_mod)
+            or (inp.sinks is not None and not cls.supports_sinks)
+            or not cls.mask_support.accepts(inp.mask)
+        ):
+            return False
+        if cls.requires or not cls.supports_backward or (
+            cls.extra_reasons.__func__ is not _NO_EXTRA_REASONS
+        ):
+            return next(cls.iter_reasons(inp), None) is None
+        return True
 
     @classmethod
     def iter_reasons(cls, inp: AttentionInputs) -> Iterator[str]:
@@ -101,6 +117,28 @@ class Backend:
         return ()
 
     @classmethod
+    def check_options(cls, options):
+        """``options`` if it is this backend's ``Options`` (or None), else a ``TypeError`` that says
+        what this backend takes."""
+        if options is None or (cls.Options is not None and isinstance(options, cls.Options)):
+            return options
+        if cls.Options is None:
+            raise TypeError(
+                f"options: backend {cls.name!r} takes no options, got {type(options).__name__}. Fix: drop options= "
+                "(or backend_options=) or name the backend the options belong to."
+            )
+        raise TypeError(
+            f"options: backend {cls.name!r} takes {cls.Options.__name__}, got {type(options).__name__}. "
+            f"Fix: pass {cls.Options.__name__}({', '.join(f.name + '=...' for f in fields(cls.Options))})."
+        )
+
+    @classmethod
+    def dense_mask_elements(cls, inp: AttentionInputs) -> int:
+        """A cost hint for dispatch: elements of the ``(B, Hq, Tq, Tk)`` mask this backend would
+        materialize for ``inp`` (0 when it reads the mask's structure instead)."""
+        return 0
+
+    @classmethod
     def describe(cls, inp: AttentionInputs) -> str:
         """One plain sentence on how this backend would run ``inp`` (for ``explain()``)."""
         return cls.summary
@@ -130,6 +168,9 @@ class Backend:
             "sinks": cls.supports_sinks,
             "summary": cls.summary,
         }
+
+
+_NO_EXTRA_REASONS = Backend.extra_reasons.__func__
 
 
 def register_backend(cls: type[Backend]) -> type[Backend]:

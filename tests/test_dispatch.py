@@ -9,7 +9,7 @@ import torch
 
 import attnkit
 from attnkit import Causal, KeyPadding, NoBackendError, SlidingWindow
-from attnkit.dispatch import mask_needs_materializing, priority, select
+from attnkit.dispatch import priority, select
 from attnkit.inputs import AttentionInputs
 
 q = torch.randn(1, 4, 16, 8)
@@ -77,15 +77,38 @@ def test_use_backend_restores_after_exception():
     assert attnkit.explain(q, k, v).chosen == "sdpa"
 
 
-def test_mask_needs_materializing():
-    def needs(mask, Tq=16, Tk=16, **kw):
-        return mask_needs_materializing(AttentionInputs.create(q[:, :, :Tq], k[:, :, :Tk], v[:, :, :Tk], mask=mask, **kw))
+def test_sdpa_plan_decides_forward_describe_and_the_dispatch_hint():
+    sdpa = attnkit.list_backends()["sdpa"]
 
-    assert not needs(None)
-    assert not needs(Causal())  # Tq == Tk: bottom-right == top-left
-    assert not needs(Causal(), Tq=1)  # decode: hides nothing
-    assert needs(Causal(), Tq=4)  # chunked prefill: bottom-right != SDPA's top-left
-    assert needs(SlidingWindow(4, 0))
+    def inputs(mask, Tq=16, Tk=16, **kw):
+        return AttentionInputs.create(q[:, :, :Tq], k[:, :, :Tk], v[:, :, :Tk], mask=mask, **kw)
+
+    cases = [
+        (None, {}, "none"),
+        (Causal(), {}, "causal"),  # Tq == Tk: bottom-right == top-left
+        (Causal(), {"Tq": 1}, "none"),  # decode: hides nothing
+        (Causal(), {"Tq": 4}, "dense"),  # chunked prefill: bottom-right != SDPA's top-left
+        (Causal(), {"Tq": 4, "q_offset": 0}, "causal"),  # top-left, keys after the last query dropped
+        (Causal() & Causal(), {}, "causal"),
+        (SlidingWindow(4, 0), {}, "dense"),
+    ]
+    for mask, kw, expected in cases:
+        inp = inputs(mask, **kw)
+        assert sdpa.plan(inp) == expected, (mask, kw)
+        assert (sdpa.dense_mask_elements(inp) > 0) == (expected == "dense")
+        words = {"none": "no mask", "causal": "is_causal=True", "dense": "materialized"}[expected]
+        assert words in sdpa.describe(inp)
+
+
+def test_no_backend_imports_the_dispatcher():
+    import ast
+    import pathlib
+
+    for path in pathlib.Path(attnkit.__file__).parent.joinpath("backends").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").endswith("dispatch"), path.name
 
 
 def test_large_materialized_masks_prefer_tiled_when_registered():
@@ -111,3 +134,36 @@ def test_sdpa_paths_equal_naive(Tq):
         a = attnkit.attention(qq, k, v, mask=Causal(), backend="sdpa", q_offset=offset)
         b = attnkit.attention(qq, k, v, mask=Causal(), backend="naive", q_offset=offset)
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def _varied_inputs():
+    """Inputs that exercise every reason: masks, bias, dropout, LSE, gradients, GQA, dtypes, offsets."""
+    from attnkit import BlockSparse
+
+    base = torch.randn(1, 4, 64, 8)
+    kv = torch.randn(1, 2, 64, 8)
+    masks = [None, Causal(), SlidingWindow(8, 0), KeyPadding([40]), Causal() & KeyPadding([40]),
+             BlockSparse.bigbird(5, 16, window=1, global_blocks=1, random_blocks=1, seed=0)]
+    for mask in masks:
+        for kw in ({}, dict(bias=torch.zeros(1, 4, 64, 64)), dict(dropout_p=0.1), dict(return_lse=True),
+                   dict(q_offset=3), dict(q_offset=0)):
+            yield base, kv, kv, dict(mask=mask, **kw)
+    yield base.double(), kv.double(), kv.double(), dict(mask=Causal())
+    yield base.bfloat16(), kv.bfloat16(), kv.bfloat16(), dict(mask=SlidingWindow(8, 0))
+    grad = base.clone().requires_grad_()
+    yield grad, kv, kv, dict(mask=Causal())
+
+
+def test_can_run_agrees_with_the_reasons_and_select_with_explain():
+    known = attnkit.list_backends()
+    for qq, kk, vv, kw in _varied_inputs():
+        inp = AttentionInputs.create(qq, kk, vv, **kw)
+        for name, impl in known.items():
+            assert impl.can_run(inp) == (not impl.not_supported_reasons(inp)), (name, inp)
+        try:
+            chosen = select(inp).name
+        except attnkit.NoBackendError:
+            chosen = None
+        assert attnkit.explain(qq, kk, vv, **kw).chosen == chosen, inp
+        if chosen is not None:
+            assert known[chosen].can_run(inp)

@@ -116,15 +116,20 @@ def test_sliding_window_gqa_model_every_exact_backend(backend):
     assert_close_on_tokens(outs, am)
 
 
+def seeded_mistral(impl: str, window: int = 4):
+    """The same random Mistral model under ``attn_implementation=impl``."""
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(mistral_config(window=window)).eval()
+    model.set_attn_implementation(impl)
+    return model
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_generate_with_cache_matches_sdpa(cache):
-    config = mistral_config(window=4)
     ids, am = batch(T=7, right=False)
     tokens = {}
     for impl in ("sdpa", "attnkit"):
-        torch.manual_seed(0)
-        model = transformers.MistralForCausalLM(config).eval()
-        model.set_attn_implementation(impl)
+        model = seeded_mistral(impl)
         kwargs = {"cache_implementation": "static"} if cache == "static" else {}
         tokens[impl] = model.generate(ids, attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=0,
                                       **kwargs)
@@ -314,3 +319,27 @@ def test_t5_encoder_decoder_equals_eager():
     outs = _outputs(transformers.T5ForConditionalGeneration, config, ("eager", "attnkit"), input_ids=ids,
                     attention_mask=am, decoder_input_ids=ids[:, :5])
     assert (outs["attnkit"] - outs["eager"]).abs().max().item() <= ATOL
+
+
+def test_output_attentions_returns_the_weights():
+    ids, am = batch(T=7, right=False)
+    weights = {}
+    for impl in ("eager", "attnkit"):
+        with torch.no_grad():
+            weights[impl] = seeded_mistral(impl)(ids, attention_mask=am, output_attentions=True).attentions
+    assert len(weights["attnkit"]) == mistral_config().num_hidden_layers
+    for ours, eager in zip(weights["attnkit"], weights["eager"]):
+        rows = am.bool()[:, None, :, None].expand_as(ours)  # eager's rows of padding queries are arbitrary
+        torch.testing.assert_close(ours[rows], eager[rows], atol=ATOL, rtol=0)
+
+
+def test_sliding_window_decode_steps_run_on_the_named_sliding_window_backend():
+    """A decode step over more keys than the window is SlidingWindow(w - 1, 0), not (w - 1, None)."""
+    window = masking_utils.sliding_window_causal_mask_function(4)
+    step = make(window, B=1, Tq=1, Tk=9, q_offset=8)
+    assert step.mask == SlidingWindow(3, 0)
+    assert_same_as_sdpa_mask(step, window, B=1, Tq=1, Tk=9, q_offset=8)
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
+    kw = dict(mask=step.mask, q_offset=step.q_offset, kv_offset=step.kv_offset)
+    torch.testing.assert_close(attnkit.attention(q, k, v, backend="sliding_window", **kw),
+                               attnkit.attention(q, k, v, backend="naive", **kw))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import attnkit
+import attnkit.backends.naive
 from attnkit import Causal
 from attnkit.nn import AttentionConfig, MultiHeadAttention
 
@@ -35,6 +36,52 @@ def test_gqa_shapes_and_backend_from_config():
     assert layer.qkv_proj.out_features == (8 + 2 * 2) * 8
     out = layer(torch.randn(2, 5, 64), mask=Causal())
     assert out.shape == (2, 5, 64)
+
+
+@pytest.mark.parametrize("backend", ["naive", "tiled", "sdpa"])
+def test_the_configured_backend_actually_runs(backend, monkeypatch):
+    ran = []
+    for name, impl in attnkit.list_backends().items():
+        original = impl.forward.__func__
+
+        def spy(cls, inp, options, _original=original, _name=name):
+            ran.append(_name)
+            return _original(cls, inp, options)
+
+        monkeypatch.setattr(impl, "forward", classmethod(spy))
+    layer = MultiHeadAttention(AttentionConfig(32, 4, backend=backend))
+    layer(torch.randn(2, 5, 32), mask=Causal())
+    assert ran == [backend]
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(head_dim=True), ValueError, r"AttentionConfig\(head_dim=True\): expected a positive int or None"),
+    (dict(bias="no"), TypeError, r"AttentionConfig\(bias='no'\): expected True or False, got str"),
+    (dict(kv_dim=0, cross_attention=True), ValueError, r"AttentionConfig\(kv_dim=0\): expected a positive int"),
+    (dict(rope_base=0.0, position="rope"), ValueError, r"AttentionConfig\(rope_base=0.0\): expected a finite number > 0"),
+    (dict(rope_base=float("nan")), ValueError, "rope_base"),
+    (dict(dropout=float("nan")), ValueError, r"AttentionConfig\(dropout=nan\): expected a finite number"),
+    (dict(backend="sdpa", backend_options=attnkit.backends.naive.NaiveOptions()), TypeError,
+     "backend 'sdpa' takes no options, got NaiveOptions"),
+    (dict(backend="tiled", backend_options=attnkit.backends.naive.NaiveOptions()), TypeError,
+     "backend 'tiled' takes TiledOptions, got NaiveOptions"),
+])
+def test_config_nonsense_is_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        AttentionConfig(32, 4, **kwargs)
+
+
+def test_transformer_config_and_rope_nonsense_is_refused():
+    from attnkit.nn import TransformerConfig
+    from attnkit.nn.positional import RotaryEmbedding
+
+    for eps in (0.0, -1e-5, float("inf")):
+        with pytest.raises(ValueError, match=r"TransformerConfig\(layer_norm_eps=.*\): expected a finite number > 0"):
+            TransformerConfig(layer_norm_eps=eps)
+    with pytest.raises(ValueError, match=r"TransformerConfig\(rope_base=-10.0\)"):
+        TransformerConfig(position="rope", rope_base=-10.0)
+    with pytest.raises(ValueError, match=r"RotaryEmbedding\(base=0.0\)"):
+        RotaryEmbedding(8, base=0.0)
 
 
 def test_cross_attention_with_memory_of_other_width():

@@ -1,4 +1,16 @@
-"""Helpers shared by the gathered backends (sliding_window, block_sparse)."""
+"""Helpers shared by the backends: the softmax parts, the NaN/Inf contract, grouped views.
+
+The NaN/Inf contract every exact backend keeps (see ``attnkit.attention``):
+
+* NaN in what a row may attend (its query, or the key, value or bias entry of a key it may see)
+  makes that row NaN; an Inf there gives what IEEE arithmetic gives (NaN, ±Inf, or weight 0 for
+  a key whose score is -Inf), in that row only;
+* NaN/Inf in what a row may not see (masked keys, keys only later queries see, padding) changes
+  nothing in that row; a row with no allowed key is 0 whatever its inputs hold.
+
+The helpers below do it without host synchronisation: they never ask the host whether a value
+is finite (no ``bool(tensor)``, ``.item()``), they zero and flag on the device.
+"""
 
 from __future__ import annotations
 
@@ -17,15 +29,22 @@ def grouped(x: Tensor, Hkv: int) -> Tensor:
     return x.view(x.shape[0], Hkv, -1, *x.shape[2:]).transpose(2, 3)
 
 
-def softmax_parts(scores: Tensor, inplace: bool) -> tuple[Tensor, Tensor, Tensor]:
+def softmax_parts(scores: Tensor, inplace: bool, sink: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(e, denom, lse)`` for masked (``-inf``) scores: ``e = exp(scores - rowmax)`` (unnormalized:
     divide ``e @ v`` by ``safe(denom)`` — one pass over Dv instead of over the keys), the row sums
     and the log-sum-exp. Rows with nothing kept give ``e = 0``, ``denom = 0``, LSE ``-inf`` and
-    finite gradients (the max is detached and 0 there). ``inplace`` reuses ``scores`` (no autograd)."""
+    finite gradients (the max is detached and 0 there). ``inplace`` reuses ``scores`` (no autograd).
+
+    ``sink`` (logits broadcastable to ``scores[..., :1]``) joins every row's normaliser and max
+    without a value of its own (attention sinks): a row that keeps nothing then has LSE = sink."""
     row_max = scores.amax(dim=-1, keepdim=True).detach()
+    if sink is not None:
+        row_max = torch.maximum(row_max, sink.detach())
     row_max = row_max.masked_fill(torch.isinf(row_max), 0.0)
     e = scores.sub_(row_max).exp_() if inplace else torch.exp(scores - row_max)
     denom = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - row_max)
     return e, denom, (torch.log(denom) + row_max).squeeze(-1)
 
 
@@ -34,32 +53,78 @@ def safe(denom: Tensor) -> Tensor:
     return torch.where(denom == 0, 1.0, denom)
 
 
+def finite_rows(x: Tensor) -> Tensor:
+    """``(..., N, D) -> (..., N)`` bool: the row holds no NaN/Inf. Two reductions (max and min
+    propagate NaN and keep ±Inf, and cannot overflow the way a sum can), no full-size temporary."""
+    return torch.isfinite(x.amax(dim=-1)) & torch.isfinite(x.amin(dim=-1))
+
+
+def zero_keys(k: Tensor, v: Tensor, drop: Tensor) -> tuple[Tensor, Tensor]:
+    """K and V with the keys flagged in ``drop`` (bool, broadcastable to ``k.shape[:-1]``) set to 0,
+    so NaN/Inf there cannot reach a row through ``0 * NaN`` in ``p @ v`` (or in the gradients)."""
+    drop = drop[..., None]
+    return k.masked_fill(drop, 0), v.masked_fill(drop, 0)
+
+
+def finite_values(x: Tensor) -> Tensor:
+    """``x`` with every NaN/Inf entry replaced by 0 (one pass; finite entries unchanged)."""
+    return x.nan_to_num(0.0, posinf=0.0, neginf=0.0)
+
+
+def clean_keys(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(k, v, bad)``: K/V ``(B, H, Tk, ·)`` with their NaN/Inf entries zeroed, and ``bad (B, H, Tk)``
+    flagging the keys that held any. Rows that may attend a bad key must be set to NaN afterwards
+    (:func:`rows_seeing` + :func:`poison_rows`); every other row is then unaffected."""
+    bad = ~(finite_rows(k) & finite_rows(v))
+    return finite_values(k), finite_values(v), bad
+
+
+def rows_seeing(keep: Tensor | None, bad: Tensor, groups: int = 1) -> Tensor:
+    """``(B, Hq|1, Tq|1)`` bool: the query rows that may attend a key flagged in ``bad (B, Hkv, Tk)``
+    under ``keep`` (broadcastable to ``(B, Hq, Tq, Tk)``; None = every key). ``groups = Hq // Hkv``."""
+    if groups > 1:
+        bad = bad.repeat_interleave(groups, dim=1)  # (B, Hq, Tk)
+    if keep is None:
+        return bad.any(dim=-1, keepdim=True)
+    return (keep & bad[..., None, :]).any(dim=-1)
+
+
+def poison_rows(out: Tensor, lse: Tensor | None, rows: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """``out (B, H, Tq, Dv)`` and ``lse (B, H, Tq)`` (or None) set to NaN where ``rows (B|1, H|1, Tq|1)``
+    is True. Adding a per-row 0/NaN column is one cheap broadcast pass; a broadcast ``masked_fill``
+    over the row is several times slower. Out of place throughout, so ``torch.func`` transforms work."""
+    if rows is None:
+        return out, lse
+    nan_or_zero = torch.zeros((), dtype=out.dtype, device=out.device).masked_fill(rows, float("nan"))
+    out = out + nan_or_zero[..., None]  # out of place: torch.func transforms (vmap) and autograd alike
+    return out, None if lse is None else lse.masked_fill(rows, float("nan"))
+
+
+def nonfinite_queries(q: Tensor) -> Tensor:
+    """``(B, H, Tq)`` bool: the query row holds a NaN/Inf."""
+    return ~finite_rows(q)
+
+
 def nonfinite_keys(inp: AttentionInputs) -> Tensor | None:
     """``(B, Hkv, Tk)`` bool, True where a key's K or V row holds NaN/Inf; None when every query sees
     every key (no mask, or causal with every query at or after the last key), where such a key
     poisons every row anyway. Computed on the device, without a host sync.
 
-    Backends attend the zeroed K/V of :func:`finite_kv` and set the rows that do attend a non-finite
-    key to NaN with :func:`poison_rows`: NaN/Inf in what a row attends gives NaN in that row only,
-    NaN/Inf in what it may not see changes nothing (``0 * NaN`` never reaches ``p @ v``)."""
+    The tiled and gathered backends attend the zeroed K/V of :func:`finite_kv` and set the rows that
+    do attend a flagged key to NaN (:func:`poison_rows`), tile by tile, so the contract holds row by
+    row even inside one tile."""
     mask = inp.mask
     if mask is None or (mask.is_causal() and inp.q_offset >= inp.kv_offset + inp.Tk - 1):
         return None
-    return ~(torch.isfinite(inp.k).all(-1) & torch.isfinite(inp.v).all(-1))
+    return ~(finite_rows(inp.k) & finite_rows(inp.v))
 
 
 def finite_kv(inp: AttentionInputs, bad: Tensor | None) -> AttentionInputs:
     """``inp`` with the keys flagged by :func:`nonfinite_keys` zeroed in K and V."""
     if bad is None:
         return inp
-    return dataclasses.replace(inp, k=inp.k.masked_fill(bad[..., None], 0), v=inp.v.masked_fill(bad[..., None], 0))
-
-
-def poison_rows(out: Tensor, lse: Tensor, rows: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``out (B, Hq, Tq, Dv)`` and ``lse (B, Hq, Tq)`` set to NaN where ``rows (B|1, Hq|1, Tq)`` is True."""
-    if rows is None:
-        return out, lse
-    return out.masked_fill(rows[..., None], float("nan")), lse.masked_fill(rows, float("nan"))
+    k, v = zero_keys(inp.k, inp.v, bad)
+    return dataclasses.replace(inp, k=k, v=v)
 
 
 def connected(out: Tensor, *inputs: Tensor) -> Tensor:
@@ -100,9 +165,6 @@ def modify_gathered(inp: AttentionInputs, s: Tensor, q_pos: Tensor, k_pos: Tenso
     return inp.score_mod.apply(s, b, h, q_pos[None, None, :, None, :, None], k_pos[None, None, :, None, None, :])
 
 
-def with_sink_column(inp: AttentionInputs, scores: Tensor) -> Tensor:
-    """Gathered scores ``(B, Hkv, N, G, c, L)`` with one more column holding each head's sink logit
-    (it joins the softmax normaliser; the caller gives it no value)."""
-    B, Hkv, N, G, c, _ = scores.shape
-    sink = inp.sinks.to(scores.dtype).view(1, Hkv, 1, G, 1, 1).expand(B, Hkv, N, G, c, 1)
-    return torch.cat([scores, sink], dim=-1)
+def gathered_sink(inp: AttentionInputs, dtype: torch.dtype) -> Tensor | None:
+    """``inp.sinks`` shaped ``(1, Hkv, 1, G, 1, 1)`` for gathered scores ``(B, Hkv, N, G, c, L)``."""
+    return None if inp.sinks is None else inp.sinks.to(dtype).view(1, inp.Hkv, 1, inp.groups, 1, 1)

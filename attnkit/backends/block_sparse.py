@@ -18,7 +18,7 @@ from ..masks import MaskSupport
 from ..registry import Backend, register_backend
 from ._common import (
     connected, finite_kv, grouped, mask_on, modify_gathered, nonfinite_keys, poison_rows, safe, softmax_parts,
-    upcast_on_cpu, with_sink_column,
+    gathered_sink, upcast_on_cpu,
 )
 
 
@@ -97,10 +97,7 @@ class BlockSparseBackend(Backend):
             if inp.score_mod is not None:
                 s = modify_gathered(inp, s, q_pos, k_pos)
             s = s.masked_fill_(~keep, float("-inf")) if inplace else s.masked_fill(~keep, float("-inf"))
-            if inp.sinks is not None:  # the last column: the sink, with no value
-                s = with_sink_column(inp, s)
-            p, denom, lse = softmax_parts(s, inplace)
-            p = p[..., : r * bs]
+            p, denom, lse = softmax_parts(s, inplace, sink=gathered_sink(inp, s.dtype))
             o = torch.matmul(p.to(inp.dtype).reshape(B, Hkv, n, G * bs, r * bs), vg)
             outs.append((o / safe(denom).view(B, Hkv, n, G * bs, 1)).to(inp.dtype))
             lses.append(lse)

@@ -1,9 +1,10 @@
 """The reference backend: textbook attention on the materialized mask.
 
 ``softmax(q kᵀ · scale + bias, masked) v`` with the scores and softmax in float32 (float64 for
-float64 inputs) and the matrix products in the input dtype — the semantics every other backend
-must equal. It supports everything: any mask, bias, dropout, GQA, offsets, the log-sum-exp and the
-attention weights, at O(Tq · Tk) memory.
+float64 inputs) and the matrix products in the input dtype (float16's ``q·kᵀ`` in float32, where
+it cannot overflow) — the semantics every other backend must equal. It supports everything: any
+mask, bias, dropout, GQA, offsets, the log-sum-exp and the attention weights, at O(Tq · Tk)
+memory. It keeps the NaN/Inf contract of ``attention()`` (see :mod:`attnkit.backends._common`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._validate import check_bool
 from ..inputs import AttentionInputs
 from ..registry import Backend, register_backend
+from ._common import clean_keys, finite_rows, finite_values, poison_rows, rows_seeing, safe, softmax_parts
 
 
 @dataclass(frozen=True)
@@ -25,14 +28,29 @@ class NaiveOptions:
 
     return_weights: bool = False
 
+    def __post_init__(self):
+        check_bool(self.return_weights, "return_weights", owner="NaiveOptions")
 
-def probabilities(inp: AttentionInputs, k: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Attention weights ``(B, Hq, Tq, Tk)`` in the accumulation dtype and the log-sum-exp
-    ``(B, Hq, Tq)``; fully masked rows get weights 0 and LSE ``-inf`` (never NaN, finite grads).
 
-    ``k`` must already have ``Hq`` heads; ``keep`` is the materialized mask (or None)."""
+def probabilities(inp: AttentionInputs) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """``(probs, lse, v, poisoned)``: the attention weights ``(B, Hq, Tq, Tk)`` and the log-sum-exp
+    ``(B, Hq, Tq)`` in the accumulation dtype, V ``(B, Hq, Tk, Dv)`` with the keys holding NaN/Inf
+    zeroed, and the rows that may attend such a key (None without a mask: then NaN reaches every
+    row by itself). Fully masked rows get weights 0 and LSE ``-inf`` (never NaN, finite grads).
+
+    float16 ``q·kᵀ`` runs in float32: its products overflow float16's range (65504) long before
+    the softmax would (inputs of 256.0 at D=80 give inf, then NaN); bfloat16 has float32's range."""
     acc = torch.promote_types(inp.dtype, torch.float32)
-    scores = torch.matmul(inp.q, k.transpose(-2, -1)).to(acc) * inp.scale  # (B, Hq, Tq, Tk)
+    keep = inp.materialize_mask()
+    q = inp.q
+    k, v = inp.expand_kv()  # (B, Hq, Tk, D), (B, Hq, Tk, Dv)
+    poisoned = None
+    if keep is not None:  # keys a row may not see must not reach it through 0 * NaN
+        k, v, bad = clean_keys(k, v)
+        poisoned = rows_seeing(keep, bad)
+    if inp.dtype == torch.float16:
+        q, k = q.float(), k.float()
+    scores = torch.matmul(q, k.transpose(-2, -1)).to(acc) * inp.scale  # (B, Hq, Tq, Tk)
     if inp.bias is not None:
         scores = scores + inp.bias.to(acc)
     if inp.score_mod is not None:
@@ -40,20 +58,9 @@ def probabilities(inp: AttentionInputs, k: Tensor, keep: Tensor | None) -> tuple
         scores = inp.score_mod.evaluate(scores, (q0, q0 + inp.Tq), (k0, k0 + inp.Tk), inp.B, inp.Hq)
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
-    # Subtract the row max for stability; a fully masked row has max -inf: use 0 so that every
-    # exp() is exp(-inf) = 0 instead of exp(nan). The max carries no gradient (softmax is
-    # invariant to it), which keeps fully masked rows' gradients finite.
-    row_max = scores.amax(dim=-1, keepdim=True).detach()
     sink = None if inp.sinks is None else inp.sinks.to(acc).view(1, -1, 1, 1)
-    if sink is not None:  # the sink logit joins the normaliser (and the max) of every row
-        row_max = torch.maximum(row_max, sink.detach())
-    row_max = row_max.masked_fill(torch.isinf(row_max), 0.0)
-    e = torch.exp(scores - row_max)
-    denom = e.sum(dim=-1, keepdim=True)
-    if sink is not None:
-        denom = denom + torch.exp(sink - row_max)
-    lse = (torch.log(denom) + row_max).squeeze(-1)  # log(0) = -inf for fully masked rows
-    return e / torch.where(denom == 0, 1.0, denom), lse
+    e, denom, lse = softmax_parts(scores, inplace=False, sink=sink)
+    return e / safe(denom), lse, v, poisoned
 
 
 @register_backend
@@ -69,12 +76,17 @@ class NaiveBackend(Backend):
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: NaiveOptions | None):
-        keep = inp.materialize_mask()
-        k, v = inp.kv_for(keep, *inp.expand_kv())  # (B, Hq, Tk, D), (B, Hq, Tk, Dv)
-        probs, lse = probabilities(inp, k, keep)
+        probs, lse, v, poisoned = probabilities(inp)
         if inp.dropout_p > 0:
             probs = F.dropout(probs, p=inp.dropout_p, training=True)
-        out = torch.matmul(probs.to(inp.dtype), v)  # (B, Hq, Tq, Dv)
+        p = probs.to(inp.dtype)
+        if inp.dtype in (torch.float16, torch.bfloat16):
+            # CPU bfloat16 GEMMs can carry a NaN row of p into its neighbour (rows are packed in
+            # pairs for long inner dimensions): multiply finite rows only, set the others after.
+            nan_rows = ~finite_rows(probs)
+            p = finite_values(p)
+            poisoned = nan_rows if poisoned is None else poisoned | nan_rows
+        out, lse = poison_rows(torch.matmul(p, v), lse, poisoned)  # (B, Hq, Tq, Dv)
         result = (out, lse) if inp.return_lse else (out,)
         if options is not None and options.return_weights:
             result = result + (probs.to(inp.dtype),)

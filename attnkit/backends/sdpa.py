@@ -1,20 +1,37 @@
 """PyTorch's fused kernels through ``F.scaled_dot_product_attention``.
 
-Equals ``naive`` (without the LSE). Takes the ``is_causal`` fast path when the causal mask is
-aligned like SDPA's (``q_offset == kv_offset``), drops a causal mask that hides nothing (e.g. a
-one-token decode step), and otherwise passes the materialized mask (and bias) as ``attn_mask``.
-GQA is native (``enable_gqa``).
+Equals ``naive`` (without the LSE). :meth:`SDPA.plan` decides, from the mask's structure, how the
+mask reaches SDPA, and both :meth:`SDPA.forward` and :meth:`SDPA.describe` follow it:
+
+* ``"none"``: no mask, or a causal mask that hides nothing (every query at or after the last key,
+  e.g. a one-token decode step) — SDPA runs unmasked;
+* ``"causal"``: a causal mask aligned like SDPA's ``is_causal`` (top-left, ``q_offset == kv_offset``);
+  keys after the last query are never seen and are dropped (with their bias columns);
+* ``"dense"``: anything else — the mask is materialized and passed (with the bias) as ``attn_mask``.
+
+GQA is native (``enable_gqa``). A float32 ``bias`` on float16/bfloat16 inputs is passed as float32
+(SDPA accepts it), never rounded to the inputs' dtype first. It keeps the NaN/Inf contract of
+``attention()`` (see :mod:`attnkit.backends._common`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from ..dispatch import mask_needs_materializing
 from ..inputs import AttentionInputs
 from ..masks import Causal
 from ..registry import Backend, register_backend
+from ._common import clean_keys, finite_rows, finite_values, nonfinite_queries, poison_rows, rows_seeing
+
+NONE, CAUSAL, DENSE = "none", "causal", "dense"
+
+# SDPA's CPU kernels take a row max that skips NaN in their scalar (non-vectorized) tail, so a row
+# whose every score is NaN comes out 0 instead of NaN when it sees fewer keys than one vector
+# (16 float32 lanes on AVX-512). With more keys the vectorized max propagates NaN by itself;
+# rows that see fewer than this many keys (and every row on other devices) are checked explicitly.
+_NAN_CHECK_BELOW = 64
 
 
 @register_backend
@@ -25,45 +42,96 @@ class SDPABackend(Backend):
     supports_bias = True
 
     @classmethod
+    def plan(cls, inp: AttentionInputs) -> str:
+        """How the mask reaches SDPA: ``"none"``, ``"causal"`` (``is_causal=True``) or ``"dense"``."""
+        mask = inp.mask
+        if mask is None:
+            return NONE
+        if mask.is_causal():
+            if inp.q_offset >= inp.kv_offset + inp.Tk - 1:
+                return NONE  # every query sees every key
+            if inp.q_offset == inp.kv_offset:
+                return CAUSAL
+        return DENSE
+
+    @classmethod
+    def dense_mask_elements(cls, inp: AttentionInputs) -> int:
+        """Elements of the ``(B, Hq, Tq, Tk)`` mask this backend would materialize (0: none)."""
+        return inp.B * inp.Hq * inp.Tq * inp.Tk if cls.plan(inp) == DENSE else 0
+
+    @classmethod
     def describe(cls, inp: AttentionInputs) -> str:
-        if inp.mask is None:
-            how = "no mask"
-        elif not mask_needs_materializing(inp):
-            how = "is_causal=True (no mask tensor)" if inp.q_offset == inp.kv_offset and inp.Tk > 1 else (
-                "no mask: the causal mask hides nothing for these positions")
-        else:
-            how = f"a materialized ({inp.Tq}, {inp.Tk}) bool mask"
+        how = {
+            NONE: "no mask" if inp.mask is None else "no mask: the causal mask hides nothing for these positions",
+            CAUSAL: "is_causal=True (no mask tensor)" + (
+                f", keys after the last query dropped ({inp.Tk} -> {inp.Tq})" if inp.Tk > inp.Tq else ""),
+            DENSE: f"a materialized ({inp.Tq}, {inp.Tk}) bool mask",
+        }[cls.plan(inp)]
+        if inp.bias is not None:
+            how += " and the bias as a float attn_mask" if inp.mask is None or cls.plan(inp) == NONE else " folded with the bias"
         gqa = f", enable_gqa for {inp.Hq}/{inp.Hkv} heads" if inp.groups > 1 else ""
         return f"F.scaled_dot_product_attention with {how}{gqa}"
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: None):
-        k, v = inp.k, inp.v
-        attn_mask = None
-        is_causal = False
-        if inp.mask is not None and not mask_needs_materializing(inp):
-            # A Causal mask SDPA can express itself: top-left aligned, or hiding nothing.
-            if inp.q_offset == inp.kv_offset and inp.Tk > 1:
+        plan = cls.plan(inp)
+        q, k, v, bias, scale, G = inp.q, inp.k, inp.v, inp.bias, inp.scale, inp.groups
+        if scale <= 0:
+            # SDPA's kernels scale the masked scores, so -inf * 0 = NaN and -inf * -1 = +inf: fold
+            # the scale into q instead, where a zero or negative scale means what it says.
+            q, scale = q * scale, 1.0
+        attn_mask, poisoned, empty, is_causal = None, None, None, False
+        if plan == NONE:
+            if inp.Tk < _NAN_CHECK_BELOW or inp.device.type != "cpu":  # every row sees every key
+                bad = ~(finite_rows(k) & finite_rows(v))  # (B, Hkv, Tk)
+                poisoned = nonfinite_queries(q) | rows_seeing(None, bad, G)
+        elif plan == CAUSAL:
+            Tq = inp.Tq
+            if inp.Tk > Tq:  # keys after the last query are never seen: drop them
+                k, v = k[:, :, :Tq], v[:, :, :Tq]
+                if bias is not None and bias.shape[-1] > 1:
+                    bias = bias[..., :Tq]
+            if bias is None and inp.device.type == "cpu" and not inp.requires_grad:
+                # is_causal on CPU masks future scores by assignment, so a NaN/Inf key hidden from a
+                # row never reaches it (only values do, through 0 * NaN in p @ v), and a NaN key
+                # among finite ones propagates by itself: only values need cleaning, and keys need
+                # checking only where a row may see nothing but bad keys (its first keys).
+                head = min(_NAN_CHECK_BELOW, k.shape[2])
+                bad = ~finite_rows(v)  # (B, Hkv, Tk')
+                bad[..., :head] |= ~finite_rows(k[:, :, :head])
+                v = finite_values(v)
+            else:
+                k, v, bad = clean_keys(k, v)
+            bad_q = nonfinite_queries(q)  # a NaN query can be lost in any row (bf16 kernels drop it)
+            # Top-left causal: query i sees keys 0..i, so it meets a bad key iff one lies at or before i.
+            last_key = torch.arange(Tq, device=q.device).clamp_(max=k.shape[2] - 1)  # (Tq,)
+            seen = (bad.cumsum(dim=-1) > 0)[..., last_key]  # (B, Hkv, Tq)
+            poisoned = bad_q | (seen.repeat_interleave(G, dim=1) if G > 1 else seen)
+            if bias is None:
                 is_causal = True
-                if inp.Tk > inp.Tq:  # keys after the last query are never seen: drop them
-                    k, v = k[:, :, : inp.Tq], v[:, :, : inp.Tq]
-        elif inp.mask is not None:
-            keep = inp.materialize_mask()
-            k, v = inp.kv_for(keep, k, v)
-            attn_mask = keep
-        if inp.bias is not None:
-            bias = inp.bias.to(inp.dtype)
-            if is_causal:  # SDPA takes either is_causal or attn_mask: fold the causal mask in
-                keep = Causal().materialize(inp.Tq, k.shape[2], q_offset=inp.q_offset, kv_offset=inp.kv_offset, device=inp.device)
-                is_causal, attn_mask = False, keep
+            else:  # SDPA takes is_causal or attn_mask, not both: fold the causal mask in
+                attn_mask = Causal().materialize(Tq, k.shape[2], q_offset=0, kv_offset=0, device=inp.device)
+        else:
+            attn_mask = inp.materialize_mask()  # (B|1, Hq|1, Tq, Tk)
+            k, v, bad = clean_keys(k, v)
+            empty = ~attn_mask.any(dim=-1)  # rows with no allowed key: 0, whatever their query holds
+            poisoned = rows_seeing(attn_mask, bad, G) | (nonfinite_queries(q) & ~empty)
+        if bias is not None:
+            bias = _bias_dtype(bias, inp.dtype)
             attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
-        return F.scaled_dot_product_attention(
-            inp.q,
-            k,
-            v,
-            attn_mask=attn_mask,
-            dropout_p=inp.dropout_p,
-            is_causal=is_causal,
-            scale=inp.scale,
-            enable_gqa=inp.groups > 1,
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=inp.dropout_p, is_causal=is_causal, scale=scale, enable_gqa=G > 1,
         )
+        if empty is not None:
+            out = out.masked_fill(empty[..., None], 0.0)
+        return poison_rows(out, None, poisoned)[0]
+
+
+def _bias_dtype(bias: Tensor, dtype: torch.dtype) -> Tensor:
+    """The bias in the dtype SDPA should see: a float32 (or wider) bias stays float32 on low-precision
+    inputs (rounding ALiBi slopes times distances to bf16 costs 10-250x the kernel's own error)."""
+    if bias.dtype == dtype:
+        return bias
+    if dtype in (torch.float16, torch.bfloat16) and bias.dtype in (torch.float32, torch.float64):
+        return bias.float()
+    return bias.to(dtype)

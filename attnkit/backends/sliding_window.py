@@ -24,7 +24,7 @@ from ..masks import Mask, MaskSupport
 from ..registry import Backend, register_backend
 from ._common import (
     connected, finite_kv, grouped, mask_on, modify_gathered, nonfinite_keys, poison_rows, safe, softmax_parts,
-    upcast_on_cpu, with_sink_column,
+    gathered_sink, upcast_on_cpu,
 )
 
 NEG_INF = float("-inf")
@@ -107,9 +107,7 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
         if bad is not None:
             hit = hit | bad[:, :, gi].any(dim=-1)[:, :, None, None, None]
     scores = torch.cat(parts, dim=-1) if len(parts) > 1 else s
-    if inp.sinks is not None:  # the last column: the sink, with no value
-        scores = with_sink_column(inp, scores)
-    p, denom, lse = softmax_parts(scores, inplace)
+    p, denom, lse = softmax_parts(scores, inplace, sink=gathered_sink(inp, acc))
     p = p.to(inp.dtype)
     out = torch.matmul(p[..., :L].reshape(B, Hkv, nC, G * c, L), vw)  # (B, Hkv, nC, G*c, Dv)
     if glob is not None:

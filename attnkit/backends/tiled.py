@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._validate import positive_int
+from .._validate import check_bool, positive_int
 from ..inputs import AttentionInputs
 from ..masks import BlockStatus, Mask
 from ..score_mods import ScoreMod
@@ -46,6 +46,7 @@ class TiledOptions:
     def __post_init__(self):
         for name in ("block_q", "block_k"):
             positive_int(getattr(self, name), name, owner="TiledOptions", fix=f"pass e.g. {name}=256")
+        check_bool(self.upcast, "upcast", owner="TiledOptions", allow_none=True)
 
 
 @dataclass(frozen=True, eq=False)

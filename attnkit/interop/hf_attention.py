@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..functional import attention
+from ..functional import attention, attention_weights
 from ..masks import And, Causal, Dense, KeyPadding, Mask, Padding, SlidingWindow
 from ..score_mods import SoftCap
 from ._deps import require
@@ -92,13 +92,16 @@ def _recognize(pattern: Tensor, q_pos: Tensor, kv_pos: Tensor) -> tuple[bool, Ma
     contiguous = torch.equal((last - first + 1)[rows], counts[rows])  # one run per row, no holes
     if not (contiguous and torch.equal(expected, counts) and torch.equal(first[rows], lo[rows])):
         return False, None
-    left_bound = None if left >= int(q_pos.max()) - kv0 else left
-    right_bound = None if right >= int(kv_pos[-1] - q_pos.min()) else right
-    if left_bound is None and right_bound is None:
+    left_open = left >= int(q_pos.max()) - kv0  # every key before each query is kept
+    right_open = right >= int(kv_pos[-1] - q_pos.min())  # and every key after it
+    if left_open and right_open:
         return True, None
-    if left_bound is None and right_bound == 0:
+    if left_open and right == 0:
         return True, Causal()
-    return True, SlidingWindow(left_bound, right_bound)
+    # The measured bounds are exact for this call (checked above), so a side that is only bounded by
+    # the call's key range keeps its finite value: a decode step of a sliding-window model is then
+    # SlidingWindow(w, 0), which banded backends run, not SlidingWindow(w, None), which they cannot.
+    return True, SlidingWindow(None if left_open else left, right)
 
 
 def _padding_mask(padding: Tensor | None, kv_offset: int, kv_length: int) -> Mask | None:
@@ -175,7 +178,9 @@ def attnkit_attention_forward(
     """HF's attention-function signature on top of :func:`attnkit.attention`.
 
     ``query (B, Hq, Tq, D)``, ``key``/``value (B, Hkv, Tk, D)`` (GQA heads unrepeated, attnkit is
-    native); returns ``((B, Tq, Hq, Dv), None)`` as HF expects (no attention weights).
+    native); returns ``((B, Tq, Hq, Dv), None)`` as HF expects, or ``(out, weights (B, Hq, Tq, Tk))``
+    when the model asks for ``output_attentions=True`` (the weights from
+    :func:`attnkit.attention_weights`, before dropout).
     The backend is ``module.config.attnkit_backend`` when set, else ``"auto"`` (which honours
     :func:`attnkit.use_backend`)."""
     # Gemma-2/3 soft-cap the scaled logits before the mask; gpt-oss passes its per-head sinks.
@@ -215,7 +220,11 @@ def attnkit_attention_forward(
         q_offset=q_offset, kv_offset=kv_offset, backend=backend, score_mod=score_mod,
         sinks=None if sinks is None else sinks.to(query.dtype),
     )
-    return out.transpose(1, 2).contiguous(), None  # (B, Tq, Hq, Dv)
+    weights = None
+    if kwargs.get("output_attentions"):
+        weights = attention_weights(query, key, mask=mask, bias=bias, scale=scaling, q_offset=q_offset,
+                                    kv_offset=kv_offset)
+    return out.transpose(1, 2).contiguous(), weights  # (B, Tq, Hq, Dv)
 
 
 def register_hf_attention(name: str = NAME) -> str:

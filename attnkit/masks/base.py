@@ -235,9 +235,11 @@ class Mask:
             (q_offset, q_offset + Tq), (kv_offset, kv_offset + Tk), q_offset=q_offset, kv_offset=kv_offset,
             device=device, batch_size=nb, num_heads=nh,
         )
-        # A traced graph must not capture Python-side state; a long-lived mask (a module's default
-        # Causal()) must not pin a huge tensor: past _CACHE_BYTES it is rebuilt on every call.
-        if not torch.compiler.is_compiling() and keep.untyped_storage().nbytes() <= _CACHE_BYTES:
+        # A traced graph must not capture Python-side state, nor may a torch.func transform's wrapped
+        # tensor outlive its transform; a long-lived mask (a module's default Causal()) must not pin
+        # a huge tensor: past _CACHE_BYTES it is rebuilt on every call.
+        if (not torch.compiler.is_compiling() and not torch._C._functorch.is_functorch_wrapped_tensor(keep)
+                and keep.numel() * keep.element_size() <= _CACHE_BYTES):
             object.__setattr__(self, "_prepared", ((key, keep),) + cached[:1])
         return keep
 
@@ -475,7 +477,8 @@ def as_mask(mask, name: str = "mask") -> Mask:
         if mask.dtype != torch.bool:
             raise TypeError(
                 f"{name}: a tensor mask must have dtype torch.bool (True = attend), got {mask.dtype}. "
-                "Fix: pass additive float masks as bias=, or convert with `keep = m.bool()`."
+                "Fix: an additive float mask (0 = attend, -inf = blocked) goes to bias= (or attn_mask= of "
+                "attention()); a 0/1 float mask with 1 = attend becomes `mask=(m == 1)`."
             )
         return Dense(mask)
     raise TypeError(

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 
+from .._validate import check_bool, finite_float, positive_int
 from ..functional import attention
 from ..cache import LayerCache, StateCache
 from ..masks import Mask, as_mask
@@ -48,11 +49,13 @@ class AttentionConfig:
 
     def __post_init__(self):
         for name in ("embed_dim", "num_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"AttentionConfig.{name}: expected a positive int, got {value!r}.")
+            positive_int(getattr(self, name), name, owner="AttentionConfig")
+        for name in ("num_kv_heads", "head_dim", "kv_dim", "rotary_dim"):
+            positive_int(getattr(self, name), name, owner="AttentionConfig", allow_none=True)
+        for name in ("bias", "cross_attention"):
+            check_bool(getattr(self, name), name, owner="AttentionConfig")
         kv = self.kv_heads
-        if not isinstance(kv, int) or kv < 1 or self.num_heads % kv:
+        if self.num_heads % kv:
             raise ValueError(
                 f"AttentionConfig.num_kv_heads: expected a positive divisor of num_heads={self.num_heads}, got {kv!r}."
             )
@@ -61,12 +64,11 @@ class AttentionConfig:
                 f"AttentionConfig: embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}. "
                 f"Fix: choose num_heads dividing {self.embed_dim}, or set head_dim explicitly."
             )
-        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 1):
-            raise ValueError(f"AttentionConfig.head_dim: expected a positive int or None, got {self.head_dim!r}.")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"AttentionConfig.dropout: expected a value in [0, 1), got {self.dropout}.")
+        finite_float(self.dropout, "dropout", low=0.0, high=1.0, high_inclusive=False, owner="AttentionConfig")
+        finite_float(self.rope_base, "rope_base", low=0.0, low_inclusive=False, owner="AttentionConfig",
+                     fix="RoPE's usual base is 10000.0")
         if self.backend != "auto":
-            get_backend(self.backend)  # ValueError listing the known names
+            get_backend(self.backend).check_options(self.backend_options)
         if self.softcap is not None:
             SoftCap(self.softcap)  # ValueError unless a positive finite number
         if not isinstance(self.sinks, bool):

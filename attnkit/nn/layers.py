@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._validate import finite_float
 from ..masks import Causal, Mask, SlidingWindow
 from .attention import AttentionConfig, MultiHeadAttention
 
@@ -91,6 +92,10 @@ class TransformerConfig:
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"TransformerConfig.{name}: expected a value in [0, 1), got {getattr(self, name)}.")
+        finite_float(self.layer_norm_eps, "layer_norm_eps", low=0.0, low_inclusive=False, owner="TransformerConfig",
+                     fix="the usual value is 1e-5")
+        finite_float(self.rope_base, "rope_base", low=0.0, low_inclusive=False, owner="TransformerConfig",
+                     fix="RoPE's usual base is 10000.0")
         if self.type_vocab_size < 0:
             raise ValueError(f"TransformerConfig.type_vocab_size: expected >= 0, got {self.type_vocab_size}.")
         if self.position in ("sinusoidal",) and self.embed_dim % 2:

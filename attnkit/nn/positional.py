@@ -20,6 +20,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .._validate import finite_float
+
 __all__ = [
     "sinusoidal",
     "SinusoidalPositionalEmbedding",
@@ -95,6 +97,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, *, base: float = 10000.0, rotary_dim: int | None = None):
         super().__init__()
+        finite_float(base, "base", low=0.0, low_inclusive=False, owner="RotaryEmbedding", fix="RoPE's usual base is 10000.0")
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
             raise ValueError(
