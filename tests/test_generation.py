@@ -122,7 +122,7 @@ def test_generate_method_and_argument_errors():
     prompt = torch.randint(1, 50, (1, 3))
     assert torch.equal(model.generate(prompt, 4), generate(model, prompt, 4))
     for bad in (dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_k=0), dict(top_p=1.5),
-                dict(repetition_penalty=0.0), dict(cache="paged"), dict(attention_mask=torch.ones(1, 2))):
+                dict(repetition_penalty=0.0), dict(cache="paging"), dict(attention_mask=torch.ones(1, 2))):
         with pytest.raises(ValueError):
             generate(model, prompt, **{"max_new_tokens": 3, **bad})
     with pytest.raises(ValueError, match="input_ids"):
