@@ -9,7 +9,8 @@ cache would have to build a full-precision, contiguous copy of itself for that, 
 The kernel runs when the layer's backend is ``"auto"`` or ``"decode"``, nothing needs gradients
 and a call has at most ``MAX_QUERIES`` queries (decoding). Otherwise the *gather fallback*
 copies the cache into contiguous tensors of the query dtype and calls ``attention()`` with the
-named backend (a prefill over an empty cache attends the new keys directly, in full precision).
+named backend. A prefill over an empty cache attends its new keys directly, in full precision
+(through ``attention()`` with the layer's backend), on either path.
 :meth:`DirectLayerCache.explain` says which path a call takes and why.
 
 Rows of a batch may hold different lengths (paged caches: continuous batching). Masks are
@@ -125,15 +126,15 @@ class DirectLayerCache(LayerCache):
         requires_grad = q.requires_grad or k.requires_grad or v.requires_grad
         before = self._store(k, v)
         why = self._path(q, backend, requires_grad)
+        fallback = backend if backend != "decode" or why is None else "auto"
+        if not any(before):  # a prefill over an empty cache: the new keys are all there is (full precision)
+            return attention(q, k, v, mask=mask, scale=scale, q_offset=0, backend=fallback, options=options)
         if why is None:
             slots = self._key_slots()
             keep = self.keep_mask(mask, Tq, before, slots, q.device)
             return self._kernel(q, keep, scale, options if isinstance(options, DecodeOptions) else None)
-        fallback = backend if backend != "decode" else "auto"
         if len(set(before)) == 1:
             L = before[0]
-            if L == 0:  # a prefill over an empty cache: the new keys are all there is
-                return attention(q, k, v, mask=mask, scale=scale, q_offset=0, backend=fallback, options=options)
             k_all, v_all = self._gather(q.dtype)
             k_all, v_all = k_all[:, :, : L + Tq], v_all[:, :, : L + Tq]
             return attention(q, k_all, v_all, mask=mask, scale=scale, q_offset=L, backend=fallback, options=options)
