@@ -125,3 +125,14 @@ def test_generation_does_not_import_the_models():
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     assert not any(name and (name == "nn" or name.startswith("nn.") or ".nn" in name) for name in imported), imported
     assert issubclass(GPT, attnkit.generation.GenerationMixin)
+
+
+@pytest.mark.parametrize("flags", [["--top-p", "1.5"], ["--top-p", "0"], ["--temperature", "nan"],
+                                   ["--temperature", "-1"], ["--repetition-penalty", "inf"], ["--cache-quantize", "int4"]])
+def test_cli_generate_refuses_bad_sampling_flags(flags, capsys):
+    from attnkit.cli.main import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["generate", "run-dir", *flags])
+    assert exit_info.value.code == 2
+    assert flags[0] in capsys.readouterr().err
