@@ -46,22 +46,27 @@ __all__ = ["DecodeOptions", "decode_attention", "paged_decode_attention", "MAX_Q
 MAX_QUERIES = 64
 
 # Default segment size: the converted (float32) K and V of one segment for all (batch, head)
-# pairs stay near this many bytes, small enough to live in the last-level cache.
-_SEGMENT_BYTES = 8 * 2**20
+# pairs stay near this many bytes, so the conversion buffers stay in the CPU's cache.
+_SEGMENT_BYTES = 2 * 2**20
+# Keys per split inside a segment: the unit of the LSE merge (parallel over heads x splits).
+_SPLIT = 256
 
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """``segment_tokens``: keys per split (rounded up to whole pages for paged caches); ``None``
-    picks about 8 MiB of converted K/V per segment (the whole cache in one split when it is
-    already float32 and small)."""
+    """``segment_tokens``: keys read (and converted, for bf16/int8 caches) per step of the loop,
+    rounded up to whole pages for paged caches; ``None`` picks about 2 MiB of converted K/V per
+    segment (a float32 cache of up to 8 MiB in one segment). ``split_tokens``: keys per split
+    inside a segment, the unit of the log-sum-exp merge."""
 
     segment_tokens: int | None = None
+    split_tokens: int = _SPLIT
 
     def __post_init__(self):
-        s = self.segment_tokens
-        if s is not None and (not isinstance(s, int) or isinstance(s, bool) or s < 1):
-            raise ValueError(f"DecodeOptions.segment_tokens: expected a positive int or None, got {s!r}.")
+        for name in ("segment_tokens", "split_tokens"):
+            s = getattr(self, name)
+            if (s is not None or name == "split_tokens") and (not isinstance(s, int) or isinstance(s, bool) or s < 1):
+                raise ValueError(f"DecodeOptions.{name}: expected a positive int, got {s!r}.")
 
 
 @dataclass
@@ -76,52 +81,90 @@ class _Segment:
     bias: Tensor | None  # float, broadcastable to (P1, P2, G, Tq, C)
 
 
-def _merge_segments(q: Tensor, segments: Iterator[_Segment], G: int, scale: float, acc: torch.dtype):
-    """The split-K core: ``q (P1, P2, G·Tq, D)`` against each segment; returns the normalized
-    output ``(P1, P2, G·Tq, Dv)`` in ``acc`` and the LSE ``(P1, P2, G·Tq)``."""
+def _converted(x: Tensor, acc: torch.dtype, scratch: dict, name: str) -> Tensor:
+    """``x`` in ``acc``: itself when it already is, else copied into a reused buffer (a hot,
+    cache-sized scratch instead of a fresh allocation per segment)."""
+    if x.dtype == acc:
+        return x
+    buf = scratch.get(name)
+    if buf is None or buf.shape != x.shape:
+        buf = scratch[name] = torch.empty(x.shape, dtype=acc, device=x.device)
+    return buf.copy_(x)
+
+
+def _combine(a: tuple[Tensor, Tensor, Tensor], b: tuple[Tensor, Tensor, Tensor], dim: int | None = None):
+    """Merge partial results ``(m, l, o)`` exactly: ``m`` the raw row max (``-inf`` when all of
+    a part is masked), ``l = sum exp(s - m)``, ``o = sum exp(s - m) v``. With ``dim`` the parts
+    are stacked along that axis of ``a`` (``b`` unused)."""
+    if dim is not None:
+        m_parts, l_parts, o_parts = a
+        m = m_parts.amax(dim)
+        w = torch.exp(m_parts - _finite(m).unsqueeze(dim))  # exp(-inf) = 0 for masked parts
+        return m, (l_parts * w).sum(dim), (o_parts * w).sum(dim)
+    m = torch.maximum(a[0], b[0])
+    m_safe = _finite(m)
+    wa, wb = torch.exp(a[0] - m_safe), torch.exp(b[0] - m_safe)
+    return m, a[1] * wa + b[1] * wb, a[2] * wa + b[2] * wb
+
+
+def _finite(m: Tensor) -> Tensor:
+    """The row max with -inf (a fully masked row) replaced by 0, so exp(s - m) never sees NaN."""
+    return m.masked_fill(torch.isinf(m), 0.0)
+
+
+def _merge_segments(q: Tensor, segments: Iterator[_Segment], G: int, scale: float, acc: torch.dtype, split: int):
+    """The split-K core: ``q (P1, P2, G·Tq, D)`` against each segment, each cut into splits of
+    ``split`` keys whose partial results are merged by their log-sum-exp (vectorized over the
+    splits, then sequentially over segments). Returns the output ``(P1, P2, G·Tq, Dv)`` in
+    ``acc`` and the LSE ``(P1, P2, G·Tq)``."""
     P1, P2, M, _ = q.shape
     Tq = M // G
-    qa = q.to(acc)
-    m = l = o = None
+    qa = q.to(acc) * scale  # the scale folded into q once
+    state = None
+    scratch: dict[str, Tensor] = {}
     for seg in segments:
-        k = seg.k if seg.k.dtype == acc else seg.k.to(acc)  # one segment converted at a time
-        s = torch.matmul(qa, k.transpose(-2, -1))  # (P1, P2, M, C)
-        s = s * (scale if seg.k_scale is None else seg.k_scale.unsqueeze(-2) * scale)
-        C = s.shape[-1]
-        s5 = s.view(P1, P2, G, Tq, C)
-        if seg.bias is not None:
-            s5 = s5 + seg.bias
-        v = seg.v if seg.v.dtype == acc else seg.v.to(acc)
+        k = _converted(seg.k, acc, scratch, "k")
+        v = _converted(seg.v, acc, scratch, "v")
         if seg.keep is not None:
-            s5 = s5.masked_fill(~seg.keep, float("-inf"))
             # Keys no query of a (batch, head) may see are zeroed, so NaN/Inf there cannot reach
-            # the output through 0 * NaN in p @ v.
-            dead = ~seg.keep.flatten(-3, -2).any(-2)  # (P1|1, P2|1, C)
-            v = v.masked_fill(dead.unsqueeze(-1), 0)
-        s = s5.reshape(P1, P2, M, C)
-        m_seg = s.amax(-1, keepdim=True)  # (P1, P2, M, 1); -inf for a fully masked split
-        m_seg = m_seg.masked_fill(torch.isinf(m_seg), 0.0)  # exp(-inf - 0) = 0, never NaN
-        p = torch.exp(s - m_seg)
-        l_seg = p.sum(-1, keepdim=True)
+            # the output or the gradients through 0 * NaN.
+            dead = (~seg.keep.flatten(-3, -2).any(-2)).unsqueeze(-1)  # (P1|1, P2|1, C, 1)
+            k, v = k.masked_fill(dead, 0), v.masked_fill(dead, 0)
+        s = torch.matmul(qa, k.transpose(-2, -1))  # (P1, P2, M, C)
+        C = s.shape[-1]
+        if seg.k_scale is not None:
+            s.mul_(seg.k_scale.unsqueeze(-2))
+        if seg.bias is not None:
+            s = (s.view(P1, P2, G, Tq, C) + seg.bias).reshape(P1, P2, M, C)
+        if seg.keep is not None:
+            s = s.view(P1, P2, G, Tq, C).masked_fill(~seg.keep, float("-inf")).view(P1, P2, M, C)
+        n = C // split if C % split == 0 and C > split else 1  # splits of this segment
+        c = C // n
+        s = s.view(P1, P2, M, n, c).transpose(2, 3)  # (P1, P2, n, M, c)
+        m = s.amax(-1, keepdim=True)  # raw split max: -inf for a fully masked split
+        p = torch.exp(s - _finite(m))
+        l = p.sum(-1, keepdim=True)
         if seg.v_scale is not None:
-            p = p * seg.v_scale.unsqueeze(-2)
-        o_seg = torch.matmul(p, v)  # (P1, P2, M, Dv)
-        if o is None:
-            m, l, o = m_seg, l_seg, o_seg
-            continue
-        m_new = torch.maximum(m, m_seg)  # merge two partials exactly (log-sum-exp rescaling)
-        a, b = torch.exp(m - m_new), torch.exp(m_seg - m_new)
-        m, l, o = m_new, l * a + l_seg * b, o * a + o_seg * b
+            p.mul_(seg.v_scale.view(P1, P2, n, 1, c))
+        o = torch.matmul(p, v.reshape(P1, P2, n, c, v.shape[-1]))  # (P1, P2, n, M, Dv): one bmm over splits
+        part = _combine((m, l, o), None, dim=2) if n > 1 else (m[:, :, 0], l[:, :, 0], o[:, :, 0])
+        state = part if state is None else _combine(state, part)
+    m, l, o = state
     out = o / torch.where(l == 0, 1.0, l)
-    lse = (torch.log(l) + m).squeeze(-1)  # log(0) = -inf for fully masked rows
+    lse = (torch.log(l) + _finite(m)).squeeze(-1)  # log(0) = -inf for fully masked rows
     return out, lse
 
 
 def _segment_tokens(options: DecodeOptions | None, per_token_bytes: int, converts: bool, total: int) -> int:
     if options is not None and options.segment_tokens is not None:
         return options.segment_tokens
-    n = max(64, _SEGMENT_BYTES // max(per_token_bytes, 1))
+    split = _split(options)
+    n = max(split, _SEGMENT_BYTES // max(per_token_bytes, 1) // split * split)
     return total if not converts and total * per_token_bytes <= 4 * _SEGMENT_BYTES else n
+
+
+def _split(options: DecodeOptions | None) -> int:
+    return _SPLIT if options is None else options.split_tokens
 
 
 def _grouped(x: Tensor | None, Hkv: int, G: int, heads_first: bool) -> Tensor | None:
@@ -170,7 +213,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, *, keep: Tensor | None = N
                            None if bias5 is None else bias5[..., t0:t1])
 
     qg = q.reshape(B, Hkv, G * Tq, D)  # (B, Hkv, G·Tq, D): the query heads sharing a K/V head
-    out, lse = _merge_segments(qg, segments(), G, scale, acc)
+    out, lse = _merge_segments(qg, segments(), G, scale, acc, _split(options))
     return _finish(out, lse, B, Hq, Tq, q.dtype, False, return_lse)
 
 
@@ -207,7 +250,7 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tabl
                            gather(v_scale, cols), None if keep5 is None else keep5[..., t0:t1], None)
 
     qg = q.reshape(B, Hkv, G * Tq, D).transpose(0, 1)  # (Hkv, B, G·Tq, D), like the pool
-    out, lse = _merge_segments(qg, segments(), G, scale, acc)
+    out, lse = _merge_segments(qg, segments(), G, scale, acc, _split(options))
     return _finish(out, lse, B, Hq, Tq, q.dtype, True, return_lse)
 
 
