@@ -141,3 +141,19 @@ def test_generate_with_an_int8_cache():
     assert a.shape == (2, 11) and torch.equal(a, b)
     with pytest.raises(ValueError, match="quantize"):
         generate(model, prompt, 3, cache="static", quantize_cache="fp4")
+
+
+def test_decode_backend_gradients_over_many_low_precision_segments():
+    """bf16 keys over several segments with gradients (no conversion buffer may be reused)."""
+    from attnkit import attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 2, 16, generator=g), torch.randn(1, 2, 100, 16, generator=g),
+               torch.randn(1, 2, 100, 16, generator=g))
+    grads = []
+    for backend, options in (("decode", DecodeOptions(segment_tokens=32, split_tokens=16)), ("naive", None)):
+        x = [t.bfloat16().requires_grad_(True) for t in (q, k, v)]
+        attention(*x, mask=Causal(), backend=backend, options=options).float().sum().backward()
+        grads.append([t.grad.float() for t in x])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=0.05, rtol=0.05)
