@@ -118,11 +118,13 @@ def _finite(m: Tensor) -> Tensor:
     return m.masked_fill(torch.isinf(m), 0.0)
 
 
-def _merge_segments(q: Tensor, segments: Iterator[_Segment], G: int, scale: float, acc: torch.dtype, split: int):
+def _merge_segments(q: Tensor, segments: Iterator[_Segment], G: int, scale: float, acc: torch.dtype, split: int,
+                    keys_finite: bool = False):
     """The split-K core: ``q (P1, P2, G·Tq, D)`` against each segment, each cut into splits of
     ``split`` keys whose partial results are merged by their log-sum-exp (vectorized over the
     splits, then sequentially over segments). Returns the output ``(P1, P2, G·Tq, Dv)`` in
-    ``acc`` and the LSE ``(P1, P2, G·Tq)``."""
+    ``acc`` and the LSE ``(P1, P2, G·Tq)``. ``keys_finite``: the caller guarantees finite keys
+    and values everywhere (its caches refuse NaN/Inf), so hidden keys need no zeroing."""
     P1, P2, M, _ = q.shape
     Tq = M // G
     qa = q.to(acc) * scale  # the scale folded into q once
@@ -131,11 +133,13 @@ def _merge_segments(q: Tensor, segments: Iterator[_Segment], G: int, scale: floa
     for seg in segments:
         k = _converted(seg.k, acc, scratch, "k")
         v = _converted(seg.v, acc, scratch, "v")
-        if seg.keep is not None:
+        if seg.keep is not None and not keys_finite:
             # Keys no query of a (batch, head) may see are zeroed, so NaN/Inf there cannot reach
-            # the output or the gradients through 0 * NaN.
+            # the output (0 * NaN in p @ v) or the gradients (0 * NaN in ds @ k).
             dead = (~seg.keep.flatten(-3, -2).any(-2)).unsqueeze(-1)  # (P1|1, P2|1, C, 1)
-            k, v = k.masked_fill(dead, 0), v.masked_fill(dead, 0)
+            v = v.masked_fill(dead, 0)
+            if torch.is_grad_enabled() and (k.requires_grad or q.requires_grad):
+                k = k.masked_fill(dead, 0)  # forward needs no zeroing: masked scores become -inf anyway
         s = torch.matmul(qa, k.transpose(-2, -1))  # (P1, P2, M, C)
         C = s.shape[-1]
         if seg.k_scale is not None:
@@ -197,12 +201,13 @@ def _finish(out: Tensor, lse: Tensor, B: int, Hq: int, Tq: int, dtype, heads_fir
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, *, keep: Tensor | None = None, bias: Tensor | None = None,
                      scale: float | None = None, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
-                     options: DecodeOptions | None = None, return_lse: bool = False):
+                     options: DecodeOptions | None = None, return_lse: bool = False, keys_finite: bool = False):
     """Attention of ``q (B, Hq, Tq, D)`` over a contiguous cache ``k (B, Hkv, Tk, D)``,
     ``v (B, Hkv, Tk, Dv)`` of any float dtype, or int8 with ``k_scale``/``v_scale (B, Hkv, Tk)``
     (key ``j`` is ``k[..., j, :] * k_scale[..., j]``). ``keep``: a bool mask broadcastable to
     ``(B, Hq, Tq, Tk)`` (True = attend); ``bias``: additive scores of that shape. Returns
-    ``(B, Hq, Tq, Dv)`` in q's dtype (and the float32 LSE ``(B, Hq, Tq)`` with ``return_lse``)."""
+    ``(B, Hq, Tq, Dv)`` in q's dtype (and the float32 LSE ``(B, Hq, Tq)`` with ``return_lse``).
+    ``keys_finite=True`` skips zeroing hidden keys (the caller's cache holds finite values only)."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -223,19 +228,20 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, *, keep: Tensor | None = N
                            None if bias5 is None else bias5[..., t0:t1])
 
     qg = q.reshape(B, Hkv, G * Tq, D)  # (B, Hkv, G·Tq, D): the query heads sharing a K/V head
-    out, lse = _merge_segments(qg, segments(), G, scale, acc, _split(options))
+    out, lse = _merge_segments(qg, segments(), G, scale, acc, _split(options), keys_finite)
     return _finish(out, lse, B, Hq, Tq, q.dtype, False, return_lse)
 
 
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, *,
                            keep: Tensor | None = None, scale: float | None = None, k_scale: Tensor | None = None,
                            v_scale: Tensor | None = None, options: DecodeOptions | None = None,
-                           return_lse: bool = False):
+                           return_lse: bool = False, keys_finite: bool = False):
     """Attention of ``q (B, Hq, Tq, D)`` over a paged cache: pools ``k_pool (Hkv, N, bs, D)``,
     ``v_pool (Hkv, N, bs, Dv)`` (int8 with scales ``(Hkv, N, bs)``), and ``block_table (B, nb)``
     listing each row's blocks in order (key ``j`` of row ``b`` is slot ``j % bs`` of block
     ``block_table[b, j // bs]``). ``keep`` broadcastable to ``(B, Hq, Tq, nb·bs)`` must hide the
-    slots past each row's length. Pages are gathered one bounded segment at a time."""
+    slots past each row's length. Pages are gathered one bounded segment at a time.
+    ``keys_finite=True`` skips zeroing hidden slots (the pools hold finite values only)."""
     B, Hq, Tq, D = q.shape
     Hkv, _, bs, _ = k_pool.shape
     G = Hq // Hkv
@@ -268,7 +274,7 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tabl
                            gather("vs", v_scale, cols), None if keep5 is None else keep5[..., t0:t1], None)
 
     qg = q.reshape(B, Hkv, G * Tq, D).transpose(0, 1)  # (Hkv, B, G·Tq, D), like the pool
-    out, lse = _merge_segments(qg, segments(), G, scale, acc, _split(options))
+    out, lse = _merge_segments(qg, segments(), G, scale, acc, _split(options), keys_finite)
     return _finish(out, lse, B, Hq, Tq, q.dtype, True, return_lse)
 
 

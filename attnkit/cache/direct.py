@@ -31,10 +31,12 @@ __all__ = ["DirectLayerCache"]
 
 
 def _check_finite(k: Tensor, v: Tensor, what: str) -> None:
+    """Direct caches store finite values only: int8 has no NaN/Inf, and a paged cache's blocks are
+    reused by other sequences (so the kernel can skip zeroing the slots a row does not own)."""
     if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
         raise ValueError(
-            f"k, v: {what} cannot store NaN or Inf keys/values (int8 has no such values), got non-finite entries. "
-            "Fix: find where the model produced them, or use a full-precision cache."
+            f"k, v: {what} cannot store NaN or Inf keys/values, got non-finite entries. "
+            "Fix: find where the model produced them, or decode with a static or dynamic cache."
         )
 
 

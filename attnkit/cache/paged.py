@@ -176,8 +176,8 @@ class PagedLayerCache(DirectLayerCache):
         slots_t = torch.tensor(slots, device=k.device)
         k_rows = k.transpose(0, 1).reshape(k.shape[1], -1, k.shape[3])  # (Hkv, B*T, D), row-major tokens
         v_rows = v.transpose(0, 1).reshape(v.shape[1], -1, v.shape[3])
+        _check_finite(k, v, "a paged cache")  # pages are shared and reused: no NaN may stay behind
         if self.quantize:
-            _check_finite(k, v, "an int8 cache")
             (k_rows, ks), (v_rows, vs) = quantize_int8(k_rows), quantize_int8(v_rows)
             self.k_scale[:, blocks_t, slots_t] = ks
             self.v_scale[:, blocks_t, slots_t] = vs
@@ -207,7 +207,7 @@ class PagedLayerCache(DirectLayerCache):
 
     def _kernel(self, q, keep, scale, options):
         return paged_decode_attention(q, self.k, self.v, self.block_table(), keep=keep, scale=scale,
-                                      k_scale=self.k_scale, v_scale=self.v_scale, options=options)
+                                      k_scale=self.k_scale, v_scale=self.v_scale, options=options, keys_finite=True)
 
     def _gather(self, dtype):
         table = self.block_table()

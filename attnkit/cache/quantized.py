@@ -117,7 +117,8 @@ class QuantizedLayerCache(DirectLayerCache):
     def _kernel(self, q, keep, scale, options):
         n = self.seq_len
         return decode_attention(q, self.k[:, :, :n], self.v[:, :, :n], keep=keep, scale=scale,
-                                k_scale=self.k_scale[:, :, :n], v_scale=self.v_scale[:, :, :n], options=options)
+                                k_scale=self.k_scale[:, :, :n], v_scale=self.v_scale[:, :, :n], options=options,
+                                keys_finite=True)
 
     def _gather(self, dtype):
         n = self.seq_len
