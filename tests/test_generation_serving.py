@@ -136,3 +136,15 @@ def test_cli_generate_refuses_bad_sampling_flags(flags, capsys):
         build_parser().parse_args(["generate", "run-dir", *flags])
     assert exit_info.value.code == 2
     assert flags[0] in capsys.readouterr().err
+
+
+def test_readme_serving_example_runs(capsys):
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Serving many prompts", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "[13, 48, 20, 11]" in printed and "[6, 6]" in printed and "decode kernel" in printed
