@@ -133,13 +133,18 @@ def test_generate_method_and_argument_errors():
         generate(model, torch.randint(1, 50, (1, 60)), 10)
 
 
-def test_readme_decoding_example_runs(capsys):
+def run_readme_example(heading: str) -> None:
+    """Execute the first python block after ``heading`` in README.md, verbatim."""
     import pathlib
     import re
 
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Models and decoding", 1)[1]
+    section = readme.split(heading, 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_readme_decoding_example_runs(capsys):
+    run_readme_example("## Models and decoding")
     printed = capsys.readouterr().out
     assert "torch.Size([2, 13])" in printed and printed.strip().endswith("6")

@@ -139,12 +139,8 @@ def test_cli_generate_refuses_bad_sampling_flags(flags, capsys):
 
 
 def test_readme_serving_example_runs(capsys):
-    import pathlib
-    import re
+    from .test_generation import run_readme_example
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("### Serving many prompts", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    exec(compile(code, "README.md", "exec"), {})
+    run_readme_example("### Serving many prompts")
     printed = capsys.readouterr().out
     assert "[13, 48, 20, 11]" in printed and "[6, 6]" in printed and "decode kernel" in printed

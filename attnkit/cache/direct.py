@@ -40,6 +40,11 @@ def _check_finite(k: Tensor, v: Tensor, what: str) -> None:
         )
 
 
+def nbytes(*tensors: Tensor | None) -> int:
+    """Bytes held by the given buffers (None: not allocated)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 class DirectLayerCache(LayerCache):
     """Base of the caches that attend over their own storage. Subclasses implement the storage:
     ``_store(k, v) -> lengths before the append``, ``_kernel``, ``_gather`` and ``_key_slots``."""

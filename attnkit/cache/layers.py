@@ -102,11 +102,12 @@ class LayerCache:
         if self.cross_kv is not None:
             self.cross_kv = tuple(t.index_select(0, index.to(t.device)) for t in self.cross_kv)
 
-    def _select_rows(self, index: Tensor) -> None:
-        """Replace ``self.k``/``self.v`` (when allocated) by their batch rows ``index``."""
+    def _select_rows(self, index: Tensor, names: tuple[str, ...] = ("k", "v")) -> None:
+        """Replace the buffers ``names`` (when allocated) by their batch rows ``index``."""
         if getattr(self, "k", None) is not None:
             index = _check_index(index, self.k.shape[0]).to(self.k.device)
-            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+            for name in names:
+                setattr(self, name, getattr(self, name).index_select(0, index))
 
     def _check_crop(self, length: int) -> None:
         if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self.seq_len:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..backends.decode import paged_decode_attention
-from .direct import DirectLayerCache, _check_finite
+from .direct import DirectLayerCache, _check_finite, nbytes
 from .kv import KVCache
 from .layers import _check_kv
 from .quantized import check_quantize, dequantize_int8, quantize_int8
@@ -222,7 +222,7 @@ class PagedLayerCache(DirectLayerCache):
 
     def memory_bytes(self) -> int:
         """Bytes of this layer's pools (all blocks, used or free)."""
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+        return nbytes(self.k, self.v, self.k_scale, self.v_scale)
 
     def reset(self):
         raise TypeError("PagedLayerCache: reset the whole PagedKVCache (cache.reset()), not one layer.")

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from ..backends.decode import decode_attention
-from .direct import DirectLayerCache, _check_finite
-from .layers import _check_index, _check_kv
+from .direct import DirectLayerCache, _check_finite, nbytes
+from .layers import _check_kv
 
 __all__ = ["quantize_int8", "dequantize_int8", "QuantizedLayerCache", "QUANTIZE_KINDS"]
 
@@ -127,7 +127,7 @@ class QuantizedLayerCache(DirectLayerCache):
 
     def memory_bytes(self) -> int:
         """Bytes held by the buffers (int8 values and float32 scales)."""
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+        return nbytes(self.k, self.v, self.k_scale, self.v_scale)
 
     def reset(self):
         super().reset()
@@ -140,7 +140,4 @@ class QuantizedLayerCache(DirectLayerCache):
 
     def reorder(self, index):
         super().reorder(index)
-        if self.k is not None:
-            index = _check_index(index, self.k.shape[0]).to(self.k.device)
-            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
-            self.k_scale, self.v_scale = self.k_scale.index_select(0, index), self.v_scale.index_select(0, index)
+        self._select_rows(index, ("k", "v", "k_scale", "v_scale"))
