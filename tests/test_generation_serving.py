@@ -60,26 +60,6 @@ def test_paged_tensor_input_matches_the_static_path():
     assert torch.equal(got, want)
 
 
-# Paged caches run their own attention, without ALiBi (refused with a clear error).
-@pytest.mark.parametrize("position,cache", [(p, c) for p in ("learned", "rope", "alibi")
-                                            for c in ("static", "dynamic", "paged") if (p, c) != ("alibi", "paged")])
-def test_right_padded_batch_equals_each_row_alone(position, cache):
-    """HF tokenizers pad on the right by default: the batch must equal each row alone."""
-    model = _gpt(position)
-    prompts = [torch.randint(1, 50, (n,)) for n in (6, 2, 4)]
-    P = max(len(p) for p in prompts)
-    batch = torch.zeros(3, P, dtype=torch.long)
-    attention_mask = torch.zeros(3, P, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        batch[i, : len(p)] = p
-        attention_mask[i, : len(p)] = 1
-    out = generate(model, batch, 5, attention_mask=attention_mask, cache=cache)
-    assert torch.equal(out[:, :P], batch)  # the prompt part is returned as given
-    for i, p in enumerate(prompts):
-        alone = generate(model, p[None], 5)
-        assert torch.equal(out[i, P:], alone[0, len(p):]), i
-
-
 @pytest.mark.parametrize("bad,match", [
     (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=float("inf")), "temperature"),
