@@ -157,3 +157,20 @@ def test_decode_backend_gradients_over_many_low_precision_segments():
         grads.append([t.grad.float() for t in x])
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=0.05, rtol=0.05)
+
+
+def test_encoder_decoder_decodes_with_an_int8_cache():
+    """Self-attention reads the int8 cache; cross-attention keeps its projected memory."""
+    from attnkit.nn import EncoderDecoder, TransformerConfig
+
+    torch.manual_seed(0)
+    model = EncoderDecoder(TransformerConfig(vocab_size=30, embed_dim=32, num_layers=2, num_heads=4)).eval()
+    src, tgt = torch.randint(2, 30, (2, 6)), torch.randint(2, 30, (2, 9))
+    with torch.no_grad():
+        full = model(src, tgt)
+        memory = model.encode(src)
+        cache = model.make_cache("dynamic", quantize="int8")
+        steps = [model.decode(tgt[:, i:i + 1], memory if i == 0 else None, cache=cache) for i in range(9)]
+    out = torch.cat(steps, 1)
+    assert isinstance(cache[0], QuantizedLayerCache) and cache[0].cross_kv is not None
+    assert 0 < (out - full).abs().max() <= 0.02 * full.abs().max()

@@ -169,9 +169,9 @@ class PagedLayerCache(DirectLayerCache):
         before = self.row_lengths()
         blocks, slots = [], []
         for seq, L in zip(active, before):
-            for p in range(L, L + T):
-                blocks.append(self.pool.writable(seq, p // bs))
-                slots.append(p % bs)
+            ids = {j: self.pool.writable(seq, j) for j in range(L // bs, (L + T - 1) // bs + 1)}  # one per block
+            blocks += [ids[p // bs] for p in range(L, L + T)]
+            slots += [p % bs for p in range(L, L + T)]
         blocks_t = torch.tensor(blocks, device=k.device)
         slots_t = torch.tensor(slots, device=k.device)
         k_rows = k.transpose(0, 1).reshape(k.shape[1], -1, k.shape[3])  # (Hkv, B*T, D), row-major tokens
