@@ -68,7 +68,8 @@ def build(case: str, B: int, Hq: int, Hkv: int, T: int, D: int, seed: int = 0):
     def pool(x):
         shape = x.shape[3:]
         paged = torch.empty(Hkv, B * nb, BLOCK, *shape, dtype=x.dtype)
-        paged[:, table.flatten()] = x.view(B, Hkv, nb, BLOCK, *shape).transpose(0, 1).reshape(Hkv, B * nb, BLOCK, *shape)
+        pages = x.view(B, Hkv, nb, BLOCK, *shape).transpose(0, 1)  # (Hkv, B, nb, BLOCK, ...)
+        paged[:, table.flatten()] = pages.reshape(Hkv, B * nb, BLOCK, *shape)
         return paged
 
     kp, vp = pool(k), pool(v)

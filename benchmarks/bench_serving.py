@@ -155,7 +155,8 @@ def main() -> None:
     print("KV cache per sequence: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in memory.items()))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(settings=settings, load_average=os.getloadavg(), cache_bytes_per_sequence=memory, modes=results), f)
+        json.dump(dict(settings=settings, load_average=os.getloadavg(), cache_bytes_per_sequence=memory,
+                       modes=results), f)
     print(f"wrote {args.out}")
 
 

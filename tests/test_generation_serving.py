@@ -108,7 +108,8 @@ def test_generation_does_not_import_the_models():
 
 
 @pytest.mark.parametrize("flags", [["--top-p", "1.5"], ["--top-p", "0"], ["--temperature", "nan"],
-                                   ["--temperature", "-1"], ["--repetition-penalty", "inf"], ["--cache-quantize", "int4"]])
+                                   ["--temperature", "-1"], ["--repetition-penalty", "inf"],
+                                   ["--cache-quantize", "int4"]])
 def test_cli_generate_refuses_bad_sampling_flags(flags, capsys):
     from attnkit.cli.main import build_parser
 

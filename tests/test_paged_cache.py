@@ -146,7 +146,8 @@ def test_paged_kernel_equals_contiguous_kernel_with_shuffled_blocks(quantize):
     pools = []
     for x in (k, v) + tuple(scales.values()):
         pool = torch.zeros(Hkv, B * nb, bs, *x.shape[3:], dtype=x.dtype)
-        pool[:, table.flatten()] = x.view(B, Hkv, nb, bs, *x.shape[3:]).transpose(0, 1).reshape(Hkv, B * nb, bs, *x.shape[3:])
+        pages = x.view(B, Hkv, nb, bs, *x.shape[3:]).transpose(0, 1)  # (Hkv, B, nb, bs, ...)
+        pool[:, table.flatten()] = pages.reshape(Hkv, B * nb, bs, *x.shape[3:])
         pools.append(pool)
     want = decode_attention(q, k, v, keep=keep, **scales, options=DecodeOptions(segment_tokens=7))
     kw = {} if not quantize else dict(k_scale=pools[2], v_scale=pools[3])
@@ -168,7 +169,8 @@ def test_explain_names_the_path():
     layer = cache[0]
     q = torch.randn(1, 4, 1, 8)
     assert "read directly by the decode kernel" in layer.explain(q)
-    assert "gather fallback" in layer.explain(q, backend="naive") and "'naive' was named" in layer.explain(q, backend="naive")
+    named = layer.explain(q, backend="naive")
+    assert "gather fallback" in named and "'naive' was named" in named
     assert "Tq=100" in layer.explain(torch.randn(1, 4, 100, 8))
 
 
@@ -243,7 +245,8 @@ def test_key_padding_mask_in_a_ragged_batch():
     k0 = torch.randn(1, 2, 3, 8, generator=g)
     layer._store(k0, k0)
     cache.select([a, b])
-    q, k, v = torch.randn(2, 4, 1, 8, generator=g), torch.randn(2, 2, 1, 8, generator=g), torch.randn(2, 2, 1, 8, generator=g)
+    q = torch.randn(2, 4, 1, 8, generator=g)
+    k, v = torch.randn(2, 2, 1, 8, generator=g), torch.randn(2, 2, 1, 8, generator=g)
     mask = Causal() & KeyPadding([4, 1])  # row 0 sees keys 0..3, row 1 only key 0 (its own)
     out = layer.attend(q, k, v, mask=mask)
     ref0 = decode_attention(q[:1], torch.cat([k0, k[:1]], 2), torch.cat([k0, v[:1]], 2))

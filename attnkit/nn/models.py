@@ -245,7 +245,7 @@ class GPT(_CausalStack, GenerationMixin):
                                      options=self.config.backend_options)
         if kind == "paged":
             if num_blocks is None:
-                raise ValueError("num_blocks: a paged cache needs num_blocks (blocks of block_size tokens in the pool).")
+                raise ValueError("num_blocks: a paged cache needs num_blocks (blocks of block_size tokens, shared).")
             return PagedKVCache(self.config.num_layers, num_blocks=num_blocks, block_size=block_size,
                                 quantize=quantize)
         window = self.config.sliding_window if window is None else window
