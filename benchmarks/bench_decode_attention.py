@@ -13,7 +13,8 @@ One query token per sequence (B=1 by default), GQA 32 query / 8 key-value heads,
 For each case: ms per call (one layer, one token), bytes of K/V (and scales) it must read, the
 achieved GB/s and its share of this machine's copy bandwidth, measured in the same run by a
 STREAM-style triad (``a = b + s * c`` over arrays much larger than the caches: 3 x 4 bytes per
-element). Peak memory per case comes from a fresh process (``--memory``; RSS growth over setup).
+element). Peak memory per case comes from a fresh process (``--memory``: the peak RSS growth of
+one call over its inputs, Linux only).
 The machine's load average is printed; read the ratios, not the absolute numbers.
 
     python benchmarks/bench_decode_attention.py                      # the figures (about 1-2 minutes)
@@ -25,7 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import gc
 import subprocess
 import sys
 
@@ -82,6 +83,11 @@ def triad(n: int):
     return (lambda: torch.add(b, c, alpha=1.5, out=a)), 3 * n * 4
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
 def measure_memory(case: str, args) -> int:
     """Peak RSS growth (bytes) of one call of ``case`` in a fresh process, over its setup."""
     out = subprocess.run([sys.executable, __file__, "--one", case, "--context", str(args.context), "--batch",
@@ -106,11 +112,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     Hq, Hkv = (int(x) for x in args.heads.split("/"))
     shape = (args.batch, Hq, Hkv, args.context, args.head_dim)
-    if args.one:  # child of --memory: setup, then one call; print the RSS growth
+    if args.one:  # child of --memory: setup, then one call; print the peak RSS growth of the call
         fn, _ = build(args.one, *shape)
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:  # Linux: reset the peak (VmHWM) to the current RSS
+            f.write("5")
+        base = _status_kib("VmRSS")
         fn()
-        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+        print((_status_kib("VmHWM") - base) * 1024)
         return
     print(f"threads={args.threads} load average={os.getloadavg()} B={args.batch} heads={Hq}/{Hkv} "
           f"T={args.context} D={args.head_dim}")
