@@ -288,3 +288,22 @@ def test_random_ragged_batches_match_the_reference_per_row(seed):
             k_all, v_all = dequantize_int8(kq, ks), dequantize_int8(vq, vs)
         ref = attention(q[b:b + 1], k_all, v_all, mask=mask, backend="naive")
         assert torch.allclose(out[b:b + 1], ref, atol=1e-5), (b, (out[b:b + 1] - ref).abs().max())
+
+
+def test_grad_mode_takes_the_gather_fallback_and_stores_detached_keys():
+    model = _model()
+    cache = _paged(model)
+    cache.select([cache.add_sequence()])
+    x = torch.randint(0, 50, (1, 6))
+    model(x[:, :5], cache=cache)  # grad mode: parameters require grad
+    q = torch.randn(1, 4, 1, 8, requires_grad=True)
+    assert "require grad" in cache[0].explain(q)
+    with torch.no_grad():
+        assert "read directly" in cache[0].explain(q)
+    out = model(x[:, 5:], cache=cache)
+    out.sum().backward()  # gradients reach the parameters through the new queries
+    assert model.layers[0].self_attn.qkv_proj.weight.grad is not None
+    assert not cache[0].k.requires_grad and cache[0].k.grad_fn is None
+    with torch.no_grad():
+        ref = model(x)[:, 5:]
+    assert torch.allclose(out, ref, atol=1e-5)

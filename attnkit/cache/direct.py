@@ -13,6 +13,10 @@ named backend. A prefill over an empty cache attends its new keys directly, in f
 (through ``attention()`` with the layer's backend), on either path.
 :meth:`DirectLayerCache.explain` says which path a call takes and why.
 
+These are inference caches: stored keys are detached. Where gradients are enabled and needed,
+the gather fallback runs and they reach the queries (and, in a prefill over an empty cache, the
+new keys and values).
+
 Rows of a batch may hold different lengths (paged caches: continuous batching). Masks are
 evaluated at each row's absolute positions (rows of equal length together), so any mask is exact.
 """
@@ -88,7 +92,7 @@ class DirectLayerCache(LayerCache):
 
     def explain(self, q: Tensor, *, backend: str = "auto") -> str:
         """How :meth:`attend` would run queries ``q (B, Hq, Tq, D)`` (one sentence)."""
-        why = self._path(q, backend, q.requires_grad)
+        why = self._path(q, backend, torch.is_grad_enabled() and q.requires_grad)
         if why is None:
             return f"{self.kind} cache read directly by the decode kernel (split-K, LSE merge, no contiguous copy)"
         return (f"gather fallback: {self.kind} cache copied into contiguous {q.dtype} K/V, then attention(backend="
@@ -130,8 +134,8 @@ class DirectLayerCache(LayerCache):
         """Append ``k, v (B, Hkv, Tq, ·)`` (the new tokens of ``q (B, Hq, Tq, D)``) and return
         attention of ``q`` over everything cached, ``(B, Hq, Tq, Dv)``; see the module docstring."""
         Tq = q.shape[2]
-        requires_grad = q.requires_grad or k.requires_grad or v.requires_grad
-        before = self._store(k, v)
+        requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        before = self._store(k.detach(), v.detach())  # an inference cache: stored keys carry no graph
         why = self._path(q, backend, requires_grad)
         fallback = backend if backend != "decode" or why is None else "auto"
         if not any(before):  # a prefill over an empty cache: the new keys are all there is (full precision)
@@ -154,7 +158,7 @@ class DirectLayerCache(LayerCache):
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
         """``LayerCache.update`` for code that needs contiguous K/V: appends, then returns a
         full-precision copy of every row's keys (rows must hold equal lengths)."""
-        before = self._store(k, v)
+        before = self._store(k.detach(), v.detach())
         if len(set(before)) != 1:
             raise ValueError(
                 f"update: the rows hold different lengths {before}; contiguous K/V cannot express that. "
