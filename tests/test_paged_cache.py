@@ -307,3 +307,20 @@ def test_grad_mode_takes_the_gather_fallback_and_stores_detached_keys():
     with torch.no_grad():
         ref = model(x)[:, 5:]
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_bfloat16_model_decodes_with_paged_pages(quantize):
+    """flash-attn's rule on logits against float64 (int8 adds its own, bounded error)."""
+    model = _model()
+    x = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        ref = model.double()(x)
+        model = model.to(torch.bfloat16)
+        full = model(x).double()
+        cache = _paged(model, quantize=quantize)
+        cache.select([cache.add_sequence(), cache.add_sequence()])
+        out = torch.cat([model(x[:, :3], cache=cache)] + [model(x[:, i:i + 1], cache=cache) for i in range(3, 16)], 1)
+    assert cache[0].k.dtype == (torch.int8 if quantize else torch.bfloat16)
+    slack = 0.02 * ref.abs().max() if quantize else 1e-3
+    assert (out.double() - ref).abs().max() <= 2 * (full - ref).abs().max() + slack
