@@ -23,7 +23,7 @@ Every segment is one batched matmul over ``(batch, K/V head)`` pairs, so PyTorch
 threads run the split across cores. Accumulation is in float32 (float64 for float64 inputs).
 
 The registered backend ``decode`` runs the contiguous case through :func:`attnkit.attention`
-(``backend="decode"``) for up to :data:`MAX_QUERIES` queries; the caches call
+(``backend="decode"``; ``auto`` does not pick it, SDPA comes first); the caches call
 :func:`decode_attention` / :func:`paged_decode_attention` directly. Its naive twin is the
 ``naive`` backend (tests compare both against the float64 oracle).
 """
@@ -42,7 +42,8 @@ from ..registry import Backend, register_backend
 __all__ = ["DecodeOptions", "decode_attention", "paged_decode_attention", "MAX_QUERIES"]
 
 #: Above this many queries per call the score block ``(G·Tq, segment)`` stops being small and a
-#: tiled prefill kernel is the right tool; the backend declines with a reason.
+#: prefill kernel is the faster tool: the caches read themselves directly only up to this many
+#: queries (the backend runs any ``Tq``, its segments shrink so the scores stay bounded).
 MAX_QUERIES = 64
 
 # Default segment size: the converted (float32) K and V of one segment for all (batch, head)
@@ -282,21 +283,15 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tabl
 class Decode(Backend):
     """``attention(..., backend="decode")``: :func:`decode_attention` on contiguous K/V.
 
-    Equals the naive backend (same masked softmax, fp32 statistics); any mask (materialized:
-    at most ``B·Hq·MAX_QUERIES·Tk`` booleans), bias, GQA without expanding K/V, offsets, LSE.
-    Gradients flow through the PyTorch ops (correct, not memory-optimized)."""
+    Equals the naive backend (same masked softmax, fp32 statistics); any mask (materialized,
+    ``B·Hq·Tq·Tk`` booleans: small when decoding), bias, GQA without expanding K/V, offsets, LSE.
+    Meant for few queries; gradients flow through the PyTorch ops (correct, not memory-optimized)."""
 
     name = "decode"
     summary = "decode: few queries over long K/V, split-K with LSE merge, GQA without expanding K/V"
     supports_bias = True
     supports_lse = True
     Options = DecodeOptions
-
-    @classmethod
-    def extra_reasons(cls, inp: AttentionInputs):
-        if inp.Tq > MAX_QUERIES:
-            return [f"is for decoding: Tq={inp.Tq} > {MAX_QUERIES} queries (use a prefill backend)"]
-        return ()
 
     @classmethod
     def describe(cls, inp: AttentionInputs) -> str:
