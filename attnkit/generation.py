@@ -20,7 +20,7 @@ generates what it would alone::
 runs a batch of at most ``max_batch_size`` sequences over one :class:`~attnkit.cache.PagedKVCache`;
 a prompt joins as soon as a row and its blocks are free, a sequence leaves (and returns its
 blocks) when it stops, so short and long requests never wait for each other. Each sequence gets
-exactly the tokens it would get alone (greedy).
+the tokens it would get alone (greedy; batched float rounding could only flip exact ties).
 """
 
 from __future__ import annotations
