@@ -1,35 +1,63 @@
-"""Autoregressive generation for :class:`~attnkit.nn.GPT` and :class:`~attnkit.nn.EncoderDecoder`.
+"""Autoregressive generation for models that mix in :class:`GenerationMixin` (attnkit's ``GPT``
+and ``EncoderDecoder``).
 
 One prefill call over the prompt, then one call per new token with a KV cache (static by
 default: preallocated, written in place). Each step's logits go through, in order: repetition
 penalty (CTRL, https://arxiv.org/abs/1909.05858), temperature, top-k, top-p (nucleus), then
 argmax (``temperature=0``, greedy) or sampling.
 
-Batched prompts are left-padded with an ``attention_mask`` ``(B, P)`` (1 = token, 0 = padding):
-positions come from the mask, padding keys are never attended, so each row generates what it
-would alone::
+Batched prompts come with an ``attention_mask`` ``(B, P)`` (1 = token, 0 = padding), padded on
+either side (HF tokenizers pad on the right by default): rows are moved to left padding
+internally, positions come from the mask and padding keys are never attended, so each row
+generates what it would alone::
 
     model = GPT(TransformerConfig(vocab_size=100, num_layers=2)).eval()
     out = generate(model, prompt_ids, max_new_tokens=20, top_k=50, temperature=0.8, stop_tokens=[0])
     for tokens in stream(model, prompt_ids, max_new_tokens=20):   # (B,) per step, as produced
         print(tokens.tolist())
+
+**Serving many prompts** (continuous batching): ``generate(model, [p1, p2, ...], cache="paged")``
+runs a batch of at most ``max_batch_size`` sequences over one :class:`~attnkit.cache.PagedKVCache`;
+a prompt joins as soon as a row and its blocks are free, a sequence leaves (and returns its
+blocks) when it stops, so short and long requests never wait for each other. Each sequence gets
+the tokens it would get alone (greedy; batched float rounding could only flip exact ties).
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Iterator, Sequence
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from .cache import KVCache
+from .cache import KVCache, PagedKVCache
 
-__all__ = ["generate", "stream", "process_logits"]
+__all__ = ["generate", "stream", "process_logits", "GenerationMixin"]
+
+
+class GenerationMixin:
+    """Adds ``generate()`` to a model. The model provides ``config.vocab_size``, ``make_cache``
+    and either ``forward(ids, cache=, attention_mask=, positions=, logits_to_keep=)`` (decoder-only)
+    or ``encode``/``decode`` (``is_encoder_decoder = True``)."""
+
+    is_encoder_decoder: ClassVar[bool] = False
+
+    def generate(self, input_ids, max_new_tokens: int = 32, **kwargs):
+        """See :func:`attnkit.generation.generate` (an encoder-decoder needs ``decoder_start_token``)."""
+        return generate(self, input_ids, max_new_tokens, **kwargs)
 
 
 def _check_positive_int(name: str, value, minimum: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}.")
+
+
+def _check_real(name: str, value, ok: bool, expected: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not ok:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}.")
 
 
 def process_logits(logits: Tensor, *, seen: Tensor | None = None, temperature: float = 0.0,
@@ -55,50 +83,86 @@ def process_logits(logits: Tensor, *, seen: Tensor | None = None, temperature: f
     return logits
 
 
-def _check_args(model, input_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, attention_mask):
-    from .nn.models import GPT, EncoderDecoder
+def _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty) -> None:
+    _check_positive_int("max_new_tokens", max_new_tokens)
+    _check_real("temperature", temperature, temperature >= 0 if isinstance(temperature, (int, float)) else False,
+                "a finite float >= 0 (0 = greedy)")
+    if top_k is not None:
+        _check_positive_int("top_k", top_k)
+    if top_p is not None:
+        _check_real("top_p", top_p, isinstance(top_p, (int, float)) and 0 < top_p <= 1, "a float in (0, 1] (1 = off)")
+    _check_real("repetition_penalty", repetition_penalty,
+                isinstance(repetition_penalty, (int, float)) and repetition_penalty > 0, "a finite float > 0 (1 = off)")
 
-    if not isinstance(model, (GPT, EncoderDecoder)):
+
+def _check_model(model) -> bool:
+    if not isinstance(model, GenerationMixin):
         raise TypeError(f"model: expected an attnkit GPT or EncoderDecoder, got {type(model).__name__}.")
+    return model.is_encoder_decoder
+
+
+def _check_ids(input_ids) -> None:
     if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point
             or input_ids.shape[1] == 0):
         got = getattr(input_ids, "shape", type(input_ids).__name__)
         raise ValueError(
-            f"input_ids: expected a non-empty integer tensor (B, P), got {got}. "
+            f"input_ids: expected a non-empty integer tensor (B, P) or a list of 1-D prompts, got {got}. "
             "Fix: a single prompt is input_ids[None]."
         )
-    _check_positive_int("max_new_tokens", max_new_tokens)
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature: expected a float >= 0 (0 = greedy), got {temperature!r}.")
-    if top_k is not None:
-        _check_positive_int("top_k", top_k)
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p: expected a float in (0, 1], got {top_p!r}.")
-    if not isinstance(repetition_penalty, (int, float)) or repetition_penalty <= 0:
-        raise ValueError(f"repetition_penalty: expected a float > 0 (1 = off), got {repetition_penalty!r}.")
-    if attention_mask is not None and (
-        not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape
-    ):
+
+
+def _check_attention_mask(attention_mask, input_ids) -> Tensor | None:
+    """The mask as bool, refusing a wrong shape and rows without any token."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
         raise ValueError(
-            f"attention_mask: expected shape {tuple(input_ids.shape)} like input_ids (1 = token, 0 = left padding), "
-            "got "
+            f"attention_mask: expected shape {tuple(input_ids.shape)} like input_ids (1 = token, 0 = padding), got "
             f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}."
         )
-    return isinstance(model, EncoderDecoder)
+    valid = attention_mask.bool()
+    empty = (~valid.any(dim=1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(
+            f"attention_mask: rows {empty} have no token (all zeros); a row needs at least one prompt token. "
+            "Fix: drop those rows, or give them a start token."
+        )
+    return valid
 
 
-def _make_cache(model, cache, max_len: int) -> KVCache:
+def _to_left_padding(input_ids: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows reordered so that padding comes first and tokens keep their order (a stable sort
+    of each row by its mask): right padding and holes become left padding."""
+    order = torch.argsort(valid.to(torch.int8), dim=1, stable=True)
+    return input_ids.gather(1, order), valid.gather(1, order)
+
+
+def _make_cache(model, cache, max_len: int, quantize: str | None) -> KVCache:
     if isinstance(cache, KVCache):
         if cache.seq_len:
             raise ValueError(
                 f"cache: expected an empty cache, got one holding {cache.seq_len} tokens. Fix: cache.reset()."
             )
+        if quantize is not None:
+            raise ValueError("quantize_cache: given with a ready-made cache; build that cache with quantize= instead.")
         return cache
     if cache in ("sliding_window", "recurrent"):
+        if quantize is not None:
+            raise ValueError(f"quantize_cache: applies to 'static', 'dynamic' and 'paged' caches, not {cache!r}.")
         return model.make_cache(cache)
     if cache in ("static", "dynamic"):
-        return model.make_cache(cache, max_len=max_len)
-    raise ValueError(f"cache: expected 'static', 'dynamic', 'sliding_window', 'recurrent' or a KVCache, got {cache!r}.")
+        return model.make_cache(cache, max_len=max_len, quantize=quantize)
+    raise ValueError(
+        f"cache: expected 'static', 'dynamic', 'sliding_window', 'recurrent', 'paged' or a KVCache, got {cache!r}."
+    )
+
+
+def _next_token(logits: Tensor, seen: Tensor | None, temperature, top_k, top_p, repetition_penalty, generator):
+    scores = process_logits(logits, seen=seen, temperature=temperature, top_k=top_k, top_p=top_p,
+                            repetition_penalty=repetition_penalty)
+    if temperature > 0:
+        return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(1)
+    return scores.argmax(-1)
 
 
 @torch.no_grad()
@@ -113,6 +177,7 @@ def stream(
     repetition_penalty: float = 1.0,
     stop_tokens: Sequence[int] | None = None,
     cache: str | KVCache = "static",
+    quantize_cache: str | None = None,
     attention_mask: Tensor | None = None,
     pad_token_id: int = 0,
     decoder_start_token: int | None = None,
@@ -124,11 +189,18 @@ def stream(
     ``stop_tokens`` yields ``pad_token_id`` afterwards; the stream ends when every row stopped.
     ``temperature=0`` is greedy; otherwise tokens are sampled (``generator`` for reproducibility).
     ``cache``: ``"static"`` (default, fastest), ``"dynamic"``, ``"sliding_window"`` (models with
-    ``sliding_window``), ``"recurrent"`` (linear-attention models) or an empty :class:`KVCache`.
-    ``attention_mask (B, P)``: 1 = token, 0 = left padding. For an :class:`EncoderDecoder`,
-    ``input_ids`` is the source and decoding starts from ``decoder_start_token``."""
-    seq2seq = _check_args(model, input_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
-                          attention_mask)
+    ``sliding_window``), ``"recurrent"`` (linear-attention models) or an empty :class:`KVCache`;
+    ``quantize_cache="int8"`` stores a static or dynamic cache in int8 (paged caches and
+    continuous batching: :func:`generate`). ``attention_mask (B, P)``: 1 = token, 0 = padding
+    (left or right). For an encoder-decoder, ``input_ids`` is the source and decoding starts from
+    ``decoder_start_token``."""
+    seq2seq = _check_model(model)
+    _check_ids(input_ids)
+    _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty)
+    valid = _check_attention_mask(attention_mask, input_ids)
+    if cache == "paged" or isinstance(cache, PagedKVCache):
+        raise ValueError("cache: a paged cache serves many sequences through generate(), not stream(). "
+                         "Fix: generate(model, prompts, cache='paged'), or cache='static' here.")
     stop = torch.tensor(sorted(set(stop_tokens or ())), dtype=torch.long, device=input_ids.device)
     B, P = input_ids.shape
     V = model.config.vocab_size
@@ -139,24 +211,25 @@ def stream(
                 "decoder_start_token: an EncoderDecoder needs the token that starts the target (e.g. BOS)."
             )
         memory = model.encode(input_ids, attention_mask=attention_mask)
-        kv = _make_cache(model, cache, 1 + max_new_tokens)
+        kv = _make_cache(model, cache, 1 + max_new_tokens, quantize_cache)
         ids = torch.full((B, 1), decoder_start_token, dtype=torch.long, device=device)
         history, history_valid = ids, None
 
         def forward(step_ids: Tensor) -> Tensor:
             return model.decode(step_ids, memory, attention_mask=attention_mask, cache=kv)
     else:
-        kv = _make_cache(model, cache, P + max_new_tokens)
-        ids, history = input_ids, input_ids
-        valid = None
-        history_valid = None if attention_mask is None else attention_mask.bool()
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
-            valid = torch.ones(B, P + max_new_tokens, dtype=torch.bool, device=device)  # grows by slicing, no copies
-            valid[:, :P] = attention_mask.bool()
+        kv = _make_cache(model, cache, P + max_new_tokens, quantize_cache)
+        ids, history_valid = input_ids, valid
+        keep = None
+        if valid is not None and not bool(valid.all()):
+            ids, history_valid = _to_left_padding(input_ids, valid)
+            keep = torch.ones(B, P + max_new_tokens, dtype=torch.bool, device=device)  # grows by slicing, no copies
+            keep[:, :P] = history_valid
+        history = ids
 
         def forward(step_ids: Tensor) -> Tensor:
             past = kv.seq_len
-            mask = None if valid is None else valid[:, : past + step_ids.shape[1]]
+            mask = None if keep is None else keep[:, : past + step_ids.shape[1]]
             return model(step_ids, cache=kv, attention_mask=mask, logits_to_keep=1)
 
     seen = None
@@ -166,12 +239,7 @@ def stream(
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
         logits = forward(ids)[:, -1]  # (B, V)
-        scores = process_logits(logits, seen=seen, temperature=temperature, top_k=top_k, top_p=top_p,
-                                repetition_penalty=repetition_penalty)
-        if temperature > 0:
-            token = torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(1)
-        else:
-            token = scores.argmax(-1)
+        token = _next_token(logits, seen, temperature, top_k, top_p, repetition_penalty, generator)
         token = torch.where(finished, torch.full_like(token, pad_token_id), token)
         yield token
         if stop.numel():
@@ -183,15 +251,158 @@ def stream(
         ids = token[:, None]
 
 
-def generate(model, input_ids: Tensor, max_new_tokens: int = 32, **kwargs) -> Tensor:
+def _serve(model, prompts: list[Tensor], max_new_tokens: int, cache: PagedKVCache, max_batch_size: int,
+           stop_tokens, sampling: dict) -> list[Tensor]:
+    """Continuous batching over a paged cache: every prompt plus its new tokens (up to and
+    including a stop token)."""
+    stop = set(stop_tokens or ())
+    V = model.config.vocab_size
+    device = prompts[0].device
+    waiting = deque(range(len(prompts)))
+    running: list[dict] = []  # seq, index, tokens (list), seen row
+    results: list[Tensor | None] = [None] * len(prompts)
+
+    def budget(i: int) -> int:
+        return cache.blocks_needed(len(prompts[i]) + max_new_tokens)
+
+    def finish(row: dict) -> None:
+        results[row["index"]] = torch.cat([prompts[row["index"]], torch.tensor(row["tokens"], device=device)])
+        cache.free(row["seq"])
+
+    def step(rows: list[dict], logits: Tensor) -> None:
+        seen = None
+        if sampling["repetition_penalty"] != 1.0:
+            seen = torch.stack([row["seen"] for row in rows])
+        tokens = _next_token(logits, seen, generator=sampling["generator"], temperature=sampling["temperature"],
+                             top_k=sampling["top_k"], top_p=sampling["top_p"],
+                             repetition_penalty=sampling["repetition_penalty"]).tolist()
+        for row, token in zip(rows, tokens):
+            row["tokens"].append(token)
+            row["seen"][token] = True
+            if token in stop or len(row["tokens"]) == max_new_tokens:
+                finish(row)
+                running.remove(row)
+
+    while waiting or running:
+        # Admit waiting prompts while a row is free and the pool can hold their whole budget
+        # (blocks still owed to the running sequences included), so no sequence runs out mid-way.
+        owed = sum(budget(row["index"]) - len(cache.pool.tables[row["seq"]]) for row in running)
+        while waiting and len(running) < max_batch_size:
+            i = waiting[0]
+            if budget(i) + owed > cache.free_block_count:
+                if not running:
+                    raise ValueError(
+                        f"cache: prompt {i} needs {budget(i)} blocks of {cache.pool.block_size} tokens (prompt + "
+                        f"max_new_tokens), the pool has {cache.free_block_count} free. Fix: more num_blocks."
+                    )
+                break
+            waiting.popleft()
+            owed += budget(i)
+            row = {"seq": cache.add_sequence(), "index": i, "tokens": [],
+                   "seen": torch.zeros(V, dtype=torch.bool, device=device)}
+            row["seen"][prompts[i]] = True
+            running.append(row)
+            cache.select([row["seq"]])
+            step([row], model(prompts[i][None], cache=cache, logits_to_keep=1)[:, -1])  # prefill alone
+        if not running:
+            continue
+        rows = list(running)
+        cache.select([row["seq"] for row in rows])
+        ids = torch.tensor([[row["tokens"][-1]] for row in rows], device=device)
+        step(rows, model(ids, cache=cache, logits_to_keep=1)[:, -1])  # one decode step, every row
+    return results
+
+
+def _prompts_of(input_ids, valid: Tensor | None) -> list[Tensor]:
+    if isinstance(input_ids, Tensor):
+        _check_ids(input_ids)
+        rows = list(input_ids)
+        return rows if valid is None else [row[keep] for row, keep in zip(rows, valid)]
+    prompts = list(input_ids)
+    for i, p in enumerate(prompts):
+        if not isinstance(p, Tensor) or p.dim() != 1 or p.numel() == 0 or p.dtype.is_floating_point:
+            raise ValueError(f"input_ids[{i}]: expected a non-empty 1-D integer tensor (one prompt), got "
+                             f"{getattr(p, 'shape', type(p).__name__)}.")
+    if not prompts:
+        raise ValueError("input_ids: expected at least one prompt, got an empty list.")
+    return prompts
+
+
+@torch.no_grad()
+def _generate_paged(model, input_ids, max_new_tokens, *, cache, quantize_cache, num_blocks, block_size,
+                    max_batch_size, attention_mask, stop_tokens, pad_token_id, **sampling):
+    if model.is_encoder_decoder:
+        raise ValueError("cache: paged caches serve decoder-only models; use cache='static' for an EncoderDecoder.")
+    _check_sampling(max_new_tokens, sampling["temperature"], sampling["top_k"], sampling["top_p"],
+                    sampling["repetition_penalty"])
+    _check_positive_int("max_batch_size", max_batch_size)
+    valid = None
+    if isinstance(input_ids, Tensor):
+        _check_ids(input_ids)
+        valid = _check_attention_mask(attention_mask, input_ids)
+    elif attention_mask is not None:
+        raise ValueError("attention_mask: a list of prompts needs no mask (each prompt is its own length); drop it.")
+    prompts = _prompts_of(input_ids, valid)
+    if isinstance(cache, PagedKVCache):
+        if quantize_cache is not None or num_blocks is not None:
+            raise ValueError("quantize_cache, num_blocks: given with a ready-made PagedKVCache; build it with them.")
+        if cache.pool.tables:
+            raise ValueError(f"cache: expected an empty PagedKVCache, got one holding {len(cache.pool.tables)} "
+                             "sequences. Fix: cache.reset().")
+    else:
+        per_seq = -(-(max(len(p) for p in prompts) + max_new_tokens) // block_size)
+        blocks = num_blocks if num_blocks is not None else per_seq * min(max_batch_size, len(prompts))
+        cache = model.make_cache("paged", num_blocks=blocks, block_size=block_size, quantize=quantize_cache)
+    results = _serve(model, prompts, max_new_tokens, cache, max_batch_size, stop_tokens, sampling)
+    if not isinstance(input_ids, Tensor):
+        return results
+    new = [r[len(p):] for r, p in zip(results, prompts)]
+    n = max(len(t) for t in new)
+    out = input_ids.new_full((len(new), n), pad_token_id)
+    for i, t in enumerate(new):
+        out[i, : len(t)] = t
+    return torch.cat([input_ids, out], dim=1)
+
+
+def generate(model, input_ids: Tensor | Sequence[Tensor], max_new_tokens: int = 32, *,
+             cache: str | KVCache = "static", quantize_cache: str | None = None, num_blocks: int | None = None,
+             block_size: int = 16, max_batch_size: int = 32, **kwargs):
     """Run :func:`stream` to the end. Returns ``(B, P + n)`` (prompt then new tokens) for a GPT,
     ``(B, 1 + n)`` (start token then new tokens) for an EncoderDecoder; ``n <= max_new_tokens``
-    (fewer when every row stopped early; stopped rows are filled with ``pad_token_id``)."""
-    steps = list(stream(model, input_ids, max_new_tokens, **kwargs))
-    new = torch.stack(steps, dim=1) if steps else input_ids.new_zeros(input_ids.shape[0], 0)
-    from .nn.models import EncoderDecoder
+    (fewer when every row stopped early; stopped rows are filled with ``pad_token_id``).
 
-    if isinstance(model, EncoderDecoder):
+    ``cache="paged"`` (or an empty :class:`~attnkit.cache.PagedKVCache`) serves the prompts with
+    continuous batching: at most ``max_batch_size`` sequences run at once over a pool of
+    ``num_blocks`` blocks of ``block_size`` tokens (default: enough for ``max_batch_size``
+    sequences of the longest prompt plus ``max_new_tokens``), ``quantize_cache="int8"`` stores
+    the pages in int8. ``input_ids`` may then also be a list of 1-D prompts of any lengths; the
+    result is a list of 1-D tensors (each prompt, then its new tokens up to and including a stop
+    token). Other keyword arguments are those of :func:`stream`."""
+    if cache == "paged" or isinstance(cache, PagedKVCache):
+        return _generate_paged(model, input_ids, max_new_tokens, cache=cache, quantize_cache=quantize_cache,
+                               num_blocks=num_blocks, block_size=block_size, max_batch_size=max_batch_size,
+                               attention_mask=kwargs.pop("attention_mask", None),
+                               stop_tokens=kwargs.pop("stop_tokens", None), pad_token_id=kwargs.pop("pad_token_id", 0),
+                               **{k: kwargs.pop(k, d) for k, d in _SAMPLING_DEFAULTS.items()}, **_rest(kwargs))
+    if num_blocks is not None:
+        raise ValueError("num_blocks: applies to cache='paged' only.")
+    if not isinstance(input_ids, Tensor):
+        raise ValueError("input_ids: a list of prompts needs cache='paged' (continuous batching); "
+                         "or pass a padded (B, P) tensor with an attention_mask.")
+    steps = list(stream(model, input_ids, max_new_tokens, cache=cache, quantize_cache=quantize_cache, **kwargs))
+    new = torch.stack(steps, dim=1) if steps else input_ids.new_zeros(input_ids.shape[0], 0)
+    if model.is_encoder_decoder:
         start = torch.full((input_ids.shape[0], 1), kwargs["decoder_start_token"], dtype=torch.long, device=new.device)
         return torch.cat([start, new], dim=1)
     return torch.cat([input_ids, new], dim=1)
+
+
+_SAMPLING_DEFAULTS = dict(temperature=0.0, top_k=None, top_p=None, repetition_penalty=1.0, generator=None)
+
+
+def _rest(kwargs: dict) -> dict:
+    """Arguments left after the paged path took its own: only ``decoder_start_token=None`` fits."""
+    kwargs.pop("decoder_start_token", None)
+    if kwargs:
+        raise TypeError(f"generate: unexpected argument(s) {sorted(kwargs)} with cache='paged'.")
+    return {}

@@ -4,7 +4,7 @@ Measures, interleaved in one run (torch.utils.benchmark, median over rounds):
 
 1. one decode step at context 512 with a static cache vs recomputing the whole prefix
    (baseline: a forward over all 512 tokens, LM head on the last position only) -> tokens/s, ratio;
-2. dynamic vs static cache at context 512;
+2. dynamic, int8 static, paged and int8 paged caches vs the static cache at context 512;
 3. per-token latency at several contexts with a sliding-window cache (window 256) vs a dynamic
    cache: the sliding-window latency should stay flat.
 
@@ -63,8 +63,13 @@ def main() -> None:
     H, D, C = 12, 64, args.context
     token = torch.randint(0, 50257, (1, 1))
     prefix = torch.randint(0, 50257, (1, C))
-    caches = {"static": dense.make_cache("static", max_len=C + 1), "dynamic": dense.make_cache("dynamic")}
+    caches = {"static": dense.make_cache("static", max_len=C + 1), "dynamic": dense.make_cache("dynamic"),
+              "static int8": dense.make_cache("static", max_len=C + 1, quantize="int8"),
+              "paged": dense.make_cache("paged", num_blocks=C // 16 + 2),
+              "paged int8": dense.make_cache("paged", num_blocks=C // 16 + 2, quantize="int8")}
     for cache in caches.values():
+        if hasattr(cache, "add_sequence"):  # a paged cache: one sequence
+            cache.select([cache.add_sequence()])
         fill(cache, C, H, D)
 
     def timer(stmt: str, env: dict) -> benchmark.Timer:
@@ -74,6 +79,9 @@ def main() -> None:
     cases = {
         "static cache": timer(step, dict(m=dense, t=token, c=caches["static"], n=C)),
         "dynamic cache": timer(step, dict(m=dense, t=token, c=caches["dynamic"], n=C)),
+        "static int8 cache": timer(step, dict(m=dense, t=token, c=caches["static int8"], n=C)),
+        "paged cache": timer(step, dict(m=dense, t=token, c=caches["paged"], n=C)),
+        "paged int8 cache": timer(step, dict(m=dense, t=token, c=caches["paged int8"], n=C)),
         "recompute prefix": timer("m(x, logits_to_keep=1)", dict(m=dense, x=prefix)),
     }
     sweep = {}

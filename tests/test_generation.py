@@ -27,21 +27,25 @@ def test_cache_kinds_agree():
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("position", ["learned", "rope", "alibi", "sinusoidal"])
-@pytest.mark.parametrize("cache", ["static", "dynamic"])
-def test_left_padded_batch_equals_each_prompt_alone(position, cache):
+# HF tokenizers pad on the right by default; both sides must give each row what it gets alone.
+# Paged caches run their own attention, without ALiBi (refused with a clear error).
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("position,cache", [(p, c) for p in ("learned", "rope", "alibi", "sinusoidal")
+                                            for c in ("static", "dynamic", "paged") if (p, c) != ("alibi", "paged")])
+def test_padded_batch_equals_each_prompt_alone(position, cache, side):
     model = _gpt(position)
     prompts = [torch.randint(1, 50, (n,)) for n in (7, 3, 5)]
     P = max(len(p) for p in prompts)
     batch = torch.zeros(3, P, dtype=torch.long)
     attention_mask = torch.zeros(3, P, dtype=torch.long)
     for i, p in enumerate(prompts):
-        batch[i, P - len(p) :] = p
-        attention_mask[i, P - len(p) :] = 1
+        cols = slice(P - len(p), P) if side == "left" else slice(0, len(p))
+        batch[i, cols], attention_mask[i, cols] = p, 1
     out = generate(model, batch, 6, attention_mask=attention_mask, cache=cache)
+    assert torch.equal(out[:, :P], batch)  # the prompts are returned as given
     for i, p in enumerate(prompts):
-        alone = generate(model, p[None], 6, cache=cache)
-        assert torch.equal(out[i, P - len(p) :], alone[0]), i
+        alone = generate(model, p[None], 6)
+        assert torch.equal(out[i, P:], alone[0, len(p):]), i
 
 
 def test_stream_yields_the_generated_tokens():
@@ -122,7 +126,7 @@ def test_generate_method_and_argument_errors():
     prompt = torch.randint(1, 50, (1, 3))
     assert torch.equal(model.generate(prompt, 4), generate(model, prompt, 4))
     for bad in (dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_k=0), dict(top_p=1.5),
-                dict(repetition_penalty=0.0), dict(cache="paged"), dict(attention_mask=torch.ones(1, 2))):
+                dict(repetition_penalty=0.0), dict(cache="paging"), dict(attention_mask=torch.ones(1, 2))):
         with pytest.raises(ValueError):
             generate(model, prompt, **{"max_new_tokens": 3, **bad})
     with pytest.raises(ValueError, match="input_ids"):
@@ -133,13 +137,18 @@ def test_generate_method_and_argument_errors():
         generate(model, torch.randint(1, 50, (1, 60)), 10)
 
 
-def test_readme_decoding_example_runs(capsys):
+def run_readme_example(heading: str) -> None:
+    """Execute the first python block after ``heading`` in README.md, verbatim."""
     import pathlib
     import re
 
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Models and decoding", 1)[1]
+    section = readme.split(heading, 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_readme_decoding_example_runs(capsys):
+    run_readme_example("## Models and decoding")
     printed = capsys.readouterr().out
     assert "torch.Size([2, 13])" in printed and printed.strip().endswith("6")

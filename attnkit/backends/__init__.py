@@ -5,3 +5,4 @@ from .kernelized import linear  # noqa: F401  (approximate: used only when named
 from . import lsh  # noqa: F401
 from .kernelized import performer  # noqa: F401
 from . import block_sparse, sliding_window, tiled  # noqa: F401  (exact at scale)
+from . import decode  # noqa: F401  (few queries over a long cache)

@@ -3,11 +3,13 @@
 Examples:
   python -m attnkit generate runs/attnkit --prompt "ROMEO." --max-new-tokens 300 --temperature 0.8 --top-k 40
   python -m attnkit generate runs/attnkit --quantize int8        # int8 linear layers; reports speedup and loss
+  python -m attnkit generate runs/attnkit --cache static --cache-quantize int8   # int8 KV cache
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -20,15 +22,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="run directory of `attnkit train` (its latest checkpoint) or a step-* dir")
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate")
-    parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (0 = greedy)")
+    parser.add_argument("--temperature", type=_real(lambda x: x >= 0, "a finite float >= 0"),
+                        default=0.8, help="softmax temperature (0 = greedy)")
     parser.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0 = off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL-style penalty (1 = off)")
+    parser.add_argument("--top-p", type=_real(lambda x: 0 < x <= 1, "a float in (0, 1]"), default=1.0,
+                        help="nucleus sampling mass (1 = off)")
+    parser.add_argument("--repetition-penalty", type=_real(lambda x: x > 0, "a finite float > 0"),
+                        default=1.0, help="CTRL-style penalty (1 = off)")
     parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic", help="KV cache kind")
+    parser.add_argument("--cache-quantize", choices=("none", "int8"), default="none",
+                        help="int8: store the KV cache in int8 (per-token, per-head scales; about 4x less memory)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quantize", choices=("none", "int8"), default="none",
                         help="int8: dynamic int8 linear layers (CPU); prints speedup and eval-loss change first")
+
+
+def _real(ok, expected: str):
+    """An argparse type: a finite float satisfying ``ok``, else a clear usage error."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,5 +96,6 @@ def _token_stream(model, ids, args):
     generator = torch.Generator(device=ids.device).manual_seed(args.seed)
     for token in stream(model, ids, budget, temperature=args.temperature, top_k=args.top_k or None,
                         top_p=args.top_p if args.top_p < 1.0 else None, repetition_penalty=args.repetition_penalty,
-                        cache=args.cache, generator=generator):
+                        cache=args.cache, quantize_cache=None if args.cache_quantize == "none" else args.cache_quantize,
+                        generator=generator):
         yield token[0]

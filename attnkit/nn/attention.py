@@ -9,8 +9,8 @@ from torch import Tensor, nn
 
 from .._validate import check_bool, finite_float, positive_int
 from ..functional import attention
-from ..cache import LayerCache, StateCache
-from ..masks import Mask, as_mask
+from ..cache import DirectLayerCache, LayerCache, StateCache
+from ..masks import Causal, Mask, as_mask
 from ..registry import get_backend
 from ..score_mods import ALiBi, RelativeBias, SoftCap
 from .positional import RotaryEmbedding
@@ -178,6 +178,8 @@ class MultiHeadAttention(nn.Module):
             return self._finish(q, k, v, mask, bias, q_offset, kv_offset, need_weights)
         q, k, v = self.project(x, memory)
         Tq = q.shape[2]
+        if isinstance(cache, DirectLayerCache):  # int8 / paged: the cache attends over its own storage
+            return self._attend_direct(x, q, k, v, cache, mask, bias, q_offset, need_weights, positions)
         if cache is not None:
             if q_offset is not None:
                 raise ValueError("q_offset: with cache= the cache sets q_offset (= cache.seq_len); pass q_offset=None.")
@@ -199,6 +201,24 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             k, v, kv_offset = cache.update(k, v)
         return self._finish(q, k, v, mask, bias, q_offset, kv_offset, need_weights)
+
+    def _attend_direct(self, x, q, k, v, cache, mask, bias, q_offset, need_weights, positions):
+        cfg = self.config
+        if q_offset is not None:
+            raise ValueError("q_offset: with cache= the cache sets the positions; pass q_offset=None.")
+        if bias is not None or self.score_mod() is not None or self.sinks is not None or need_weights:
+            raise ValueError(
+                f"cache: a {type(cache).__name__} runs its own attention, without bias, score modifiers (ALiBi, T5 "
+                "biases, soft-capping), sinks or need_weights. Fix: use a static or dynamic cache for this layer."
+            )
+        if self.rotary is not None:
+            if positions is None:
+                positions = cache.positions(q.shape[2], device=x.device)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if self.training and cfg.dropout > 0:
+            raise ValueError("cache: attention dropout while decoding; call model.eval() first.")
+        out = cache.attend(q, k, v, mask=mask, backend=cfg.backend, options=cfg.backend_options)
+        return self.out_proj(out.transpose(1, 2).reshape(x.shape[0], q.shape[2], -1))  # (B, Tq, Hq*hd) -> E
 
     def project_queries(self, x: Tensor) -> Tensor:
         """Queries ``(B, Hq, Tq, hd)`` of a cross-attention layer (the memory's K/V come from a cache)."""

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..cache import KVCache, SlidingWindowLayerCache
+from ..cache import KVCache, PagedKVCache, SlidingWindowLayerCache
+from ..generation import GenerationMixin
 from ..masks import Mask, Padding, as_mask
 from .layers import DecoderLayer, EncoderLayer, TransformerConfig, make_norm
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding, sinusoidal_2d
@@ -181,15 +182,15 @@ class _CausalStack(PretrainedModel, nn.Module):
         config = self.config
         _check_cache(cache, config)
         B, T, device = _input_shape(input_ids, inputs_embeds)
-        past = cache.seq_len if cache is not None else 0
         mask = config.causal_mask()
         if attention_mask is not None:
+            past = cache.seq_len if cache is not None else 0
             valid = _check_attention_mask(attention_mask, B, past + T, "past + T")
             mask = mask & Padding(valid)
             if positions is None:
                 positions = positions_from_attention_mask(attention_mask, T)
-        if positions is None:
-            positions = torch.arange(past, past + T, device=device)
+        if positions is None:  # the cache knows each row's next position (rows may differ: paged)
+            positions = torch.arange(T, device=device) if cache is None else cache.positions(T, device)
         x = self.embed(input_ids, positions=positions, inputs_embeds=inputs_embeds)
         hidden = [x]
         for i, layer in enumerate(self.layers):
@@ -201,7 +202,7 @@ class _CausalStack(PretrainedModel, nn.Module):
         return x, hidden
 
 
-class GPT(_CausalStack):
+class GPT(_CausalStack, GenerationMixin):
     """Decoder-only causal LM (GPT-2 with ``activation="gelu_tanh"``). ``forward(input_ids (B, T),
     *, cache=None, attention_mask=None) -> logits (B, T, vocab)``.
 
@@ -232,22 +233,24 @@ class GPT(_CausalStack):
         logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
         return (logits, hidden) if output_hidden_states else logits
 
-    def make_cache(self, kind: str = "dynamic", *, max_len: int | None = None, window: int | None = None) -> KVCache:
+    def make_cache(self, kind: str = "dynamic", *, max_len: int | None = None, window: int | None = None,
+                   quantize: str | None = None, num_blocks: int | None = None, block_size: int = 16) -> KVCache:
         """A :class:`KVCache` for this model: ``"dynamic"``, ``"static"`` (``max_len``),
-        ``"sliding_window"`` (``window`` defaults to ``config.sliding_window``) or ``"recurrent"``
-        (a linear-attention model: ``config.backend`` is ``"linear"`` or ``"performer"``)."""
+        ``"sliding_window"`` (``window`` defaults to ``config.sliding_window``), ``"paged"``
+        (``num_blocks`` of ``block_size`` tokens, shared by many sequences) or ``"recurrent"``
+        (a linear-attention model: ``config.backend`` is ``"linear"`` or ``"performer"``).
+        ``quantize="int8"`` stores static, dynamic and paged caches in int8."""
         if kind == "recurrent":
             cfg = self.config.attention_config()
             return KVCache.recurrent(self.config.num_layers, self.config.backend, cfg.dim_per_head,
                                      options=self.config.backend_options)
+        if kind == "paged":
+            if num_blocks is None:
+                raise ValueError("num_blocks: a paged cache needs num_blocks (blocks of block_size tokens, shared).")
+            return PagedKVCache(self.config.num_layers, num_blocks=num_blocks, block_size=block_size,
+                                quantize=quantize)
         window = self.config.sliding_window if window is None else window
-        return KVCache.create(kind, self.config.num_layers, max_len=max_len, window=window)
-
-    def generate(self, input_ids: Tensor, max_new_tokens: int = 32, **kwargs) -> Tensor:
-        """See :func:`attnkit.generation.generate`."""
-        from ..generation import generate
-
-        return generate(self, input_ids, max_new_tokens, **kwargs)
+        return KVCache.create(kind, self.config.num_layers, max_len=max_len, window=window, quantize=quantize)
 
 
 class Decoder(_CausalStack):
@@ -269,12 +272,14 @@ class Decoder(_CausalStack):
                          attention_mask=attention_mask, positions=positions)[0]
 
 
-class EncoderDecoder(PretrainedModel, nn.Module):
+class EncoderDecoder(PretrainedModel, nn.Module, GenerationMixin):
     """Seq2seq Transformer: ``encoder`` (Encoder), ``decoder`` (Decoder), ``lm_head``.
 
     ``forward(input_ids (B, S), decoder_input_ids (B, T), *, attention_mask=None (B, S) 1/0,
     cache=None) -> logits (B, T, vocab)``. With ``tie_embeddings`` the encoder, decoder and LM head
     share one token embedding."""
+
+    is_encoder_decoder = True
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
@@ -308,14 +313,8 @@ class EncoderDecoder(PretrainedModel, nn.Module):
         return self.decode(decoder_input_ids, memory, attention_mask=attention_mask, cache=cache,
                            decoder_attention_mask=decoder_attention_mask)
 
-    def make_cache(self, kind: str = "dynamic", *, max_len: int | None = None) -> KVCache:
-        return KVCache.create(kind, self.config.num_layers, max_len=max_len)
-
-    def generate(self, input_ids: Tensor, max_new_tokens: int = 32, **kwargs) -> Tensor:
-        """See :func:`attnkit.generation.generate` (needs ``decoder_start_token``)."""
-        from ..generation import generate
-
-        return generate(self, input_ids, max_new_tokens, **kwargs)
+    def make_cache(self, kind: str = "dynamic", *, max_len: int | None = None, quantize: str | None = None) -> KVCache:
+        return KVCache.create(kind, self.config.num_layers, max_len=max_len, quantize=quantize)
 
 
 @dataclass

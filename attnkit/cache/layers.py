@@ -1,6 +1,6 @@
-"""KV caches for autoregressive decoding.
+"""Contiguous layer caches for autoregressive decoding.
 
-A :class:`KVCache` holds one layer cache per layer. A layer cache's ``update(k, v)`` appends new
+A :class:`~attnkit.cache.KVCache` holds one layer cache per layer. A layer cache's ``update(k, v)`` appends new
 keys/values ``(B, Hkv, Tnew, D)`` and returns ``(k_all, v_all, kv_offset)``: every key the new
 queries may need, in chronological order, the first at absolute position ``kv_offset``. Attention
 layers read ``q_offset = cache.seq_len`` *before* ``update``, apply positions (RoPE) there, and call
@@ -32,12 +32,12 @@ Layer caches:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from ._validate import positive_int
+from .._validate import positive_int
 
 __all__ = [
     "LayerCache",
@@ -45,7 +45,6 @@ __all__ = [
     "StaticLayerCache",
     "SlidingWindowLayerCache",
     "StateCache",
-    "KVCache",
 ]
 
 
@@ -57,6 +56,17 @@ def _check_kv(k: Tensor, v: Tensor) -> None:
         )
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"k, v: expected matching (B, Hkv, Tnew), got k {tuple(k.shape)} and v {tuple(v.shape)}.")
+
+
+def _check_same_layout(held_k: Tensor, held_v: Tensor, k: Tensor, v: Tensor) -> None:
+    """New keys must match what the cache holds: batch, heads, D, Dv and dtype."""
+    held = (held_k.shape[0], held_k.shape[1], held_k.shape[3], held_v.shape[3], held_k.dtype, held_v.dtype)
+    got = (k.shape[0], k.shape[1], k.shape[3], v.shape[3], k.dtype, v.dtype)
+    if got != held:
+        raise ValueError(
+            f"k, v: this cache holds (B, Hkv, D, Dv, k dtype, v dtype) = {held}, got {got}. "
+            "Fix: use one cache per model and batch (allocated for its batch size); reset() it for a new batch."
+        )
 
 
 def _check_index(index: Tensor, batch_size: int | None) -> Tensor:
@@ -94,11 +104,12 @@ class LayerCache:
         if self.cross_kv is not None:
             self.cross_kv = tuple(t.index_select(0, index.to(t.device)) for t in self.cross_kv)
 
-    def _select_rows(self, index: Tensor) -> None:
-        """Replace ``self.k``/``self.v`` (when allocated) by their batch rows ``index``."""
+    def _select_rows(self, index: Tensor, names: tuple[str, ...] = ("k", "v")) -> None:
+        """Replace the buffers ``names`` (when allocated) by their batch rows ``index``."""
         if getattr(self, "k", None) is not None:
             index = _check_index(index, self.k.shape[0]).to(self.k.device)
-            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+            for name in names:
+                setattr(self, name, getattr(self, name).index_select(0, index))
 
     def _check_crop(self, length: int) -> None:
         if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self.seq_len:
@@ -118,11 +129,7 @@ class DynamicLayerCache(LayerCache):
         if self.k is None:
             self.k, self.v = k, v
         else:
-            if k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3]:
-                raise ValueError(
-                    f"k: this cache holds (B, Hkv, ·, D) = {tuple(self.k.shape)}, got {tuple(k.shape)}. "
-                    "Fix: use one cache per model and batch; reset() it for a new batch."
-                )
+            _check_same_layout(self.k, self.v, k, v)
             self.k = torch.cat([self.k, k], dim=2)  # (B, Hkv, L + Tnew, D)
             self.v = torch.cat([self.v, v], dim=2)
         self.seq_len += k.shape[2]
@@ -168,11 +175,8 @@ class StaticLayerCache(LayerCache):
         _check_kv(k, v)
         if self.k is None:
             self.allocate(k.shape[0], k.shape[1], k.shape[3], v.shape[3], dtype=k.dtype, device=k.device)
-        elif k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3] or v.shape[3] != self.v.shape[3]:
-            raise ValueError(
-                f"k, v: this cache holds (B, Hkv, max_len, D) = {tuple(self.k.shape)}, got k {tuple(k.shape)}. "
-                "Fix: allocate the cache for this batch size and model."
-            )
+        else:
+            _check_same_layout(self.k, self.v, k, v)
         start, stop = self.seq_len, self.seq_len + k.shape[2]
         if stop > self.max_len:
             raise ValueError(
@@ -242,8 +246,8 @@ class SlidingWindowLayerCache(LayerCache):
             self.k = k.new_zeros(B, H, W, k.shape[3])
             self.v = v.new_zeros(B, H, W, v.shape[3])
             self._positions = torch.full((W,), -1, dtype=torch.long, device=k.device)
-        elif k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3]:
-            raise ValueError(f"k: this cache holds (B, Hkv, window, D) = {tuple(self.k.shape)}, got {tuple(k.shape)}.")
+        else:
+            _check_same_layout(self.k, self.v, k, v)
         old = self._retained()
         kv_offset = max(0, L - W)
         if old is None:
@@ -301,7 +305,14 @@ class StateCache(LayerCache):
     @classmethod
     def recurrent(cls, backend: str, head_dim: int, *, options=None, scale: float | None = None) -> StateCache:
         """A cache over ``attnkit.RecurrentState.create(backend, head_dim, ...)``."""
-        from .backends.kernelized import RecurrentState
+        from ..backends.kernelized import RecurrentState
+
+        if backend == "auto":  # a softmax model: RecurrentState would only say 'auto' is no backend name
+            raise ValueError(
+                "backend: a recurrent cache needs a linear-attention model (backend 'linear' or 'performer'); this "
+                "model uses 'auto', softmax attention, which must keep its keys. Fix: use a static, dynamic or "
+                "paged cache (generate(..., cache='static'))."
+            )
         return cls(lambda: RecurrentState.create(backend, head_dim, options=options, scale=scale))
 
     def step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -328,77 +339,3 @@ class StateCache(LayerCache):
         for name, value in vars(self.state).items():
             if isinstance(value, Tensor) and value.dim() > 0:
                 setattr(self.state, name, value.index_select(0, index.to(value.device)))
-
-
-class KVCache:
-    """One layer cache per layer. ``seq_len`` is the number of tokens seen (all layers agree)."""
-
-    def __init__(self, layers: Sequence[LayerCache]):
-        layers = list(layers)
-        if not layers or not all(isinstance(layer, LayerCache) for layer in layers):
-            raise TypeError("layers: expected a non-empty sequence of LayerCache (DynamicLayerCache(), ...).")
-        self.layers = layers
-
-    @classmethod
-    def dynamic(cls, num_layers: int) -> KVCache:
-        return cls([DynamicLayerCache() for _ in range(num_layers)])
-
-    @classmethod
-    def static(cls, num_layers: int, max_len: int) -> KVCache:
-        return cls([StaticLayerCache(max_len) for _ in range(num_layers)])
-
-    @classmethod
-    def sliding_window(cls, num_layers: int, window: int) -> KVCache:
-        return cls([SlidingWindowLayerCache(window) for _ in range(num_layers)])
-
-    @classmethod
-    def recurrent(cls, num_layers: int, backend: str, head_dim: int, *, options=None) -> KVCache:
-        """One :class:`StateCache` per layer for a linear-attention model (``backend`` ``"linear"``
-        or ``"performer"``, with the model's ``backend_options``)."""
-        return cls([StateCache.recurrent(backend, head_dim, options=options) for _ in range(num_layers)])
-
-    @classmethod
-    def create(cls, kind: str, num_layers: int, *, max_len: int | None = None, window: int | None = None) -> KVCache:
-        """``kind`` is ``"dynamic"``, ``"static"`` (needs ``max_len``) or ``"sliding_window"`` (needs
-        ``window``); recurrent caches come from :meth:`recurrent`."""
-        if kind == "dynamic":
-            return cls.dynamic(num_layers)
-        if kind == "static":
-            if max_len is None:
-                raise ValueError("max_len: a static cache needs max_len (prompt length + new tokens).")
-            return cls.static(num_layers, max_len)
-        if kind == "sliding_window":
-            if window is None:
-                raise ValueError("window: a sliding-window cache needs window (the attention window).")
-            return cls.sliding_window(num_layers, window)
-        raise ValueError(f"kind: expected 'dynamic', 'static', 'sliding_window' or 'recurrent', got {kind!r}.")
-
-    @property
-    def seq_len(self) -> int:
-        return self.layers[0].seq_len
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def __getitem__(self, i: int) -> LayerCache:
-        return self.layers[i]
-
-    def __iter__(self) -> Iterator[LayerCache]:
-        return iter(self.layers)
-
-    def reset(self) -> None:
-        for layer in self.layers:
-            layer.reset()
-
-    def crop(self, length: int) -> None:
-        for layer in self.layers:
-            layer.crop(length)
-
-    def reorder(self, index: Tensor) -> None:
-        """Select batch rows (beam search): row ``i`` becomes old row ``index[i]``."""
-        for layer in self.layers:
-            layer.reorder(index)
-
-    def __repr__(self) -> str:
-        kinds = sorted({type(layer).__name__ for layer in self.layers})
-        return f"KVCache({len(self.layers)} layers of {', '.join(kinds)}, seq_len={self.seq_len})"

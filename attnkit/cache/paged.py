@@ -1,0 +1,346 @@
+"""A paged KV cache: one block pool shared by many sequences (vLLM's PagedAttention layout).
+
+Keys are stored in fixed-size blocks of ``block_size`` tokens taken from a pool of ``num_blocks``
+blocks per layer (``(Hkv, num_blocks, block_size, D)``, int8 plus scales with
+``quantize="int8"``). Each sequence owns a *block table*, the list of its blocks in order: token
+``p`` of a sequence lives in slot ``p % block_size`` of block ``table[p // block_size]``. A
+sequence takes blocks as it grows and returns them when freed, so memory follows the tokens
+actually held, not ``batch x max_len``::
+
+    cache = PagedKVCache(num_layers=2, num_blocks=64, block_size=16)
+    a = cache.add_sequence()              # an empty sequence id
+    cache.select([a])                     # the rows of the next forward
+    logits = model(prompt, cache=cache)   # prefill sequence a
+    b = cache.fork(a)                     # b shares a's blocks (copy-on-write)
+    cache.select([a, b])                  # decode both: the shared last block is copied on write
+    cache.free(a)                         # its blocks return to the pool (b keeps what it shares)
+
+**Copy-on-write**: ``fork`` shares every block (reference counts); a write into a block held by
+more than one sequence first copies it (in every layer), so branches never see each other's new
+tokens (beam search, parallel sampling, shared prompt prefixes). ``reorder`` (beam search) forks
+and frees accordingly.
+
+The rows of a batch may hold different lengths (continuous batching in
+:func:`attnkit.generation.generate`): positions and masks are per row. Attention reads the pages
+directly through the decode kernel, one bounded segment of pages at a time; otherwise (a named
+backend, gradients, a long prefill) the gather fallback copies them (see :mod:`.direct`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..backends.decode import paged_decode_attention
+from .direct import DirectLayerCache, _check_finite, nbytes
+from .kv import KVCache
+from .layers import _check_kv
+from .quantized import check_quantize, dequantize_int8, quantize_int8
+
+__all__ = ["PagedKVCache", "PagedLayerCache", "BlockPool"]
+
+
+def _check_positive(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}.")
+    return value
+
+
+class BlockPool:
+    """Block bookkeeping shared by the layers of one :class:`PagedKVCache`: the free list,
+    reference counts, every sequence's block table and the rows of the current batch."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = _check_positive("num_blocks", num_blocks)
+        self.block_size = _check_positive("block_size", block_size)
+        self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() takes the lowest first
+        self.refcount = [0] * num_blocks
+        self.tables: dict[int, list[int]] = {}
+        self.active: list[int] = []
+        self.layers: list[PagedLayerCache] = []
+        self._next_id = 0
+        self._memo: dict = {}  # per-forward results shared by the layers (block table, mask)
+
+    def check_sequence(self, seq: int) -> int:
+        if seq not in self.tables:
+            raise ValueError(f"seq: unknown sequence id {seq!r}; live ids are {sorted(self.tables)}. "
+                             "Fix: use an id from add_sequence() or fork() that was not freed.")
+        return seq
+
+    def take(self) -> int:
+        if not self.free_blocks:
+            raise RuntimeError(
+                f"PagedKVCache: all {self.num_blocks} blocks of {self.block_size} tokens are in use. "
+                "Fix: free finished sequences, or build the cache with more num_blocks."
+            )
+        block = self.free_blocks.pop()
+        self.refcount[block] = 1
+        return block
+
+    def release(self, block: int) -> None:
+        self.refcount[block] -= 1
+        if self.refcount[block] == 0:
+            self.free_blocks.append(block)
+
+    def writable(self, seq: int, j: int) -> int:
+        """Block ``j`` of ``seq``, allocated if new and copied first if shared (copy-on-write)."""
+        table = self.tables[seq]
+        while len(table) <= j:
+            table.append(self.take())
+        block = table[j]
+        if self.refcount[block] > 1:
+            fresh = self.take()
+            for layer in self.layers:
+                layer.copy_block(block, fresh)
+            self.release(block)
+            table[j] = fresh
+            block = fresh
+        return block
+
+    def memo(self, key, compute):
+        """``compute()`` once per ``key`` (the layers of one forward share it); old keys are dropped."""
+        if key not in self._memo:
+            if len(self._memo) >= 8:
+                self._memo.clear()
+            self._memo[key] = compute()
+        return self._memo[key]
+
+
+class PagedLayerCache(DirectLayerCache):
+    """One layer's pages. Built by :class:`PagedKVCache`; ``seq_len`` is the common length of the
+    selected rows (an error when they differ: pass per-row positions instead)."""
+
+    def __init__(self, pool: BlockPool, quantize: str | None) -> None:
+        self.cross_kv = None
+        self.pool = pool
+        self.quantize = quantize
+        self.kind = f"paged{' ' + quantize if quantize else ''} (block size {pool.block_size})"
+        self.lengths: dict[int, int] = {}
+        self.k = self.v = self.k_scale = self.v_scale = None  # (Hkv, N, bs, ·) pools
+        self.dtype: torch.dtype | None = None
+
+    @property
+    def seq_len(self) -> int:
+        lengths = set(self.row_lengths())
+        if len(lengths) > 1:
+            raise ValueError(
+                f"seq_len: the selected sequences hold different lengths {self.row_lengths()}. "
+                "Fix: pass per-row positions=cache.positions(T) to the model (generate() does)."
+            )
+        return lengths.pop() if lengths else 0
+
+    def row_lengths(self) -> list[int]:
+        return [self.lengths.get(seq, 0) for seq in self.pool.active]
+
+    def _allocate(self, k: Tensor, v: Tensor) -> None:
+        H, N, bs = k.shape[1], self.pool.num_blocks, self.pool.block_size
+        dtype = torch.int8 if self.quantize else k.dtype
+        self.k = torch.zeros(H, N, bs, k.shape[3], dtype=dtype, device=k.device)
+        self.v = torch.zeros(H, N, bs, v.shape[3], dtype=dtype, device=k.device)
+        if self.quantize:
+            self.k_scale = torch.ones(H, N, bs, device=k.device)
+            self.v_scale = torch.ones(H, N, bs, device=k.device)
+        self.dtype = k.dtype
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for pool in (self.k, self.v, self.k_scale, self.v_scale):
+            if pool is not None:
+                pool[:, dst].copy_(pool[:, src])
+
+    def _store(self, k, v):
+        _check_kv(k, v)
+        active = self.pool.active
+        if k.shape[0] != len(active):
+            raise ValueError(
+                f"k: batch size {k.shape[0]} but {len(active)} sequences are selected ({active}). "
+                "Fix: cache.select(seq_ids) with one id per batch row before the forward."
+            )
+        if self.k is None:
+            self._allocate(k, v)
+        held = (self.k.shape[0], self.k.shape[3], self.v.shape[3])
+        if (k.shape[1], k.shape[3], v.shape[3]) != held or k.dtype != self.dtype or v.dtype != self.dtype:
+            raise ValueError(
+                f"k, v: this paged cache holds (Hkv, D, Dv) = {held} from {self.dtype} keys, got "
+                f"{(k.shape[1], k.shape[3], v.shape[3])} in {k.dtype}/{v.dtype}. Fix: one cache per model."
+            )
+        T, bs = k.shape[2], self.pool.block_size
+        before = self.row_lengths()
+        blocks, slots = [], []
+        for seq, L in zip(active, before):
+            ids = {j: self.pool.writable(seq, j) for j in range(L // bs, (L + T - 1) // bs + 1)}  # one per block
+            blocks += [ids[p // bs] for p in range(L, L + T)]
+            slots += [p % bs for p in range(L, L + T)]
+        blocks_t = torch.tensor(blocks, device=k.device)
+        slots_t = torch.tensor(slots, device=k.device)
+        k_rows = k.transpose(0, 1).reshape(k.shape[1], -1, k.shape[3])  # (Hkv, B*T, D), row-major tokens
+        v_rows = v.transpose(0, 1).reshape(v.shape[1], -1, v.shape[3])
+        _check_finite(k, v, "a paged cache")  # pages are shared and reused: no NaN may stay behind
+        if self.quantize:
+            (k_rows, ks), (v_rows, vs) = quantize_int8(k_rows), quantize_int8(v_rows)
+            self.k_scale[:, blocks_t, slots_t] = ks
+            self.v_scale[:, blocks_t, slots_t] = vs
+        self.k[:, blocks_t, slots_t] = k_rows
+        self.v[:, blocks_t, slots_t] = v_rows
+        for seq, L in zip(active, before):
+            self.lengths[seq] = L + T
+        return before
+
+    def block_table(self) -> Tensor:
+        """``(B, nb)`` block ids of the selected rows (padded with block 0, hidden by the mask)."""
+        tables = [self.pool.tables[seq] for seq in self.pool.active]
+        width = max(1, -(-max(self.row_lengths()) // self.pool.block_size))
+        key = ("table", tuple(self.pool.active), tuple(tuple(t[:width]) for t in tables))
+        rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+        return self.pool.memo(key, lambda: torch.tensor(rows, dtype=torch.long, device=self.k.device))
+
+    def _key_slots(self):
+        return self.block_table().shape[1] * self.pool.block_size
+
+    def keep_mask(self, mask, Tq, before, slots, device):
+        # Masks are immutable values: the same object gives the same keep (held in the value, so
+        # its id cannot be reused while the entry lives).
+        key = ("keep", id(mask), Tq, tuple(before), slots, device)
+        compute = lambda: (mask, super(PagedLayerCache, self).keep_mask(mask, Tq, before, slots, device))  # noqa: E731
+        return self.pool.memo(key, compute)[1]
+
+    def _kernel(self, q, keep, scale, options):
+        return paged_decode_attention(q, self.k, self.v, self.block_table(), keep=keep, scale=scale,
+                                      k_scale=self.k_scale, v_scale=self.v_scale, options=options, keys_finite=True)
+
+    def _gather(self, dtype):
+        table = self.block_table()
+        Hkv, B = self.k.shape[0], table.shape[0]
+
+        def pages(pool, scales):
+            x = pool[:, table]  # (Hkv, B, nb, bs, D)
+            x = x if scales is None else dequantize_int8(x, scales[:, table], dtype)
+            return x.reshape(Hkv, B, -1, pool.shape[-1]).transpose(0, 1).to(dtype)  # (B, Hkv, nb*bs, D)
+
+        return pages(self.k, self.k_scale), pages(self.v, self.v_scale)
+
+    def memory_bytes(self) -> int:
+        """Bytes of this layer's pools (all blocks, used or free)."""
+        return nbytes(self.k, self.v, self.k_scale, self.v_scale)
+
+    def reset(self):
+        raise TypeError("PagedLayerCache: reset the whole PagedKVCache (cache.reset()), not one layer.")
+
+    def crop(self, length):
+        raise TypeError("PagedLayerCache: crop the whole PagedKVCache (cache.crop(length)), not one layer.")
+
+    def reorder(self, index):
+        raise TypeError("PagedLayerCache: reorder the whole PagedKVCache (cache.reorder(index)), not one layer.")
+
+
+class PagedKVCache(KVCache):
+    """Paged cache for many sequences: ``num_blocks`` blocks of ``block_size`` tokens per layer,
+    shared by every sequence; ``quantize="int8"`` stores the pages in int8 (see
+    :mod:`attnkit.cache.quantized`). See the module docstring for the life cycle of a sequence."""
+
+    def __init__(self, num_layers: int, *, num_blocks: int, block_size: int = 16, quantize: str | None = None):
+        _check_positive("num_layers", num_layers)
+        self.pool = BlockPool(num_blocks, block_size)
+        self.quantize = check_quantize(quantize)
+        super().__init__([PagedLayerCache(self.pool, self.quantize) for _ in range(num_layers)])
+        self.pool.layers = list(self.layers)
+
+    # -- sequences ------------------------------------------------------------------------------
+    def add_sequence(self) -> int:
+        """A new, empty sequence; returns its id."""
+        seq = self.pool._next_id
+        self.pool._next_id += 1
+        self.pool.tables[seq] = []
+        return seq
+
+    def fork(self, seq: int) -> int:
+        """A new sequence sharing every block of ``seq`` (copy-on-write); returns its id."""
+        table = self.pool.tables[self.pool.check_sequence(seq)]
+        child = self.add_sequence()
+        self.pool.tables[child] = list(table)
+        for block in table:
+            self.pool.refcount[block] += 1
+        for layer in self.layers:
+            layer.lengths[child] = layer.lengths.get(seq, 0)
+        return child
+
+    def free(self, seq: int) -> None:
+        """Forget ``seq``; blocks no other sequence shares return to the pool."""
+        for block in self.pool.tables.pop(self.pool.check_sequence(seq)):
+            self.pool.release(block)
+        for layer in self.layers:
+            layer.lengths.pop(seq, None)
+        self.pool.active = [s for s in self.pool.active if s != seq]
+
+    def select(self, seqs: Sequence[int]) -> None:
+        """The sequences of the next forward's batch rows, in order (each at most once)."""
+        seqs = [self.pool.check_sequence(s) for s in seqs]
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"seqs: each sequence may appear once per batch, got {seqs}. Fix: fork() a copy.")
+        self.pool.active = seqs
+
+    @property
+    def active(self) -> list[int]:
+        return list(self.pool.active)
+
+    def lengths(self, seqs: Sequence[int] | None = None) -> list[int]:
+        """Tokens held by ``seqs`` (default: the selected ones)."""
+        layer = self.layers[0]
+        return [layer.lengths.get(self.pool.check_sequence(s), 0) for s in (self.pool.active if seqs is None else seqs)]
+
+    def positions(self, length: int, device=None) -> Tensor:
+        """Absolute positions ``(B, length)`` of the next tokens of the selected rows."""
+        return self.layers[0].positions(length, device)
+
+    @property
+    def free_block_count(self) -> int:
+        return len(self.pool.free_blocks)
+
+    def blocks_needed(self, tokens: int) -> int:
+        return -(-tokens // self.pool.block_size)
+
+    def memory_bytes(self) -> int:
+        """Bytes of every layer's pools."""
+        return sum(layer.memory_bytes() for layer in self.layers)
+
+    # -- KVCache operations over the selected rows ------------------------------------------------
+    def reset(self) -> None:
+        for seq in list(self.pool.tables):
+            self.free(seq)
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens of every selected sequence (blocks past them are released)."""
+        for seq in self.pool.active:
+            held = self.lengths([seq])[0]
+            if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= held:
+                raise ValueError(f"length: expected an int in [0, {held}] (tokens of sequence {seq}), got {length!r}.")
+            table = self.pool.tables[seq]
+            keep = self.blocks_needed(length)
+            for block in table[keep:]:
+                self.pool.release(block)
+            del table[keep:]
+            for layer in self.layers:
+                layer.lengths[seq] = length
+
+    def reorder(self, index: Tensor) -> None:
+        """Beam search: row ``i`` becomes old row ``index[i]``; repeated rows are forked
+        (copy-on-write), rows no longer used are freed."""
+        rows = [int(i) for i in index.tolist()]
+        active = self.pool.active
+        if any(not 0 <= i < len(active) for i in rows):
+            raise ValueError(f"index: rows must lie in [0, {len(active)}), got {rows}.")
+        new, used = [], set()
+        for i in rows:
+            seq = active[i]
+            new.append(self.fork(seq) if seq in used else seq)
+            used.add(seq)
+        for seq in active:
+            if seq not in used:
+                self.free(seq)
+        self.pool.active = new
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache({len(self.layers)} layers, {self.pool.num_blocks} blocks x {self.pool.block_size} "
+                f"tokens{', int8' if self.quantize else ''}, {len(self.pool.tables)} sequences, "
+                f"{self.free_block_count} free blocks)")
