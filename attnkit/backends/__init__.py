@@ -3,3 +3,4 @@
 from . import naive, sdpa  # noqa: F401
 from . import linear, lsh, performer  # noqa: F401  (approximate: used only when named)
 from . import block_sparse, sliding_window, tiled  # noqa: F401  (exact at scale)
+from . import flex, native  # noqa: F401  (fused kernels)
