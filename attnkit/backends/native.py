@@ -22,7 +22,6 @@ declines with the reason "native extension not built: ...".
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 from dataclasses import dataclass
 
@@ -64,12 +63,10 @@ def load_extension():
         return None, (f"native extension not built for this torch: built against {stamp.get('torch')}, running "
                       f"{torch.__version__}; rebuild with `python -m attnkit.csrc.build`")
     try:
-        spec = importlib.util.spec_from_file_location(csrc_build.NAME, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    except (ImportError, OSError) as exc:
+        torch.ops.load_library(str(path))
+        return getattr(torch.ops, csrc_build.NAME), None
+    except (ImportError, OSError, RuntimeError) as exc:
         return None, f"native extension not built: it fails to load ({exc})"
-    return module, None
 
 
 _EMPTY_LONG = torch.empty(0, dtype=torch.long)

@@ -8,10 +8,15 @@
 // index vectors (band bounds, key lengths, key validity, document ids, a block layout) plus, for any
 // other mask, a byte keep tile computed by the caller. Positions are absolute (index + offset).
 // A query row that sees no key gets output 0 and LSE -inf; its gradients are 0.
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -48,7 +53,7 @@ void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, 
 // exp(x - shift) over a row, in place, returning the row sum. For float a polynomial exp
 // (Cephes' expf: |error| ~ 1 ulp) that the compiler vectorizes, since a libm call per score
 // would cost more than the two tile products; arguments below -87.3 (and -inf) give exactly 0.
-inline float exp_row(float* x, int64_t n, float shift) {
+inline float exp_row(float* __restrict x, int64_t n, float shift) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) {
@@ -78,6 +83,29 @@ inline double exp_row(double* x, int64_t n, double shift) {
     sum += x[j];
   }
   return sum;
+}
+
+// max(init, x[0..n)): float rows in 16-wide GCC vectors (a plain max reduction is one long
+// dependency chain the compiler does not vectorize).
+inline float row_max(const float* x, int64_t n, float init) {
+  typedef float v16 __attribute__((vector_size(64)));
+  v16 lanes = init - (v16){};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    v16 v;
+    std::memcpy(&v, x + j, sizeof(v));
+    lanes = v > lanes ? v : lanes;
+  }
+  float mx = init;
+  for (int u = 0; u < 16; ++u) mx = lanes[u] > mx ? lanes[u] : mx;
+  for (; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
+  return mx;
+}
+
+inline double row_max(const double* x, int64_t n, double init) {
+  double mx = init;
+  for (int64_t j = 0; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
+  return mx;
 }
 
 // Everything that decides keep(b, h, i, j) inside a PARTIAL tile.
@@ -128,7 +156,7 @@ void tile_keep(const MaskSpec& m, int64_t b, int64_t h, int64_t qt, int64_t kt, 
   }
 }
 
-MaskSpec make_spec(const at::Tensor& grid, const std::vector<int64_t>& band, const at::Tensor& lengths,
+MaskSpec make_spec(const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
                    const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout, int64_t layout_bs,
                    const at::Tensor& extra_index, const at::Tensor& extra) {
   MaskSpec m{};
@@ -147,6 +175,28 @@ MaskSpec make_spec(const at::Tensor& grid, const std::vector<int64_t>& band, con
     m.extra = extra.data_ptr<uint8_t>(), m.extra_b = extra.size(1), m.extra_h = extra.size(2);
   }
   return m;
+}
+
+// For masks made of band bounds and key lengths only, a PARTIAL tile row keeps one contiguous
+// range of keys: [lo, hi) within the tile, computed from a few integers (no per-element test).
+inline bool ranges_only(const MaskSpec& m) { return !m.valid && !m.doc && !m.layout && !m.extra_index; }
+
+template <typename T>
+inline void mask_row(const MaskSpec& m, int64_t b, int64_t qp, int64_t kp0, int64_t nk, const uint8_t* keep, T* row) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  if (keep) {
+#pragma omp simd
+    for (int64_t j = 0; j < nk; ++j) row[j] = keep[j] ? row[j] : ninf;
+    return;
+  }
+  int64_t lo = 0, hi = nk;  // keys kp0 + j for j in [lo, hi) are kept
+  if (m.has_left) lo = std::max(lo, qp - m.left - kp0);
+  if (m.has_right) hi = std::min(hi, qp + m.right - kp0 + 1);
+  if (m.lengths) hi = std::min(hi, m.lengths[b] - kp0);
+  lo = std::min(std::max(lo, int64_t(0)), nk);
+  hi = std::max(std::min(hi, nk), lo);
+  std::fill(row, row + lo, ninf);
+  std::fill(row + hi, row + nk, ninf);
 }
 
 template <typename T>
@@ -179,17 +229,12 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         if (status == 0) continue;
         const int64_t k0 = kt * block_k, nk = std::min(block_k, Tk - k0);
         mm<T>(false, true, nq, nk, D, scale, qb, D, kh + k0 * D, D, T(0), s.data(), block_k);
-        if (status == 1) {
-          tile_keep(m, b, h, qt, kt, q0, nq, k0, nk, qpos0, kpos0, block_q, block_k, keep.data());
-        }
+        const bool per_element = status == 1 && !ranges_only(m);
+        if (per_element) tile_keep(m, b, h, qt, kt, q0, nq, k0, nk, qpos0, kpos0, block_q, block_k, keep.data());
         for (int64_t i = 0; i < nq; ++i) {
           T* row = s.data() + i * block_k;
-          if (status == 1) {
-            const uint8_t* kr = keep.data() + i * block_k;
-            for (int64_t j = 0; j < nk; ++j) row[j] = kr[j] ? row[j] : ninf;
-          }
-          T mx = mrow[i];
-          for (int64_t j = 0; j < nk; ++j) mx = std::max(mx, row[j]);
+          if (status == 1) mask_row(m, b, qpos0 + q0 + i, kpos0 + k0, nk, per_element ? keep.data() + i * block_k : nullptr, row);
+          const T mx = row_max(row, nk, mrow[i]);
           // A row with nothing kept so far keeps max -inf: shift by 0 so exp(-inf) = 0, not NaN.
           const T shift = mx == ninf ? T(0) : mx;
           const T sum = exp_row(row, nk, shift);
@@ -248,7 +293,8 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
             if (status == 0) continue;
             const int64_t k0 = kt * block_k, nk = std::min(block_k, Tk - k0);
             mm<T>(false, true, nq, nk, D, scale, qb, D, kh + k0 * D, D, T(0), p.data(), block_k);
-            if (status == 1) tile_keep(m, b, h, qt, kt, q0, nq, k0, nk, qpos0, kpos0, block_q, block_k, keep.data());
+            const bool per_element = status == 1 && !ranges_only(m);
+            if (per_element) tile_keep(m, b, h, qt, kt, q0, nq, k0, nk, qpos0, kpos0, block_q, block_k, keep.data());
             for (int64_t i = 0; i < nq; ++i) {
               T* row = p.data() + i * block_k;
               const T l = lp[row0 + i];
@@ -256,10 +302,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                 std::fill(row, row + nk, T(0));
                 continue;
               }
-              if (status == 1) {
-                const uint8_t* kr = keep.data() + i * block_k;
-                for (int64_t j = 0; j < nk; ++j) row[j] = kr[j] ? row[j] : ninf;
-              }
+              if (status == 1) mask_row(m, b, qpos0 + q0 + i, kpos0 + k0, nk, per_element ? keep.data() + i * block_k : nullptr, row);
               exp_row(row, nk, l);
             }
             // dV += P^T dO;  dP = dO V^T;  dS = P * (dP - delta);  dQ += dS K;  dK += dS^T Q
@@ -287,7 +330,7 @@ void check(const at::Tensor& x, const char* name) {
 
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                 int64_t q_offset, int64_t kv_offset, int64_t block_q, int64_t block_k,
-                                const at::Tensor& grid, std::vector<int64_t> band, const at::Tensor& lengths,
+                                const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
                                 const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout,
                                 int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra) {
   for (auto* t : {&q, &k, &v, &grid}) check(*t, "q, k, v and the tile grid");
@@ -303,7 +346,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
 std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& delta, double scale,
                                  int64_t q_offset, int64_t kv_offset, int64_t block_q, int64_t block_k,
-                                 const at::Tensor& grid, std::vector<int64_t> band, const at::Tensor& lengths,
+                                 const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
                                  const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout,
                                  int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra) {
   for (auto* t : {&q, &k, &v, &dout, &lse, &delta, &grid}) check(*t, "backward inputs");
@@ -317,7 +360,14 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("forward", &forward, "fused attention forward: (out, lse)");
-  module.def("backward", &backward, "fused attention backward from the saved LSE: (dq, dk, dv)");
+// Registered as torch operators (torch.ops.attnkit_native.*): no Python headers, a faster build.
+TORCH_LIBRARY(attnkit_native, m) {
+  m.def("forward(Tensor q, Tensor k, Tensor v, float scale, int q_offset, int kv_offset, int block_q, int block_k, "
+        "Tensor grid, int[] band, Tensor lengths, Tensor valid, Tensor doc, Tensor layout, int layout_bs, "
+        "Tensor extra_index, Tensor extra) -> Tensor[]");
+  m.def("backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, float scale, int q_offset, "
+        "int kv_offset, int block_q, int block_k, Tensor grid, int[] band, Tensor lengths, Tensor valid, Tensor doc, "
+        "Tensor layout, int layout_bs, Tensor extra_index, Tensor extra) -> Tensor[]");
+  m.impl("forward", c10::DispatchKey::CPU, TORCH_FN(forward));
+  m.impl("backward", c10::DispatchKey::CPU, TORCH_FN(backward));
 }
