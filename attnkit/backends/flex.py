@@ -130,6 +130,8 @@ class Flex(Backend):
     supports_bias = True
     supports_lse = True
     Options = FlexOptions
+    #: The first call per device compiles (tens of seconds on a CPU): ``attnkit bench`` times it only when named.
+    compiles = True
 
     @classmethod
     def available(cls) -> bool:

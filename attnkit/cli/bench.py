@@ -97,7 +97,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if backends is None and args.calibrate:
         from ..registry import list_backends
 
-        backends = [name for name, impl in list_backends().items() if impl.exact]  # auto is verified after
+        # auto is verified after; backends that compile on first use (flex) are ranked only when named
+        backends = [name for name, impl in list_backends().items() if impl.exact and not getattr(impl, "compiles", False)]
     return BenchConfig(
         backends=backends, lengths=lengths, masks=args.masks, dtypes=dtypes, passes=args.passes, device=args.device,
         batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window, time_budget_s=args.time_budget,
