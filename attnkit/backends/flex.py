@@ -15,13 +15,14 @@ runs it: forward on CPU (no LSE there), forward and backward on CUDA.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
 import torch
 
 from ..inputs import AttentionInputs
-from ..masks import Mask
+from ..masks import Band, Causal, Mask, SlidingWindow
 from ..registry import Backend, register_backend
 from ._tiles import FULL, PARTIAL, tile_grid, zero_dead_keys
 
@@ -63,12 +64,27 @@ def _mask_mod(mask: Mask, B: int, H: int, q_offset: int, kv_offset: int, Tq: int
     offsets = torch.tensor([q_offset, kv_offset], device=device)
     per_batch = mask.batch_size not in (None, 1)
     per_head = mask.num_heads not in (None, 1)
+    # Band conjuncts (Causal, SlidingWindow) as plain index arithmetic on their bounds: inductor's
+    # CPU Flex template fails to compile SlidingWindow.mask_mod's boolean constant (torch 2.13).
+    parts = mask.conjuncts()
+    banded = [p for p in parts if isinstance(p, (Causal, SlidingWindow))]
+    band = functools.reduce(lambda a, p: a & p.band(), banded, Band(None, None))
+    others = [p for p in parts if not isinstance(p, (Causal, SlidingWindow))]
 
     def mask_mod(b, h, q_idx, kv_idx):
         q_pos = q_idx.clamp(max=Tq - 1) + offsets[0]
         kv_pos = kv_idx.clamp(max=Tk - 1) + offsets[1]
-        return mask.mask_mod(b if per_batch else b * 0, h if per_head else h * 0, q_pos, kv_pos,
-                             q_offset=offsets[0], kv_offset=offsets[1])
+        keep = None
+        if band.left is not None:
+            keep = kv_pos >= q_pos - band.left
+        if band.right is not None:
+            right = kv_pos <= q_pos + band.right
+            keep = right if keep is None else keep & right
+        for part in others:
+            kept = part.mask_mod(b if per_batch else b * 0, h if per_head else h * 0, q_pos, kv_pos,
+                                 q_offset=offsets[0], kv_offset=offsets[1])
+            keep = kept if keep is None else keep & kept
+        return keep if keep is not None else kv_pos >= kv_pos  # a band of (None, None): keep all
 
     return mask_mod
 
