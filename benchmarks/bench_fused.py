@@ -25,25 +25,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils import benchmark
 
 import attnkit
 from attnkit import Causal, Document, SlidingWindow
 from attnkit.masks import BlockSparse
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_approximate import interleaved, seconds  # noqa: E402  (the shared timing helpers)
+
 B, H, D = 1, 8, 64
-
-
-def seconds(fn, min_run_time: float) -> float:
-    return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
-
-
-def interleaved(fns: dict, rounds: int, min_run_time: float) -> dict[str, float]:
-    best = {name: float("inf") for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            best[name] = min(best[name], seconds(fn, min_run_time))
-    return best
 
 
 def once(fn) -> float:

@@ -199,6 +199,24 @@ inline void mask_row(const MaskSpec& m, int64_t b, int64_t qp, int64_t kp0, int6
   std::fill(row + hi, row + nk, ninf);
 }
 
+// The scaled scores of one tile, s[i * block_k + j] = scale * q_i . k_j, with the mask applied
+// (-inf where not kept) when the tile is PARTIAL. Forward and backward both start here.
+struct Tile {
+  int64_t b, h, qt, kt, q0, nq, k0, nk;
+};
+
+template <typename T>
+void tile_scores(const MaskSpec& m, const Tile& t, int64_t qpos0, int64_t kpos0, int64_t block_q, int64_t block_k,
+                 T scale, const T* qb, const T* kb, int64_t D, T* s, uint8_t* keep) {
+  mm<T>(false, true, t.nq, t.nk, D, scale, qb, D, kb, D, T(0), s, block_k);
+  if (m.grid[t.qt * m.nK + t.kt] != 1) return;
+  const bool per_element = !ranges_only(m);
+  if (per_element) tile_keep(m, t.b, t.h, t.qt, t.kt, t.q0, t.nq, t.k0, t.nk, qpos0, kpos0, block_q, block_k, keep);
+  for (int64_t i = 0; i < t.nq; ++i) {
+    mask_row(m, t.b, qpos0 + t.q0 + i, kpos0 + t.k0, t.nk, per_element ? keep + i * block_k : nullptr, s + i * block_k);
+  }
+}
+
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
                   double scale_d, int64_t qpos0, int64_t kpos0, int64_t block_q, int64_t block_k, const MaskSpec& m) {
@@ -228,12 +246,10 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         const uint8_t status = m.grid[qt * nK + kt];
         if (status == 0) continue;
         const int64_t k0 = kt * block_k, nk = std::min(block_k, Tk - k0);
-        mm<T>(false, true, nq, nk, D, scale, qb, D, kh + k0 * D, D, T(0), s.data(), block_k);
-        const bool per_element = status == 1 && !ranges_only(m);
-        if (per_element) tile_keep(m, b, h, qt, kt, q0, nq, k0, nk, qpos0, kpos0, block_q, block_k, keep.data());
+        tile_scores<T>(m, {b, h, qt, kt, q0, nq, k0, nk}, qpos0, kpos0, block_q, block_k, scale, qb, kh + k0 * D, D,
+                       s.data(), keep.data());
         for (int64_t i = 0; i < nq; ++i) {
           T* row = s.data() + i * block_k;
-          if (status == 1) mask_row(m, b, qpos0 + q0 + i, kpos0 + k0, nk, per_element ? keep.data() + i * block_k : nullptr, row);
           const T mx = row_max(row, nk, mrow[i]);
           // A row with nothing kept so far keeps max -inf: shift by 0 so exp(-inf) = 0, not NaN.
           const T shift = mx == ninf ? T(0) : mx;
@@ -292,18 +308,16 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
             const uint8_t status = m.grid[qt * nK + kt];
             if (status == 0) continue;
             const int64_t k0 = kt * block_k, nk = std::min(block_k, Tk - k0);
-            mm<T>(false, true, nq, nk, D, scale, qb, D, kh + k0 * D, D, T(0), p.data(), block_k);
-            const bool per_element = status == 1 && !ranges_only(m);
-            if (per_element) tile_keep(m, b, h, qt, kt, q0, nq, k0, nk, qpos0, kpos0, block_q, block_k, keep.data());
+            tile_scores<T>(m, {b, h, qt, kt, q0, nq, k0, nk}, qpos0, kpos0, block_q, block_k, scale, qb, kh + k0 * D,
+                           D, p.data(), keep.data());
             for (int64_t i = 0; i < nq; ++i) {
               T* row = p.data() + i * block_k;
               const T l = lp[row0 + i];
-              if (l == ninf) {  // the row sees nothing: probabilities 0
-                std::fill(row, row + nk, T(0));
-                continue;
+              if (l == ninf) {
+                std::fill(row, row + nk, T(0));  // the row sees nothing: probabilities 0
+              } else {
+                exp_row(row, nk, l);
               }
-              if (status == 1) mask_row(m, b, qpos0 + q0 + i, kpos0 + k0, nk, per_element ? keep.data() + i * block_k : nullptr, row);
-              exp_row(row, nk, l);
             }
             // dV += P^T dO;  dP = dO V^T;  dS = P * (dP - delta);  dQ += dS K;  dK += dS^T Q
             mm<T>(true, false, nk, Dv, nq, T(1), p.data(), block_k, dob, Dv, T(1), dvh + k0 * Dv, Dv);
