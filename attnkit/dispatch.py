@@ -36,7 +36,8 @@ MATERIALIZE_LIMIT = 2**26
 STRUCTURED_MIN_SCORES = {"sliding_window": 2048**2, "block_sparse": 4096**2}
 # The fused C++ kernel (backends/native.py, when built) skips masked tiles without materializing
 # anything: measured faster than SDPA with a materialized mask from n = 512, forward and training
-# (Causal&KeyPadding, SlidingWindow(256); B=1, H=8, D=64, 2-core CPU). Tried before the others.
+# (Causal&KeyPadding, SlidingWindow(256); B=1, H=8, D=64, 2-core CPU). Tried after the structured
+# backends (not yet measured against them) and before SDPA and tiled.
 NATIVE_MIN_SCORES = 512**2
 
 
@@ -63,7 +64,7 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
     2. A structured sparse mask (a finite band, a BlockSparse layout) over at least
        STRUCTURED_MIN_SCORES[backend] scores per head goes to the backend that skips its
        masked-out work (each declines, with a reason, masks it cannot use).
-    2b. Before those, from NATIVE_MIN_SCORES, the fused C++ kernel ``native`` when it is built.
+    2b. Next, from NATIVE_MIN_SCORES, the fused C++ kernel ``native`` when it is built.
     3. Any other mask SDPA would have to materialize over a large score matrix goes to ``tiled``,
        which evaluates the mask per tile (skipping EMPTY tiles) in O(Tq + Tk) memory.
     4. ``naive`` last: it runs everything (LSE, bias, dropout), but in O(Tq * Tk) memory.
@@ -81,9 +82,9 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
         if inp.B * inp.Hq * inp.Tq * inp.Tk > MATERIALIZE_LIMIT:
             preferred = ("tiled", "sdpa")
         scores = inp.Tq * inp.Tk
-        preferred = tuple(name for name, n in STRUCTURED_MIN_SCORES.items() if scores >= n) + preferred
         if scores >= NATIVE_MIN_SCORES:
             preferred = ("native",) + preferred
+        preferred = tuple(name for name, n in STRUCTURED_MIN_SCORES.items() if scores >= n) + preferred
     return _order(preferred, registered_names())
 
 

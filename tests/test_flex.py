@@ -17,6 +17,15 @@ from .reference import max_error, reference_attention
 pytestmark = pytest.mark.xdist_group("flex")
 EAGER = flex.FlexOptions(compile=False)
 
+
+@pytest.fixture(autouse=True)
+def _flex_on_cpu(request):
+    if request.node.name.startswith("test_declines"):
+        yield
+        return
+    with flex.allow_cpu():
+        yield
+
 MASKS = {
     "none": None,
     "Causal": Causal(),
@@ -77,6 +86,14 @@ def test_block_mask_from_structure_without_evaluating(monkeypatch):
 
 def test_declines_where_torch_cannot_run_it():
     q = torch.randn(1, 1, 8, 8, requires_grad=True)
+    reasons = attnkit.explain(q.detach(), q.detach(), q.detach(), backend="flex").reasons["flex"]
+    assert len(reasons) == 1 and "allow_cpu" in reasons[0]  # CPU is opt-in
+    with flex.allow_cpu():
+        assert not attnkit.explain(q.detach(), q.detach(), q.detach(), backend="flex").reasons["flex"]
+        _check_cpu_limits(q)
+
+
+def _check_cpu_limits(q):
     reasons = attnkit.explain(q, q, q, backend="flex").reasons["flex"]
     assert any("no backward on CPU" in r for r in reasons)
     reasons = attnkit.explain(q.detach(), q.detach(), q.detach(), backend="flex", return_lse=True).reasons["flex"]

@@ -10,13 +10,16 @@ NaN/Inf. Flex marks fully masked rows with output 0 and LSE -inf, attnkit's cont
 
 ``flex_attention`` is compiled once per device with dynamic shapes: the first call compiles (tens
 of seconds on a CPU, see ``describe``), and a new length reuses the compiled kernel. Where torch
-runs it: forward on CPU (no LSE there), forward and backward on CUDA.
+runs it: forward and backward on CUDA; forward on CPU (no LSE there) inside ``allow_cpu()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +28,21 @@ from ..inputs import AttentionInputs
 from ..masks import Band, Causal, Mask, SlidingWindow
 from ..registry import Backend, register_backend
 from ._tiles import FULL, PARTIAL, tile_grid, zero_dead_keys
+
+_CPU_ALLOWED: ContextVar[bool] = ContextVar("attnkit_flex_cpu", default=False)
+
+
+@contextlib.contextmanager
+def allow_cpu() -> Iterator[None]:
+    """Within the block, ``flex`` may run on the CPU (forward only). Opt-in because torch 2.13's
+    CPU Flex template compiles each mask kind for tens of seconds and fails to compile some shapes;
+    without it the backend declines on CPU with that reason. A ContextVar, restored on exit."""
+    token = _CPU_ALLOWED.set(True)
+    try:
+        yield
+    finally:
+        _CPU_ALLOWED.reset(token)
+
 
 #: Flex's block size (its default sparse block): the BlockMask has one entry per BLOCK x BLOCK tile.
 BLOCK = 128
@@ -162,6 +180,9 @@ class Flex(Backend):
         if not cls.available():
             yield "torch.nn.attention.flex_attention is missing from this torch build"
         if inp.device.type == "cpu":
+            if not _CPU_ALLOWED.get():
+                yield ("on CPU only inside `with attnkit.backends.flex.allow_cpu():` (each mask kind compiles for tens "
+                       "of seconds, and torch's CPU Flex template fails to compile some shapes)")
             if inp.requires_grad:
                 yield "FlexAttention has no backward on CPU (inputs require grad)"
             if inp.return_lse:
@@ -192,7 +213,18 @@ class Flex(Backend):
         if inp.return_lse:
             kwargs["return_aux"] = _flex_api().AuxRequest(lse=True)
         start = time.perf_counter()
-        result = fn(inp.q, k, v, **kwargs)
+        try:
+            result = fn(inp.q, k, v, **kwargs)
+        except Exception as exc:
+            if not options.compile or "Inductor" not in type(exc).__name__:
+                raise
+            # torch 2.13's CPU Flex template fails to compile some shapes (C++ codegen errors):
+            # say so plainly instead of a page of generated C++.
+            raise RuntimeError(
+                f"flex: torch.compile of flex_attention failed on {dev} for q {tuple(inp.q.shape)}, "
+                f"k {tuple(inp.k.shape)} ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}). "
+                "Fix: use backend='native' or 'tiled', or options=FlexOptions(compile=False) (eager, slow)."
+            ) from exc
         if first:
             _STATE["compile_seconds"][dev] = time.perf_counter() - start
         if not inp.return_lse:
