@@ -79,30 +79,29 @@ def _mask_mod(mask: Mask, B: int, H: int, q_offset: int, kv_offset: int, Tq: int
     indices kept inside the mask's own sizes, out-of-range indices of a ragged last block clamped
     (Flex may evaluate them; they are masked out of the result anyway). The offsets travel as a
     tensor, so a new offset (a cache that grew) reuses the compiled kernel."""
-    offsets = torch.tensor([q_offset, kv_offset], device=device)
     per_batch = mask.batch_size not in (None, 1)
     per_head = mask.num_heads not in (None, 1)
-    # Band conjuncts (Causal, SlidingWindow) as plain index arithmetic on their bounds: inductor's
-    # CPU Flex template fails to compile SlidingWindow.mask_mod's boolean constant (torch 2.13).
+    # Band conjuncts (Causal, SlidingWindow) as index arithmetic on their bounds, and every integer
+    # as a captured tensor: inductor's CPU Flex template (torch 2.13) fails to compile index
+    # arithmetic with Python constants (and SlidingWindow.mask_mod's boolean constant).
     parts = mask.conjuncts()
-    banded = [p for p in parts if isinstance(p, (Causal, SlidingWindow))]
-    band = functools.reduce(lambda a, p: a & p.band(), banded, Band(None, None))
+    band = functools.reduce(lambda a, p: a & p.band(), [p for p in parts if isinstance(p, (Causal, SlidingWindow))],
+                            Band(None, None))
     others = [p for p in parts if not isinstance(p, (Causal, SlidingWindow))]
+    ints = torch.tensor([q_offset, kv_offset, -(band.left or 0), band.right or 0, Tq - 1, Tk - 1], device=device)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        q_pos = q_idx.clamp(max=Tq - 1) + offsets[0]
-        kv_pos = kv_idx.clamp(max=Tk - 1) + offsets[1]
-        keep = None
+        q_pos = torch.minimum(q_idx, ints[4]) + ints[0]
+        kv_pos = torch.minimum(kv_idx, ints[5]) + ints[1]
+        keep = q_pos == q_pos  # all True, in the shape of the indices
         if band.left is not None:
-            keep = kv_pos >= q_pos - band.left
+            keep = keep & (kv_pos - q_pos >= ints[2])
         if band.right is not None:
-            right = kv_pos <= q_pos + band.right
-            keep = right if keep is None else keep & right
+            keep = keep & (kv_pos - q_pos <= ints[3])
         for part in others:
-            kept = part.mask_mod(b if per_batch else b * 0, h if per_head else h * 0, q_pos, kv_pos,
-                                 q_offset=offsets[0], kv_offset=offsets[1])
-            keep = kept if keep is None else keep & kept
-        return keep if keep is not None else kv_pos >= kv_pos  # a band of (None, None): keep all
+            keep = keep & part.mask_mod(b if per_batch else b * 0, h if per_head else h * 0, q_pos, kv_pos,
+                                        q_offset=ints[0], kv_offset=ints[1])
+        return keep
 
     return mask_mod
 
