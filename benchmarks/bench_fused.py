@@ -134,7 +134,7 @@ def run_figures(args) -> dict:
         start = time.perf_counter()
         try:
             fwd("flex", q, k, v, m["window"])()  # compiles (first call), builds and caches the BlockMask
-        except RuntimeError as exc:  # torch's CPU Flex template fails to compile some shapes
+        except RuntimeError as exc:  # torch's CPU Flex template fails to compile some mask_mods
             entry["flex error"] = str(exc)[:300]
         else:
             entry["flex first call (compile + build) s"] = time.perf_counter() - start

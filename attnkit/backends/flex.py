@@ -35,7 +35,7 @@ _CPU_ALLOWED: ContextVar[bool] = ContextVar("attnkit_flex_cpu", default=False)
 @contextlib.contextmanager
 def allow_cpu() -> Iterator[None]:
     """Within the block, ``flex`` may run on the CPU (forward only). Opt-in because torch 2.13's
-    CPU Flex template compiles each mask kind for tens of seconds and fails to compile some shapes;
+    CPU Flex template compiles each mask kind for tens of seconds and fails to compile some mask_mods;
     without it the backend declines on CPU with that reason. A ContextVar, restored on exit."""
     token = _CPU_ALLOWED.set(True)
     try:
@@ -181,7 +181,7 @@ class Flex(Backend):
         if inp.device.type == "cpu":
             if not _CPU_ALLOWED.get():
                 yield ("on CPU only inside `with attnkit.backends.flex.allow_cpu():` (each mask kind compiles for tens "
-                       "of seconds, and torch's CPU Flex template fails to compile some shapes)")
+                       "of seconds, and torch's CPU Flex template fails to compile some mask_mods)")
             if inp.requires_grad:
                 yield "FlexAttention has no backward on CPU (inputs require grad)"
             if inp.return_lse:
@@ -217,7 +217,7 @@ class Flex(Backend):
         except Exception as exc:
             if not options.compile or "Inductor" not in type(exc).__name__:
                 raise
-            # torch 2.13's CPU Flex template fails to compile some shapes (C++ codegen errors):
+            # torch 2.13's CPU Flex template fails to compile some mask_mods (C++ codegen errors):
             # say so plainly instead of a page of generated C++.
             raise RuntimeError(
                 f"flex: torch.compile of flex_attention failed on {dev} for q {tuple(inp.q.shape)}, "
