@@ -205,7 +205,13 @@ class Native(Backend):
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: NativeOptions | None):
-        options = options or NativeOptions()
+        if options is None:
+            options = NativeOptions()
+            layout = None if inp.mask is None else inp.mask.block_layout()
+            if layout is not None and layout.block_size <= 256:
+                # Tiles aligned with the layout's blocks are exactly FULL or EMPTY (no per-element work).
+                side = layout.block_size * -(-32 // layout.block_size)
+                options = NativeOptions(side, side)
         plan = plan_for(inp, options)
         k, v = zero_dead_keys(inp.k, inp.v, inp.mask, inp.Tq, inp.q_offset, inp.kv_offset)
         q = inp.q
