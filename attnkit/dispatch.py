@@ -34,6 +34,11 @@ MATERIALIZE_LIMIT = 2**26
 # bf16, B=1, H=4, D=64 (window 256, BigBird blocks of 64) by `attnkit bench` on a 2-core CPU:
 # sliding_window wins from n = 2048, block_sparse from n = 4096 (docs/bench/report.md).
 STRUCTURED_MIN_SCORES = {"sliding_window": 2048**2, "block_sparse": 4096**2}
+# The fused C++ kernel (backends/native.py, when built) skips masked tiles without materializing
+# anything: measured faster than SDPA with a materialized mask from n = 512, forward and training
+# (Causal&KeyPadding, SlidingWindow(256); B=1, H=8, D=64, 2-core CPU). Tried after the structured
+# backends (not yet measured against them) and before SDPA and tiled.
+NATIVE_MIN_SCORES = 512**2
 
 
 class NoBackendError(ValueError):
@@ -47,7 +52,8 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
     2. When SDPA would have to materialize the mask (its ``dense_mask_elements`` hint is not 0):
        a structured sparse mask (a finite band, a BlockSparse layout) over at least
        STRUCTURED_MIN_SCORES[backend] scores per head goes to the backend that skips its
-       masked-out work (each declines, with a reason, masks it cannot use); and over
+       masked-out work (each declines, with a reason, masks it cannot use); from
+       NATIVE_MIN_SCORES the fused C++ kernel ``native`` (when it is built) comes next; and over
        MATERIALIZE_LIMIT mask elements ``tiled`` comes before SDPA: it evaluates the mask per tile
        (skipping EMPTY tiles) in O(Tq + Tk) memory.
     3. ``naive`` last: it runs everything (LSE, bias, dropout), but in O(Tq * Tk) memory.
@@ -67,6 +73,8 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
         return _order(("sdpa", "tiled"), registered)
     preferred = ("tiled", "sdpa") if dense > MATERIALIZE_LIMIT else ("sdpa", "tiled")
     scores = inp.Tq * inp.Tk
+    if scores >= NATIVE_MIN_SCORES:
+        preferred = ("native",) + preferred
     preferred = tuple(name for name, n in STRUCTURED_MIN_SCORES.items() if scores >= n) + preferred
     return _order(preferred, registered)
 

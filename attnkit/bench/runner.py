@@ -119,7 +119,9 @@ def _skip(case: Case, reason: str, group: str | None = None, **extra) -> dict:
 def run_sweep(config: BenchConfig, progress: Callable[[Iterable], Iterable] | None = None) -> dict:
     """Measure every case of ``config``; returns the JSON-ready results dict."""
     registry = list_backends()
-    names = list(config.backends) if config.backends is not None else list(registry) + ["auto"]
+    # Backends that compile on first use (flex: minutes per mask kind on a CPU) run only when named.
+    names = list(config.backends) if config.backends is not None else [
+        name for name, impl in registry.items() if not getattr(impl, "compiles", False)] + ["auto"]
     for name in names:
         if name != "auto" and name not in registry:
             raise ValueError(f"--backends: unknown backend {name!r}; expected 'auto' or some of {sorted(registry)}.")

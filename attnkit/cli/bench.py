@@ -105,7 +105,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     registry = list_backends()
     backends = args.backends
     if backends is None and args.calibrate:
-        backends = [name for name, impl in registry.items() if impl.exact]  # auto is verified after
+        # auto is verified after; backends that compile on first use (flex) are ranked only when named
+        backends = [name for name, impl in registry.items() if impl.exact and not getattr(impl, "compiles", False)]
     if not math.isfinite(args.memory_budget) or args.memory_budget <= 0:
         raise ValueError(f"--memory-budget: expected a finite number of GiB > 0, got {args.memory_budget!r}")
     return BenchConfig(

@@ -1,0 +1,222 @@
+"""A fused C++ attention kernel for the CPU (``attnkit/csrc/attention.cpp``), forward and backward.
+
+Equals ``naive`` (and ``tiled``, its pure-PyTorch twin): ``softmax(q kᵀ · scale, masked) v`` with
+FlashAttention's online softmax over (query tile × key tile), statistics in float32 (float64 for
+float64 inputs), computed in one pass per tile in C++ (``at::parallel_for`` over (batch, head,
+query tile), the CPU BLAS for the tile products, a vectorized exp). The backward pass recomputes
+each tile's probabilities from the saved log-sum-exp (flash style), parallel over (batch, key/value
+head), so training needs O(Tq + Tk) memory. GQA reads each key/value head in place (never repeated).
+
+The mask is read through its structure (:func:`attnkit.backends._tiles.tile_grid`): EMPTY tiles
+are skipped and FULL tiles run unmasked; PARTIAL tiles are masked per element in the kernel from
+the conjuncts' few integers or index vectors — band bounds (``Causal``, ``SlidingWindow``), key
+lengths (``KeyPadding``), key validity (``Padding``), document ids (``Document``), a block layout
+(``BlockSparse``) — and any other conjunct (``Dense``, ``Custom``, ``Or``, ...) from a byte keep
+tile per PARTIAL tile computed here with ``mask.evaluate``.
+
+float16/bfloat16 inputs run in float32 (their tiles upcast; the output is cast back). The
+extension is built by ``python -m attnkit.csrc.build`` (``make install``); without it the backend
+declines with the reason "native extension not built: ...".
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..csrc import build as csrc_build
+from ..inputs import AttentionInputs
+from ..masks import And, BlockSparse, Causal, Document, KeyPadding, Mask, Padding, SlidingWindow
+from ..registry import Backend, register_backend
+from ._tiles import PARTIAL, tile_grid, zero_dead_keys
+
+
+@dataclass(frozen=True)
+class NativeOptions:
+    """Tile sizes of the kernel (queries × keys per tile)."""
+
+    block_q: int = 128
+    block_k: int = 256
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 8 <= value <= 4096:
+                raise ValueError(f"NativeOptions({name}={value!r}): expected an int in 8..4096, e.g. {name}=128.")
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension():
+    """``(module, None)`` when the built extension loads, else ``(None, reason)``."""
+    path = csrc_build.library_path()
+    if not path.exists():
+        return None, f"native extension not built: run `python -m attnkit.csrc.build` (or `make install`); no {path.name}"
+    try:
+        stamp = json.loads(csrc_build.STAMP.read_text())
+    except (OSError, ValueError):
+        stamp = {}
+    if stamp.get("torch") != torch.__version__:
+        return None, (f"native extension not built for this torch: built against {stamp.get('torch')}, running "
+                      f"{torch.__version__}; rebuild with `python -m attnkit.csrc.build`")
+    try:
+        torch.ops.load_library(str(path))
+        return getattr(torch.ops, csrc_build.NAME), None
+    except (ImportError, OSError, RuntimeError) as exc:
+        return None, f"native extension not built: it fails to load ({exc})"
+
+
+_EMPTY_LONG = torch.empty(0, dtype=torch.long)
+_EMPTY_BOOL = torch.empty(0, dtype=torch.bool)
+_EMPTY_BYTE = torch.empty(0, dtype=torch.uint8)
+
+
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    """The kernel's mask arguments for one (mask, shape, offsets): built once, cached."""
+
+    args: tuple  # grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra
+    q_offset: int
+    kv_offset: int
+    block_q: int
+    block_k: int
+
+
+def _build_plan(mask: Mask | None, B: int, Tq: int, Tk: int, q_offset: int, kv_offset: int, bq: int, bk: int) -> _Plan:
+    grid = tile_grid(mask, Tq, Tk, q_offset, kv_offset, bq, bk)
+    left = right = None
+    lengths, valid, doc, layout, layout_bs, extras = None, None, None, None, 1, []
+    for part in () if mask is None else mask.conjuncts():
+        if isinstance(part, (Causal, SlidingWindow)):
+            band = part.band()
+            left = band.left if left is None else left if band.left is None else min(left, band.left)
+            right = band.right if right is None else right if band.right is None else min(right, band.right)
+        elif isinstance(part, KeyPadding):
+            n = part.lengths.expand(B) if part.lengths.numel() == 1 else part.lengths
+            lengths = n if lengths is None else torch.minimum(lengths, n)
+        elif isinstance(part, Padding):
+            valid = part.valid.cpu() if valid is None else valid & part.valid.cpu()
+        elif isinstance(part, Document) and doc is None:
+            doc = part.ids.cpu()
+        elif isinstance(part, BlockSparse) and layout is None:
+            layout, layout_bs = part.layout, part.block_size
+        else:
+            extras.append(part)
+    extra_index, extra = _EMPTY_LONG, _EMPTY_BYTE
+    if extras:
+        extra_index, extra = _keep_tiles(extras[0] if len(extras) == 1 else And(*extras), grid, Tq, Tk, q_offset,
+                                         kv_offset, bq, bk)
+    band = [int(left is not None), left or 0, int(right is not None), right or 0]
+    args = (grid, band, _or(lengths, _EMPTY_LONG), _or(valid, _EMPTY_BOOL), _or(doc, _EMPTY_LONG),
+            _or(layout, _EMPTY_BOOL), layout_bs, extra_index, extra)
+    return _Plan(tuple(a.contiguous() if isinstance(a, Tensor) else a for a in args), q_offset, kv_offset, bq, bk)
+
+
+def _or(x, default):
+    return default if x is None else x
+
+
+def _keep_tiles(mask: Mask, grid: Tensor, Tq, Tk, q_offset, kv_offset, bq, bk) -> tuple[Tensor, Tensor]:
+    """Byte keep tiles ``(n, Bx, Hx, bq, bk)`` of ``mask`` for the PARTIAL tiles of ``grid`` and
+    their index ``(nQ, nK)`` (-1 elsewhere)."""
+    rows, cols = torch.nonzero(grid == PARTIAL, as_tuple=True)
+    index = torch.full(grid.shape, -1, dtype=torch.long)
+    index[rows, cols] = torch.arange(rows.numel())
+    tiles = []
+    for r, c in zip(rows.tolist(), cols.tolist()):
+        q0, k0 = r * bq, c * bk
+        q1, k1 = min(q0 + bq, Tq), min(k0 + bk, Tk)
+        keep = mask.evaluate((q_offset + q0, q_offset + q1), (kv_offset + k0, kv_offset + k1),
+                             q_offset=q_offset, kv_offset=kv_offset).cpu()
+        tiles.append(torch.nn.functional.pad(keep.to(torch.uint8), (0, bk - (k1 - k0), 0, bq - (q1 - q0))))
+    if not tiles:
+        return index, torch.zeros((0, 1, 1, bq, bk), dtype=torch.uint8)
+    shape = torch.broadcast_shapes(*(t.shape for t in tiles))
+    return index, torch.stack([t.expand(shape) for t in tiles]).contiguous()
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 32
+
+
+def plan_for(inp: AttentionInputs, options: NativeOptions) -> _Plan:
+    """The cached plan for ``inp`` (a model's layers share one mask: built once per forward)."""
+    key = (inp.mask, inp.B, inp.Tq, inp.Tk, inp.q_offset, inp.kv_offset, options.block_q, options.block_k)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        plan = _PLANS[key] = _build_plan(inp.mask, inp.B, inp.Tq, inp.Tk, inp.q_offset, inp.kv_offset,
+                                         options.block_q, options.block_k)
+    return plan
+
+
+class _NativeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, plan):
+        ext, _ = load_extension()
+        out, lse = ext.forward(q, k, v, scale, plan.q_offset, plan.kv_offset, plan.block_q, plan.block_k, *plan.args)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.plan = scale, plan
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        # delta_i = sum_j p_ij dp_ij = rowsum(dout * out); the LSE's own gradient enters as -dlse.
+        dout = dout.contiguous()
+        delta = (dout * out).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse
+        ext, _ = load_extension()
+        dq, dk, dv = ext.backward(q, k, v, dout, lse, delta.contiguous(), ctx.scale, plan.q_offset, plan.kv_offset,
+                                  plan.block_q, plan.block_k, *plan.args)
+        return dq, dk, dv, None, None
+
+
+@register_backend
+class Native(Backend):
+    name = "native"
+    summary = "fused C++ online-softmax kernel (CPU): fwd+bwd, skips masked tiles, masks evaluated in the kernel"
+    devices = frozenset({"cpu"})
+    supports_lse = True
+    Options = NativeOptions
+
+    @classmethod
+    def available(cls) -> bool:
+        return load_extension()[0] is not None
+
+    @classmethod
+    def extra_reasons(cls, inp: AttentionInputs):
+        reason = load_extension()[1]
+        if reason:
+            yield reason
+
+    @classmethod
+    def describe(cls, inp: AttentionInputs) -> str:
+        mask = "no mask" if inp.mask is None else "tiles skipped or masked from the mask's structure"
+        cast = ", float32 tiles for %s inputs" % str(inp.dtype).removeprefix("torch.") if inp.dtype in (
+            torch.float16, torch.bfloat16) else ""
+        return f"fused C++ kernel with {mask}{cast}"
+
+    @classmethod
+    def forward(cls, inp: AttentionInputs, options: NativeOptions | None):
+        if options is None:
+            options = NativeOptions()
+            layout = None if inp.mask is None else inp.mask.block_layout()
+            if layout is not None and layout.block_size <= 256:
+                # Tiles aligned with the layout's blocks are exactly FULL or EMPTY (no per-element work).
+                side = layout.block_size * -(-32 // layout.block_size)
+                options = NativeOptions(side, side)
+        plan = plan_for(inp, options)
+        k, v = zero_dead_keys(inp.k, inp.v, inp.mask, inp.Tq, inp.q_offset, inp.kv_offset)
+        q = inp.q
+        if inp.dtype in (torch.float16, torch.bfloat16):
+            q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
+        out, lse = _NativeFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan)
+        out = out.to(inp.dtype)
+        return (out, lse) if inp.return_lse else out

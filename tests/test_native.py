@@ -1,0 +1,199 @@
+"""The native C++ kernel: every mask kind (positional from integers/index vectors, BlockSparse from
+its layout, the rest from keep tiles) against the float64 oracle, forward and backward; GQA, offsets,
+LSE and its gradient, fully masked rows, NaN poison; the tile grid it skips by; the not-built path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import Causal, Custom, Document, KeyPadding, Padding, SlidingWindow, longformer
+from attnkit.backends import _tiles, native
+from attnkit.masks import BlockSparse, BlockStatus, Dense
+
+from .reference import max_error, reference_attention
+
+BUILT = native.load_extension()[0] is not None
+needs_build = pytest.mark.skipif(not BUILT, reason=f"{native.load_extension()[1]}")
+pytestmark = pytest.mark.xdist_group("native")
+
+T = 150
+
+
+def _masks(B: int, H: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 4, (B, 2 * T), generator=g).sort(dim=1).values
+    return {
+        "Causal": Causal(),
+        "SlidingWindow": SlidingWindow(20, 3),
+        "KeyPadding": KeyPadding([T - 40, 9][:B]),
+        "Causal&KeyPadding1": Causal() & KeyPadding([T - 3]),  # one length for the whole batch
+        "Padding": Causal() & Padding(torch.rand(B, 2 * T, generator=g) < 0.7),
+        "Document": Causal() & Document(ids),
+        "BlockSparse-heads": BlockSparse(torch.rand(H, 10, 10, generator=g) < 0.4, 32),
+        "BigBird&Causal": BlockSparse.bigbird(10, 32, seed=1) & Causal(),
+        "Dense": Dense(torch.rand(B, 1, T, T, generator=g) < 0.5),
+        "Custom": Custom(lambda b, h, q, k: (q + k) % 4 != 0, name="mod4"),
+        "longformer": longformer(8, [0, 77]),
+        "Document&Custom&Window": Document(ids) & Custom(lambda b, h, q, k: k % 5 != 1) & SlidingWindow(30, 30),
+    }
+
+
+def _check(mask, *, B=2, Hq=4, Hkv=2, Tq=T, Tk=T, D=24, Dv=16, dtype=torch.float64, q_offset=None, kv_offset=0,
+           block=None, tol=1e-10):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, Hq, Tq, D, generator=g, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Hkv, Tk, D, generator=g, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Hkv, Tk, Dv, generator=g, dtype=dtype, requires_grad=True)
+    options = native.NativeOptions(*block) if block else None
+    kw = dict(mask=mask, q_offset=q_offset, kv_offset=kv_offset)
+    out, lse = attnkit.attention(q, k, v, backend="native", return_lse=True, options=options, **kw)
+    ref, ref_lse = reference_attention(q, k, v, **kw)
+    assert max_error(out.detach(), ref) < tol
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite) and max_error(lse.detach()[finite], ref_lse[finite]) < tol
+    do = torch.randn(out.shape, generator=g, dtype=dtype)
+    dl = torch.randn(lse.shape, generator=g, dtype=dtype)
+    loss = lambda o, l: (o * do).sum() + (torch.where(finite, l, 0) * dl).sum()  # noqa: E731
+    grads = torch.autograd.grad(loss(out, lse), (q, k, v))
+    ref_grads = torch.autograd.grad(loss(ref, ref_lse), (q, k, v))
+    for name, a, b in zip("qkv", grads, ref_grads):
+        assert torch.isfinite(a).all() and max_error(a, b) < tol * 10, f"d{name}"
+
+
+@needs_build
+@pytest.mark.parametrize("name", list(_masks(2, 4)))
+def test_every_mask_kind_matches_reference(name):
+    """Outputs, LSE, and gradients through both (GQA 4/2, Dv != D), small tiles so every tile
+    status (EMPTY, PARTIAL, FULL) occurs."""
+    _check(_masks(2, 4)[name], block=(32, 48))
+
+
+@needs_build
+@pytest.mark.parametrize("q_offset,kv_offset,Tq,Tk", [(None, 0, 40, T), (None, 0, T, 60), (100, 30, 37, 90), (5, 0, 1, 61)])
+def test_offsets_and_lengths(q_offset, kv_offset, Tq, Tk):
+    for mask in (Causal(), SlidingWindow(7, 0) & KeyPadding([80, 200]), Custom(lambda b, h, q, k: q - k != 2)):
+        _check(mask, Tq=Tq, Tk=Tk, q_offset=q_offset, kv_offset=kv_offset, block=(16, 32))
+
+
+@needs_build
+def test_float32_default_tiles_and_mqa():
+    _check(Causal() & Document(torch.arange(2 * 700) // 190), B=1, Hq=3, Hkv=1, Tq=700, Tk=700, D=64, Dv=64,
+           dtype=torch.float32, tol=2e-5)
+    _check(None, B=1, Hq=2, Hkv=1, Tq=333, Tk=513, dtype=torch.float32, tol=2e-5)
+
+
+@needs_build
+def test_gradcheck_float64_keep_tiles():
+    mask = Document(torch.tensor([0, 0, 0, 1, 1, 1, 1, 2])) & Custom(lambda b, h, q, k: k != 1)
+    qkv = [torch.randn(1, 2, 8, 5, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    fn = lambda q, k, v: attnkit.attention(q, k, v, mask=mask, backend="native", options=native.NativeOptions(8, 8))  # noqa: E731
+    assert torch.autograd.gradcheck(fn, tuple(qkv), eps=1e-6, atol=1e-6)
+
+
+@needs_build
+def test_nan_in_keys_no_query_sees_changes_nothing():
+    """Poison in the middle of the sequence: keys between two documents' windows that no query sees."""
+    ids = torch.tensor([0] * 40 + [1] * 40)
+    mask = Document(ids) & SlidingWindow(5, 0) & Custom(lambda b, h, q, k: (k < 30) | (k >= 45))
+    q, k, v = (torch.randn(1, 2, 80, 16) for _ in range(3))
+    clean = attnkit.attention(q, k, v, mask=mask, backend="native")
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 30:40], v2[:, :, 30:40] = float("nan"), float("inf")
+    k2, v2 = k2.requires_grad_(), v2.requires_grad_()
+    out = attnkit.attention(q, k2, v2, mask=mask, backend="native")
+    assert torch.allclose(out, clean, atol=1e-6, rtol=0)
+    out.sum().backward()
+    assert torch.isfinite(k2.grad).all() and torch.isfinite(v2.grad).all()
+
+
+@needs_build
+def test_fully_masked_rows_zero_lse_minus_inf():
+    mask = KeyPadding([0, 50]) & SlidingWindow(3, 0)
+    q = torch.randn(2, 2, 60, 8, requires_grad=True)
+    out, lse = attnkit.attention(q, q, q, mask=mask, backend="native", return_lse=True)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and (lse[0] == float("-inf")).all()
+    assert torch.isfinite(lse[1, :, :50]).all() and (out[1, :, 50:53] != 0).any()
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.equal(q.grad[0], torch.zeros_like(q.grad[0]))
+
+
+@needs_build
+def test_bfloat16_runs_in_float32_and_casts_back():
+    q, k, v = (torch.randn(1, 2, 100, 32).bfloat16() for _ in range(3))
+    out = attnkit.attention(q, k, v, mask=Causal(), backend="native")
+    ref, _ = reference_attention(q, k, v, mask=Causal())
+    assert out.dtype == torch.bfloat16 and max_error(out, ref) < 2e-2
+
+
+@needs_build
+def test_auto_prefers_native_only_where_measured():
+    big = torch.randn(1, 2, 1024, 16)
+    assert attnkit.explain(big, big, big, mask=SlidingWindow(64, 0)).chosen == "native"
+    assert attnkit.explain(big, big, big).chosen == "sdpa"  # no mask: SDPA's kernel is faster
+    small = torch.randn(1, 2, 64, 16)
+    assert attnkit.explain(small, small, small, mask=SlidingWindow(8, 0)).chosen != "native"
+
+
+GRID_MASKS = {
+    "Causal": Causal(), "Window": SlidingWindow(9, 4), "KeyPadding": KeyPadding([70, 33]),
+    "Padding": Padding(torch.arange(200)[None].expand(2, -1) % 7 != 0),
+    "Document": Document(torch.arange(200) // 45), "BigBird": BlockSparse.bigbird(13, 16, seed=2),
+    "Or": SlidingWindow(3, 0) | Document(torch.arange(200) // 60),
+}
+
+
+@pytest.mark.parametrize("name", list(GRID_MASKS))
+@pytest.mark.parametrize("q_offset,Tq,Tk", [(0, 100, 100), (30, 70, 100), (0, 100, 77)])
+def test_tile_grid_agrees_with_evaluation(name, q_offset, Tq, Tk):
+    """FULL tiles keep everything, EMPTY tiles nothing, and for positional masks the analytic grid
+    is exact (PARTIAL only where the tile really is mixed)."""
+    mask = GRID_MASKS[name]
+    grid = _tiles.tile_grid(mask, Tq, Tk, q_offset, 0, 16, 24)
+    keep = mask.materialize(Tq, Tk, q_offset=q_offset).any(0).any(0)  # (Tq, Tk): kept in some batch row or head
+    every = mask.materialize(Tq, Tk, q_offset=q_offset).all(0).all(0)
+    for i in range(grid.shape[0]):
+        for j in range(grid.shape[1]):
+            tile_any = keep[16 * i : 16 * i + 16, 24 * j : 24 * j + 24].any()
+            tile_all = every[16 * i : 16 * i + 16, 24 * j : 24 * j + 24].all()
+            status = int(grid[i, j])
+            assert status != BlockStatus.EMPTY.value or not tile_any
+            assert status != BlockStatus.FULL.value or tile_all
+            if name in ("Causal", "Window", "KeyPadding", "Padding"):
+                expected = BlockStatus.EMPTY if not tile_any else BlockStatus.FULL if tile_all else BlockStatus.PARTIAL
+                assert status == expected.value
+
+
+def test_tile_grid_is_analytic_for_positional_masks(monkeypatch):
+    """Building the grid of positional masks never evaluates the mask element by element."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("evaluated the mask")
+
+    for cls in (Causal, SlidingWindow, KeyPadding, Document):
+        monkeypatch.setattr(cls, "mask_mod", refuse)
+    mask = Causal() & SlidingWindow(256, 0) & KeyPadding([8000]) & Document(torch.arange(8192) // 1024)
+    grid = _tiles.tile_grid(mask, 8192, 8192, 0, 0, 128, 128)
+    assert grid.shape == (64, 64) and int(grid[63, 0]) == BlockStatus.EMPTY.value
+
+
+def test_not_built_declines_with_reason(monkeypatch, tmp_path):
+    from attnkit.csrc import build
+
+    monkeypatch.setattr(build, "BUILD_DIR", tmp_path)
+    monkeypatch.setattr(build, "STAMP", tmp_path / "stamp.json")
+    native.load_extension.cache_clear()
+    try:
+        q = torch.randn(1, 1, 4, 8)
+        reasons = attnkit.explain(q, q, q, backend="native").reasons["native"]
+        assert any(r.startswith("native extension not built") for r in reasons)
+        assert "native" not in attnkit.list_backends() or not attnkit.get_backend("native").available()
+    finally:
+        monkeypatch.undo()
+        native.load_extension.cache_clear()
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError, match="block_q"):
+        native.NativeOptions(block_q=0)
