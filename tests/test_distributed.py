@@ -1,0 +1,178 @@
+"""Run a function on N CPU processes joined by gloo, with bounded time (spawned, free port)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args, pg_timeout, results):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        try:
+            results.put((rank, "ok", fn(rank, world, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # report every failure to the parent, which decides
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_group(world: int, fn, *args, pg_timeout: float = 30.0, join_timeout: float = 90.0) -> dict[int, tuple]:
+    """``{rank: ("ok", result) | ("error", text)}`` from ``fn(rank, world, *args)`` on ``world``
+    spawned processes; processes still alive after ``join_timeout`` seconds are killed and
+    reported as errors, so a hang fails the test instead of blocking the suite."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, pg_timeout, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, tuple] = {}
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=join_timeout)
+    while len(out) < world:
+        left = (deadline - datetime.datetime.now()).total_seconds()
+        if left <= 0:
+            break
+        try:
+            rank, status, value = results.get(timeout=left)
+        except queue.Empty:
+            break
+        out[rank] = (status, value)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for r in range(world):
+        out.setdefault(r, ("error", f"rank {r} did not report within {join_timeout} s"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Equality with single-process attention(): every case runs inside one spawned group per world
+# size, so the processes start once; each rank checks its own slice and reports the errors.
+
+from attnkit import Causal, Document, KeyPadding, Padding, SlidingWindow, attention  # noqa: E402
+from attnkit.distributed import SequenceLayout, context_parallel_attention, explain_context_parallel  # noqa: E402
+
+
+def _case_inputs(seed, B, Hq, Hkv, T, D, dtype):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, T, D, generator=g, dtype=dtype) for h in (Hq, Hkv, Hkv))
+    w = torch.randn(B, Hq, T, D, generator=g, dtype=dtype)  # loss weights on out
+    u = torch.randn(B, Hq, T, generator=g, dtype=torch.float64)  # loss weights on the (finite) lse
+    return q, k, v, w, u
+
+
+def _loss(out, lse, w, u):
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return (out * w).sum() + (finite.double() * u).sum()
+
+
+def _cases(world):
+    T = 24 if world == 2 else 40
+    ids = torch.tensor([0] * 7 + [1] * (T - 12) + [2] * 5)
+    valid = torch.ones(2, T, dtype=torch.bool)
+    valid[1, : T // 2] = False  # left padding
+    keep = torch.rand(T, T, generator=torch.Generator().manual_seed(3)) > 0.6
+    uneven = [5, T - 5] if world == 2 else [3, 11, T - 20, 6]
+    zig = SequenceLayout.zigzag(T, world)
+    return {
+        "dense": dict(mask=None),
+        "causal": dict(mask=Causal()),
+        "causal-zigzag": dict(mask=Causal(), layout=zig),
+        "causal-zigzag-gqa-f32": dict(mask=Causal(), layout=zig, Hq=4, Hkv=2, dtype=torch.float32),
+        "window": dict(mask=SlidingWindow(3, 0)),
+        "window-zigzag": dict(mask=SlidingWindow(2, 1), layout=zig),
+        "document-causal": dict(mask=Document(ids) & Causal()),
+        "padding-causal-fully-masked": dict(mask=Causal() & Padding(valid), B=2),
+        "keypadding-empty-row": dict(mask=KeyPadding([T, 0]), B=2),
+        "bool-tensor": dict(mask=keep),
+        "uneven": dict(mask=Causal(), layout=SequenceLayout.contiguous(uneven)),
+        "uneven-implicit": dict(mask=SlidingWindow(4, 0), lengths=uneven),
+        "gqa-mqa": dict(mask=Causal(), Hq=4, Hkv=1),
+        "ulysses": dict(mask=Causal(), Hq=4, Hkv=4 if world == 4 else 2, strategy="ulysses"),
+        "ulysses-zigzag-document": dict(mask=Document(ids) & Causal(), layout=zig, Hq=4, Hkv=world,
+                                        strategy="ulysses"),
+        "auto-falls-back-to-ring": dict(mask=Causal(), Hq=3, Hkv=3, strategy="auto"),
+    }
+
+
+def _equality_job(rank, world):
+    torch.set_num_threads(1)
+    report = {}
+    for seed, (name, case) in enumerate(_cases(world).items()):
+        B, Hq, Hkv = case.get("B", 1), case.get("Hq", 2), case.get("Hkv", 2)
+        dtype = case.get("dtype", torch.float64)
+        T = 24 if world == 2 else 40
+        q, k, v, w, u = _case_inputs(seed, B, Hq, Hkv, T, 8, dtype)
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = attention(*ref_in, mask=case["mask"], backend="naive", return_lse=True)
+        ref_grads = torch.autograd.grad(_loss(ref_out, ref_lse, w, u), ref_in)
+        layout = case.get("layout")
+        shard_layout = layout or SequenceLayout.contiguous(case.get("lengths", [T // world] * world))
+        local = [shard_layout.shard(t, rank).clone().requires_grad_() for t in (q, k, v)]
+        kwargs = dict(mask=case["mask"], layout=layout, strategy=case.get("strategy", "ring"))
+        out, lse = context_parallel_attention(*local, return_lse=True, **kwargs)
+        grads = torch.autograd.grad(_loss(out, lse, shard_layout.shard(w, rank), shard_layout.shard(u, rank)), local)
+        lse_ref = shard_layout.shard(ref_lse, rank)
+        report[name] = {
+            "out": float((out - shard_layout.shard(ref_out, rank)).abs().max()),
+            "lse_inf_match": bool(torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))),
+            "lse": float((torch.where(torch.isfinite(lse), lse, 0) - torch.where(torch.isfinite(lse_ref), lse_ref, 0))
+                         .abs().max()),
+            "grads": [float((g - shard_layout.shard(r, rank)).abs().max()) for g, r in zip(grads, ref_grads)],
+            "finite": all(bool(torch.isfinite(g).all()) for g in grads) and bool(torch.isfinite(out).all()),
+            "dtype": str(out.dtype),
+            "plan": explain_context_parallel(*local, mask=case["mask"], layout=layout,
+                                             strategy=case.get("strategy", "ring")),
+        }
+    return report
+
+
+def _check_equality(world):
+    results = run_group(world, _equality_job, join_timeout=150)
+    for rank, (status, value) in results.items():
+        assert status == "ok", f"rank {rank}: {value}"
+    for rank, (_, report) in results.items():
+        assert set(report) == set(_cases(world))
+        for name, r in report.items():
+            tol = 2e-5 if "f32" in name else 1e-10
+            where = f"{name} on rank {rank} of {world}: {r}"
+            assert r["out"] <= tol and r["lse"] <= tol and max(r["grads"]) <= 10 * tol, where
+            assert r["lse_inf_match"] and r["finite"], where
+    return {rank: report for rank, (_, report) in results.items()}
+
+
+def test_two_ranks_equal_single_process():
+    reports = _check_equality(2)
+    plan = reports[0]["auto-falls-back-to-ring"]["plan"]
+    assert "ring" in plan and "Hq=3" in plan  # the fallback says why
+    assert "ulysses" in reports[0]["ulysses"]["plan"]
+
+
+def test_four_ranks_equal_single_process_and_skip_empty_pairs():
+    reports = _check_equality(4)
+    # a causal window of 3 over contiguous slices of 10 needs only the neighbour's block: 2 of 4 ring steps
+    plan = reports[2]["window"]["plan"]
+    assert "2 of 4 ring step(s)" in plan and "skips 2 empty" in plan, plan
+    # zigzag balances causal work: every rank computes the same number of non-empty shard pairs
+    counts = {r: reports[r]["causal-zigzag"]["plan"].split("computes ")[1].split(" ")[0] for r in reports}
+    assert len(set(counts.values())) == 1, counts
