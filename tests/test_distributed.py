@@ -1,4 +1,7 @@
-"""Run a function on N CPU processes joined by gloo, with bounded time (spawned, free port)."""
+"""Context parallelism on CPU with gloo: 2 and 4 processes against single-process ``attention()``.
+
+Processes start from a forkserver, join over a free port with a process-group timeout, and are
+killed after a join timeout, so a hang fails a test instead of blocking the suite."""
 
 from __future__ import annotations
 
@@ -33,11 +36,20 @@ def _entry(rank, world, port, fn, args, pg_timeout, results):
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
+def _context():
+    # forkserver: children start clean like spawn (no threads or state inherited from pytest), but
+    # are forked from one server that imported torch and attnkit once, instead of each child
+    # importing them again (seconds per process on a busy machine).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
 def run_group(world: int, fn, *args, pg_timeout: float = 30.0, join_timeout: float = 90.0) -> dict[int, tuple]:
     """``{rank: ("ok", result) | ("error", text)}`` from ``fn(rank, world, *args)`` on ``world``
     spawned processes; processes still alive after ``join_timeout`` seconds are killed and
     reported as errors, so a hang fails the test instead of blocking the suite."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, pg_timeout, results), daemon=True)
@@ -176,3 +188,35 @@ def test_four_ranks_equal_single_process_and_skip_empty_pairs():
     # zigzag balances causal work: every rank computes the same number of non-empty shard pairs
     counts = {r: reports[r]["causal-zigzag"]["plan"].split("computes ")[1].split(" ")[0] for r in reports}
     assert len(set(counts.values())) == 1, counts
+
+
+def _failure_job(rank, world):
+    torch.set_num_threads(1)
+    seen = {}
+    q = k = v = torch.randn(1, 2, 6, 8)
+    bad_k = torch.randn(1, 2, 6, 5) if rank == 1 else k  # rank 1 alone gets a wrong head dim
+    try:
+        context_parallel_attention(q, bad_k, v, mask=Causal())
+        seen["bad_input"] = "returned"
+    except ValueError as exc:
+        seen["bad_input"] = str(exc)
+    if rank == 1:
+        return seen  # rank 1 stops taking part: rank 0's next call must fail, not hang
+    t0 = datetime.datetime.now()
+    try:
+        context_parallel_attention(q, k, v, mask=Causal())
+        seen["missing_rank"] = "returned"
+    except Exception as exc:  # gloo reports the timeout or the closed connection
+        seen["missing_rank"] = type(exc).__name__
+    seen["waited_s"] = (datetime.datetime.now() - t0).total_seconds()
+    return seen
+
+
+def test_a_failing_rank_raises_on_every_rank():
+    results = run_group(2, _failure_job, pg_timeout=4.0, join_timeout=60)
+    for rank, (status, value) in results.items():
+        assert status == "ok", f"rank {rank}: {value}"
+    assert "head dim" in results[1][1]["bad_input"]  # the rank with the bad input names the problem
+    assert "rank(s) [1] rejected" in results[0][1]["bad_input"]  # the others say which rank failed
+    assert results[0][1]["missing_rank"] != "returned"
+    assert results[0][1]["waited_s"] < 30

@@ -64,6 +64,8 @@ class TrainConfig:
     distill_alpha: float = field(default=0.5, metadata={"help": "weight of the KL term in distillation"})
     distill_temperature: float = field(default=2.0, metadata={"help": "softmax temperature of distillation"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    context_parallel: int = field(default=1, metadata={"help": "split each sequence across this many torchrun "
+                                                               "processes (attnkit.distributed; 1 = off)"})
 
     def __post_init__(self):
         if self.precision not in ("fp32", "bf16"):
@@ -225,6 +227,10 @@ def train(cfg: TrainConfig, model_config=None, *, stop_at: int | None = None) ->
     ``model_config`` is a ``TransformerConfig`` (``cfg.model == "gpt"``) or ``LSTMConfig``; its
     vocabulary size is set from the data. ``stop_at`` ends the run early after that step, saving
     a checkpoint as an interruption would (the tests use it to check exact resume)."""
+    if cfg.context_parallel > 1:  # one sequence split across processes: its own loop
+        from ..distributed.training import train_context_parallel
+
+        return train_context_parallel(cfg, model_config)
     ctx = setup_distributed(cfg.device)
     try:
         return _train(cfg, model_config, ctx, stop_at)
