@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Ring", "all_to_all_heads_to_seq", "all_to_all_seq_to_heads", "gather_descriptors"]
+__all__ = ["Ring", "WAIT_LABEL", "wait_all", "all_to_all_heads_to_seq", "all_to_all_seq_to_heads", "gather_descriptors"]
 
 
 class Ring:
@@ -51,9 +51,15 @@ class Ring:
         return buf, [self.send(t, 1, tag), self.recv(buf, -1, tag)]
 
 
+#: Profiler label of the time spent blocked on transfers (benchmarks/bench_context_parallel.py sums it).
+WAIT_LABEL = "context_parallel.wait"
+
+
 def wait_all(requests) -> None:
-    for r in requests:
-        r.wait()
+    """Block until every request completes (labelled for the profiler)."""
+    with torch.profiler.record_function(WAIT_LABEL):
+        for r in requests:
+            r.wait()
 
 
 def gather_descriptors(ring: Ring, values: list[int]) -> list[list[int]]:
@@ -65,7 +71,8 @@ def gather_descriptors(ring: Ring, values: list[int]) -> list[list[int]]:
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     mine = mine.to(device)
     out = [torch.empty_like(mine) for _ in range(ring.world)]
-    dist.all_gather(out, mine, group=ring.group)
+    with torch.profiler.record_function(WAIT_LABEL):
+        dist.all_gather(out, mine, group=ring.group)
     return [t.tolist() for t in out]
 
 
@@ -78,7 +85,9 @@ def _heads_to_seq(ring: Ring, x: Tensor, lengths: list[int]) -> Tensor:
     send = x.reshape(B, P, h, T, E).transpose(0, 1).contiguous()  # (P, B, h, T, E): chunk j goes to rank j
     recv = x.new_empty(sum(B * h * n * E for n in lengths))
     # all_to_all_single(output, input, output_split_sizes, input_split_sizes)
-    dist.all_to_all_single(recv, send.reshape(-1), [B * h * n * E for n in lengths], [B * h * T * E] * P, group=ring.group)
+    with torch.profiler.record_function(WAIT_LABEL):
+        dist.all_to_all_single(recv, send.reshape(-1), [B * h * n * E for n in lengths], [B * h * T * E] * P,
+                               group=ring.group)
     chunks = recv.split([B * h * n * E for n in lengths])
     return torch.cat([c.view(B, h, n, E) for c, n in zip(chunks, lengths)], dim=2)
 
@@ -90,7 +99,8 @@ def _seq_to_heads(ring: Ring, x: Tensor, lengths: list[int]) -> Tensor:
     T = lengths[ring.rank]
     send = torch.cat([c.reshape(-1) for c in x.split(lengths, dim=2)])
     recv = x.new_empty(P * B * h * T * E)
-    dist.all_to_all_single(recv, send, [B * h * T * E] * P, [B * h * n * E for n in lengths], group=ring.group)
+    with torch.profiler.record_function(WAIT_LABEL):
+        dist.all_to_all_single(recv, send, [B * h * T * E] * P, [B * h * n * E for n in lengths], group=ring.group)
     return recv.view(P, B, h, T, E).transpose(0, 1).reshape(B, P * h, T, E)  # (B, H, T, E)
 
 

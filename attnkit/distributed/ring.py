@@ -188,7 +188,7 @@ class _RingAttention(torch.autograd.Function):
             for p in plan.pairs[step]:
                 _pair_backward(plan, p, qf, kb, vb, do, lse, delta, dq, dk, dv)
             if step > 0:
-                recv_acc.wait()
+                wait_all([recv_acc])
                 dkv += incoming
             if plan.steps > 1:  # pass the accumulator on; after the last step it goes home
                 to = 1 if step < last else -last
@@ -199,7 +199,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         if plan.steps > 1:
             mine = _block_like(dkv, plan.block_lengths[0])
-            ring.recv(mine, last, tag=2 * plan.steps + 1).wait()
+            wait_all([ring.recv(mine, last, tag=2 * plan.steps + 1)])
             dkv = mine
         wait_all(sends)
         return dq.to(q.dtype), dkv[..., :D].to(k.dtype), dkv[..., D:].to(v.dtype), None
