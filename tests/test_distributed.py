@@ -273,3 +273,26 @@ def test_context_parallel_flag_needs_torchrun(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="torchrun --nproc_per_node=2"):
         main(["train", "--context-parallel", "2", "--out", str(tmp_path), "--steps", "1", "--no-progress"])
+
+
+def _readme_job(rank, world):
+    import contextlib
+    import io
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Context parallelism", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README.md", "exec"), {})
+    return printed.getvalue()
+
+
+def test_readme_example_runs_on_two_ranks():
+    results = run_group(2, _readme_job)
+    for rank, (status, value) in results.items():
+        assert status == "ok", f"rank {rank}: {value}"
+        assert f"rank {rank}: matches one process: True" in value
+    assert "ring (requested)" in results[0][1]
