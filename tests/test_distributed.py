@@ -112,7 +112,7 @@ def _cases(world):
     keep = torch.rand(T, T, generator=torch.Generator().manual_seed(3)) > 0.6
     uneven = [5, T - 5] if world == 2 else [3, 11, T - 20, 6]
     zig = SequenceLayout.zigzag(T, world)
-    return {
+    cases = {
         "dense": dict(mask=None),
         "causal": dict(mask=Causal()),
         "causal-zigzag": dict(mask=Causal(), layout=zig),
@@ -131,6 +131,11 @@ def _cases(world):
                                         strategy="ulysses"),
         "auto-falls-back-to-ring": dict(mask=Causal(), Hq=3, Hkv=3, strategy="auto"),
     }
+    if world == 4:  # the cases where more ranks change the plan (layouts, skipped steps, exchanges)
+        keep = ("causal-zigzag", "causal-zigzag-gqa-f32", "window", "window-zigzag", "document-causal",
+                "padding-causal-fully-masked", "uneven", "uneven-implicit", "ulysses", "ulysses-zigzag-document")
+        cases = {name: cases[name] for name in keep}
+    return cases
 
 
 def _equality_job(rank, world):
@@ -150,6 +155,7 @@ def _equality_job(rank, world):
         kwargs = dict(mask=case["mask"], layout=layout, strategy=case.get("strategy", "ring"))
         out, lse = context_parallel_attention(*local, return_lse=True, **kwargs)
         grads = torch.autograd.grad(_loss(out, lse, shard_layout.shard(w, rank), shard_layout.shard(u, rank)), local)
+        out, lse, ref_out, ref_lse = (t.detach() for t in (out, lse, ref_out, ref_lse))
         lse_ref = shard_layout.shard(ref_lse, rank)
         report[name] = {
             "out": float((out - shard_layout.shard(ref_out, rank)).abs().max()),

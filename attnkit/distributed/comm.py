@@ -46,9 +46,12 @@ class Ring:
 
     def shift(self, t: Tensor, like: Tensor, tag: int) -> tuple[Tensor, list]:
         """Start sending ``t`` to ``next`` and receiving a tensor shaped like ``like`` from
-        ``prev``; returns the receive buffer and the requests to wait on."""
+        ``prev``; returns the receive buffer and the requests to wait on. The pair is one
+        batched operation, which NCCL needs so that a ring of blocking sends cannot deadlock."""
         buf = torch.empty_like(like)
-        return buf, [self.send(t, 1, tag), self.recv(buf, -1, tag)]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.peer(1), self.group, tag),
+               dist.P2POp(dist.irecv, buf, self.peer(-1), self.group, tag)]
+        return buf, dist.batch_isend_irecv(ops)
 
 
 #: Profiler label of the time spent blocked on transfers (benchmarks/bench_context_parallel.py sums it).

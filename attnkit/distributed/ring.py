@@ -176,12 +176,14 @@ class _RingAttention(torch.autograd.Function):
         last = plan.steps - 1
         incoming, sends, sent = None, [], []
         for step in range(plan.steps):
-            pending = []
-            if step < last:
-                nxt, pending = ring.shift(kv, _block_like(kv, plan.block_lengths[step + 1]), tag=2 * step)
+            # Per step, the same order on every rank (NCCL matches transfers between two ranks in
+            # posting order): receive this block's accumulator, shift K/V, compute, send it on.
             if step > 0:  # the accumulator of this block, from the ranks that held it before us
                 incoming = _block_like(kv, plan.block_lengths[step]).to(acc)
                 recv_acc = ring.recv(incoming, -1, tag=2 * step + 1)
+            pending = []
+            if step < last:
+                nxt, pending = ring.shift(kv, _block_like(kv, plan.block_lengths[step + 1]), tag=2 * step)
             dkv = torch.zeros_like(kv, dtype=acc)
             kb, vb = kv[..., :D], kv[..., D:]
             dk, dv = dkv[..., :D], dkv[..., D:]
