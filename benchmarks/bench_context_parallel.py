@@ -13,7 +13,11 @@ Three figures, all for causal attention forward + backward through
    for P = 1, 2, 4, interleaved in rounds inside one group of 4 processes (P = 1 runs on rank 0,
    P = 2 on ranks 0-1, while the others wait at a barrier); ratios against P = 1 of the same run.
    With 2 cores, P = 4 oversubscribes them: read this as a correctness-and-overlap figure.
-3. **waiting** — the fraction of each rank's fwd+bwd wall time blocked on communication (the
+3. **training memory** — peak resident memory of ``python -m attnkit train`` (one process) and
+   of each rank of ``torchrun --nproc_per_node=4 -m attnkit train --context-parallel 4`` for one
+   step at ``--train-len`` (a 2-layer GPT), so a memory budget between the two is one that only
+   the 4-process run fits.
+4. **waiting** — the fraction of each rank's fwd+bwd wall time blocked on communication (the
    profiler label ``context_parallel.wait``: ring transfers not hidden by compute, plus the
    per-call plan exchange), for P = 2 and 4.
 
@@ -28,7 +32,9 @@ import datetime
 import json
 import os
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -136,16 +142,54 @@ def run_group(world: int, fn, *args) -> dict:
     return out
 
 
+_TRAIN_FLAGS = ["--steps", "1", "--batch-size", "1", "--warmup-steps", "1", "--eval-every", "0", "--eval-batches",
+                "1", "--sample-tokens", "0", "--no-progress", "--device", "cpu", "--data", "stdlib",
+                "--embed-dim", "128", "--num-layers", "2", "--num-heads", "4"]
+
+# Runs the training command in this interpreter and reports its own peak RSS (one fresh process).
+_SINGLE = """import resource, runpy, sys
+sys.argv = ["attnkit"] + sys.argv[1:]
+try:
+    runpy.run_module("attnkit", run_name="__main__")
+except SystemExit as exc:
+    if exc.code:
+        raise
+print("PEAK_RSS_MB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+def _training_memory(seq_len: int) -> dict:
+    """Peak RSS (MiB) of one training step at ``seq_len``: one process vs each of 4 ranks."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    flags = _TRAIN_FLAGS + ["--seq-len", str(seq_len)]
+    with tempfile.TemporaryDirectory() as tmp:
+        one = subprocess.run([sys.executable, "-c", _SINGLE, "train", *flags, "--out", os.path.join(tmp, "one")],
+                             capture_output=True, text=True, env=env, timeout=1200)
+        if one.returncode:
+            raise SystemExit(f"single-process training failed:\n{one.stderr[-3000:]}")
+        single = float(one.stdout.rsplit("PEAK_RSS_MB", 1)[1].split()[0])
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
+               "--master_port", str(_free_port()), "-m", "attnkit", "train", *flags, "--context-parallel", "4",
+               "--out", os.path.join(tmp, "cp")]
+        four = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+        if four.returncode:
+            raise SystemExit(f"context-parallel training failed:\n{four.stderr[-3000:]}")
+        with open(os.path.join(tmp, "cp", "results.json")) as f:
+            per_rank = json.load(f)["peak_rss_mb_per_rank"]
+    return {"seq_len": seq_len, "one_process_peak_mb": single, "context_parallel_4_peak_mb_per_rank": per_rank}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mem-len", type=int, default=32768, help="sequence length of the memory figure")
     parser.add_argument("--time-len", type=int, default=8192, help="fixed total length of the timing figure")
+    parser.add_argument("--train-len", type=int, default=16384, help="sequence length of the training-memory figure")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (best is kept)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--out", default="bench-results/context_parallel.json")
     args = parser.parse_args(argv)
     if args.quick:
-        args.mem_len, args.time_len, args.rounds = 1024, 512, 1
+        args.mem_len, args.time_len, args.rounds, args.train_len = 1024, 512, 1, 512
     load_before = os.getloadavg()
     memory = {}
     for p in (1, 2, 4):
@@ -153,6 +197,7 @@ def main(argv=None) -> int:
         memory[p] = {"peak_above_baseline_mb_per_rank": [per_rank[r]["peak_above_baseline_mb"] for r in range(p)],
                      "seconds": max(per_rank[r]["seconds"] for r in range(p))}
     timing = run_group(4, _time_job, args.time_len, args.rounds)
+    training = _training_memory(args.train_len)
     seconds = timing[0]["seconds"]
     waiting = {p: [timing[r]["waiting_fraction"][p] for r in range(p)] for p in (2, 4)}
     base_mem = max(memory[1]["peak_above_baseline_mb_per_rank"])
@@ -167,6 +212,7 @@ def main(argv=None) -> int:
         "time": {str(p): {"seconds": s, "seconds_per_token": s / args.time_len, "ratio_vs_1": s / seconds[1]}
                  for p, s in seconds.items()},
         "waiting_fraction_per_rank": {str(p): w for p, w in waiting.items()},
+        "training_memory": training,
     }
     print(f"causal fwd+bwd, H={HEADS}, D={HEAD_DIM}; load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"{'P':>2} | {'peak MiB/rank (max)':>19} | {'vs P=1':>6} | {'ideal':>5} | "
@@ -176,6 +222,8 @@ def main(argv=None) -> int:
         w = ", ".join(f"{x:.0%}" for x in waiting.get(p, [])) or "-"
         print(f"{p:>2} | {max(m['peak_above_baseline_mb_per_rank']):>19.1f} | {m['ratio_vs_1']:>6.2f} | "
               f"{m['ideal_ratio']:>5.2f} | {t['seconds_per_token'] * 1e6:>9.2f} | {t['ratio_vs_1']:>11.2f} | {w}")
+    print(f"training one step at seq-len {training['seq_len']}: one process {training['one_process_peak_mb']:.0f} MiB; "
+          f"4 context-parallel ranks {max(training['context_parallel_4_peak_mb_per_rank']):.0f} MiB each (peak RSS)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -126,7 +126,7 @@ def _pairs(layout: SequenceLayout, rank: int, src: int, mask: Mask | None) -> tu
     return pairs, skipped
 
 
-def _check_local(q, k, v, mask, dropout_p) -> tuple[AttentionInputs, Mask | None]:
+def _check_local(q, k, v, dropout_p) -> AttentionInputs:
     inp = AttentionInputs.create(q, k, v, mask=None, q_offset=0, kv_offset=0)  # shapes, dtypes, devices
     if q.shape[2] != k.shape[2]:
         raise ValueError(
@@ -135,7 +135,7 @@ def _check_local(q, k, v, mask, dropout_p) -> tuple[AttentionInputs, Mask | None
         )
     if dropout_p:
         raise ValueError(f"dropout_p: context_parallel_attention computes exact attention; got {dropout_p}. Fix: pass 0.0.")
-    return inp, mask
+    return inp
 
 
 def context_parallel_attention(
@@ -197,7 +197,7 @@ def _plan(q, k, v, mask, group, layout, strategy, scale, dropout_p):
     ring = Ring(group)
     error = None
     try:
-        inp, _ = _check_local(q, k, v, mask, dropout_p)
+        inp = _check_local(q, k, v, dropout_p)
         B, Hq, Hkv, T = inp.B, inp.Hq, inp.Hkv, inp.Tq
         if layout is not None:
             if not isinstance(layout, SequenceLayout):
@@ -282,4 +282,3 @@ def _ulysses(q, k, v, plan: ContextParallelPlan, ring: Ring, mask, scale, backen
     out = all_to_all_seq_to_heads(ring, out.index_select(2, back), lengths)
     lse = all_to_all_seq_to_heads(ring, lse.index_select(2, back).unsqueeze(-1), lengths).squeeze(-1)
     return out, lse
-

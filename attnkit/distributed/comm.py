@@ -44,11 +44,10 @@ class Ring:
     def recv(self, buf: Tensor, offset: int, tag: int):
         return dist.irecv(buf, self.peer(offset), group=self.group, tag=tag)
 
-    def shift(self, t: Tensor, like: Tensor, tag: int) -> tuple[Tensor, list]:
-        """Start sending ``t`` to ``next`` and receiving a tensor shaped like ``like`` from
-        ``prev``; returns the receive buffer and the requests to wait on. The pair is one
-        batched operation, which NCCL needs so that a ring of blocking sends cannot deadlock."""
-        buf = torch.empty_like(like)
+    def shift(self, t: Tensor, buf: Tensor, tag: int) -> tuple[Tensor, list]:
+        """Start sending ``t`` to ``next`` and receiving into ``buf`` from ``prev``; returns
+        ``buf`` and the requests to wait on. The pair is one batched operation, which NCCL needs
+        so that a ring of blocking sends cannot deadlock."""
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.peer(1), self.group, tag),
                dist.P2POp(dist.irecv, buf, self.peer(-1), self.group, tag)]
         return buf, dist.batch_isend_irecv(ops)

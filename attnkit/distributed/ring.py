@@ -130,11 +130,14 @@ def _pair_backward(plan: RingPlan, p: BlockPair, q, k, v, do, lse, delta, dq, dk
     dv[:, :, k0:k1] += dv_b.squeeze(2)
 
 
-def _block_like(t: Tensor, length: int) -> Tensor:
-    """An uninitialized ``t``-shaped tensor with ``length`` positions (dim 2)."""
-    shape = list(t.shape)
-    shape[2] = length
-    return t.new_empty(shape)
+def _pack(k: Tensor, v: Tensor) -> Tensor:
+    """K and V in one flat buffer: one message per transfer, and contiguous views on arrival."""
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def _unpack(flat: Tensor, B: int, H: int, n: int, D: int, Dv: int) -> tuple[Tensor, Tensor]:
+    """``(k (B, H, n, D), v (B, H, n, Dv))`` views of a :func:`_pack` buffer."""
+    return flat[: B * H * n * D].view(B, H, n, D), flat[B * H * n * D:].view(B, H, n, Dv)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -143,15 +146,17 @@ class _RingAttention(torch.autograd.Function):
         ring = plan.ring
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         B, Hq, T, _ = q.shape
-        out_acc = q.new_zeros(B, Hq, T, v.shape[-1], dtype=acc)
+        Hkv, D, Dv = k.shape[1], k.shape[-1], v.shape[-1]
+        out_acc = q.new_zeros(B, Hq, T, Dv, dtype=acc)
         lse_acc = q.new_full((B, Hq, T), float("-inf"), dtype=acc)
-        D = k.shape[-1]
-        kv = torch.cat([k, v], dim=-1)  # one message per step: (B, Hkv, Tk, D + Dv)
+        kv = _pack(k, v)
         for step in range(plan.steps):
             pending = []
             if step + 1 < plan.steps:
-                nxt, pending = ring.shift(kv, _block_like(kv, plan.block_lengths[step + 1]), tag=step)
-            _forward_step(plan, step, q, kv[..., :D], kv[..., D:], out_acc, lse_acc)
+                size = B * Hkv * plan.block_lengths[step + 1] * (D + Dv)
+                nxt, pending = ring.shift(kv, kv.new_empty(size), tag=2 * step)
+            kb, vb = _unpack(kv, B, Hkv, plan.block_lengths[step], D, Dv)
+            _forward_step(plan, step, q, kb, vb, out_acc, lse_acc)
             if pending:
                 wait_all(pending)
                 kv = nxt
@@ -166,27 +171,30 @@ class _RingAttention(torch.autograd.Function):
         ring = plan.ring
         q, k, v, out, lse = ctx.saved_tensors
         acc = lse.dtype
-        D = k.shape[-1]
+        B, Hkv, _, D = k.shape
+        Dv = v.shape[-1]
         qf, do = q.to(acc), dout.to(acc)
         delta = (do * out.to(acc)).sum(-1)  # rowsum(dO * O): (B, Hq, T)
         if dlse is not None:
             delta = delta - dlse.to(acc)
         dq = torch.zeros_like(qf)
-        kv = torch.cat([k, v], dim=-1)  # travels in the input dtype; accumulators are in ``acc``
+        kv = _pack(k, v)  # travels in the input dtype; the dK/dV accumulators are in ``acc``
         last = plan.steps - 1
-        incoming, sends, sent = None, [], []
+        sends, sent = [], []
         for step in range(plan.steps):
+            n = plan.block_lengths[step]
             # Per step, the same order on every rank (NCCL matches transfers between two ranks in
             # posting order): receive this block's accumulator, shift K/V, compute, send it on.
             if step > 0:  # the accumulator of this block, from the ranks that held it before us
-                incoming = _block_like(kv, plan.block_lengths[step]).to(acc)
+                incoming = kv.new_empty(B * Hkv * n * (D + Dv), dtype=acc)
                 recv_acc = ring.recv(incoming, -1, tag=2 * step + 1)
             pending = []
             if step < last:
-                nxt, pending = ring.shift(kv, _block_like(kv, plan.block_lengths[step + 1]), tag=2 * step)
-            dkv = torch.zeros_like(kv, dtype=acc)
-            kb, vb = kv[..., :D], kv[..., D:]
-            dk, dv = dkv[..., :D], dkv[..., D:]
+                size = B * Hkv * plan.block_lengths[step + 1] * (D + Dv)
+                nxt, pending = ring.shift(kv, kv.new_empty(size), tag=2 * step)
+            dkv = kv.new_zeros(B * Hkv * n * (D + Dv), dtype=acc)
+            kb, vb = _unpack(kv, B, Hkv, n, D, Dv)
+            dk, dv = _unpack(dkv, B, Hkv, n, D, Dv)
             for p in plan.pairs[step]:
                 _pair_backward(plan, p, qf, kb, vb, do, lse, delta, dq, dk, dv)
             if step > 0:
@@ -200,11 +208,11 @@ class _RingAttention(torch.autograd.Function):
                 wait_all(pending)
                 kv = nxt
         if plan.steps > 1:
-            mine = _block_like(dkv, plan.block_lengths[0])
-            wait_all([ring.recv(mine, last, tag=2 * plan.steps + 1)])
-            dkv = mine
+            dkv = kv.new_empty(B * Hkv * plan.block_lengths[0] * (D + Dv), dtype=acc)
+            wait_all([ring.recv(dkv, last, tag=2 * plan.steps + 1)])
         wait_all(sends)
-        return dq.to(q.dtype), dkv[..., :D].to(k.dtype), dkv[..., D:].to(v.dtype), None
+        dk, dv = _unpack(dkv, B, Hkv, plan.block_lengths[0], D, Dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, plan: RingPlan) -> tuple[Tensor, Tensor]:
