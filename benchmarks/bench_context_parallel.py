@@ -101,8 +101,8 @@ def _time_job(rank, world, total, rounds):
             if r == 0:  # warm-up round: connections, first-call costs; then one profiled call
                 _fwd_bwd(q, k, v, layout, groups[p])
                 if p > 1:
-                    dist.barrier(groups[p])  # start together: skew would count as waiting
                     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                        dist.barrier(groups[p])  # start together (profilers start at different times)
                         t0 = time.perf_counter()
                         _fwd_bwd(q, k, v, layout, groups[p])
                         wall = time.perf_counter() - t0

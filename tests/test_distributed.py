@@ -122,6 +122,7 @@ def _cases(world):
         "document-causal": dict(mask=Document(ids) & Causal()),
         "padding-causal-fully-masked": dict(mask=Causal() & Padding(valid), B=2),
         "keypadding-empty-row": dict(mask=KeyPadding([T, 0]), B=2),
+        "keypadding-nan-in-padding": dict(mask=KeyPadding([T - 5, T]), B=2, nan_from=T - 5),
         "bool-tensor": dict(mask=keep),
         "uneven": dict(mask=Causal(), layout=SequenceLayout.contiguous(uneven)),
         "uneven-implicit": dict(mask=SlidingWindow(4, 0), lengths=uneven),
@@ -133,7 +134,7 @@ def _cases(world):
     }
     if world == 4:  # the cases where more ranks change the plan (layouts, skipped steps, exchanges)
         keep = ("causal-zigzag", "causal-zigzag-gqa-f32", "window", "window-zigzag", "document-causal",
-                "padding-causal-fully-masked", "uneven", "uneven-implicit", "ulysses", "ulysses-zigzag-document")
+                "padding-causal-fully-masked", "keypadding-nan-in-padding", "uneven", "uneven-implicit", "ulysses", "ulysses-zigzag-document")
         cases = {name: cases[name] for name in keep}
     return cases
 
@@ -146,6 +147,9 @@ def _equality_job(rank, world):
         dtype = case.get("dtype", torch.float64)
         T = 24 if world == 2 else 40
         q, k, v, w, u = _case_inputs(seed, B, Hq, Hkv, T, 8, dtype)
+        if "nan_from" in case:  # keys no query may see hold NaN: nothing may change
+            k[0, :, case["nan_from"]:] = float("nan")
+            v[0, :, case["nan_from"]:] = float("nan")
         ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
         ref_out, ref_lse = attention(*ref_in, mask=case["mask"], backend="naive", return_lse=True)
         ref_grads = torch.autograd.grad(_loss(ref_out, ref_lse, w, u), ref_in)
@@ -232,6 +236,63 @@ def test_a_failing_rank_raises_on_every_rank():
     assert "rank(s) [1] rejected" in results[0][1]["bad_input"]  # the others say which rank failed
     assert results[0][1]["missing_rank"] != "returned"
     assert results[0][1]["waited_s"] < 30
+
+
+# ---------------------------------------------------------------------------------------------
+# One process (no process group): layouts, the plain-attention limit, bad input.
+
+
+def test_layouts_cover_the_sequence_and_round_trip():
+    zig = SequenceLayout.zigzag(10, 2)
+    assert zig.segments == (((0, 3), (8, 10)), ((3, 6), (6, 8)))  # chunks of 3, 3, 2, 2 (larger first)
+    assert zig.positions(0).tolist() == [0, 1, 2, 8, 9]
+    x = torch.arange(2 * 10).view(1, 2, 10, 1)
+    parts = [zig.shard(x, r) for r in range(2)]
+    assert parts[1][0, 0, :, 0].tolist() == [3, 4, 5, 6, 7]
+    assert torch.equal(zig.unshard(parts), x)
+    assert SequenceLayout.even(7, 3).segments == (((0, 3),), ((3, 5),), ((5, 7),))
+    assert SequenceLayout.build("zigzag", 8, 2) == SequenceLayout.zigzag(8, 2)
+    with pytest.raises(ValueError, match="tile 0 .. T-1 exactly once"):
+        SequenceLayout((((0, 3),), ((2, 5),)))
+    with pytest.raises(ValueError, match="total_len"):
+        SequenceLayout.zigzag(3, 2)
+    with pytest.raises(ValueError, match="layout: expected 'contiguous' or 'zigzag'"):
+        SequenceLayout.build("striped", 8, 2)
+    with pytest.raises(ValueError, match="covers 10 positions"):
+        zig.shard(torch.zeros(1, 1, 9, 1), 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_rank_is_plain_attention(dtype):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 33, 16, generator=g).to(dtype).requires_grad_() for h in (4, 2, 2))
+    mask = Causal() & KeyPadding([33, 20])
+    out, lse = context_parallel_attention(q, k, v, mask=mask, return_lse=True)
+    ref, ref_lse = attention(*(t.detach().double() for t in (q, k, v)), mask=mask, return_lse=True)
+    low, _ = attention(*(t.detach() for t in (q, k, v)), mask=mask, return_lse=True, backend="naive")
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    bound = 2 * (low.double() - ref).abs().max() + 1e-6  # flash-attn's rule: no worse than the naive backend
+    assert (out.double() - ref).abs().max() <= bound
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-4 if dtype == torch.float32 else 2e-2)
+    out.float().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    assert "one rank" in explain_context_parallel(q, k, v, mask=mask)
+
+
+def test_bad_arguments_name_the_argument():
+    q = k = v = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="strategy: expected one of"):
+        context_parallel_attention(q, k, v, strategy="tree")
+    with pytest.raises(ValueError, match="dropout_p"):
+        context_parallel_attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match="same positions of q and k/v"):
+        context_parallel_attention(q, k[:, :, :5], v[:, :, :5])
+    with pytest.raises(TypeError, match="layout: expected a SequenceLayout"):
+        context_parallel_attention(q, k, v, layout="zigzag")
+    with pytest.raises(ValueError, match="layout: built for 2 ranks"):
+        context_parallel_attention(q, k, v, layout=SequenceLayout.zigzag(8, 2))
+    with pytest.raises(ValueError, match="head dim"):
+        context_parallel_attention(q, torch.randn(1, 2, 8, 3), v)
 
 
 # ---------------------------------------------------------------------------------------------
