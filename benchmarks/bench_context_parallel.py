@@ -1,9 +1,10 @@
 """Context parallelism on this machine (gloo, CPU): memory per rank, time per token, waiting.
 
     python benchmarks/bench_context_parallel.py            # ~3-4 min on 2 quiet cores
-    python benchmarks/bench_context_parallel.py --quick    # tiny sizes: a smoke run (~1 min)
+    python benchmarks/bench_context_parallel.py --quick    # tiny sizes: a smoke run (process starts dominate)
 
-Three figures, all for causal attention forward + backward through
+The memory figure defaults to n = 32768, not 65536: on 2 cores one causal fwd+bwd at 65536 takes
+minutes per process count (pass ``--mem-len 65536`` on a larger machine). Four figures, all for causal attention forward + backward through
 ``attnkit.distributed.context_parallel_attention`` (ring, zigzag layout), B=1, fp32:
 
 1. **memory** — peak resident memory above the process's baseline (measured after the imports,
@@ -80,7 +81,9 @@ def _fwd_bwd(q, k, v, layout, group):
 
 
 def _memory_job(rank, world, total):
-    baseline = _rss_mb("VmRSS")  # after the imports and the process group
+    layout, q, k, v = _local_inputs(16 * world, world, rank)
+    _fwd_bwd(q, k, v, layout, None)  # first-call costs (kernels, connections) are not the figure
+    baseline = _rss_mb("VmRSS")  # after the imports, the process group and a tiny call
     layout, q, k, v = _local_inputs(total, world, rank)
     t0 = time.perf_counter()
     _fwd_bwd(q, k, v, layout, None)

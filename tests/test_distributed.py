@@ -279,6 +279,26 @@ def test_one_rank_is_plain_attention(dtype):
     assert "one rank" in explain_context_parallel(q, k, v, mask=mask)
 
 
+@pytest.mark.parametrize("mask", [Causal(), SlidingWindow(4, 2), Document(torch.tensor([0] * 9 + [1] * 28)) & Causal(),
+                                  "per-head"], ids=["causal", "window", "document-causal", "per-head-bool"])
+def test_backward_tiles_skip_empty_parts_and_stay_exact(monkeypatch, mask):
+    from attnkit.distributed import ring
+
+    monkeypatch.setattr(ring, "_KEY_TILE", 5)  # many (query chunk x key tile) tiles: EMPTY, FULL, PARTIAL
+    monkeypatch.setattr(ring, "_BACKWARD_TILE", 4 * 2 * 5 * 3)
+    g = torch.Generator().manual_seed(1)
+    if mask == "per-head":
+        mask = torch.rand(1, 4, 37, 37, generator=g) > 0.5  # a different mask per query head, GQA below
+    q, k, v = (torch.randn(2, h, 37, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    out, lse = context_parallel_attention(q, k, v, mask=mask, return_lse=True)
+    ref, ref_lse = attention(q, k, v, mask=mask, return_lse=True, backend="naive")
+    grads = torch.autograd.grad((out * out).sum() + lse.clamp(min=-30).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * ref).sum() + ref_lse.clamp(min=-30).sum(), (q, k, v))
+    assert (out - ref).abs().max() < 1e-12
+    for got, want in zip(grads, ref_grads):
+        assert (got - want).abs().max() < 1e-11
+
+
 def test_bad_arguments_name_the_argument():
     q = k = v = torch.randn(1, 2, 8, 4)
     with pytest.raises(ValueError, match="strategy: expected one of"):

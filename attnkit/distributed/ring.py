@@ -31,8 +31,10 @@ from .comm import Ring, wait_all
 
 __all__ = ["BlockPair", "RingPlan", "ring_attention"]
 
-#: Scores per query chunk in the backward (elements of one (B, Hq, chunk, Tk) tile).
+#: The backward's tiles: at most this many scores (elements of one (B, Hq, cq, ck) tile) ...
 _BACKWARD_TILE = 1 << 22
+#: ... over at most this many keys, so EMPTY parts of a pair (under a causal diagonal) are skipped.
+_KEY_TILE = 512
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,9 @@ def _finite(x: Tensor) -> Tensor:
 def _pair_backward(plan: RingPlan, p: BlockPair, q, k, v, do, lse, delta, dq, dk, dv) -> None:
     """Accumulate one pair's dQ into ``dq`` and dK/dV into ``dk``/``dv`` (all in the compute dtype).
 
-    Shapes inside: grouped queries ``(B, Hkv, G, cq, D)`` against keys ``(B, Hkv, 1, Tk, D)``."""
+    The pair is walked in (query chunk × key tile) tiles; tiles the mask leaves EMPTY are skipped
+    (half of a causal diagonal block) and FULL ones need no mask. Shapes inside: grouped queries
+    ``(B, Hkv, G, cq, D)`` against keys ``(B, Hkv, 1, ck, D)``."""
     (q0, q1), (k0, k1) = p.q, p.kv
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
@@ -105,27 +109,37 @@ def _pair_backward(plan: RingPlan, p: BlockPair, q, k, v, do, lse, delta, dq, dk
     kb = _finite(k[:, :, k0:k1].to(q.dtype)).unsqueeze(2)  # (B, Hkv, 1, Tk, D)
     vb = _finite(v[:, :, k0:k1].to(q.dtype)).unsqueeze(2)  # (B, Hkv, 1, Tk, Dv)
     Tk = k1 - k0
-    chunk = max(1, _BACKWARD_TILE // max(1, B * Hq * Tk))
+    ck = min(Tk, _KEY_TILE)
+    cq = max(1, min(q1 - q0, _BACKWARD_TILE // max(1, B * Hq * ck)))
     dk_b = torch.zeros_like(kb)
     dv_b = torch.zeros_like(vb)
-    for c0 in range(q0, q1, chunk):
-        c1 = min(q1, c0 + chunk)
-        qc = _finite(q[:, :, c0:c1]).view(B, Hkv, G, c1 - c0, D)
-        doc = do[:, :, c0:c1].view(B, Hkv, G, c1 - c0, -1)
-        lse_c = lse[:, :, c0:c1].view(B, Hkv, G, c1 - c0, 1)
+    for c0 in range(q0, q1, cq):
+        c1 = min(q1, c0 + cq)
+        n = c1 - c0
+        a = p.q_abs[0] + (c0 - q0)
+        qc = _finite(q[:, :, c0:c1]).view(B, Hkv, G, n, D)
+        doc = do[:, :, c0:c1].view(B, Hkv, G, n, -1)
+        lse_c = lse[:, :, c0:c1].view(B, Hkv, G, n, 1)
         lse_c = lse_c.masked_fill(torch.isneginf(lse_c), float("inf"))  # rows that see nothing: P = 0
-        s = torch.matmul(qc, kb.transpose(-1, -2)) * plan.scale  # (B, Hkv, G, cq, Tk)
-        prob = torch.exp(s - lse_c)
-        if p.status is not BlockStatus.FULL:
-            a0 = p.q_abs[0] + (c0 - q0)
-            keep = plan.mask.evaluate((a0, a0 + c1 - c0), p.kv_abs, q_offset=0, kv_offset=0, device=q.device)
-            keep = keep.view(keep.shape[0], Hkv, G, c1 - c0, Tk) if keep.shape[1] == Hq and G > 1 else keep.unsqueeze(2)
-            prob = prob.masked_fill(~keep, 0.0)
-        dv_b += torch.matmul(prob.transpose(-1, -2), doc).sum(2, keepdim=True)
-        dp = torch.matmul(doc, vb.transpose(-1, -2))  # (B, Hkv, G, cq, Tk)
-        ds = prob * (dp - delta[:, :, c0:c1].view(B, Hkv, G, c1 - c0, 1)) * plan.scale
-        dq[:, :, c0:c1] += torch.matmul(ds, kb).view(B, Hq, c1 - c0, D)
-        dk_b += torch.matmul(ds.transpose(-1, -2), qc).sum(2, keepdim=True)
+        delta_c = delta[:, :, c0:c1].view(B, Hkv, G, n, 1)
+        dq_c = torch.zeros_like(qc)
+        for t0 in range(0, Tk, ck):
+            t1 = min(Tk, t0 + ck)
+            kv_abs = (p.kv_abs[0] + t0, p.kv_abs[0] + t1)
+            status = p.status if p.status is BlockStatus.FULL else plan.mask.block_status((a, a + n), kv_abs)
+            if status is BlockStatus.EMPTY:
+                continue
+            kt, vt = kb[:, :, :, t0:t1], vb[:, :, :, t0:t1]
+            prob = torch.exp(torch.matmul(qc, kt.transpose(-1, -2)) * plan.scale - lse_c)  # (B, Hkv, G, n, ck)
+            if status is not BlockStatus.FULL:
+                keep = plan.mask.evaluate((a, a + n), kv_abs, q_offset=0, kv_offset=0, device=q.device)
+                keep = keep.reshape(keep.shape[0], Hkv, G, n, t1 - t0) if keep.shape[1] == Hq and G > 1 else keep.unsqueeze(2)
+                prob = prob.masked_fill(~keep, 0.0)
+            dv_b[:, :, :, t0:t1] += torch.matmul(prob.transpose(-1, -2), doc).sum(2, keepdim=True)
+            ds = prob * (torch.matmul(doc, vt.transpose(-1, -2)) - delta_c) * plan.scale  # (B, Hkv, G, n, ck)
+            dq_c += torch.matmul(ds, kt)
+            dk_b[:, :, :, t0:t1] += torch.matmul(ds.transpose(-1, -2), qc).sum(2, keepdim=True)
+        dq[:, :, c0:c1] += dq_c.view(B, Hq, n, D)
     dk[:, :, k0:k1] += dk_b.squeeze(2)
     dv[:, :, k0:k1] += dv_b.squeeze(2)
 
