@@ -3,8 +3,9 @@
     python benchmarks/bench_context_parallel.py            # ~3-4 min on 2 quiet cores
     python benchmarks/bench_context_parallel.py --quick    # tiny sizes: a smoke run (process starts dominate)
 
-The memory figure defaults to n = 32768, not 65536: on 2 cores one causal fwd+bwd at 65536 takes
-minutes per process count (pass ``--mem-len 65536`` on a larger machine). Four figures, all for causal attention forward + backward through
+The memory figure defaults to n = 16384, not 65536: on 2 cores one causal fwd+bwd through the
+pure-PyTorch blocks takes ~1 min per process count at 32768 and ~4 min at 65536 (pass
+``--mem-len 65536`` on a larger machine). Four figures, all for causal attention forward + backward through
 ``attnkit.distributed.context_parallel_attention`` (ring, zigzag layout), B=1, fp32:
 
 1. **memory** — peak resident memory above the process's baseline (measured after the imports,
@@ -184,7 +185,7 @@ def _training_memory(seq_len: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mem-len", type=int, default=32768, help="sequence length of the memory figure")
+    parser.add_argument("--mem-len", type=int, default=16384, help="sequence length of the memory figure")
     parser.add_argument("--time-len", type=int, default=8192, help="fixed total length of the timing figure")
     parser.add_argument("--train-len", type=int, default=16384, help="sequence length of the training-memory figure")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (best is kept)")

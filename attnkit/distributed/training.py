@@ -24,6 +24,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..nn.attention import MultiHeadAttention
+from ..train import loop
+from ..train.checkpoint import save_checkpoint
+from ..train.distributed import all_reduce_sum, setup_distributed, teardown
 from .attention import context_parallel_attention
 from .layout import SequenceLayout
 
@@ -109,23 +112,27 @@ def train_context_parallel(cfg, model_config=None) -> dict:
     """Train ``cfg`` (a :class:`~attnkit.train.TrainConfig` with ``context_parallel > 1``) under
     ``torchrun``; returns the history like :func:`attnkit.train.train`. Rank 0 writes
     ``metrics.jsonl``, ``results.json`` and the final checkpoint into ``cfg.out``."""
-    from ..train import loop
-    from ..train.checkpoint import save_checkpoint
-    from ..train.distributed import all_reduce_sum, setup_distributed, teardown
-
+    cp = cfg.context_parallel
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise ValueError(f"context_parallel: expected a positive int (1 = off), got {cp!r}.")
     if cfg.model != "gpt":
         raise ValueError(f"context_parallel: splits a transformer's sequence; --model {cfg.model} has no attention.")
+    unsupported = {"--resume": cfg.resume, "--distill-from": cfg.distill_from, "--quantize": cfg.quantize != "none",
+                   "--profile": cfg.profile}
+    if any(unsupported.values()):
+        raise ValueError(f"context_parallel: {', '.join(k for k, v in unsupported.items() if v)} not supported with "
+                         "--context-parallel; run without those flags.")
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:
         raise ValueError(f"context_parallel={cfg.context_parallel}: launch with torchrun --nproc_per_node="
                          f"{cfg.context_parallel} (or a multiple of it for data parallelism as well).")
     ctx = setup_distributed(cfg.device)
     try:
-        return _train(cfg, model_config, ctx, loop, save_checkpoint, all_reduce_sum)
+        return _train(cfg, model_config, ctx)
     finally:
         teardown(ctx)
 
 
-def _train(cfg, model_config, ctx, loop, save_checkpoint, all_reduce_sum) -> dict:
+def _train(cfg, model_config, ctx) -> dict:
     groups = ContextParallelGroups(cfg.context_parallel)
     device = ctx.device
     if cfg.batch_size % (groups.dp * cfg.grad_accum):
@@ -150,7 +157,8 @@ def _train(cfg, model_config, ctx, loop, save_checkpoint, all_reduce_sum) -> dic
     if ctx.is_main:
         os.makedirs(cfg.out, exist_ok=True)
         print(f"context parallel: {groups.dp} replica(s) x {groups.cp} ranks, {layout.local_len(0)} of "
-              f"{cfg.seq_len} positions per rank (zigzag) | {loop.num_params(model) / 1e6:.2f}M parameters", flush=True)
+              f"{cfg.seq_len} positions per rank (zigzag) | {loop.num_params(model) / 1e6:.2f}M parameters | "
+              "no periodic evaluation or samples in this mode", flush=True)
     rows_per_micro = cfg.batch_size // (groups.dp * cfg.grad_accum)
     history = []
     for step in range(cfg.steps):

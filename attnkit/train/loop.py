@@ -227,7 +227,7 @@ def train(cfg: TrainConfig, model_config=None, *, stop_at: int | None = None) ->
     ``model_config`` is a ``TransformerConfig`` (``cfg.model == "gpt"``) or ``LSTMConfig``; its
     vocabulary size is set from the data. ``stop_at`` ends the run early after that step, saving
     a checkpoint as an interruption would (the tests use it to check exact resume)."""
-    if cfg.context_parallel > 1:  # one sequence split across processes: its own loop
+    if cfg.context_parallel != 1:  # one sequence split across processes: its own loop
         from ..distributed.training import train_context_parallel
 
         return train_context_parallel(cfg, model_config)
