@@ -130,11 +130,12 @@ def _cases(world):
         "ulysses": dict(mask=Causal(), Hq=4, Hkv=4 if world == 4 else 2, strategy="ulysses"),
         "ulysses-zigzag-document": dict(mask=Document(ids) & Causal(), layout=zig, Hq=4, Hkv=world,
                                         strategy="ulysses"),
+        "ulysses-uneven-window": dict(mask=SlidingWindow(5, 0), Hq=4, Hkv=world, lengths=uneven, strategy="ulysses"),
         "auto-falls-back-to-ring": dict(mask=Causal(), Hq=3, Hkv=3, strategy="auto"),
     }
     if world == 4:  # the cases where more ranks change the plan (layouts, skipped steps, exchanges)
         keep = ("causal-zigzag", "causal-zigzag-gqa-f32", "window", "window-zigzag", "document-causal",
-                "padding-causal-fully-masked", "keypadding-nan-in-padding", "uneven", "uneven-implicit", "ulysses", "ulysses-zigzag-document")
+                "padding-causal-fully-masked", "keypadding-nan-in-padding", "uneven", "uneven-implicit", "ulysses", "ulysses-zigzag-document", "ulysses-uneven-window")
         cases = {name: cases[name] for name in keep}
     return cases
 
@@ -216,6 +217,12 @@ def _failure_job(rank, world):
         seen["bad_input"] = "returned"
     except ValueError as exc:
         seen["bad_input"] = str(exc)
+    try:  # a strategy that cannot run is refused on every rank, with the reason
+        context_parallel_attention(torch.randn(1, 3, 6, 8), torch.randn(1, 3, 6, 8), v[:, :1].expand(1, 3, 6, 8),
+                                   strategy="ulysses")
+        seen["ulysses"] = "returned"
+    except ValueError as exc:
+        seen["ulysses"] = str(exc)
     if rank == 1:
         return seen  # rank 1 stops taking part: rank 0's next call must fail, not hang
     t0 = datetime.datetime.now()
@@ -234,6 +241,8 @@ def test_a_failing_rank_raises_on_every_rank():
         assert status == "ok", f"rank {rank}: {value}"
     assert "head dim" in results[1][1]["bad_input"]  # the rank with the bad input names the problem
     assert "rank(s) [1] rejected" in results[0][1]["bad_input"]  # the others say which rank failed
+    for rank in (0, 1):
+        assert "Hq=3" in results[rank][1]["ulysses"] and "strategy='ring'" in results[rank][1]["ulysses"]
     assert results[0][1]["missing_rank"] != "returned"
     assert results[0][1]["waited_s"] < 30
 
