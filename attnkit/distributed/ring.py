@@ -15,7 +15,8 @@ split touches only neighbours).
 Backward: the same ring; key/value blocks travel with their dK/dV accumulators, and after the
 last step each accumulator is sent home. Per pair the gradient is the flash-attention backward
 from the saved output and log-sum-exp (``P = exp(S - lse)``, ``dS = P * (dO Vᵀ - rowsum(dO * O) +
-dlse)``), recomputed in query chunks so memory stays at one chunk of scores.
+dlse)``), recomputed tile by tile (query chunk × key tile) so memory stays at one tile of
+scores; tiles the mask leaves EMPTY are skipped there too.
 """
 
 from __future__ import annotations
