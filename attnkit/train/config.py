@@ -58,6 +58,8 @@ class TrainConfig:
     distill_alpha: float = field(default=0.5, metadata={"help": "weight of the KL term in distillation (0..1)"})
     distill_temperature: float = field(default=2.0, metadata={"help": "softmax temperature of distillation (> 0)"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar (only on a terminal)"})
+    context_parallel: int = field(default=1, metadata={"help": "split each sequence across this many torchrun "
+                                                               "processes (attnkit.distributed; 1 = off)"})
 
     def __post_init__(self):
         for name, allowed in (("precision", ("fp32", "bf16")), ("model", MODEL_KINDS),
@@ -83,6 +85,7 @@ _RULES = {
     "seq_len": (int, 1, None, True, "a positive number of tokens"),
     "eval_batches": (int, 1, None, True, "a positive number of batches"),
     "profile_steps": (int, 1, None, True, "a positive number of steps"),
+    "context_parallel": (int, 1, None, True, "a positive number of processes per sequence (1 = off)"),
     "warmup_steps": (int, 0, None, True, "0 (no warmup) or a positive number of steps"),
     "decay_steps": (int, 0, None, True, "0 (= --steps) or a positive step"),
     "log_every": (int, 0, None, True, "0 (off) or a positive number of steps"),

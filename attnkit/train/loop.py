@@ -71,6 +71,10 @@ def train(cfg: TrainConfig, model_config=None, *, stop_at: int | None = None,
     ``TrainConfig`` default) and the settings of the invocation itself (``out``, ``device``,
     ``progress``, ``log_every``, ``profile``, ``quantize``), which always come from ``cfg``. Resuming a finished run (``steps`` equal to its step) trains nothing
     and writes nothing: evaluation and ``quantize`` are read-only there."""
+    if cfg.context_parallel != 1:  # one sequence split across processes: its own loop
+        from ..distributed.training import train_context_parallel
+
+        return train_context_parallel(cfg, model_config)
     ctx = setup_distributed(cfg.device)
     try:
         return _train(cfg, model_config, ctx, stop_at, given)

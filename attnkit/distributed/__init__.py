@@ -1,0 +1,8 @@
+"""Context parallelism: exact attention over one sequence split across ``torch.distributed`` ranks
+(ring pass-KV and Ulysses all-to-all, forward and backward, gloo and NCCL)."""
+
+from .attention import STRATEGIES, ContextParallelPlan, context_parallel_attention, explain_context_parallel
+from .layout import SequenceLayout
+
+__all__ = ["context_parallel_attention", "explain_context_parallel", "ContextParallelPlan", "SequenceLayout",
+           "STRATEGIES"]
