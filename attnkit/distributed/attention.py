@@ -52,11 +52,19 @@ class _SequenceFrame(Mask):
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
         return self.inner.mask_mod(b, h, q_idx, kv_idx, q_offset=0, kv_offset=0)
 
-    def evaluate(self, q_range, kv_range, *, q_offset, kv_offset, device=None):
-        return self.inner.evaluate(q_range, kv_range, q_offset=0, kv_offset=0, device=device)
+    def evaluate(self, q_range, kv_range, *, q_offset, kv_offset, device=None, **sizes):
+        return self.inner.evaluate(q_range, kv_range, q_offset=0, kv_offset=0, device=device, **sizes)
 
-    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0):
-        return self.inner.block_status(q_range, kv_range, q_offset=0, kv_offset=0)
+    def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0, **sizes):
+        return self.inner.block_status(q_range, kv_range, q_offset=0, kv_offset=0, **sizes)
+
+    @property
+    def depends_on_batch(self):
+        return self.inner.depends_on_batch
+
+    @property
+    def depends_on_head(self):
+        return self.inner.depends_on_head
 
     def validate(self, B, H, Tq, Tk, q_offset, kv_offset):
         Mask.validate(self, B, H, Tq, Tk, q_offset, kv_offset)  # sizes were checked for the whole sequence
