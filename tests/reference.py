@@ -14,6 +14,7 @@ in a pair the row may not see changes nothing in it; a row that sees nothing is 
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -21,10 +22,16 @@ from torch import Tensor
 
 from attnkit.masks import as_mask
 
-__all__ = ["DEVICE", "device_unavailable", "keep_grid", "reference_attention", "reference_attention_lowp", "max_error", "flash_rule_ok"]
+__all__ = ["DEVICE", "HYPOTHESIS_CI", "ROTATING_SEED", "device_unavailable", "keep_grid", "reference_attention", "reference_attention_lowp", "max_error", "flash_rule_ok"]
 
 #: The device the conformance and property suites run on: ``ATTNKIT_TEST_DEVICE=cuda`` for a GPU.
 DEVICE = torch.device(os.environ.get("ATTNKIT_TEST_DEVICE", "cpu"))
+
+
+#: Hypothesis suites: the ``ci`` profile (``CI`` set, as CI services do, or ATTNKIT_HYPOTHESIS_PROFILE=ci)
+#: runs the full example counts, a developer's run fewer; the rotating seed changes daily.
+HYPOTHESIS_CI = os.environ.get("ATTNKIT_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev") == "ci"
+ROTATING_SEED = int(os.environ.get("ATTNKIT_HYPOTHESIS_SEED") or datetime.date.today().strftime("%Y%m%d"))
 
 
 def device_unavailable() -> str | None:
@@ -111,8 +118,9 @@ def max_error(x: Tensor, ref: Tensor) -> float:
 FLOOR = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-3, torch.float16: 2e-4}
 
 
-def flash_rule_ok(err: float, lowp_err: float, *, factor: float, dtype: torch.dtype) -> bool:
+def flash_rule_ok(err: float, lowp_err: float, *, factor: float, dtype: torch.dtype, magnitude: float = 1.0) -> bool:
     """flash-attn's rule: a backend's error against float64 is at most ``factor`` times the
     low-precision reference's error in the same dtype, plus a floor for the cases where that
-    error is ~0 (small, well-conditioned inputs)."""
-    return err <= factor * lowp_err + FLOOR[dtype]
+    error is ~0: the dtype's rounding at ``magnitude`` (at least 1), the size of the quantities
+    the result is computed from (a gradient that is exactly 0 is still a difference of such terms)."""
+    return err <= factor * lowp_err + FLOOR[dtype] * max(1.0, magnitude)
