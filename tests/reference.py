@@ -71,15 +71,15 @@ def _attention(q, k, v, keep, bias, scale, compute_dtype):
     # Scale q before the product, as flash-attn's reference does: q·k of large inputs can overflow
     # float16 before scaling although the scaled scores are finite.
     scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (B, Hq, Tq, Tk)
-    if bias is not None:
-        scores = scores + bias.to(compute_dtype)
+    if bias is not None:  # a float32 bias on bf16 inputs is added in float32 (type promotion), as in flash-attn's reference
+        scores = scores + bias.to(torch.promote_types(compute_dtype, bias.dtype))
     scores = torch.where(keep, scores, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True).detach()
     row_max = torch.where(torch.isinf(row_max), 0.0, row_max)  # rows that see nothing (or only +inf)
     e = torch.exp(scores - row_max)
     denom = e.sum(dim=-1, keepdim=True)
-    probs = e / torch.where(denom == 0, 1.0, denom)
-    lse = (torch.log(denom) + row_max).squeeze(-1)  # -inf where nothing is seen
+    probs = (e / torch.where(denom == 0, 1.0, denom)).to(compute_dtype)
+    lse = (torch.log(denom) + row_max).squeeze(-1).to(compute_dtype)  # -inf where nothing is seen
     bad_v = ~torch.isfinite(v.detach())
     out = torch.matmul(probs, torch.where(bad_v, 0.0, v))  # (B, Hq, Tq, Dv)
     # A non-finite value in a kept key poisons that output column of that row, nothing else.
