@@ -108,7 +108,7 @@ def max_error(x: Tensor, ref: Tensor) -> float:
     """``max |x - ref|`` over the entries where ``ref`` is finite (0 for empty tensors)."""
     if not x.numel():
         return 0.0
-    diff = (x.double() - ref.double()).abs()
+    diff = (x.detach().double() - ref.detach().double()).abs()
     finite = torch.isfinite(ref)
     if not finite.any():
         return 0.0
