@@ -21,7 +21,7 @@ def test_info_explains_choice(capsys):
 
 
 def test_info_with_lse_passes_over_sdpa(capsys):
-    main(["info", "--shape", "1,2,16,8", "--mask", "window:4,0", "--lse"])
+    assert main(["info", "--shape", "1,2,16,8", "--mask", "window:4,0", "--lse"]) == 0
     out = capsys.readouterr().out
     assert "sdpa: not used: cannot return the log-sum-exp" in out
 
@@ -35,6 +35,7 @@ def test_demo_runs_as_module():
 def test_bad_shape_is_a_usage_error(capsys):
     import pytest
 
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as info:
         main(["info", "--shape", "1,2,3"])
+    assert info.value.code == 2
     assert "--shape" in capsys.readouterr().err
