@@ -164,7 +164,17 @@ TRAIN = ["train", "--steps", "1", "--batch-size", "2", "--seq-len", "8", "--eval
 BENCH = ["bench", "--backends", "naive", "--lengths", "8", "--masks", "none", "--passes", "forward", "--batch", "1",
          "--heads", "1", "--head-dim", "8", "--min-run-time", "0.01", "--no-plots", "--no-progress", "--no-claims"]
 
-# (id, argv with {text}/{tmp} placeholders, the flag the message must name)
+
+
+def train_case(id_, flag, value):
+    return id_, [*TRAIN, flag, value, "--data", "{text}", "--out", "{tmp}/r"], flag
+
+
+def bench_case(id_, flag, value):
+    return id_, [*BENCH, flag, value, "--out", "{tmp}/b"], flag
+
+
+# (id, argv with {text}/{tmp}/{run} placeholders, the flag the message must name)
 CLI = [
     ("info-shape-zero", ["info", "--shape", "1,0,8,4"], "--shape"),
     ("info-kv-len-neg", ["info", "--shape", "1,2,8,4", "--kv-len", "-1"], "--kv-len"),
@@ -175,28 +185,27 @@ CLI = [
     ("embed-model-missing", ["embed", "--model", "{tmp}/no-such-model", "hello"], "--model"),
     ("bench-lengths-0", [*BENCH[:4], "0", *BENCH[5:], "--out", "{tmp}/b"], "--lengths"),
     ("bench-lengths-float", [*BENCH[:4], "1e8", *BENCH[5:], "--out", "{tmp}/b"], "--lengths"),
-    ("bench-batch-0", [*BENCH, "--batch", "0", "--out", "{tmp}/b"], "--batch"),
-    ("bench-heads-neg", [*BENCH, "--heads", "-2", "--out", "{tmp}/b"], "--heads"),
-    ("bench-head-dim-0", [*BENCH, "--head-dim", "0", "--out", "{tmp}/b"], "--head-dim"),
-    ("bench-window-neg", [*BENCH, "--window", "-1", "--out", "{tmp}/b"], "--window"),
-    ("bench-time-budget-neg", [*BENCH, "--time-budget", "-5", "--out", "{tmp}/b"], "--time-budget"),
-    ("bench-memory-budget-neg", [*BENCH, "--memory-budget", "-1", "--out", "{tmp}/b"], "--memory-budget"),
+    bench_case("bench-batch-0", "--batch", "0"),
+    bench_case("bench-heads-neg", "--heads", "-2"),
+    bench_case("bench-head-dim-0", "--head-dim", "0"),
+    bench_case("bench-window-neg", "--window", "-1"),
+    bench_case("bench-time-budget-neg", "--time-budget", "-5"),
+    bench_case("bench-memory-budget-neg", "--memory-budget", "-1"),
     ("bench-out-is-file", [*BENCH, "--out", "{text}"], "--out"),
-    ("train-steps-0", [*TRAIN, "--steps", "0", "--data", "{text}", "--out", "{tmp}/r"], "--steps"),
-    ("train-lr-inf", [*TRAIN, "--lr", "inf", "--data", "{text}", "--out", "{tmp}/r"], "--lr"),
-    ("train-lr-neg", [*TRAIN, "--lr", "-0.1", "--data", "{text}", "--out", "{tmp}/r"], "--lr"),
-    ("train-min-lr-ratio-neg", [*TRAIN, "--min-lr-ratio", "-1", "--data", "{text}", "--out", "{tmp}/r"], "--min-lr-ratio"),
-    ("train-weight-decay-neg", [*TRAIN, "--weight-decay", "-1", "--data", "{text}", "--out", "{tmp}/r"], "--weight-decay"),
-    ("train-grad-clip-nan", [*TRAIN, "--grad-clip", "nan", "--data", "{text}", "--out", "{tmp}/r"], "--grad-clip"),
-    ("train-eval-every-neg", [*TRAIN, "--eval-every", "-1", "--data", "{text}", "--out", "{tmp}/r"], "--eval-every"),
-    ("train-batch-size-0", [*TRAIN, "--batch-size", "0", "--data", "{text}", "--out", "{tmp}/r"], "--batch-size"),
-    ("train-seq-len-0", [*TRAIN, "--seq-len", "0", "--data", "{text}", "--out", "{tmp}/r"], "--seq-len"),
-    ("train-grad-accum-0", [*TRAIN, "--grad-accum", "0", "--data", "{text}", "--out", "{tmp}/r"], "--grad-accum"),
-    ("train-dropout-1.5", [*TRAIN, "--dropout", "1.5", "--data", "{text}", "--out", "{tmp}/r"], "--dropout"),
-    ("train-eps-0", [*TRAIN, "--layer-norm-eps", "0", "--data", "{text}", "--out", "{tmp}/r"], "--layer-norm-eps"),
-    ("train-distill-temperature-0", [*TRAIN, "--distill-temperature", "0", "--data", "{text}", "--out", "{tmp}/r"],
-     "--distill-temperature"),
-    ("train-distill-alpha-2", [*TRAIN, "--distill-alpha", "2", "--data", "{text}", "--out", "{tmp}/r"], "--distill-alpha"),
+    train_case("train-steps-0", "--steps", "0"),
+    train_case("train-lr-inf", "--lr", "inf"),
+    train_case("train-lr-neg", "--lr", "-0.1"),
+    train_case("train-min-lr-ratio-neg", "--min-lr-ratio", "-1"),
+    train_case("train-weight-decay-neg", "--weight-decay", "-1"),
+    train_case("train-grad-clip-nan", "--grad-clip", "nan"),
+    train_case("train-eval-every-neg", "--eval-every", "-1"),
+    train_case("train-batch-size-0", "--batch-size", "0"),
+    train_case("train-seq-len-0", "--seq-len", "0"),
+    train_case("train-grad-accum-0", "--grad-accum", "0"),
+    train_case("train-dropout-1.5", "--dropout", "1.5"),
+    train_case("train-eps-0", "--layer-norm-eps", "0"),
+    train_case("train-distill-temperature-0", "--distill-temperature", "0"),
+    train_case("train-distill-alpha-2", "--distill-alpha", "2"),
     ("train-data-missing", [*TRAIN, "--data", "{tmp}/no-such.txt", "--out", "{tmp}/r"], "--data"),
     ("train-resume-missing", [*TRAIN, "--data", "{text}", "--out", "{tmp}/r", "--resume", "{tmp}/no-run"], "--resume"),
     ("generate-checkpoint-missing", ["generate", "{tmp}/no-run"], "checkpoint"),
@@ -297,17 +306,17 @@ def test_cli_refuses(argv, flag, tmp_path, capsys, request):
     assert err and flag in err[-1], err  # argparse: usage lines, then one line naming the flag
 
 
-@pytest.mark.parametrize("argv,flag", [
-    pytest.param(BENCH + ["--min-run-time", "nan"], "--min-run-time", id="bench-min-run-time-nan",
-                 marks=pytest.mark.xfail(strict=True, reason="bench --min-run-time nan hangs (killed after 10 s)")),
-    (["info", "--shape", "1,2,3"], "--shape"),
-    (["train", "--steps", "many"], "--steps"),
-    (["bench", "--lengths", "x"], "--lengths"),
+@pytest.mark.parametrize("argv,flag,timeout", [
+    pytest.param(BENCH + ["--min-run-time", "nan"], "--min-run-time", 15, id="bench-min-run-time-nan",
+                 marks=pytest.mark.xfail(strict=True, reason="bench --min-run-time nan hangs (killed after 15 s)")),
+    pytest.param(["info", "--shape", "1,2,3"], "--shape", 120, id="info-shape"),
+    pytest.param(["train", "--steps", "many"], "--steps", 120, id="train-steps"),
+    pytest.param(["bench", "--lengths", "x"], "--lengths", 120, id="bench-lengths"),
 ])
-def test_cli_refuses_in_a_subprocess(argv, flag):
+def test_cli_refuses_in_a_subprocess(argv, flag, timeout):
     """The real entry point: `python -m attnkit ...` exits 2 with one line naming the flag
     (a command that hangs instead raises TimeoutExpired)."""
-    result = subprocess.run([sys.executable, "-m", "attnkit", *argv], capture_output=True, text=True, timeout=10)
+    result = subprocess.run([sys.executable, "-m", "attnkit", *argv], capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 2, result.stderr
     assert flag in result.stderr.strip().splitlines()[-1], result.stderr
     assert "Traceback" not in result.stderr
