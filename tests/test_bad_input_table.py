@@ -18,19 +18,15 @@ import torch
 
 import attnkit
 from attnkit import Causal, Document, KeyPadding, Padding, SlidingWindow
-from attnkit.backends.linear import LinearOptions
-from attnkit.backends.lsh import LSHOptions
-from attnkit.backends.naive import NaiveOptions
-from attnkit.backends.performer import PerformerOptions
-from attnkit.backends.sliding_window import SlidingWindowOptions
-from attnkit.backends.tiled import TiledOptions
 from attnkit.cache import DynamicLayerCache, SlidingWindowLayerCache, StaticLayerCache
 from attnkit.cli.main import main
 from attnkit.masks import BlockSparse, GlobalTokens, longformer
-from attnkit.nn import AttentionConfig
-from attnkit.nn.layers import TransformerConfig
+from attnkit.nn import AttentionConfig, TransformerConfig
 
 NAN, INF = math.nan, math.inf
+# the backends' option dataclasses, found through the registry (their modules may move)
+NaiveOptions, TiledOptions, SlidingWindowOptions, LinearOptions, PerformerOptions, LSHOptions = (
+    attnkit.get_backend(name).Options for name in ("naive", "tiled", "sliding_window", "linear", "performer", "lsh"))
 q = torch.randn(2, 4, 8, 16)
 k = torch.randn(2, 2, 8, 16)
 v = torch.randn(2, 2, 8, 16)
@@ -53,7 +49,7 @@ def _cache_dv_change():
 
 
 def _gpt():
-    from attnkit.nn.models import GPT
+    from attnkit.nn import GPT
 
     torch.manual_seed(0)
     return GPT(TransformerConfig(vocab_size=16, max_len=32, embed_dim=8, num_layers=1, num_heads=2)).eval()

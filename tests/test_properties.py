@@ -20,10 +20,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import Causal, Custom, Dense, Document, KeyPadding, Padding, SlidingWindow
-from attnkit.backends import _feature_maps as fm
 from attnkit.backends import lsh
-from attnkit.backends.linear import LinearOptions
-from attnkit.backends.performer import PerformerOptions, draw_projection
 from attnkit.dispatch import select
 from attnkit.inputs import AttentionInputs
 from attnkit.masks import BlockSparse, GlobalTokens
@@ -171,9 +168,17 @@ def grads_of(fn, qkv, do):
     return out.detach(), tuple(x.grad for x in leaves)
 
 
-# -- the naive twins of the approximate backends -----------------------------------------------------
+# -- the naive twins of the approximate backends, written here from their papers -------------------
 def _expanded(k, v, Hq):
     return k.repeat_interleave(Hq // k.shape[1], 1), v.repeat_interleave(Hq // v.shape[1], 1)
+
+
+def quadratic_twin(phi_q, phi_k, v, keep):
+    """Kernelized attention's naive form: ``A = φ(Q) φ(K)ᵀ`` masked by ``keep``, rows normalized
+    (rows that see nothing give 0), times ``V``."""
+    a = torch.where(keep, phi_q @ phi_k.transpose(-2, -1), 0.0)  # (B, H, Tq, Tk)
+    den = a.sum(-1, keepdim=True)
+    return (a @ v) / torch.where(den == 0, 1.0, den)
 
 
 def approximate_case(backend: str, call, mask, q, k, v):
@@ -181,18 +186,22 @@ def approximate_case(backend: str, call, mask, q, k, v):
     its naive twin on the same mask (evaluated by the test's own ``keep_grid``)."""
     keep = keep_grid(mask, call["B"], call["Hq"], call["Tq"], call["Tk"], device=q.device, **positions(call))
     scale = call["D"] ** -0.5
-    if backend == "linear":
+    Options = attnkit.get_backend(backend).Options
+    if backend == "linear":  # φ(x) = elu(x) + 1 (Katharopoulos et al. 2020)
         def twin(q, k, v):
             k, v = _expanded(k, v, call["Hq"])
-            return fm.quadratic_attention(fm.elu_features(q), fm.elu_features(k), v, keep)
-        return LinearOptions(chunk=3, segment=5), twin
-    if backend == "performer":
-        w = draw_projection(16, call["D"], dtype=q.dtype, generator=torch.Generator().manual_seed(0)).to(q.device)
+            phi = lambda x: torch.nn.functional.elu(x) + 1  # noqa: E731
+            return quadratic_twin(phi(q), phi(k), v, keep)
+        return Options(chunk=3, segment=5), twin
+    if backend == "performer":  # FAVOR+: φ(x) = exp(W x' - |x'|² / 2), x' = x · scale^½ (Choromanski et al. 2021)
+        w = torch.randn(16, call["D"], generator=torch.Generator().manual_seed(0)).to(q.device, q.dtype)
         def twin(q, k, v):
             k, v = _expanded(k, v, call["Hq"])
-            phi = lambda x: torch.exp(fm.favor_logits(x, w, scale))  # noqa: E731
-            return fm.quadratic_attention(phi(q), phi(k), v, keep)
-        return PerformerOptions(projection=w, chunk=3, segment=5), twin
+            def phi(x):
+                x = x * scale**0.5
+                return torch.exp(x @ w.T - 0.5 * (x * x).sum(-1, keepdim=True))
+            return quadratic_twin(phi(q), phi(k), v, keep)
+        return Options(projection=w, chunk=3, segment=5), twin
     if backend == "lsh":
         exclude = bool((call["Tq"] + call["B"]) % 2)
         opts = lsh.LSHOptions(n_hashes=1 + call["Tq"] % 2, n_buckets=1, bucket_size=call["Tq"], exclude_self=exclude)
