@@ -18,3 +18,11 @@ def _no_user_calibration(tmp_path_factory, monkeypatch):
     calibration.reload()
     yield
     calibration.reload()
+
+
+def pytest_report_header(config):
+    """Print the rotating hypothesis seed, so a failure can be replayed."""
+    from .reference import DEVICE, HYPOTHESIS_CI, ROTATING_SEED
+
+    return (f"attnkit tests on {DEVICE}; hypothesis {'ci' if HYPOTHESIS_CI else 'dev'} profile (ATTNKIT_HYPOTHESIS_PROFILE), "
+            f"rotating seed: ATTNKIT_HYPOTHESIS_SEED={ROTATING_SEED}")

@@ -92,6 +92,3 @@ def test_bad_input_raises_clear_error(fn, error, name):
     assert any(word in message for word in ("expected", "Fix", "needs", "cannot", "does not")), message
     assert len(message) > 30
 
-
-def test_there_are_at_least_30_distinct_cases():
-    assert len(CASES) + len(CONSTRUCTION) >= 30

@@ -14,6 +14,8 @@ from attnkit.interop import HFMask, attnkit_mask, register_hf_attention  # noqa:
 from attnkit.registry import list_backends as backends  # noqa: E402
 from transformers import masking_utils  # noqa: E402
 
+from .reference import exact_backends_taking  # noqa: E402
+
 IMPLS = ("eager", "sdpa", "attnkit")
 ATOL = 1e-5
 
@@ -21,10 +23,6 @@ ATOL = 1e-5
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
     register_hf_attention()
-
-
-def exact_backends() -> list[str]:
-    return [name for name, impl in backends().items() if impl.exact and impl.available()]
 
 
 def run_all(model_cls, config, *, backend=None, **inputs):
@@ -73,26 +71,19 @@ def assert_close_on_tokens(outs, am):
         assert err <= ATOL, f"attnkit vs {impl}: {err}"
 
 
-@pytest.mark.parametrize("backend", exact_backends())
+@pytest.mark.parametrize("backend", exact_backends_taking(lambda B, T: Padding(torch.ones(B, T, dtype=torch.bool))))
 def test_bert_padding_every_exact_backend(backend):
     ids, am = batch(right=True)
-    try:
-        outs = run_all(transformers.BertModel, tiny_bert(), backend=backend, input_ids=ids, attention_mask=am)
-    except attnkit.NoBackendError as exc:
-        assert backend not in ("naive", "sdpa"), exc  # the reference backends run everything here
-        pytest.skip(f"{backend} cannot run this input: {exc}")
+    outs = run_all(transformers.BertModel, tiny_bert(), backend=backend, input_ids=ids, attention_mask=am)
     assert_close_on_tokens(outs, am)
 
 
-@pytest.mark.parametrize("backend", exact_backends())
+@pytest.mark.parametrize("backend", exact_backends_taking(
+    lambda B, T: Causal() & Padding(torch.ones(B, T, dtype=torch.bool))))
 def test_gpt2_left_padding_every_exact_backend(backend):
     ids, am = batch(right=False)
     config = transformers.GPT2Config(vocab_size=100, n_embd=64, n_layer=2, n_head=4, n_positions=64)
-    try:
-        outs = run_all(transformers.GPT2LMHeadModel, config, backend=backend, input_ids=ids, attention_mask=am)
-    except attnkit.NoBackendError as exc:
-        assert backend not in ("naive", "sdpa"), exc
-        pytest.skip(f"{backend} cannot run this input: {exc}")
+    outs = run_all(transformers.GPT2LMHeadModel, config, backend=backend, input_ids=ids, attention_mask=am)
     assert_close_on_tokens(outs, am)
 
 
@@ -102,17 +93,14 @@ def mistral_config(window=5):
                                       max_position_embeddings=128)
 
 
-@pytest.mark.parametrize("backend", exact_backends())
+@pytest.mark.parametrize("backend", exact_backends_taking(
+    lambda B, T: SlidingWindow(4, 0) & Padding(torch.ones(B, T, dtype=torch.bool))))
 def test_sliding_window_gqa_model_every_exact_backend(backend):
     """Mistral (GQA, sliding window 5 over 19 tokens, left padding): the window reaches attnkit as a
     structured SlidingWindow mask, so sliding-window backends can run it."""
     ids, am = batch(right=False)
-    try:
-        outs = run_all(transformers.MistralForCausalLM, mistral_config(), backend=backend, input_ids=ids,
-                       attention_mask=am)
-    except attnkit.NoBackendError as exc:
-        assert backend not in ("naive", "sdpa"), exc
-        pytest.skip(f"{backend} cannot run this input: {exc}")
+    outs = run_all(transformers.MistralForCausalLM, mistral_config(), backend=backend, input_ids=ids,
+                   attention_mask=am)
     assert_close_on_tokens(outs, am)
 
 

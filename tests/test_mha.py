@@ -30,12 +30,16 @@ def test_from_torch_matches_outputs_and_weights(bias):
             assert torch.allclose(ours(x, mask=mask), want, atol=1e-5)
 
 
-def test_gqa_shapes_and_backend_from_config():
+def test_gqa_shapes_and_backend_from_config(monkeypatch):
     cfg = AttentionConfig(64, 8, num_kv_heads=2, backend="naive")
     layer = MultiHeadAttention(cfg)
     assert layer.qkv_proj.out_features == (8 + 2 * 2) * 8
-    out = layer(torch.randn(2, 5, 64), mask=Causal())
+    naive, ran = attnkit.get_backend("naive"), []
+    forward = naive.forward
+    monkeypatch.setattr(naive, "forward", classmethod(lambda cls, inp, options: ran.append(inp.Hkv) or forward(inp, options)))
+    out = layer(torch.randn(2, 5, 64), mask=Causal())  # sdpa is what auto would pick here
     assert out.shape == (2, 5, 64)
+    assert ran == [2]  # the configured backend ran, once, with the unrepeated K/V heads
 
 
 @pytest.mark.parametrize("backend", ["naive", "tiled", "sdpa"])
