@@ -86,10 +86,7 @@ MASKS = {
 }
 # Behaviour not fixed yet, in one place: (mask name, predicate on the shape) -> reason. Strict: a
 # fix makes the case pass and the mark fail loudly, so it is dropped with the fix.
-KNOWN_FAILURES = {
-    "CustomBH": (lambda s: s.B > 1 or s.Hq > 1,
-                 "Custom masks are evaluated for batch 0 / head 0 only and broadcast (FlexAttention passes every b, h)"),
-}
+KNOWN_FAILURES: dict = {}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Long shapes run with the masks whose structure differs most; every mask runs on the others.
 LONG_MASKS = ("none", "Causal", "Causal&KeyPadding", "BigBird")

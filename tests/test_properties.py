@@ -35,13 +35,7 @@ BACKENDS = list(attnkit.list_backends())
 # Behaviour not fixed yet, in one place: name -> predicate(backend, mask, keep). Checks matching one
 # are not asserted by the property tests; each has a strict-xfail test below that fails loudly once
 # the behaviour is fixed (then drop the entry).
-KNOWN_WRONG = {
-    # lsh honours a mask when mask.is_causal(); `Causal() | Causal()` has only Causal leaves (so the
-    # registry accepts it) but is_causal() is False for an Or, and lsh then runs non-causally.
-    "lsh-or-of-causal": lambda backend, mask, keep: backend == "lsh" and mask is not None and not mask.is_causal(),
-    # block_sparse returns an output without grad_fn when the call's layout keeps nothing.
-    "block_sparse-empty": lambda backend, mask, keep: backend == "block_sparse" and not keep.any(),
-}
+KNOWN_WRONG: dict = {}
 
 
 def known_wrong(backend: str, mask, keep) -> str | None:
@@ -278,7 +272,6 @@ def test_select_agrees_with_explain(family, data):
     assert attnkit.get_backend(explanation.chosen).exact
 
 
-@pytest.mark.xfail(strict=True, reason="Custom masks are evaluated for batch 0 / head 0 only and broadcast")
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(data=st.data())
 def test_custom_masks_using_batch_and_head(data):
@@ -303,14 +296,12 @@ def test_lsh_honours_causal_written_twice():
     assert check_backend("lsh", call, Causal() & Causal(), qkv, do)
 
 
-@pytest.mark.xfail(strict=True, reason="lsh runs `Causal() | Causal()` non-causally (Or.is_causal() is False)")
 def test_lsh_honours_an_or_of_causal_masks():
     call = dict(B=1, Hq=2, Hkv=2, Tq=9, Tk=9, D=4, Dv=4, q_offset=None, kv_offset=0, end=9)
     qkv, do = tensors(call, torch.float64)
     assert check_backend("lsh", call, Causal() | Causal(), qkv, do, skip_known_wrong=False)
 
 
-@pytest.mark.xfail(strict=True, reason="block_sparse returns an output without grad_fn when its layout keeps nothing")
 def test_block_sparse_with_nothing_kept_still_has_gradients():
     """The layout has no block for the call's (query, key) positions: output 0, zero gradients."""
     call = dict(B=1, Hq=1, Hkv=1, Tq=1, Tk=1, D=2, Dv=2, q_offset=0, kv_offset=1, end=2)

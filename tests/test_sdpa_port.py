@@ -28,9 +28,6 @@ EXACT = [name for name, impl in attnkit.list_backends().items() if impl.exact]
 # (test name, backend) -> reason
 NOT_YET = {
     ("test_large_half_inputs_stay_finite", "naive"): "naive computes q·kᵀ in float16 before scaling: inf, then NaN",
-    ("test_scale_edge_cases", "sdpa-0.0"): "sdpa's is_causal path returns NaN for scale <= 0",
-    ("test_scale_edge_cases", "sdpa--0.5"): "sdpa's is_causal path returns NaN for scale <= 0",
-    ("test_top_left_causal_with_bias", "sdpa"): "sdpa's is_causal path trims K/V for Tq < Tk but not the bias",
 }
 
 

@@ -77,7 +77,7 @@ def _document_grid(ids: Tensor, q_offset, Tq, block_q, kv_offset, Tk, block_k) -
     return _status(full, empty)
 
 
-def _conjunct_grid(part: Mask, q_offset, Tq, block_q, kv_offset, Tk, block_k) -> Tensor:
+def _conjunct_grid(part: Mask, q_offset, Tq, block_q, kv_offset, Tk, block_k, batch_size=None, num_heads=None) -> Tensor:
     if isinstance(part, (Causal, SlidingWindow)):
         band = part.band()
         return _band_grid(band.left, band.right, _bounds(q_offset, Tq, block_q), _bounds(kv_offset, Tk, block_k))
@@ -94,11 +94,13 @@ def _conjunct_grid(part: Mask, q_offset, Tq, block_q, kv_offset, Tk, block_k) ->
         qr = (q_offset + q0, q_offset + min(q0 + block_q, Tq))
         for j, k0 in enumerate(range(0, Tk, block_k)):
             kr = (kv_offset + k0, kv_offset + min(k0 + block_k, Tk))
-            grid[i, j] = part.block_status(qr, kr, q_offset=q_offset, kv_offset=kv_offset).value
+            grid[i, j] = part.block_status(qr, kr, q_offset=q_offset, kv_offset=kv_offset, batch_size=batch_size,
+                                           num_heads=num_heads).value
     return grid
 
 
-def tile_grid(mask: Mask | None, Tq: int, Tk: int, q_offset: int, kv_offset: int, block_q: int, block_k: int) -> Tensor:
+def tile_grid(mask: Mask | None, Tq: int, Tk: int, q_offset: int, kv_offset: int, block_q: int, block_k: int,
+              batch_size: int | None = None, num_heads: int | None = None) -> Tensor:
     """``(ceil(Tq / block_q), ceil(Tk / block_k))`` uint8 on the CPU: the status of each tile over
     every batch and head (EMPTY < PARTIAL < FULL, so the AND of conjuncts is the elementwise min)."""
     shape = (-(-Tq // block_q), -(-Tk // block_k))
@@ -106,31 +108,35 @@ def tile_grid(mask: Mask | None, Tq: int, Tk: int, q_offset: int, kv_offset: int
         return torch.full(shape, FULL, dtype=torch.uint8)
     grid = None
     for part in mask.conjuncts():
-        g = _conjunct_grid(part, q_offset, Tq, block_q, kv_offset, Tk, block_k)
+        g = _conjunct_grid(part, q_offset, Tq, block_q, kv_offset, Tk, block_k, batch_size, num_heads)
         grid = g if grid is None else torch.minimum(grid, g)
     return grid.contiguous()
 
 
-def dead_keys(mask: Mask, Tq: int, Tk: int, q_offset: int, kv_offset: int, Hkv: int, device, chunk: int = 256) -> Tensor:
+def dead_keys(mask: Mask, Tq: int, Tk: int, q_offset: int, kv_offset: int, Hkv: int, device, chunk: int = 256,
+              batch_size: int | None = None, num_heads: int | None = None) -> Tensor:
     """Bool ``(B|1, Hkv|1, Tk)``: keys that no query of the call may attend (for grouped heads,
     dead for every query head of the group)."""
     seen = None
     for q0 in range(0, Tq, chunk):
         q1 = min(q0 + chunk, Tq)
-        keep = mask.evaluate((q_offset + q0, q_offset + q1), (kv_offset, kv_offset + Tk),
-                             q_offset=q_offset, kv_offset=kv_offset, device=device).any(dim=-2)
+        keep = mask.evaluate((q_offset + q0, q_offset + q1), (kv_offset, kv_offset + Tk), q_offset=q_offset,
+                             kv_offset=kv_offset, device=device, batch_size=batch_size,
+                             num_heads=num_heads).any(dim=-2)
         seen = keep if seen is None else seen | keep
     if seen.shape[1] not in (1, Hkv):  # per-query-head mask: a key is dead when its whole group misses it
         seen = seen.view(seen.shape[0], Hkv, -1, Tk).any(dim=2)
     return ~seen
 
 
-def zero_dead_keys(k: Tensor, v: Tensor, mask: Mask | None, Tq: int, q_offset: int, kv_offset: int) -> tuple[Tensor, Tensor]:
+def zero_dead_keys(k: Tensor, v: Tensor, mask: Mask | None, Tq: int, q_offset: int, kv_offset: int,
+                   batch_size: int | None = None, num_heads: int | None = None) -> tuple[Tensor, Tensor]:
     """K and V with the keys no query may see zeroed when K or V hold NaN/Inf (so ``0 * NaN``
     cannot leak into outputs or gradients); unchanged, with no copy, when both are finite."""
     if mask is None or (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
         return k, v
-    dead = dead_keys(mask, Tq, k.shape[2], q_offset, kv_offset, k.shape[1], k.device)
+    dead = dead_keys(mask, Tq, k.shape[2], q_offset, kv_offset, k.shape[1], k.device, batch_size=batch_size,
+                     num_heads=num_heads)
     if not bool(dead.any()):
         return k, v
     return k.masked_fill(dead[..., None], 0), v.masked_fill(dead[..., None], 0)

@@ -79,8 +79,8 @@ def _mask_mod(mask: Mask, B: int, H: int, q_offset: int, kv_offset: int, Tq: int
     indices kept inside the mask's own sizes, out-of-range indices of a ragged last block clamped
     (Flex may evaluate them; they are masked out of the result anyway). The offsets travel as a
     tensor, so a new offset (a cache that grew) reuses the compiled kernel."""
-    per_batch = mask.batch_size not in (None, 1)
-    per_head = mask.num_heads not in (None, 1)
+    per_batch = mask.depends_on_batch and mask.batch_size != 1  # Custom masks see every b and h
+    per_head = mask.depends_on_head and mask.num_heads != 1
     # Band conjuncts (Causal, SlidingWindow) as index arithmetic on their bounds, and every integer
     # as a captured tensor: inductor's CPU Flex template (torch 2.13) fails to compile index
     # arithmetic with Python constants (and SlidingWindow.mask_mod's boolean constant).
@@ -127,7 +127,7 @@ def block_mask(mask: Mask | None, inp: AttentionInputs):
 def build_block_mask(mask: Mask, B: int, H: int, Tq: int, Tk: int, q_offset: int, kv_offset: int, device):
     """A Flex ``BlockMask`` from attnkit's tile statuses: PARTIAL blocks in ``kv_indices`` (run with
     the ``mask_mod``), FULL blocks in ``full_kv_indices`` (run unmasked), EMPTY blocks left out."""
-    grid = tile_grid(mask, Tq, Tk, q_offset, kv_offset, BLOCK, BLOCK)  # (nQ, nK) uint8
+    grid = tile_grid(mask, Tq, Tk, q_offset, kv_offset, BLOCK, BLOCK, B, H)  # (nQ, nK) uint8
     partial, full = grid == PARTIAL, grid == FULL
 
     def ordered(sel):  # selected block indices first in each row, as Flex expects
@@ -205,7 +205,7 @@ class Flex(Backend):
         first = options.compile and dev not in _STATE["compiled"]
         fn = _compiled(dev, options.compile)
         bm, _ = block_mask(inp.mask, inp)
-        k, v = zero_dead_keys(inp.k, inp.v, inp.mask, inp.Tq, inp.q_offset, inp.kv_offset)
+        k, v = zero_dead_keys(inp.k, inp.v, inp.mask, inp.Tq, inp.q_offset, inp.kv_offset, inp.B, inp.Hq)
         kwargs = dict(block_mask=bm, scale=inp.scale, enable_gqa=inp.groups > 1)
         if inp.bias is not None:
             kwargs["score_mod"] = _score_mod(inp.bias)

@@ -31,8 +31,9 @@ from torch import Tensor
 from ..csrc import build as csrc_build
 from ..inputs import AttentionInputs
 from ..masks import And, BlockSparse, Causal, Document, KeyPadding, Mask, Padding, SlidingWindow
+from ._common import nonfinite_keys, nonfinite_queries, poison_rows, zero_keys
 from ..registry import Backend, register_backend
-from ._tiles import PARTIAL, tile_grid, zero_dead_keys
+from ._tiles import PARTIAL, tile_grid
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,8 @@ class _Plan:
     block_k: int
 
 
-def _build_plan(mask: Mask | None, B: int, Tq: int, Tk: int, q_offset: int, kv_offset: int, bq: int, bk: int) -> _Plan:
-    grid = tile_grid(mask, Tq, Tk, q_offset, kv_offset, bq, bk)
+def _build_plan(mask: Mask | None, B: int, H: int, Tq: int, Tk: int, q_offset: int, kv_offset: int, bq: int, bk: int) -> _Plan:
+    grid = tile_grid(mask, Tq, Tk, q_offset, kv_offset, bq, bk, B, H)
     left = right = None
     lengths, valid, doc, layout, layout_bs, extras = None, None, None, None, 1, []
     for part in () if mask is None else mask.conjuncts():
@@ -108,7 +109,7 @@ def _build_plan(mask: Mask | None, B: int, Tq: int, Tk: int, q_offset: int, kv_o
     extra_index, extra = _EMPTY_LONG, _EMPTY_BYTE
     if extras:
         extra_index, extra = _keep_tiles(extras[0] if len(extras) == 1 else And(*extras), grid, Tq, Tk, q_offset,
-                                         kv_offset, bq, bk)
+                                         kv_offset, bq, bk, B, H)
     band = [int(left is not None), left or 0, int(right is not None), right or 0]
     args = (grid, band, _or(lengths, _EMPTY_LONG), _or(valid, _EMPTY_BOOL), _or(doc, _EMPTY_LONG),
             _or(layout, _EMPTY_BOOL), layout_bs, extra_index, extra)
@@ -119,7 +120,7 @@ def _or(x, default):
     return default if x is None else x
 
 
-def _keep_tiles(mask: Mask, grid: Tensor, Tq, Tk, q_offset, kv_offset, bq, bk) -> tuple[Tensor, Tensor]:
+def _keep_tiles(mask: Mask, grid: Tensor, Tq, Tk, q_offset, kv_offset, bq, bk, B, H) -> tuple[Tensor, Tensor]:
     """Byte keep tiles ``(n, Bx, Hx, bq, bk)`` of ``mask`` for the PARTIAL tiles of ``grid`` and
     their index ``(nQ, nK)`` (-1 elsewhere)."""
     rows, cols = torch.nonzero(grid == PARTIAL, as_tuple=True)
@@ -130,7 +131,7 @@ def _keep_tiles(mask: Mask, grid: Tensor, Tq, Tk, q_offset, kv_offset, bq, bk) -
         q0, k0 = r * bq, c * bk
         q1, k1 = min(q0 + bq, Tq), min(k0 + bk, Tk)
         keep = mask.evaluate((q_offset + q0, q_offset + q1), (kv_offset + k0, kv_offset + k1),
-                             q_offset=q_offset, kv_offset=kv_offset).cpu()
+                             q_offset=q_offset, kv_offset=kv_offset, batch_size=B, num_heads=H).cpu()
         tiles.append(torch.nn.functional.pad(keep.to(torch.uint8), (0, bk - (k1 - k0), 0, bq - (q1 - q0))))
     if not tiles:
         return index, torch.zeros((0, 1, 1, bq, bk), dtype=torch.uint8)
@@ -144,12 +145,12 @@ _MAX_PLANS = 32
 
 def plan_for(inp: AttentionInputs, options: NativeOptions) -> _Plan:
     """The cached plan for ``inp`` (a model's layers share one mask: built once per forward)."""
-    key = (inp.mask, inp.B, inp.Tq, inp.Tk, inp.q_offset, inp.kv_offset, options.block_q, options.block_k)
+    key = (inp.mask, inp.B, inp.Hq, inp.Tq, inp.Tk, inp.q_offset, inp.kv_offset, options.block_q, options.block_k)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
-        plan = _PLANS[key] = _build_plan(inp.mask, inp.B, inp.Tq, inp.Tk, inp.q_offset, inp.kv_offset,
+        plan = _PLANS[key] = _build_plan(inp.mask, inp.B, inp.Hq, inp.Tq, inp.Tk, inp.q_offset, inp.kv_offset,
                                          options.block_q, options.block_k)
     return plan
 
@@ -213,10 +214,23 @@ class Native(Backend):
                 side = layout.block_size * -(-32 // layout.block_size)
                 options = NativeOptions(side, side)
         plan = plan_for(inp, options)
-        k, v = zero_dead_keys(inp.k, inp.v, inp.mask, inp.Tq, inp.q_offset, inp.kv_offset)
-        q = inp.q
+        # NaN/Inf contract, row by row: flagged keys are zeroed and V gets one more column, 1 on them;
+        # a row's weight on that column is > 0 exactly when it attends a flagged key. (A CPU-only
+        # kernel: asking the host whether any key is flagged costs no device stall.)
+        bad = nonfinite_keys(inp)
+        if bad is not None and not bool(bad.any()):
+            bad = None
+        q, k, v = inp.q, inp.k, inp.v
+        if bad is not None:
+            k, v = zero_keys(k, v, bad)
+            v = torch.cat([v, bad[..., None].to(v.dtype)], dim=-1)
         if inp.dtype in (torch.float16, torch.bfloat16):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
         out, lse = _NativeFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan)
+        hit = nonfinite_queries(inp.q)  # a NaN/Inf query makes its own row NaN, whatever the kernel skips
+        if bad is not None:
+            hit = hit | (out[..., -1] > 0)
+            out = out[..., :-1]
+        out, lse = poison_rows(out, lse, hit)
         out = out.to(inp.dtype)
         return (out, lse) if inp.return_lse else out

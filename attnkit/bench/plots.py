@@ -31,10 +31,13 @@ STYLES = {
     "linear": ("#ff7f0e", "P"),
     "performer": ("#e377c2", "X"),
     "lsh": ("#17becf", "*"),
+    "native": ("#bcbd22", "p"),
+    "flex": ("#7f7f7f", "h"),
+    "decode": ("#aec7e8", "<"),
     "auto": ("#000000", "x"),
 }
-_SPARE = ["#7f7f7f", "#bcbd22", "#aec7e8", "#98df8a", "#ff9896", "#c5b0d5"]
-_SPARE_MARKERS = ["h", "p", "<", ">", "d", "8"]
+_SPARE = ["#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d"]
+_SPARE_MARKERS = [">", "d", "8", "H", "1", "2"]
 APPROXIMATE = frozenset({"linear", "performer", "lsh"})
 
 

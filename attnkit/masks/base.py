@@ -433,6 +433,9 @@ class And(_Combination):
 class Or(_Combination):
     """Keep where any part keeps."""
 
+    def is_causal(self):
+        return all(p.is_causal() for p in self.parts)  # Causal() | Causal() is Causal()
+
     def band(self):
         bands = [p.band() for p in self.parts]
         loosest = lambda xs: None if any(x is None for x in xs) else max(xs)  # noqa: E731
