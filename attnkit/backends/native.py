@@ -227,7 +227,8 @@ class Native(Backend):
         if inp.dtype in (torch.float16, torch.bfloat16):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
         out, lse = _NativeFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan)
-        hit = nonfinite_queries(inp.q)  # a NaN/Inf query makes its own row NaN, whatever the kernel skips
+        # a NaN/Inf query makes its own row NaN (a row with no allowed key stays 0), whatever the kernel skips
+        hit = nonfinite_queries(inp.q) & (lse != float("-inf"))
         if bad is not None:
             hit = hit | (out[..., -1] > 0)
             out = out[..., :-1]
