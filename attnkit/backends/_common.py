@@ -19,6 +19,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from ..hardware import half_matmul_is_fast
 from ..inputs import AttentionInputs
 
 
@@ -148,9 +149,13 @@ def mask_on(mask, inp: AttentionInputs, q_pos: Tensor, k_pos: Tensor) -> Tensor:
 
 
 def upcast_on_cpu(inp: AttentionInputs) -> AttentionInputs:
-    """float16/bfloat16 inputs on CPU as float32 (half-precision matmuls without hardware support
-    run ~100x slower there, and float32 products round less); the caller casts the output back."""
+    """float16/bfloat16 inputs on a CPU whose half-precision matmuls are slower than float32 (measured:
+    :func:`attnkit.hardware.half_matmul_is_fast`; without hardware support they run ~100x slower)
+    as float32; the caller casts the output back. Kept as they are for forward-only calls where the CPU
+    has fast ones (gradients keep float32 tiles: their cancellations need the precision)."""
     if inp.device.type != "cpu" or inp.dtype not in (torch.float16, torch.bfloat16):
+        return inp
+    if not inp.requires_grad and half_matmul_is_fast(inp.dtype):
         return inp
     return dataclasses.replace(inp, q=inp.q.float(), k=inp.k.float(), v=inp.v.float())
 

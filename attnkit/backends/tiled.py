@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .._validate import check_bool, positive_int
+from ..hardware import half_matmul_is_fast
 from ..inputs import AttentionInputs
 from ..masks import BlockStatus, Mask
 from ..score_mods import ScoreMod
@@ -36,8 +37,9 @@ class TiledOptions:
     ``B * Hq * block_q * block_k`` floats: 4 MiB at B=1, Hq=8 and the defaults, measured best of
     256..1024 x 512..4096 at n=4096 on a 2-core CPU).
 
-    ``upcast``: run the tile matmuls of float16/bfloat16 inputs in float32 (``None``: on CPU, where
-    half-precision matmuls without hardware support run ~100x slower than float32)."""
+    ``upcast``: run the tile matmuls of float16/bfloat16 inputs in float32 (``None``: on a CPU whose
+    half-precision matmuls are slower than float32, measured once by
+    :func:`attnkit.hardware.half_matmul_is_fast`; without hardware support they run ~100x slower)."""
 
     block_q: int = 256
     block_k: int = 512
@@ -247,7 +249,9 @@ def _backward(plan: _Plan, q, k, v, bias, sinks, out, lse, dout, dlse, need_dbia
             s5.sub_(lse_safe[:, :, :, q0:q1, None]).exp_()  # p; 0 for masked keys and rows
             p = s.to(q.dtype)
             dv[:, :, k0:k1] += torch.matmul(p.transpose(-2, -1), dot).to(acc_dtype)
-            dp = torch.matmul(dot, vt.transpose(-2, -1)).to(acc_dtype).view(B, Hkv, G, n, m)
+            # dp in the accumulation dtype: ds = p * (dp - delta) cancels, and a half-precision dp
+            # would leave its rounding in ds (dk = 0 exactly when Tk = 1 came out ~1e-2 in bf16).
+            dp = torch.matmul(dot.to(acc_dtype), vt.to(acc_dtype).transpose(-2, -1)).view(B, Hkv, G, n, m)
             ds5 = dp.sub_(delta[:, :, :, q0:q1, None]).mul_(s5)  # (B, Hkv, G, n, m)
             if raw is not None:  # chain rule through the modifier: to the raw scores and its tensors
                 grads = torch.autograd.grad(modded, [raw, *mod_params], ds5)
@@ -360,7 +364,10 @@ class TiledBackend(Backend):
         bad = nonfinite_keys(inp)
         clean = finite_kv(inp, bad)
         q, k, v = clean.q.contiguous(), clean.k.contiguous(), clean.v.contiguous()
-        upcast = options.upcast if options.upcast is not None else inp.device.type == "cpu"
+        upcast = options.upcast
+        if upcast is None:  # measured: half-precision tiles only where this CPU multiplies them fast, and
+            # only without gradients (the backward's cancellations need float32 tiles)
+            upcast = inp.device.type == "cpu" and (inp.requires_grad or not half_matmul_is_fast(inp.dtype))
         if upcast and inp.dtype in (torch.float16, torch.bfloat16):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
         out, lse, hit = _TiledFunction.apply(q, k, v, bias, inp.sinks, bad, plan, _flat_params(inp.score_mod))
