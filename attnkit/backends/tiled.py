@@ -367,7 +367,8 @@ class TiledBackend(Backend):
         upcast = options.upcast
         if upcast is None:  # measured: half-precision tiles only where this CPU multiplies them fast, and
             # only without gradients (the backward's cancellations need float32 tiles)
-            upcast = inp.device.type == "cpu" and (inp.requires_grad or not half_matmul_is_fast(inp.dtype))
+            upcast = inp.device.type == "cpu" and inp.dtype in (torch.float16, torch.bfloat16) and (
+                inp.requires_grad or not half_matmul_is_fast(inp.dtype))
         if upcast and inp.dtype in (torch.float16, torch.bfloat16):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
         out, lse, hit = _TiledFunction.apply(q, k, v, bias, inp.sinks, bad, plan, _flat_params(inp.score_mod))
