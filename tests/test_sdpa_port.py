@@ -27,7 +27,6 @@ EXACT = [name for name, impl in attnkit.list_backends().items() if impl.exact]
 
 # (test name, backend) -> reason
 NOT_YET = {
-    ("test_large_half_inputs_stay_finite", "naive"): "naive computes q·kᵀ in float16 before scaling: inf, then NaN",
 }
 
 
@@ -60,7 +59,7 @@ def test_large_half_inputs_stay_finite(backend):
     q, k, v, kwargs = _large_half()
     out = attnkit.attention(q, k, v, backend=backend, **kwargs)
     assert torch.isfinite(out).all()
-    assert torch.equal(out, torch.full_like(out, 256.0))
+    assert (out.float() - 256.0).abs().max() <= 0.25  # one float16 ulp at 256 (p @ v rounds in fp16)
 
 
 def _masked_rows():
