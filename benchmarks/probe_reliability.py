@@ -178,6 +178,111 @@ def p_generate_right_padded():
     return both[1, -4:].tolist() == alone[0, -4:].tolist()
 
 
+# -- valid inputs, second round -----------------------------------------------------------------------
+class _Lengths:
+    """A model that keeps per-batch key lengths on itself and masks through a bound method."""
+
+    def __init__(self, n):
+        self.lengths = torch.tensor([n])
+
+    def keep(self, b, h, qi, ki):
+        return ki < self.lengths[b]
+
+
+def p_custom_fresh_plan(backend):
+    q = torch.randn(1, 2, 300, 16, generator=torch.Generator().manual_seed(3))
+    m = _Lengths(300)
+    attnkit.attention(q, q, q, mask=Custom(m.keep), backend=backend)
+    m.lengths = torch.tensor([10])
+    out = attnkit.attention(q, q, q, mask=Custom(m.keep), backend=backend)
+    keep = (torch.arange(300) < 10)[None, None, None, :]
+    return close(out, reference(q, q, q, keep))
+
+
+def p_window_dense_before_keys():
+    q, k, v = qkv(B=1, T=7)
+    q, k, v = q[:, :, :7], k[:, :, :5], v[:, :, :5]  # Tq=7 > Tk=5: queries start before the keys
+    dense = torch.rand(7, 5, generator=torch.Generator().manual_seed(1)) > 0.3
+    out = attnkit.attention(q, k, v, mask=attnkit.SlidingWindow(2, 0) & dense, backend="sliding_window")
+    qp, kp = torch.arange(-2, 5)[:, None], torch.arange(5)[None, :]
+    keep = dense & (kp <= qp) & (kp >= qp - 2)
+    return close(out, reference(q, k, v, keep[None, None]))
+
+
+def p_window_sink_lse():
+    q, k, v = qkv(B=1, T=8)
+    sinks = torch.tensor([0.3, -1.2])
+    _, lse = attnkit.attention(q[:, :, :3], k, v, mask=attnkit.SlidingWindow(2, 0), q_offset=40, sinks=sinks,
+                               return_lse=True, backend="sliding_window")
+    return torch.allclose(lse, sinks[None, :, None].expand_as(lse))
+
+
+def p_block_sparse_hidden_nan_mod():
+    from attnkit.score_mods import CustomScoreMod
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 2, 23, 8, generator=g).requires_grad_()
+    k = torch.randn(1, 2, 37, 8, generator=g).requires_grad_()
+    v = torch.randn(1, 2, 37, 8, generator=g).requires_grad_()
+    mask = attnkit.BlockSparse(torch.rand(10, 10, generator=g) > 0.4, 4) & Causal()
+    mod = CustomScoreMod(lambda s, b, h, qi, ki: torch.where(ki > qi, float("nan"), s))  # NaN at hidden pairs only
+    out = attnkit.attention(q, k, v, mask=mask, score_mod=mod, backend="block_sparse")
+    out.sum().backward()
+    return all(bool(torch.isfinite(t).all()) for t in (out, q.grad, k.grad, v.grad))
+
+
+def p_softcap_after_float_mask():
+    from attnkit.score_mods import SoftCap
+
+    q, k, v = qkv(B=1, T=12)
+    keep = torch.ones(12, 12, dtype=torch.bool).tril()
+    float_mask = torch.zeros(12, 12).masked_fill(~keep, float("-inf"))
+    out = attnkit.attention(q, k, v, float_mask, score_mod=SoftCap(0.5))
+    s = q.double() @ k.double().transpose(-1, -2) * 8 ** -0.5
+    s = (0.5 * torch.tanh(s / 0.5)).masked_fill(~keep, float("-inf"))
+    return close(out, torch.softmax(s, -1) @ v.double())
+
+
+def p_tiled_infinite_sink():
+    q, k, v = qkv(B=1, T=16)
+    out, lse = attnkit.attention(q, k, v, mask=Causal(), sinks=torch.tensor([float("inf"), 0.0]), return_lse=True,
+                                 backend="tiled")
+    return bool((out[:, 0] == 0).all()) and bool((lse[:, 0] == float("inf")).all()) and bool(torch.isfinite(out).all())
+
+
+def p_relative_bias_short_distance():
+    from attnkit.score_mods import RelativeBias
+
+    q, k, v = qkv(B=1, T=16)
+    try:
+        mod = RelativeBias(torch.randn(2, 8), max_distance=2)
+        out = attnkit.attention(q, k, v, score_mod=mod, backend="naive")
+    except ValueError as exc:
+        return "max_distance" in str(exc)
+    buckets = mod.buckets(torch.arange(16)[:, None], torch.arange(16)[None, :])
+    bias = mod.table[:, buckets][None]
+    return bool(((buckets >= 0) & (buckets < 8)).all()) and close(out, reference(q, k, v, bias=bias))
+
+
+def p_batch_zero(backend, mask_kind):
+    q = torch.randn(0, 4, 9, 8)
+    k = v = torch.randn(0, 2, 9, 8)
+    mask = (Custom(lambda b, h, qi, ki: ki <= qi) if mask_kind == "Custom"
+            else torch.ones(9, 9, dtype=torch.bool).tril())
+    out = attnkit.attention(q, k, v, mask=mask, backend=backend)
+    return out.shape == (0, 4, 9, 8)
+
+
+def n_wrong_shape_mod(backend):
+    from attnkit.score_mods import CustomScoreMod
+
+    q, k, v = qkv(B=1, T=16)
+    mod = CustomScoreMod(lambda s, b, h, qi, ki: s.unsqueeze(0))
+    mask = attnkit.SlidingWindow(4, 0) if backend == "sliding_window" else (
+        attnkit.BlockSparse(torch.ones(2, 2, dtype=torch.bool), 8) if backend == "block_sparse" else Causal())
+    return lambda: attnkit.attention(q, k, v, mask=mask, score_mod=mod, backend=backend)
+
+
 # -- nonsense: must be refused clearly ---------------------------------------------------------------
 def n_attention(**kwargs):
     q, k, v = qkv()
@@ -277,6 +382,28 @@ PROBES: list[tuple[str, str, object, str]] = [
     ("train --weight-decay -1", "cli", cli("train", "--weight-decay", "-1", "--steps", "1"), "weight-decay"),
     ("info --shape 1,2", "cli", cli("info", "--shape", "1,2"), "shape"),
     ("info --backend nope", "cli", cli("info", "--shape", "1,8,64,64", "--backend", "nope"), "backend"),
+    *[(f"Custom over fresh per-batch state ({b})", "value", (lambda b=b: p_custom_fresh_plan(b)), "")
+      for b in ("auto", "native")],
+    ("sliding_window & Dense, Tq > Tk", "value", p_window_dense_before_keys, ""),
+    ("sliding_window: sink LSE past the keys", "value", p_window_sink_lse, ""),
+    ("block_sparse: NaN score mod at hidden pairs", "value", p_block_sparse_hidden_nan_mod, ""),
+    ("soft-cap after a float attn_mask", "value", p_softcap_after_float_mask, ""),
+    ("tiled: sinks=+inf", "value", p_tiled_infinite_sink, ""),
+    ("RelativeBias(max_distance=2)", "value", p_relative_bias_short_distance, ""),
+    *[(f"B=0 ({b}, {m})", "value", (lambda b=b, m=m: p_batch_zero(b, m)), "")
+      for b in ("sliding_window", "block_sparse") for m in ("Custom", "Dense")],
+    *[(f"score_mod of the wrong shape ({b})", "reject", n_wrong_shape_mod(b), "score_mod")
+      for b in ("naive", "tiled", "sliding_window", "block_sparse")],
+    ("train --initializer-range nan", "cli", cli("train", "--initializer-range", "nan", "--steps", "1"),
+     "initializer-range"),
+    ("train --initializer-range -1", "cli", cli("train", "--initializer-range", "-1", "--steps", "1"),
+     "initializer-range"),
+    ("train --log-every 0", "cli", cli("train", "--log-every", "0", "--steps", "1"), "log-every"),
+    ("info --shape 1,2,1e9,8", "cli", cli("info", "--shape", "1,2,1000000000,8"), "shape"),
+    ("info --mask padding:999999", "cli", cli("info", "--shape", "1,2,64,8", "--mask", "padding:999999"), "mask"),
+    ("embed --max-length -1", "cli", cli("embed", "--max-length", "-1", "hello"), "max-length"),
+    ("embed --max-length 0", "cli", cli("embed", "--max-length", "0", "hello"), "max-length"),
+    ("generate --max-new-tokens 0", "cli", cli("generate", "--max-new-tokens", "0", "no-such-run"), "max-new-tokens"),
 ]
 
 
