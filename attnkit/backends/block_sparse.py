@@ -83,8 +83,8 @@ class BlockSparseBackend(Backend):
             keep = mask_on(inp.mask, inp, q_in, k_pos.clamp(inp.kv_offset, inp.kv_offset + Tk - 1))
             in_call = (k_pos >= inp.kv_offset) & (k_pos < inp.kv_offset + Tk)
             keep = grouped(keep & in_call[:, None, :], Hkv)  # (B|1, Hkv|1, n, G|1, bs, r*bs)
-            kg = k[:, :, cols].view(B, Hkv, n, r * bs, D)
-            vg = v[:, :, cols].view(B, Hkv, n, r * bs, Dv)
+            kg = k[:, :, cols].reshape(B, Hkv, n, r * bs, D)  # reshape: a strided k gathers strided
+            vg = v[:, :, cols].reshape(B, Hkv, n, r * bs, Dv)
             qg = q[:, :, rows].reshape(B, Hkv, n, G * bs, D)
             s = torch.matmul(qg, kg.transpose(-2, -1)).to(torch.promote_types(inp.dtype, torch.float32))
             s = s.view(B, Hkv, n, G, bs, r * bs)
