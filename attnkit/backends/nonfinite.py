@@ -65,10 +65,14 @@ def all_finite(inp: AttentionInputs) -> bool:
     """Whether q (and K, V unless ``inp.kv_finite``) hold finite values only: one sum each, read-only,
     accumulated in float32 (float64 for float64 inputs). An overflowing sum answers False (the slow
     path then finds every entry finite: correct, only slower)."""
-    acc = torch.float64 if inp.dtype == torch.float64 else torch.float32
-    total = inp.q.sum(dtype=acc).item()
-    if not inp.kv_finite:
-        total += inp.k.sum(dtype=acc).item() + inp.v.sum(dtype=acc).item()
+    if inp.dtype in (torch.float16, torch.bfloat16):  # their own sums would overflow at 65504 (fp16)
+        total = inp.q.sum(dtype=torch.float32).item()
+        if not inp.kv_finite:
+            total += inp.k.sum(dtype=torch.float32).item() + inp.v.sum(dtype=torch.float32).item()
+    else:  # plain sums (float32/64 accumulate in their own dtype): the cheapest call per decode step
+        total = inp.q.sum().item()
+        if not inp.kv_finite:
+            total += inp.k.sum().item() + inp.v.sum().item()
     return math.isfinite(total)
 
 
