@@ -204,3 +204,38 @@ def test_flex_keeps_nonfinite_values_from_rows_that_cannot_see_them():
     sees[0, 2:4, 20:] = True
     assert torch.isnan(out[sees]).all(-1).all()
     torch.testing.assert_close(out[~sees], clean[~sees], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["naive", "tiled", "sliding_window", "block_sparse"])
+def test_lse_is_poisoned_with_its_rows(backend):
+    mask = _masks()[backend]
+    q, k, v = _qkv(seed=7)
+    clean_out, clean_lse = attnkit.attention(q, k, v, mask=mask, backend=backend, return_lse=True)
+    k[0, 0, 9, 2] = NAN
+    out, lse = attnkit.attention(q, k, v, mask=mask, backend=backend, return_lse=True)
+    rows = torch.isnan(out).any(-1)
+    assert rows[0, :2, 9].all() and not rows[0, :2, :9].any()
+    assert torch.equal(torch.isnan(lse), rows)
+    assert torch.equal(lse[~rows], clean_lse[~rows]) and torch.equal(out[~rows], clean_out[~rows])
+
+
+@pytest.mark.parametrize("backend", ["naive", "sdpa", "tiled", "decode"])
+def test_hidden_nan_keys_leave_the_gradients_alone(backend):
+    """The slow path is differentiable: rows that cannot see the bad keys get the gradients they
+    would get without them, and the bad entries get 0 (not NaN)."""
+    mask = _masks()[backend]  # batch 2 sees 17 keys
+    q, k, v = _qkv(seed=8)
+    k2, v2 = k.clone(), v.clone()
+    k2[2, :, 30:] = NAN
+    v2[2, :, 20:] = INF
+    grads = []
+    for kk, vv in ((k, v), (k2, v2)):
+        leaves = [x.clone().requires_grad_() for x in (q, kk, vv)]
+        out = attnkit.attention(*leaves, mask=mask, backend=backend)
+        out.pow(2).sum().backward()
+        grads.append([x.grad for x in leaves])
+    (dq, dk, dv), (dq2, dk2, dv2) = grads
+    torch.testing.assert_close(dq2, dq)
+    assert torch.isfinite(dk2).all() and torch.isfinite(dv2).all()
+    assert torch.equal(dk2[2, :, 30:], torch.zeros_like(dk2[2, :, 30:]))
+    torch.testing.assert_close(dk2[:, :, :20], dk[:, :, :20])
