@@ -239,3 +239,14 @@ def test_hidden_nan_keys_leave_the_gradients_alone(backend):
     assert torch.isfinite(dk2).all() and torch.isfinite(dv2).all()
     assert torch.equal(dk2[2, :, 30:], torch.zeros_like(dk2[2, :, 30:]))
     torch.testing.assert_close(dk2[:, :, :20], dk[:, :, :20])
+
+
+def test_vmap_over_keys_alone_takes_the_sync_free_form():
+    q, k, v = _qkv(seed=9)
+    ks = torch.stack([k, k.flip(2)])
+    ks[1, 0, 1, 40, 0] = NAN  # seen by rows 40.. of query heads 2, 3 in batch 0 of the second map
+    mapped = torch.vmap(lambda k_: attnkit.attention(q, k_, v, mask=Causal(), backend="naive"))(ks)
+    looped = torch.stack([attnkit.attention(q, ks[i], v, mask=Causal(), backend="naive") for i in range(2)])
+    assert torch.equal(torch.isnan(mapped), torch.isnan(looped))
+    torch.testing.assert_close(mapped.nan_to_num(0.0), looped.nan_to_num(0.0))
+    assert torch.isnan(mapped[1, 0, 2:4, 40:]).all() and torch.isfinite(mapped[1, 0, 2:4, :40]).all()
