@@ -169,6 +169,7 @@ class Backend:
             "lse": cls.supports_lse,
             "score_mod": cls.supports_score_mod,
             "sinks": cls.supports_sinks,
+            "nonfinite": cls.nonfinite,
             "summary": cls.summary,
         }
 

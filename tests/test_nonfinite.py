@@ -250,3 +250,8 @@ def test_vmap_over_keys_alone_takes_the_sync_free_form():
     assert torch.equal(torch.isnan(mapped), torch.isnan(looped))
     torch.testing.assert_close(mapped.nan_to_num(0.0), looped.nan_to_num(0.0))
     assert torch.isnan(mapped[1, 0, 2:4, 40:]).all() and torch.isfinite(mapped[1, 0, 2:4, :40]).all()
+
+
+def test_every_builtin_backend_declares_who_keeps_the_contract():
+    for name, impl in attnkit.list_backends().items():
+        assert impl.capabilities()["nonfinite"] in ("policy", "self"), name
