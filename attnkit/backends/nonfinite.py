@@ -24,7 +24,9 @@ masked away and at visible positions reaches exactly the rows that see it.
 
 On the CPU the host branches on the one check (no device to stall). Elsewhere, and under
 ``torch.compile`` or ``torch.func`` transforms, the slow path runs unconditionally in a form that
-never reads a value on the host (no ``.item()``, no ``nonzero``).
+never reads a value on the host (no ``.item()``, no ``nonzero``): it zeroes by flags and evaluates
+the mask over all (query, key) pairs, a chunk of query rows at a time. A kernel that drops bad keys
+per tile itself (the way to make that form free) declares ``nonfinite = "self"``.
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ def host_may_branch(inp: AttentionInputs) -> bool:
 
 
 def all_finite(inp: AttentionInputs) -> bool:
-    """Whether q (and K, V unless ``inp.kv_finite``) hold finite values only: one sum each, read-only,
-    accumulated in float32 (float64 for float64 inputs). An overflowing sum answers False (the slow
+    """Whether q (and K, V unless ``inp.kv_finite``) hold finite values only: one read-only sum each
+    (accumulated in float32 for float16/bfloat16 inputs). An overflowing sum answers False (the slow
     path then finds every entry finite: correct, only slower)."""
     if inp.dtype in (torch.float16, torch.bfloat16):  # their own sums would overflow at 65504 (fp16)
         total = inp.q.sum(dtype=torch.float32).item()
