@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .backends import nonfinite
 from .dispatch import select
 from .inputs import AttentionInputs
 from .masks import Mask
@@ -33,6 +34,7 @@ def attention(
     score_mod=None,
     sinks: Tensor | None = None,
     enable_gqa: bool = True,
+    kv_finite: bool | None = None,
 ):
     """Scaled dot-product attention ``softmax(q kᵀ · scale + bias) v`` under a mask.
 
@@ -76,6 +78,10 @@ def attention(
         sinks: ``(Hq,)`` float logits, one per query head (gpt-oss): each joins its rows' softmax
             normaliser and contributes no value, so rows can attend "nothing"; learnable.
         enable_gqa: accepted for SDPA compatibility; grouped K/V heads are always supported.
+        kv_finite: ``True`` vouches that every entry of ``k`` and ``v`` is finite (a KV cache that
+            checks each token as it is written), so the call skips its finiteness scan of K/V.
+            ``None`` (default): K/V are scanned (one read-only sum each). Passing True for K/V that
+            do hold NaN/Inf voids the guarantee below for the rows that may not see them.
 
     NaN and Inf (every backend):
         NaN in what a query row may attend — its query, or the key, value or bias entry of a key
@@ -83,6 +89,8 @@ def attention(
         ±Inf, or weight 0 for a key whose score is -Inf). NaN/Inf in what a row may not see
         (masked keys, keys only later queries see, padding) changes nothing in that row, and a
         row with no allowed key is 0 whatever its inputs hold. ``scale`` NaN/±Inf is refused.
+        Finite inputs pay one read-only sum over q, K and V for this (see
+        :mod:`attnkit.backends.nonfinite`); only a call whose inputs hold NaN/Inf takes the slow path.
 
     Returns:
         ``out (B, Hq, Tq, Dv)`` in q's dtype, or ``(out, lse)`` with ``return_lse=True``.
@@ -100,17 +108,17 @@ def attention(
             return attention(
                 cast(q), cast(k), cast(v), attn_mask, dropout_p, is_causal, scale, mask=mask, bias=bias,
                 q_offset=q_offset, kv_offset=kv_offset, backend=backend, options=options, return_lse=return_lse,
-                score_mod=score_mod, sinks=sinks,
+                score_mod=score_mod, sinks=sinks, kv_finite=kv_finite,
             )
     inp = AttentionInputs.create(
         q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, q_offset=q_offset,
         kv_offset=kv_offset, return_lse=return_lse, attn_mask=attn_mask, is_causal=is_causal,
-        score_mod=score_mod, sinks=sinks,
+        score_mod=score_mod, sinks=sinks, kv_finite=kv_finite,
     )
     impl = select(inp, backend)
     if options is not None:
         options = impl.check_options(options)
-    return impl.forward(inp, options)
+    return nonfinite.run(impl, inp, options)
 
 
 def attention_weights(
@@ -126,12 +134,9 @@ def attention_weights(
     """The attention probabilities ``(B, Hq, Tq, Tk)`` (rows sum to 1, fully masked rows are 0),
     computed by the naive backend in float32 (float64 for float64 inputs). Same arguments as
     :func:`attention`, without ``v``."""
-    from .backends.naive import probabilities
+    from .backends.naive import NaiveBackend, NaiveOptions
 
     v = k[..., :1]  # a stand-in: the weights do not depend on v
     inp = AttentionInputs.create(q, k, v, mask=mask, bias=bias, scale=scale, q_offset=q_offset, kv_offset=kv_offset)
-    from .backends._common import poison_rows
-
-    probs, _, _, poisoned = probabilities(inp)
-    probs, _ = poison_rows(probs, None, poisoned)  # rows that may attend a NaN/Inf key are NaN, like attention()'s
-    return probs.to(inp.dtype)
+    # Through the NaN/Inf policy like attention(): rows that may attend a NaN/Inf key are NaN.
+    return nonfinite.run(NaiveBackend, inp, NaiveOptions(return_weights=True))[-1]

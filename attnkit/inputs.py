@@ -116,6 +116,9 @@ class AttentionInputs:
     score_mod: ScoreMod | None = None
     #: Per-head sink logits ``(Hq,)`` joining each row's softmax normaliser, or None.
     sinks: Tensor | None = None
+    #: True: the caller vouches that every K/V entry read is finite (a cache that checks each token
+    #: as it is written), so the NaN/Inf policy skips its scan of K and V. None/False: scanned.
+    kv_finite: bool | None = None
 
     @classmethod
     def create(
@@ -135,6 +138,7 @@ class AttentionInputs:
         sinks: Tensor | None = None,
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
+        kv_finite: bool | None = None,
     ) -> AttentionInputs:
         """Validate the arguments of ``attention()`` and fill in defaults (``attn_mask``/``is_causal``
         are SDPA's spellings, turned into ``mask``/``bias`` here)."""
@@ -244,12 +248,15 @@ class AttentionInputs:
             score_mod.validate(B, Hq, device)
         if sinks is not None:
             sinks = check_sinks(sinks, Hq, device)
+        if kv_finite is not None and kv_finite is not True and kv_finite is not False:
+            raise TypeError(f"kv_finite: expected True, False or None, got {type(kv_finite).__name__} {kv_finite!r}. "
+                            "Fix: pass True only when every K/V entry is known to be finite.")
         # A frozen dataclass's __init__ sets each field through object.__setattr__ (~2 us for ten
         # fields); filling the instance dict directly is ~0.3 us and the instance stays frozen.
         self = object.__new__(cls)
         self.__dict__.update(q=q, k=k, v=v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p,
                              q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse,
-                             score_mod=score_mod, sinks=sinks, B=B, Hq=Hq, Hkv=Hkv, Tq=Tq, Tk=Tk, D=D, Dv=Dv, groups=Hq // Hkv, dtype=dtype, device=device)
+                             score_mod=score_mod, sinks=sinks, kv_finite=kv_finite, B=B, Hq=Hq, Hkv=Hkv, Tq=Tq, Tk=Tk, D=D, Dv=Dv, groups=Hq // Hkv, dtype=dtype, device=device)
         return self
 
     def __repr__(self) -> str:  # shapes, not tensor contents

@@ -47,6 +47,9 @@ class Backend:
     #: Applies ``score_mod=`` (soft-capping, ALiBi, relative biases, custom) / ``sinks=``.
     supports_score_mod: ClassVar[bool] = False
     supports_sinks: ClassVar[bool] = False
+    #: Who keeps the NaN/Inf contract: ``"policy"`` (attnkit.backends.nonfinite, applied by the entry
+    #: point: the backend may assume finite q, K, V) or ``"self"`` (the backend's own kernel does).
+    nonfinite: ClassVar[str] = "policy"
     #: Optional packages the backend needs (checked with importlib, never imported here).
     requires: ClassVar[tuple[str, ...]] = ()
     #: Dataclass of hyper-parameters accepted through ``attention(..., options=...)``.
@@ -166,6 +169,7 @@ class Backend:
             "lse": cls.supports_lse,
             "score_mod": cls.supports_score_mod,
             "sinks": cls.supports_sinks,
+            "nonfinite": cls.nonfinite,
             "summary": cls.summary,
         }
 
@@ -187,6 +191,8 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
         )
     if not isinstance(cls.mask_support, MaskSupport):
         raise TypeError(f"register_backend: {cls.__name__}.mask_support must be a MaskSupport, got {cls.mask_support!r}.")
+    if cls.nonfinite not in ("policy", "self"):
+        raise TypeError(f"register_backend: {cls.__name__}.nonfinite must be 'policy' or 'self', got {cls.nonfinite!r}.")
     if cls.Options is not None and not is_dataclass(cls.Options):
         raise TypeError(f"register_backend: {cls.__name__}.Options must be a dataclass, got {cls.Options!r}.")
     _REGISTRY[name] = cls

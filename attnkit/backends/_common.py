@@ -1,15 +1,6 @@
-"""Helpers shared by the backends: the softmax parts, the NaN/Inf contract, grouped views.
-
-The NaN/Inf contract every exact backend keeps (see ``attnkit.attention``):
-
-* NaN in what a row may attend (its query, or the key, value or bias entry of a key it may see)
-  makes that row NaN; an Inf there gives what IEEE arithmetic gives (NaN, ±Inf, or weight 0 for
-  a key whose score is -Inf), in that row only;
-* NaN/Inf in what a row may not see (masked keys, keys only later queries see, padding) changes
-  nothing in that row; a row with no allowed key is 0 whatever its inputs hold.
-
-The helpers below do it without host synchronisation: they never ask the host whether a value
-is finite (no ``bool(tensor)``, ``.item()``), they zero and flag on the device.
+"""Helpers shared by the backends: the softmax parts, grouped views, and the NaN/Inf pieces that
+:mod:`attnkit.backends.nonfinite` (the one place that keeps the contract) and the ``native``
+kernel use: finding non-finite rows and keys, zeroing keys, setting rows to NaN.
 """
 
 from __future__ import annotations
@@ -72,24 +63,6 @@ def finite_values(x: Tensor) -> Tensor:
     return x.nan_to_num(0.0, posinf=0.0, neginf=0.0)
 
 
-def clean_keys(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(k, v, bad)``: K/V ``(B, H, Tk, ·)`` with their NaN/Inf entries zeroed, and ``bad (B, H, Tk)``
-    flagging the keys that held any. Rows that may attend a bad key must be set to NaN afterwards
-    (:func:`rows_seeing` + :func:`poison_rows`); every other row is then unaffected."""
-    bad = ~(finite_rows(k) & finite_rows(v))
-    return finite_values(k), finite_values(v), bad
-
-
-def rows_seeing(keep: Tensor | None, bad: Tensor, groups: int = 1) -> Tensor:
-    """``(B, Hq|1, Tq|1)`` bool: the query rows that may attend a key flagged in ``bad (B, Hkv, Tk)``
-    under ``keep`` (broadcastable to ``(B, Hq, Tq, Tk)``; None = every key). ``groups = Hq // Hkv``."""
-    if groups > 1:
-        bad = bad.repeat_interleave(groups, dim=1)  # (B, Hq, Tk)
-    if keep is None:
-        return bad.any(dim=-1, keepdim=True)
-    return (keep & bad[..., None, :]).any(dim=-1)
-
-
 def poison_rows(out: Tensor, lse: Tensor | None, rows: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """``out (B, H, Tq, Dv)`` and ``lse (B, H, Tq)`` (or None) set to NaN where ``rows (B|1, H|1, Tq|1)``
     is True. Adding a per-row 0/NaN column is one cheap broadcast pass; a broadcast ``masked_fill``
@@ -107,25 +80,14 @@ def nonfinite_queries(q: Tensor) -> Tensor:
 
 
 def nonfinite_keys(inp: AttentionInputs) -> Tensor | None:
-    """``(B, Hkv, Tk)`` bool, True where a key's K or V row holds NaN/Inf; None when every query sees
-    every key (no mask, or causal with every query at or after the last key), where such a key
-    poisons every row anyway. Computed on the device, without a host sync.
-
-    The tiled and gathered backends attend the zeroed K/V of :func:`finite_kv` and set the rows that
-    do attend a flagged key to NaN (:func:`poison_rows`), tile by tile, so the contract holds row by
-    row even inside one tile."""
+    """``(B, Hkv, Tk)`` bool, True where a key's K or V row holds NaN/Inf; None when K/V are known
+    finite (``inp.kv_finite``: the caller vouches, or :mod:`attnkit.backends.nonfinite` has zeroed
+    them) or when every query sees every key (no mask, or causal with every query at or after the
+    last key), where such a key poisons every row anyway. Computed on the device, without a host sync."""
     mask = inp.mask
-    if mask is None or (mask.is_causal() and inp.q_offset >= inp.kv_offset + inp.Tk - 1):
+    if inp.kv_finite or mask is None or (mask.is_causal() and inp.q_offset >= inp.kv_offset + inp.Tk - 1):
         return None
     return ~(finite_rows(inp.k) & finite_rows(inp.v))
-
-
-def finite_kv(inp: AttentionInputs, bad: Tensor | None) -> AttentionInputs:
-    """``inp`` with the keys flagged by :func:`nonfinite_keys` zeroed in K and V."""
-    if bad is None:
-        return inp
-    k, v = zero_keys(inp.k, inp.v, bad)
-    return dataclasses.replace(inp, k=k, v=v)
 
 
 def connected(out: Tensor, *inputs: Tensor) -> Tensor:

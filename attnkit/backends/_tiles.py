@@ -5,9 +5,6 @@ of a call as one ``uint8`` tensor (0 EMPTY, 1 PARTIAL, 2 FULL), the AND of its c
 Positional conjuncts (``Causal``, ``SlidingWindow``, ``KeyPadding``, ``Padding``, ``Document``)
 are answered with a few tensor operations on the tile bounds, with no per-element evaluation;
 any other conjunct is asked tile by tile through its own ``block_status``.
-
-:func:`dead_keys` finds the keys no query may see (to zero them when K/V hold NaN/Inf), evaluating
-the mask a chunk of queries at a time so that memory stays O(chunk · Tk).
 """
 
 from __future__ import annotations
@@ -112,31 +109,3 @@ def tile_grid(mask: Mask | None, Tq: int, Tk: int, q_offset: int, kv_offset: int
         grid = g if grid is None else torch.minimum(grid, g)
     return grid.contiguous()
 
-
-def dead_keys(mask: Mask, Tq: int, Tk: int, q_offset: int, kv_offset: int, Hkv: int, device, chunk: int = 256,
-              batch_size: int | None = None, num_heads: int | None = None) -> Tensor:
-    """Bool ``(B|1, Hkv|1, Tk)``: keys that no query of the call may attend (for grouped heads,
-    dead for every query head of the group)."""
-    seen = None
-    for q0 in range(0, Tq, chunk):
-        q1 = min(q0 + chunk, Tq)
-        keep = mask.evaluate((q_offset + q0, q_offset + q1), (kv_offset, kv_offset + Tk), q_offset=q_offset,
-                             kv_offset=kv_offset, device=device, batch_size=batch_size,
-                             num_heads=num_heads).any(dim=-2)
-        seen = keep if seen is None else seen | keep
-    if seen.shape[1] not in (1, Hkv):  # per-query-head mask: a key is dead when its whole group misses it
-        seen = seen.view(seen.shape[0], Hkv, -1, Tk).any(dim=2)
-    return ~seen
-
-
-def zero_dead_keys(k: Tensor, v: Tensor, mask: Mask | None, Tq: int, q_offset: int, kv_offset: int,
-                   batch_size: int | None = None, num_heads: int | None = None) -> tuple[Tensor, Tensor]:
-    """K and V with the keys no query may see zeroed when K or V hold NaN/Inf (so ``0 * NaN``
-    cannot leak into outputs or gradients); unchanged, with no copy, when both are finite."""
-    if mask is None or (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
-        return k, v
-    dead = dead_keys(mask, Tq, k.shape[2], q_offset, kv_offset, k.shape[1], k.device, batch_size=batch_size,
-                     num_heads=num_heads)
-    if not bool(dead.any()):
-        return k, v
-    return k.masked_fill(dead[..., None], 0), v.masked_fill(dead[..., None], 0)

@@ -17,7 +17,7 @@ from ..inputs import AttentionInputs
 from ..masks import MaskSupport
 from ..registry import Backend, register_backend
 from ._common import (
-    connected, finite_kv, grouped, mask_on, modify_gathered, nonfinite_keys, poison_rows, safe, softmax_parts,
+    connected, grouped, mask_on, modify_gathered, safe, softmax_parts,
     gathered_sink, upcast_on_cpu,
 )
 
@@ -53,8 +53,6 @@ class BlockSparseBackend(Backend):
     @classmethod
     def forward(cls, inp: AttentionInputs, options: None):
         dtype, inp = inp.dtype, upcast_on_cpu(inp)
-        bad = nonfinite_keys(inp)
-        inp = finite_kv(inp, bad)
         pattern = inp.mask.block_layout()
         bs = pattern.block_size
         B, Hq, Tq, D = inp.q.shape
@@ -71,9 +69,8 @@ class BlockSparseBackend(Backend):
         q = F.pad(inp.q * inp.scale, (0, 0, qs, nR * bs - Tq - qs)).reshape(B, Hkv, G, nR, bs, D).transpose(2, 3)
         k = F.pad(inp.k, (0, 0, ks, nK * bs - Tk - ks)).reshape(B, Hkv, nK, bs, D)
         v = F.pad(inp.v, (0, 0, ks, nK * bs - Tk - ks)).reshape(B, Hkv, nK, bs, Dv)
-        flag = None if bad is None else F.pad(bad, (ks, nK * bs - Tk - ks)).reshape(B, Hkv, nK, bs)
         offs = torch.arange(bs, device=dev)
-        outs, lses, hits, rows_done = [], [], [], []
+        outs, lses, rows_done = [], [], []
         for row_list, col_lists in groups:  # rows with no active block are in no group: 0, LSE -inf
             rows = torch.tensor(row_list, device=dev)  # (n,)
             cols = torch.tensor(col_lists, device=dev)  # (n, r) active key blocks per row
@@ -86,11 +83,8 @@ class BlockSparseBackend(Backend):
             keep = mask_on(inp.mask, inp, q_in, k_pos.clamp(inp.kv_offset, inp.kv_offset + Tk - 1))
             in_call = (k_pos >= inp.kv_offset) & (k_pos < inp.kv_offset + Tk)
             keep = grouped(keep & in_call[:, None, :], Hkv)  # (B|1, Hkv|1, n, G|1, bs, r*bs)
-            kg = k[:, :, cols].view(B, Hkv, n, r * bs, D)
-            vg = v[:, :, cols].view(B, Hkv, n, r * bs, Dv)
-            if flag is not None:  # rows that attend a non-finite key (zeroed in K/V) become NaN
-                flagged = flag[:, :, cols].reshape(B, Hkv, n, 1, 1, r * bs)
-                hits.append((keep & flagged).any(dim=-1).expand(B, Hkv, n, G, bs))
+            kg = k[:, :, cols].reshape(B, Hkv, n, r * bs, D)  # reshape: a strided k gathers strided
+            vg = v[:, :, cols].reshape(B, Hkv, n, r * bs, Dv)
             qg = q[:, :, rows].reshape(B, Hkv, n, G * bs, D)
             s = torch.matmul(qg, kg.transpose(-2, -1)).to(torch.promote_types(inp.dtype, torch.float32))
             s = s.view(B, Hkv, n, G, bs, r * bs)
@@ -107,17 +101,13 @@ class BlockSparseBackend(Backend):
         lse = torch.full((B, Hkv, nR, G, bs), float("-inf"), dtype=acc, device=dev)
         if inp.sinks is not None:  # a row that attends nothing keeps only its sink
             lse = inp.sinks.to(acc).view(1, Hkv, 1, G, 1).expand_as(lse).clone()
-        hit = None
         if rows_done:
             rows = torch.cat(rows_done)
             out = out.index_copy(2, rows, torch.cat(outs, dim=2))
             lse = lse.index_copy(2, rows, torch.cat(lses, dim=2))
-            if hits:
-                hit = torch.zeros((B, Hkv, nR, G, bs), dtype=torch.bool, device=dev).index_copy(2, rows, torch.cat(hits, 2))
-                hit = hit.transpose(2, 3).reshape(B, Hq, nR * bs)[:, :, qs : qs + Tq]
         else:  # every block is off: nothing computed, but backward must still work (zero gradients)
             out = connected(out, inp.q, inp.k, inp.v)
         out = out.view(B, Hkv, nR, G, bs, Dv).transpose(2, 3).reshape(B, Hq, nR * bs, Dv)[:, :, qs : qs + Tq]
         lse = lse.transpose(2, 3).reshape(B, Hq, nR * bs)[:, :, qs : qs + Tq]
-        out, lse = poison_rows(out.to(dtype), lse, hit)
+        out = out.to(dtype)
         return (out, lse) if inp.return_lse else out

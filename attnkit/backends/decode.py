@@ -37,7 +37,6 @@ import torch
 from torch import Tensor
 
 from ..inputs import AttentionInputs
-from ._common import clean_keys, poison_rows, rows_seeing
 from ..registry import Backend, register_backend
 
 __all__ = ["DecodeOptions", "decode_attention", "paged_decode_attention", "MAX_QUERIES"]
@@ -301,12 +300,7 @@ class Decode(Backend):
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: DecodeOptions | None):
-        keep = inp.materialize_mask()
-        k, v, poisoned = inp.k, inp.v, None
-        if keep is not None:  # NaN/Inf contract, row by row (as naive): zero flagged keys, poison their rows
-            k, v, bad = clean_keys(k, v)
-            poisoned = rows_seeing(keep, bad, inp.groups)
-        result = decode_attention(inp.q, k, v, keep=keep, bias=inp.bias, scale=inp.scale, options=options,
-                                  return_lse=True)
-        out, lse = poison_rows(*result, poisoned)
-        return (out, lse) if inp.return_lse else out
+        # K/V reach this backend finite (attnkit.backends.nonfinite zeroes NaN/Inf keys first), so
+        # hidden keys need no zeroing per segment.
+        return decode_attention(inp.q, inp.k, inp.v, keep=inp.materialize_mask(), bias=inp.bias, scale=inp.scale,
+                                options=options, return_lse=inp.return_lse, keys_finite=True)

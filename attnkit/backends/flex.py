@@ -5,8 +5,9 @@ at absolute positions (``index + offset``), and the ``BlockMask`` that tells Fle
 skip (EMPTY), run unmasked (FULL) or run through the ``mask_mod`` (PARTIAL) is built from attnkit's
 own structure (:func:`attnkit.backends._tiles.tile_grid`: a few tensor operations for positional
 masks, no Tq x Tk evaluation), cached per (mask, Tq, Tk, offsets, device). A ``bias`` is added by a
-``score_mod``; GQA is native (``enable_gqa``). Keys no query may see are zeroed when K/V hold
-NaN/Inf. Flex marks fully masked rows with output 0 and LSE -inf, attnkit's contract too.
+``score_mod``; GQA is native (``enable_gqa``). The NaN/Inf contract is kept by :mod:`attnkit.backends.nonfinite`
+(Flex runs on finite q, K, V). Flex marks fully masked rows with output 0 and LSE -inf, attnkit's
+contract too.
 
 ``flex_attention`` is compiled once per device with dynamic shapes: the first call compiles (tens
 of seconds on a CPU, see ``describe``), and a new length reuses the compiled kernel. Where torch
@@ -27,7 +28,7 @@ import torch
 from ..inputs import AttentionInputs
 from ..masks import Band, Causal, Mask, SlidingWindow
 from ..registry import Backend, register_backend
-from ._tiles import FULL, PARTIAL, tile_grid, zero_dead_keys
+from ._tiles import FULL, PARTIAL, tile_grid
 
 _CPU_ALLOWED: ContextVar[bool] = ContextVar("attnkit_flex_cpu", default=False)
 
@@ -205,7 +206,6 @@ class Flex(Backend):
         first = options.compile and dev not in _STATE["compiled"]
         fn = _compiled(dev, options.compile)
         bm, _ = block_mask(inp.mask, inp)
-        k, v = zero_dead_keys(inp.k, inp.v, inp.mask, inp.Tq, inp.q_offset, inp.kv_offset, inp.B, inp.Hq)
         kwargs = dict(block_mask=bm, scale=inp.scale, enable_gqa=inp.groups > 1)
         if inp.bias is not None:
             kwargs["score_mod"] = _score_mod(inp.bias)
@@ -213,7 +213,7 @@ class Flex(Backend):
             kwargs["return_aux"] = _flex_api().AuxRequest(lse=True)
         start = time.perf_counter()
         try:
-            result = fn(inp.q, k, v, **kwargs)
+            result = fn(inp.q, inp.k, inp.v, **kwargs)
         except Exception as exc:
             if not options.compile or "Inductor" not in type(exc).__name__:
                 raise

@@ -4,7 +4,7 @@
 float64 inputs) and the matrix products in the input dtype (float16's ``q·kᵀ`` in float32, where
 it cannot overflow) — the semantics every other backend must equal. It supports everything: any
 mask, bias, dropout, GQA, offsets, the log-sum-exp and the attention weights, at O(Tq · Tk)
-memory. It keeps the NaN/Inf contract of ``attention()`` (see :mod:`attnkit.backends._common`).
+memory. It keeps the NaN/Inf contract of ``attention()`` through :mod:`attnkit.backends.nonfinite`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import Tensor
 from .._validate import check_bool
 from ..inputs import AttentionInputs
 from ..registry import Backend, register_backend
-from ._common import clean_keys, finite_rows, finite_values, poison_rows, rows_seeing, safe, softmax_parts
+from ._common import finite_rows, finite_values, poison_rows, safe, softmax_parts
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,11 @@ class NaiveOptions:
         check_bool(self.return_weights, "return_weights", owner="NaiveOptions")
 
 
-def probabilities(inp: AttentionInputs) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """``(probs, lse, v, poisoned)``: the attention weights ``(B, Hq, Tq, Tk)`` and the log-sum-exp
-    ``(B, Hq, Tq)`` in the accumulation dtype, V ``(B, Hq, Tk, Dv)`` with the keys holding NaN/Inf
-    zeroed, and the rows that may attend such a key (None without a mask: then NaN reaches every
-    row by itself). Fully masked rows get weights 0 and LSE ``-inf`` (never NaN, finite grads).
+def probabilities(inp: AttentionInputs) -> tuple[Tensor, Tensor, Tensor]:
+    """``(probs, lse, v)``: the attention weights ``(B, Hq, Tq, Tk)`` and the log-sum-exp
+    ``(B, Hq, Tq)`` in the accumulation dtype, and V ``(B, Hq, Tk, Dv)``. Fully masked rows get
+    weights 0 and LSE ``-inf`` (never NaN, finite grads). NaN/Inf in q, K, V are the caller's
+    (:mod:`attnkit.backends.nonfinite`, applied by ``attention()``).
 
     float16 ``q·kᵀ`` runs in float32: its products overflow float16's range (65504) long before
     the softmax would (inputs of 256.0 at D=80 give inf, then NaN); bfloat16 has float32's range."""
@@ -44,10 +44,6 @@ def probabilities(inp: AttentionInputs) -> tuple[Tensor, Tensor, Tensor, Tensor 
     keep = inp.materialize_mask()
     q = inp.q
     k, v = inp.expand_kv()  # (B, Hq, Tk, D), (B, Hq, Tk, Dv)
-    poisoned = None
-    if keep is not None:  # keys a row may not see must not reach it through 0 * NaN
-        k, v, bad = clean_keys(k, v)
-        poisoned = rows_seeing(keep, bad)
     if inp.dtype == torch.float16:
         q, k = q.float(), k.float()
     scores = torch.matmul(q, k.transpose(-2, -1)).to(acc) * inp.scale  # (B, Hq, Tq, Tk)
@@ -60,7 +56,7 @@ def probabilities(inp: AttentionInputs) -> tuple[Tensor, Tensor, Tensor, Tensor 
         scores = scores.masked_fill(~keep, float("-inf"))
     sink = None if inp.sinks is None else inp.sinks.to(acc).view(1, -1, 1, 1)
     e, denom, lse = softmax_parts(scores, inplace=False, sink=sink)
-    return e / safe(denom), lse, v, poisoned
+    return e / safe(denom), lse, v
 
 
 @register_backend
@@ -76,7 +72,8 @@ class NaiveBackend(Backend):
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: NaiveOptions | None):
-        probs, lse, v, poisoned = probabilities(inp)
+        probs, lse, v = probabilities(inp)
+        poisoned = None
         if inp.dropout_p > 0:
             probs = F.dropout(probs, p=inp.dropout_p, training=True)
         p = probs.to(inp.dtype)

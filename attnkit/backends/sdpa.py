@@ -11,7 +11,7 @@ mask reaches SDPA, and both :meth:`SDPA.forward` and :meth:`SDPA.describe` follo
 
 GQA is native (``enable_gqa``). A float32 ``bias`` on float16/bfloat16 inputs is passed as float32
 (SDPA accepts it), never rounded to the inputs' dtype first. It keeps the NaN/Inf contract of
-``attention()`` (see :mod:`attnkit.backends._common`).
+``attention()`` through :mod:`attnkit.backends.nonfinite` (it runs on finite inputs).
 """
 
 from __future__ import annotations
@@ -23,15 +23,12 @@ from torch import Tensor
 from ..inputs import AttentionInputs
 from ..masks import Causal
 from ..registry import Backend, register_backend
-from ._common import clean_keys, finite_rows, finite_values, nonfinite_queries, poison_rows, rows_seeing
 
 NONE, CAUSAL, DENSE = "none", "causal", "dense"
 
-# SDPA's CPU kernels take a row max that skips NaN in their scalar (non-vectorized) tail, so a row
-# whose every score is NaN comes out 0 instead of NaN when it sees fewer keys than one vector
-# (16 float32 lanes on AVX-512). With more keys the vectorized max propagates NaN by itself;
-# rows that see fewer than this many keys (and every row on other devices) are checked explicitly.
-_NAN_CHECK_BELOW = 64
+# The NaN/Inf contract is kept by attnkit.backends.nonfinite (this backend declares "policy"):
+# SDPA sees finite q, K, V. Its CPU kernels would otherwise lose an all-NaN row in their scalar
+# tail (a max that skips NaN) and, on the math path, let a NaN key reach rows that cannot see it.
 
 
 @register_backend
@@ -80,42 +77,21 @@ class SDPABackend(Backend):
             # SDPA's kernels scale the masked scores, so -inf * 0 = NaN and -inf * -1 = +inf: fold
             # the scale into q instead, where a zero or negative scale means what it says.
             q, scale = q * scale, 1.0
-        attn_mask, poisoned, empty, is_causal = None, None, None, False
-        if plan == NONE:
-            if inp.Tk < _NAN_CHECK_BELOW or inp.device.type != "cpu":  # every row sees every key
-                bad = ~(finite_rows(k) & finite_rows(v))  # (B, Hkv, Tk)
-                poisoned = nonfinite_queries(q) | rows_seeing(None, bad, G)
-        elif plan == CAUSAL:
+        attn_mask, empty, is_causal = None, None, False
+        if plan == CAUSAL:
             Tq = inp.Tq
             if inp.Tk > Tq:  # keys after the last query are never seen: drop them
                 k, v = k[:, :, :Tq], v[:, :, :Tq]
                 if bias is not None and bias.shape[-1] > 1:
                     bias = bias[..., :Tq]
-            if bias is None and inp.device.type == "cpu" and not inp.requires_grad:
-                # is_causal on CPU masks future scores by assignment, so a NaN/Inf key hidden from a
-                # row never reaches it (only values do, through 0 * NaN in p @ v), and a NaN key
-                # among finite ones propagates by itself: only values need cleaning, and keys need
-                # checking only where a row may see nothing but bad keys (its first keys).
-                head = min(_NAN_CHECK_BELOW, k.shape[2])
-                bad = ~finite_rows(v)  # (B, Hkv, Tk')
-                bad[..., :head] |= ~finite_rows(k[:, :, :head])
-                v = finite_values(v)
-            else:
-                k, v, bad = clean_keys(k, v)
-            bad_q = nonfinite_queries(q)  # a NaN query can be lost in any row (bf16 kernels drop it)
-            # Top-left causal: query i sees keys 0..i, so it meets a bad key iff one lies at or before i.
-            last_key = torch.arange(Tq, device=q.device).clamp_(max=k.shape[2] - 1)  # (Tq,)
-            seen = (bad.cumsum(dim=-1) > 0)[..., last_key]  # (B, Hkv, Tq)
-            poisoned = bad_q | (seen.repeat_interleave(G, dim=1) if G > 1 else seen)
             if bias is None:
                 is_causal = True
             else:  # SDPA takes is_causal or attn_mask, not both: fold the causal mask in
                 attn_mask = Causal().materialize(Tq, k.shape[2], q_offset=0, kv_offset=0, device=inp.device)
-        else:
+        elif plan == DENSE:
             attn_mask = inp.materialize_mask()  # (B|1, Hq|1, Tq, Tk)
-            k, v, bad = clean_keys(k, v)
-            empty = ~attn_mask.any(dim=-1)  # rows with no allowed key: 0, whatever their query holds
-            poisoned = rows_seeing(attn_mask, bad, G) | (nonfinite_queries(q) & ~empty)
+            if inp.device.type != "cpu":  # SDPA's CPU kernels give a row with no allowed key 0 themselves
+                empty = ~attn_mask.any(dim=-1)  # (torch's tests: fully masked rows); elsewhere set it
         if bias is not None:
             bias = _bias_dtype(bias, inp.dtype)
             attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
@@ -124,7 +100,7 @@ class SDPABackend(Backend):
         )
         if empty is not None:
             out = out.masked_fill(empty[..., None], 0.0)
-        return poison_rows(out, None, poisoned)[0]
+        return out
 
 
 def _bias_dtype(bias: Tensor, dtype: torch.dtype) -> Tensor:

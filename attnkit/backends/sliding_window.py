@@ -23,7 +23,7 @@ from ..inputs import AttentionInputs
 from ..masks import Mask, MaskSupport
 from ..registry import Backend, register_backend
 from ._common import (
-    connected, finite_kv, grouped, mask_on, modify_gathered, nonfinite_keys, poison_rows, safe, softmax_parts,
+    connected, grouped, mask_on, modify_gathered, safe, softmax_parts,
     gathered_sink, upcast_on_cpu,
 )
 
@@ -54,10 +54,8 @@ def band_of(mask: Mask | None) -> tuple[int, int, Mask, Tensor | None] | None:
     return band.left, band.right, core, None if glob is None else glob.positions
 
 
-def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk: int, glob: Tensor | None,
-            bad: Tensor | None):
-    """``(out, lse, hit)`` of the banded attention; ``hit (B, Hq, Tq)`` marks rows that attend a key
-    flagged in ``bad (B, Hkv, Tk)`` (K/V arrive with those keys zeroed), or is None."""
+def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk: int, glob: Tensor | None):
+    """``(out, lse)`` of the banded attention."""
     B, Hq, Tq, D = inp.q.shape
     Hkv, Tk, Dv, G = inp.Hkv, inp.Tk, inp.Dv, inp.groups
     dev, acc = inp.device, torch.promote_types(inp.dtype, torch.float32)
@@ -86,10 +84,6 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
         return x.unfold(2, L, c)[:, :, :nC].transpose(-2, -1)
 
     kw, vw = windows(inp.k), windows(inp.v)
-    hit = None
-    if bad is not None:  # rows that attend a non-finite key (zeroed in K/V) become NaN
-        flagged = windows(bad[..., None]).squeeze(-1)[:, :, :, None, None, :]  # (B, Hkv, nC, 1, 1, L)
-        hit = (keep & flagged).any(dim=-1)  # (B, Hkv, nC, G|1, c)
     qp = F.pad(inp.q, (0, 0, 0, nC * c - Tq)).view(B, Hkv, G, nC, c, D).transpose(2, 3)  # (B, Hkv, nC, G, c, D)
     qg = qp.reshape(B, Hkv, nC, G * c, D) * inp.scale  # scale q: O(n*D) instead of O(n*L)
     inplace = not inp.requires_grad
@@ -104,8 +98,6 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
         kg, vg = inp.k[:, :, gi], inp.v[:, :, gi]  # (B, Hkv, g, D)
         sg = torch.matmul(qg, kg[:, :, None].transpose(-2, -1)).to(acc)
         parts.append(sg.view(B, Hkv, nC, G, c, -1))
-        if bad is not None:
-            hit = hit | bad[:, :, gi].any(dim=-1)[:, :, None, None, None]
     scores = torch.cat(parts, dim=-1) if len(parts) > 1 else s
     p, denom, lse = softmax_parts(scores, inplace, sink=gathered_sink(inp, acc))
     p = p.to(inp.dtype)
@@ -115,28 +107,22 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
     out = (out / safe(denom).view(B, Hkv, nC, G * c, 1)).to(inp.dtype)
     out = out.view(B, Hkv, nC, G, c, Dv).transpose(2, 3).reshape(B, Hq, nC * c, Dv)[:, :, :Tq]
     lse = lse.view(B, Hkv, nC, G, c).transpose(2, 3).reshape(B, Hq, nC * c)[:, :, :Tq]
-    if hit is not None:
-        hit = hit.expand(B, Hkv, nC, G, c).transpose(2, 3).reshape(B, Hq, nC * c)[:, :, :Tq]
     if glob is not None:
-        out, lse, hit = _global_rows(inp, glob, out, lse, bad, hit)
-    return out, lse, hit
+        out, lse = _global_rows(inp, glob, out, lse)
+    return out, lse
 
 
-def _global_rows(inp: AttentionInputs, glob: Tensor, out: Tensor, lse: Tensor, bad: Tensor | None,
-                 hit: Tensor | None):
+def _global_rows(inp: AttentionInputs, glob: Tensor, out: Tensor, lse: Tensor):
     """Global queries attend every key: recompute their rows in full and write them over the band's."""
     qi = glob.to(inp.device) - inp.q_offset
     qi = qi[(qi >= 0) & (qi < inp.Tq)]
     if qi.numel() == 0:
-        return out, lse, hit
-    if hit is not None:  # a global row attends every key
-        rows_hit = bad.any(dim=-1).repeat_interleave(inp.groups, dim=1)[:, :, None].expand(-1, -1, qi.numel())
-        hit = hit.index_copy(2, qi, rows_hit)
+        return out, lse
     k, v = inp.expand_kv()
     s = torch.matmul(inp.q[:, :, qi], k.transpose(-2, -1)).to(lse.dtype) * inp.scale  # (B, Hq, g, Tk)
     rows_lse = torch.logsumexp(s, dim=-1)
     rows = torch.matmul(torch.softmax(s, dim=-1).to(inp.dtype), v)
-    return out.index_copy(2, qi, rows), lse.index_copy(2, qi, rows_lse), hit
+    return out.index_copy(2, qi, rows), lse.index_copy(2, qi, rows_lse)
 
 
 @register_backend
@@ -162,14 +148,12 @@ class SlidingWindowBackend(Backend):
         dtype, inp = inp.dtype, upcast_on_cpu(inp)
         left, right, band_mask, glob = band_of(inp.mask)
         chunk = (options.chunk if options and options.chunk else None) or max(16, min(128, (left + right + 1) // 4))
-        bad = nonfinite_keys(inp)
-        inp = finite_kv(inp, bad)
-        out, lse, hit = _reachable_rows(inp, band_mask, left, right, chunk, glob, bad)
-        out, lse = poison_rows(out.to(dtype), lse, hit)
+        out, lse = _reachable_rows(inp, band_mask, left, right, chunk, glob)
+        out = out.to(dtype)
         return (out, lse) if inp.return_lse else out
 
 
-def _reachable_rows(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk: int, glob, bad):
+def _reachable_rows(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk: int, glob):
     """Run the band only over the queries whose band reaches a key of the call (a query far from
     every key, e.g. after a large offset gap, keeps nothing): output 0 and LSE -inf elsewhere, so
     memory stays O(Tq · (left + right)) however far apart the positions are."""
@@ -183,12 +167,12 @@ def _reachable_rows(inp: AttentionInputs, band_mask: Mask, left: int, right: int
         B, Hq, _, _ = inp.q.shape
         acc = torch.promote_types(inp.dtype, torch.float32)
         out = connected(inp.q.new_zeros(B, Hq, Tq, inp.Dv), inp.q, inp.k, inp.v)
-        return out, torch.full((B, Hq, Tq), float("-inf"), dtype=acc, device=inp.device), None
+        return out, torch.full((B, Hq, Tq), float("-inf"), dtype=acc, device=inp.device)
     sub = inp if (q0, q1) == (0, Tq) else dataclasses.replace(inp, q=inp.q[:, :, q0:q1], q_offset=inp.q_offset + q0)
-    out, lse, hit = _banded(sub, band_mask, left, right, min(chunk, q1 - q0), glob, bad)
+    out, lse = _banded(sub, band_mask, left, right, min(chunk, q1 - q0), glob)
     if (q0, q1) == (0, Tq):
-        return out, lse, hit
+        return out, lse
     pad = (q0, Tq - q1)
     out = F.pad(out, (0, 0, *pad))
     lse = F.pad(lse, pad, value=float("-inf"))
-    return out, lse, None if hit is None else F.pad(hit, pad, value=False)
+    return out, lse

@@ -26,7 +26,6 @@ from ..inputs import AttentionInputs
 from ..masks import BlockStatus, Mask
 from ..score_mods import ScoreMod
 from ..registry import Backend, register_backend
-from ._common import finite_kv, nonfinite_keys, poison_rows
 
 NEG_INF = float("-inf")
 
@@ -128,11 +127,9 @@ def _scores(qt, kt, acc_dtype, scale: float):
     return s.mul_(scale) if scale != 1.0 else s
 
 
-def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None,
-             bad: Tensor | None):
-    """``(out (B, Hq, Tq, Dv), lse (B, Hq, Tq), hit)``; ``hit (B, Hq, Tq)`` marks the rows that attend
-    a key flagged in ``bad (B, Hkv, Tk)`` (K/V arrive with those keys zeroed), or is None.
-    ``sinks (Hq,)`` join every row's normaliser: the running max starts at the sink logit."""
+def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None):
+    """``(out (B, Hq, Tq, Dv), lse (B, Hq, Tq))``. ``sinks (Hq,)`` join every row's normaliser: the
+    running max starts at the sink logit."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
@@ -148,7 +145,6 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, 
     sink = None if sinks is None else sinks.to(acc_dtype).view(1, Hkv, G, 1)
     if sink is not None:
         lse = lse.copy_(sink.expand_as(lse))  # a row that attends nothing keeps only its sink
-    hit = None if bad is None else torch.zeros((B, Hkv, G, Tq), dtype=torch.bool, device=q.device)
     for q0, q1, row in plan.tiles(Tq, Tk):
         if not row:
             continue  # every key masked for these queries: output 0, LSE -inf (or the sink)
@@ -161,9 +157,6 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, 
         acc = torch.zeros((B, Hkv, G * n, E), dtype=acc_dtype, device=q.device)
         for k0, k1, status in row:
             keep = plan.keep(q0, q1, k0, k1, Hkv, q.device) if status is BlockStatus.PARTIAL else None
-            if hit is not None:
-                flagged = bad[:, :, None, None, k0:k1]  # (B, Hkv, 1, 1, m)
-                hit[:, :, :, q0:q1] |= (flagged if keep is None else flagged & keep).any(dim=-1)
             s = _scores(qt, k[:, :, k0:k1], acc_dtype, 1.0)
             s5 = s.view(B, Hkv, G, n, k1 - k0)
             bias_t = _bias_tile(bias, q0, q1, k0, k1, Hkv)
@@ -193,7 +186,7 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, 
         l_safe = torch.where(l_run == 0, 1.0, l_run)
         out[:, :, :, q0:q1] = (acc.reshape(B, Hkv, G, n, Dv) / l_safe[..., None]).to(q.dtype)
         lse[:, :, :, q0:q1] = torch.where(l_run == 0, NEG_INF, m_run + torch.log(l_safe))
-    return out.view(B, Hq, Tq, Dv), lse.view(B, Hq, Tq), None if hit is None else hit.view(B, Hq, Tq)
+    return out.view(B, Hq, Tq, Dv), lse.view(B, Hq, Tq)
 
 
 def _backward(plan: _Plan, q, k, v, bias, sinks, out, lse, dout, dlse, need_dbias: bool, mod_params: tuple):
@@ -286,61 +279,57 @@ def _flat_params(score_mod: ScoreMod | None) -> Tensor | None:
 
 
 class _TiledFunction(torch.autograd.Function):
-    """``(out, lse, hit) = f(q, k, v, bias, sinks, bad, plan, mod_flat)``; differentiable in q, k, v,
+    """``(out, lse) = f(q, k, v, bias, sinks, plan, mod_flat)``; differentiable in q, k, v,
     bias, sinks and ``mod_flat`` (:func:`_flat_params`: the modifier reads its own tensors, the
     backward returns their gradients concatenated). ``setup_context`` and a ``vmap`` rule make
     ``torch.func`` transforms work."""
 
     @staticmethod
-    def forward(q, k, v, bias, sinks, bad, plan, mod_flat):
-        return _forward(plan, q, k, v, bias, sinks, bad)
+    def forward(q, k, v, bias, sinks, plan, mod_flat):
+        return _forward(plan, q, k, v, bias, sinks)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, bias, sinks, _, plan, mod_flat = inputs
-        out, lse, hit = output
+        q, k, v, bias, sinks, plan, mod_flat = inputs
+        out, lse = output
         ctx.save_for_backward(q, k, v, bias, sinks, out, lse)
         ctx.plan = plan
-        if hit is not None:
-            ctx.mark_non_differentiable(hit)
 
     @staticmethod
-    def backward(ctx, dout, dlse, _dhit):
+    def backward(ctx, dout, dlse):
         q, k, v, bias, sinks, out, lse = ctx.saved_tensors
         plan = ctx.plan
         need_dbias = bias is not None and ctx.needs_input_grad[3]
-        params = () if plan.score_mod is None or not ctx.needs_input_grad[7] else tuple(
+        params = () if plan.score_mod is None or not ctx.needs_input_grad[6] else tuple(
             t for t in plan.score_mod.parameters() if t.requires_grad)
         dq, dk, dv, dbias, dsinks, dparams = _backward(plan, q, k, v, bias, sinks, out, lse, dout, dlse, need_dbias,
                                                        params)
         dflat = torch.cat([g.reshape(-1) for g in dparams]) if params else None
-        return dq, dk, dv, dbias, dsinks if ctx.needs_input_grad[4] else None, None, None, dflat
+        return dq, dk, dv, dbias, dsinks if ctx.needs_input_grad[4] else None, None, dflat
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, bias, sinks, bad, plan, mod_flat):
+    def vmap(info, in_dims, q, k, v, bias, sinks, plan, mod_flat):
         """Fold the mapped dimension into the batch (one call over ``V * B`` rows); a mask that
         depends on the batch index keeps its per-example meaning, so it maps one slice at a time."""
         V = info.batch_size
         moved = [None if x is None else x.movedim(d, 0) if d is not None else x.expand(V, *x.shape)
-                 for x, d in zip((q, k, v, bias, bad), in_dims[:3] + in_dims[3:4] + in_dims[5:6])]  # (V, B|1, ...)
-        if (sinks is not None and in_dims[4] is not None) or (mod_flat is not None and in_dims[7] is not None):
+                 for x, d in zip((q, k, v, bias), in_dims[:4])]  # (V, B|1, ...)
+        if (sinks is not None and in_dims[4] is not None) or (mod_flat is not None and in_dims[6] is not None):
             raise NotImplementedError("tiled: vmap over sinks or score-modifier tensors is not supported")
         B = moved[0].shape[1]
         if plan.mask is not None and plan.mask.depends_on_batch:
             outs = []
             for i in range(V):
-                qi, ki, vi, bi, badi = (None if x is None else x[i] for x in moved)
-                outs.append(_TiledFunction.apply(qi, ki, vi, bi, sinks, badi, plan, mod_flat))
+                qi, ki, vi, bi = (None if x is None else x[i] for x in moved)
+                outs.append(_TiledFunction.apply(qi, ki, vi, bi, sinks, plan, mod_flat))
             out, lse = torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
-            hit = None if outs[0][2] is None else torch.stack([o[2] for o in outs])
         else:
             flat = [None if x is None else x.expand(V, B, *x.shape[2:]).reshape(V * B, *x.shape[2:]).contiguous()
                     for x in moved]
-            qf, kf, vf, bf, badf = flat
-            out, lse, hit = _TiledFunction.apply(qf, kf, vf, bf, sinks, badf, plan, mod_flat)
+            qf, kf, vf, bf = flat
+            out, lse = _TiledFunction.apply(qf, kf, vf, bf, sinks, plan, mod_flat)
             out, lse = out.view(V, B, *out.shape[1:]), lse.view(V, B, *lse.shape[1:])
-            hit = None if hit is None else hit.view(V, B, *hit.shape[1:])
-        return (out, lse, hit), (0, 0, None if hit is None else 0)
+        return (out, lse), (0, 0)
 
 
 @register_backend
@@ -361,9 +350,7 @@ class TiledBackend(Backend):
             bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
         plan = _Plan(inp.mask, inp.scale, inp.q_offset, inp.kv_offset, options.block_q, options.block_k, inp.score_mod,
                      inp.B, inp.Hq)
-        bad = nonfinite_keys(inp)
-        clean = finite_kv(inp, bad)
-        q, k, v = clean.q.contiguous(), clean.k.contiguous(), clean.v.contiguous()
+        q, k, v = inp.q.contiguous(), inp.k.contiguous(), inp.v.contiguous()
         upcast = options.upcast
         if upcast is None:  # measured: half-precision tiles only where this CPU multiplies them fast, and
             # only without gradients (the backward's cancellations need float32 tiles)
@@ -371,6 +358,6 @@ class TiledBackend(Backend):
                 inp.requires_grad or not half_matmul_is_fast(inp.dtype))
         if upcast and inp.dtype in (torch.float16, torch.bfloat16):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
-        out, lse, hit = _TiledFunction.apply(q, k, v, bias, inp.sinks, bad, plan, _flat_params(inp.score_mod))
-        out, lse = poison_rows(out.to(inp.dtype), lse, hit)
+        out, lse = _TiledFunction.apply(q, k, v, bias, inp.sinks, plan, _flat_params(inp.score_mod))
+        out = out.to(inp.dtype)
         return (out, lse) if inp.return_lse else out

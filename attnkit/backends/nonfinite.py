@@ -1,0 +1,160 @@
+"""The NaN/Inf contract of :func:`attnkit.attention`, kept in one place for every backend.
+
+The contract (README, "NaN and Inf stay where they belong"):
+
+* NaN in what a query row may attend (its query, or the key, value or bias entry of a key it may
+  see) makes that row NaN; an Inf there gives what IEEE arithmetic gives, in that row only;
+* NaN/Inf in what a row may not see (masked keys, keys only later queries see, padding) changes
+  nothing in that row; a row with no allowed key is 0 whatever its inputs hold.
+
+A backend declares ``nonfinite = "policy"`` (the default: this module keeps the contract for it)
+or ``"self"`` (its kernel keeps it itself). For a ``"policy"`` backend, :func:`run`:
+
+1. **Finite inputs (the common case) cost one read-only reduction**: a sum of q, K and V (K and V
+   skipped when the caller vouches for them with ``kv_finite=True``, as a cache that checks each
+   token when it is written does). A finite sum proves every entry finite; the backend then runs
+   on the inputs as given, with no copy and no per-row work.
+2. **Otherwise the exact slow path**: the query rows and keys holding NaN/Inf are zeroed, the same
+   backend runs on the zeroed tensors (same shapes, same GEMMs, so every other row is bitwise what
+   it would have been), and the rows that may attend a flagged key (the mask evaluated at the
+   flagged key columns only), or whose own query was flagged and that see any key, are set to NaN.
+
+A bias is not scanned: every backend adds it before masking, so NaN/Inf at hidden positions is
+masked away and at visible positions reaches exactly the rows that see it.
+
+On the CPU the host branches on the one check (no device to stall). Elsewhere, and under
+``torch.compile`` or ``torch.func`` transforms, the slow path runs unconditionally in a form that
+never reads a value on the host (no ``.item()``, no ``nonzero``): it zeroes by flags and evaluates
+the mask over all (query, key) pairs, a chunk of query rows at a time. A kernel that drops bad keys
+per tile itself (the way to make that form free) declares ``nonfinite = "self"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import Tensor
+
+from ..inputs import AttentionInputs
+from ._common import finite_rows, nonfinite_queries, poison_rows, zero_keys
+
+__all__ = ["run", "all_finite", "host_may_branch"]
+
+#: Mask entries evaluated at once when finding the rows that see a flagged key (bounds the memory).
+_CHUNK_ELEMENTS = 2**24
+
+
+def run(impl, inp: AttentionInputs, options):
+    """``impl.forward(inp, options)`` under the NaN/Inf contract (see the module docstring)."""
+    if impl.nonfinite == "self":
+        return impl.forward(inp, options)
+    if host_may_branch(inp):
+        if all_finite(inp):
+            return impl.forward(inp, options)
+        return _exact(impl, inp, options, host=True)
+    return _exact(impl, inp, options, host=False)
+
+
+def host_may_branch(inp: AttentionInputs) -> bool:
+    """True when reading one value on the host is free: CPU tensors, eager, outside ``torch.func``."""
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return (inp.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not (wrapped(inp.q) or wrapped(inp.k) or wrapped(inp.v)))
+
+
+def all_finite(inp: AttentionInputs) -> bool:
+    """Whether q (and K, V unless ``inp.kv_finite``) hold finite values only: one read-only sum each
+    (accumulated in float32 for float16/bfloat16 inputs). An overflowing sum answers False (the slow
+    path then finds every entry finite: correct, only slower)."""
+    if inp.dtype in (torch.float16, torch.bfloat16):  # their own sums would overflow at 65504 (fp16)
+        total = inp.q.sum(dtype=torch.float32).item()
+        if not inp.kv_finite:
+            total += inp.k.sum(dtype=torch.float32).item() + inp.v.sum(dtype=torch.float32).item()
+    else:  # plain sums (float32/64 accumulate in their own dtype): the cheapest call per decode step
+        total = inp.q.sum().item()
+        if not inp.kv_finite:
+            total += inp.k.sum().item() + inp.v.sum().item()
+    return math.isfinite(total)
+
+
+def _exact(impl, inp: AttentionInputs, options, host: bool):
+    """The slow path: zero the flagged query rows and keys, run ``impl``, poison the affected rows."""
+    bad_q = nonfinite_queries(inp.q)  # (B, Hq, Tq)
+    bad_k = None if inp.kv_finite else ~(finite_rows(inp.k) & finite_rows(inp.v))  # (B, Hkv, Tk)
+    if host:  # the host may look: skip what is clean
+        bad_q = bad_q if bool(bad_q.any()) else None
+        bad_k = bad_k if bad_k is not None and bool(bad_k.any()) else None
+    q, k, v = inp.q, inp.k, inp.v
+    if bad_q is not None:
+        q = q.masked_fill(bad_q[..., None], 0)
+    if bad_k is not None:
+        k, v = zero_keys(k, v, bad_k)
+    clean = dataclasses.replace(inp, q=q, k=k, v=v, kv_finite=True)
+    result = impl.forward(clean, options)
+    rows = _poisoned_rows(inp, bad_q, bad_k, host)
+    if rows is None:
+        return result
+    if isinstance(result, Tensor):
+        return poison_rows(result, None, rows)[0]
+    out, *rest = result
+    out = poison_rows(out, None, rows)[0]
+    if inp.return_lse:
+        rest[0] = poison_rows(out, rest[0], rows)[1]
+    # Further 4-D results (the naive backend's attention weights) are per query row like ``out``.
+    extra = slice(1 if inp.return_lse else 0, None)
+    rest[extra] = [poison_rows(x, None, rows)[0] if isinstance(x, Tensor) and x.dim() == 4 else x
+                   for x in rest[extra]]
+    return (out, *rest)
+
+
+def _poisoned_rows(inp: AttentionInputs, bad_q: Tensor | None, bad_k: Tensor | None, host: bool) -> Tensor | None:
+    """``(B, Hq, Tq)`` bool: rows that may attend a flagged key, or whose query is flagged and that
+    may attend any key (a row with no allowed key stays 0). None when nothing is flagged."""
+    if bad_q is None and bad_k is None:
+        return None
+    rows = None
+    if bad_k is not None:
+        bad = bad_k.repeat_interleave(inp.groups, dim=1) if inp.groups > 1 else bad_k  # (B, Hq, Tk)
+        if inp.mask is None:
+            rows = bad.any(dim=-1, keepdim=True).expand(inp.B, inp.Hq, inp.Tq)
+        elif host:  # the mask at the flagged key columns only
+            cols = bad.any(dim=1).any(dim=0).nonzero().flatten()  # (n,)
+            rows = _any_seen(inp, torch.arange(inp.Tq, device=inp.device), cols, bad[..., cols])
+        else:
+            rows = _any_seen(inp, torch.arange(inp.Tq, device=inp.device), torch.arange(inp.Tk, device=inp.device), bad)
+    if bad_q is not None:
+        if inp.mask is None:
+            sees_any = bad_q
+        elif host:  # the mask at the flagged query rows only
+            at = bad_q.any(dim=1).any(dim=0).nonzero().flatten()  # (n,)
+            sees_any = torch.zeros_like(bad_q)
+            sees_any[..., at] = _any_seen(inp, at, torch.arange(inp.Tk, device=inp.device), None)
+            sees_any &= bad_q
+        else:
+            sees_any = bad_q & _any_seen(inp, torch.arange(inp.Tq, device=inp.device),
+                                         torch.arange(inp.Tk, device=inp.device), None)
+        rows = sees_any if rows is None else rows | sees_any
+    return rows
+
+
+def _any_seen(inp: AttentionInputs, q_idx: Tensor, k_idx: Tensor, flagged: Tensor | None) -> Tensor:
+    """``(B, Hq, len(q_idx))`` bool: the query rows ``q_idx`` may attend a key of ``k_idx`` (indices
+    into the call's queries and keys) that is flagged in ``flagged (B, Hq, len(k_idx))`` (None: any
+    key). The mask is evaluated a bounded chunk of query rows at a time."""
+    mask = inp.mask
+    b, h = mask.batch_head_index(inp.B, inp.Hq, device=inp.device)
+    kv_pos = (k_idx + inp.kv_offset).view(1, 1, 1, -1)
+    step = max(1, _CHUNK_ELEMENTS // max(1, inp.B * inp.Hq * k_idx.numel()))
+    parts = []
+    for i in range(0, q_idx.numel(), step):
+        q_pos = (q_idx[i:i + step] + inp.q_offset).view(1, 1, -1, 1)
+        keep = mask.mask_mod(b, h, q_pos, kv_pos, q_offset=inp.q_offset, kv_offset=inp.kv_offset)
+        keep = keep.expand(*keep.shape[:2], q_pos.shape[2], kv_pos.shape[3])  # (B|1, Hq|1, n, m)
+        if flagged is not None:
+            keep = keep & flagged[:, :, None, :]
+        parts.append(keep.any(dim=-1).expand(inp.B, inp.Hq, -1))
+    if not parts:
+        return torch.zeros((inp.B, inp.Hq, 0), dtype=torch.bool, device=inp.device)
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
