@@ -84,6 +84,28 @@ def test_block_mask_from_structure_without_evaluating(monkeypatch):
     assert bm.q_num_blocks is not None  # the transposed indices the backward pass needs
 
 
+def test_new_custom_of_a_stateful_method_builds_its_own_block_mask():
+    """The BlockMask cache must not hand a new Custom(m.keep) the blocks planned for an older one
+    whose function read different state: the compiled kernel would skip blocks that now attend."""
+
+    class PerBatch:
+        lengths = torch.tensor([5, 40])
+
+        def keep(self, b, h, q, k):
+            return k < self.lengths[b]
+
+    m = PerBatch()
+    q = torch.randn(2, 2, 300, 8)
+    for lengths in ([5, 40], [290, 140]):
+        m.lengths = torch.tensor(lengths)
+        mask = Custom(m.keep)
+        inp = attnkit.inputs.AttentionInputs.create(q, q, q, mask=mask)
+        cached, _ = flex.block_mask(mask, inp)
+        fresh = flex.build_block_mask(mask, 2, 2, 300, 300, 0, 0, q.device)
+        assert torch.equal(cached.kv_num_blocks, fresh.kv_num_blocks)
+        assert torch.equal(cached.full_kv_num_blocks, fresh.full_kv_num_blocks)
+
+
 def test_declines_where_torch_cannot_run_it():
     q = torch.randn(1, 1, 8, 8, requires_grad=True)
     reasons = attnkit.explain(q.detach(), q.detach(), q.detach(), backend="flex").reasons["flex"]
