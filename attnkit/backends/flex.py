@@ -74,6 +74,14 @@ def _compiled(device_type: str, compile: bool):
     return fn
 
 
+def _loud_recompile_limit(compile: bool):
+    """Make dynamo raise when a compiled call hits its recompile limit (it would otherwise fall
+    back to eager silently); a no-op for eager calls."""
+    if not compile:
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+
+
 def _mask_mod(mask: Mask, B: int, H: int, q_offset: int, kv_offset: int, Tq: int, Tk: int, device):
     """Flex's ``mask_mod(b, h, q_idx, kv_idx)`` for ``mask``: indices made absolute, batch and head
     indices kept inside the mask's own sizes, out-of-range indices of a ragged last block clamped
@@ -206,6 +214,12 @@ class Flex(Backend):
         fn = _compiled(dev, options.compile)
         bm, _ = block_mask(inp.mask, inp)
         k, v = zero_dead_keys(inp.k, inp.v, inp.mask, inp.Tq, inp.q_offset, inp.kv_offset, inp.B, inp.Hq)
+        # Dynamo specializes on strides even with dynamic shapes, and on whether q, k and v are one
+        # object: transposed or sliced inputs, or attention(x, x, x) after attention(q, k, v), would
+        # each compile anew (and past its recompile limit run eager). Contiguous strides are
+        # expressions of the sizes, and a fresh view per argument keeps the objects distinct
+        # (no copy), so one compiled kernel serves every layout and length.
+        q, k, v = (t.contiguous().view(t.shape) for t in (inp.q, k, v))
         kwargs = dict(block_mask=bm, scale=inp.scale, enable_gqa=inp.groups > 1)
         if inp.bias is not None:
             kwargs["score_mod"] = _score_mod(inp.bias)
@@ -213,8 +227,19 @@ class Flex(Backend):
             kwargs["return_aux"] = _flex_api().AuxRequest(lse=True)
         start = time.perf_counter()
         try:
-            result = fn(inp.q, k, v, **kwargs)
+            with _loud_recompile_limit(options.compile):
+                result = fn(q, k, v, **kwargs)
         except Exception as exc:
+            if options.compile and type(exc).__name__ == "FailOnRecompileLimitHit":
+                # Past dynamo's limit torch would run flex_attention eagerly (the unfused path that
+                # materializes every score) without a word: refuse instead.
+                raise RuntimeError(
+                    f"flex: flex_attention was recompiled {torch._dynamo.config.recompile_limit} times on {dev} "
+                    f"(q {tuple(inp.q.shape)}, k {tuple(inp.k.shape)}), dynamo's recompile_limit, and would run "
+                    "eagerly from now on. Each mask kind (its structure, e.g. a band or none) compiles once; so "
+                    "does each new Custom function. Fix: reuse mask values across calls, raise "
+                    "torch._dynamo.config.recompile_limit, or use backend='native' or 'tiled'."
+                ) from exc
             if not options.compile or "Inductor" not in type(exc).__name__:
                 raise
             # torch 2.13's CPU Flex template fails to compile some mask_mods (C++ codegen errors):
