@@ -260,3 +260,42 @@ def test_alibi_model_passes_no_dense_bias(monkeypatch):
     with torch.no_grad():
         model(torch.randint(0, 40, (1, 9)))
     assert seen and all(b is None for b in seen)
+
+
+@pytest.mark.parametrize("backend", list(MASKS))
+def test_rows_whose_window_reaches_no_key_have_the_sink_as_lse(backend):
+    """Queries far after the keys (a large q_offset) see nothing through a window: like any fully
+    masked row they output 0 and their LSE is the sink, through which the sink gets its gradient
+    (an LSE merge of such a row with another chunk must count the sink's mass)."""
+    g = torch.Generator().manual_seed(6)
+    Tq, Tk, Hq = 21, 13, 6
+    q, k, v = torch.randn(1, Hq, Tq, 8, generator=g), torch.randn(1, 3, Tk, 8, generator=g), torch.randn(1, 3, Tk, 8, generator=g)
+    sinks = torch.randn(Hq, generator=g, dtype=torch.float64).float().requires_grad_()
+    mask = SlidingWindow(3, 0) if backend != "block_sparse" else BlockSparse.bigbird(8, 4) & SlidingWindow(3, 0)
+    kw = dict(mask=mask, sinks=sinks, q_offset=9, kv_offset=0, return_lse=True)
+    out, lse = attnkit.attention(q, k, v, backend=backend, options=OPTIONS.get(backend), **kw)
+    ref, ref_lse = attnkit.attention(q.double(), k.double(), v.double(), backend="naive", **{**kw, "sinks": sinks.double()})
+    blind = torch.arange(Tq) + 9 - 3 > Tk - 1  # the window starts after the last key
+    n = int(blind.sum())
+    assert 0 < n < Tq and torch.equal(out[:, :, blind], torch.zeros_like(out[:, :, blind]))
+    assert torch.equal(lse[:, :, blind], sinks.detach().view(1, Hq, 1).expand(1, Hq, n))
+    assert (lse.double() - ref_lse).abs().max() < 1e-5 and (out.double() - ref).abs().max() < 1e-5
+    (grad,) = torch.autograd.grad(lse[:, :, blind].sum(), sinks)
+    assert torch.equal(grad, torch.full((Hq,), float(n)))
+
+
+@pytest.mark.parametrize("backend", list(MASKS))
+def test_an_infinite_sink_takes_all_the_mass(backend):
+    """sinks = +inf: that head's rows give 0 and LSE +inf (the sink's limit), never NaN; the
+    other heads are unchanged."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 37, 8, generator=g) for _ in range(3))
+    mask = MASKS[backend]
+    sinks = torch.tensor([0.3, float("inf"), -1.0, float("inf")])
+    out, lse = attnkit.attention(q, k, v, mask=mask, sinks=sinks, backend=backend, options=OPTIONS.get(backend),
+                                 return_lse=True)
+    ref, ref_lse = attnkit.attention(q, k, v, mask=mask, sinks=torch.tensor([0.3, 0.0, -1.0, 0.0]), backend="naive",
+                                     return_lse=True)
+    inf = torch.tensor([False, True, False, True])
+    assert torch.equal(out[:, inf], torch.zeros_like(out[:, inf])) and (lse[:, inf] == float("inf")).all()
+    assert (out[:, ~inf] - ref[:, ~inf]).abs().max() < 1e-5 and (lse[:, ~inf] - ref_lse[:, ~inf]).abs().max() < 1e-5

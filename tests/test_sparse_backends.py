@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit
-from attnkit import BlockSparse, Causal, Document, KeyPadding, SlidingWindow, longformer
+from attnkit import BlockSparse, Causal, Dense, Document, KeyPadding, SlidingWindow, longformer
 from attnkit.backends.sliding_window import SlidingWindowOptions
 from tests.reference import reference_attention
 from tests.sparse_checks import check_against_reference, make_qkv
@@ -113,3 +113,15 @@ def test_info_cli_explains_a_longformer_mask():
     q = torch.empty(1, 2, 4096, 8)
     explanation = attnkit.explain(q, q, q, mask=mask)
     assert explanation.chosen == "block_sparse" and "needs banded" in str(explanation)
+
+
+@pytest.mark.parametrize("Tq,Tk,q_offset,kv_offset", [(29, 19, None, 0), (23, 40, 5, 20), (31, 12, 40, 46)])
+def test_sliding_window_dense_conjunct_when_queries_start_before_keys(Tq, Tk, q_offset, kv_offset):
+    """A Dense keep is relative to the call (row i = the call's i-th query); the band runs only on
+    the queries whose window reaches a key, and must still index the Dense rows from the call's
+    first query (Tq > Tk bottom-right, and explicit q_offset < kv_offset)."""
+    keep = torch.rand(2, 1, Tq, Tk, generator=torch.Generator().manual_seed(4)) < 0.7
+    for window in (SlidingWindow(3, 0), SlidingWindow(5, 2) & Causal()):
+        q, k, v = make_qkv(2, 4, 2, Tq, Tk, 16)
+        check_against_reference("sliding_window", q, k, v, mask=window & Dense(keep), q_offset=q_offset,
+                                kv_offset=kv_offset, options=SlidingWindowOptions(chunk=4))
