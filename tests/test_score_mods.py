@@ -299,3 +299,25 @@ def test_an_infinite_sink_takes_all_the_mass(backend):
     inf = torch.tensor([False, True, False, True])
     assert torch.equal(out[:, inf], torch.zeros_like(out[:, inf])) and (lse[:, inf] == float("inf")).all()
     assert (out[:, ~inf] - ref[:, ~inf]).abs().max() < 1e-5 and (lse[:, ~inf] - ref_lse[:, ~inf]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("backend", list(MASKS))
+def test_a_modifier_nan_only_where_the_mask_hides_the_pair_changes_nothing(backend):
+    """A modifier that is NaN exactly on the hidden pairs (it is never seen there): output, LSE and
+    every gradient equal the unmodified call's, including the query and key padding a backend adds
+    around a call whose offsets are not multiples of its blocks."""
+    mask = BlockSparse.bigbird(12, 4, seed=2) & Causal() if backend == "block_sparse" else MASKS[backend]
+    nan_where_hidden = CustomScoreMod(lambda s, b, h, q, k: torch.where(mask.mask_mod(b, h, q, k), s, float("nan")))
+    g = torch.Generator().manual_seed(8)
+    for Tq, Tk, q_offset in ((29, 45, None), (13, 45, 6)):
+        q = torch.randn(2, 4, Tq, 8, generator=g).requires_grad_()
+        k, v = (torch.randn(2, 2, Tk, 8, generator=g).requires_grad_() for _ in range(2))
+        kw = dict(mask=mask, q_offset=q_offset, backend=backend, options=OPTIONS.get(backend), return_lse=True)
+        out, lse = attnkit.attention(q, k, v, score_mod=nan_where_hidden, **kw)
+        ref, ref_lse = attnkit.attention(q, k, v, **kw)
+        assert torch.isfinite(out).all() and (out - ref).abs().max() < 1e-5
+        seen = torch.isfinite(ref_lse)
+        assert torch.equal(seen, torch.isfinite(lse)) and (lse - ref_lse)[seen].abs().max() < 1e-5
+        w = torch.randn(out.shape, generator=g)
+        for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v))):
+            assert torch.isfinite(a).all() and (a - b).abs().max() < 1e-4
