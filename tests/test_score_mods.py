@@ -321,3 +321,23 @@ def test_a_modifier_nan_only_where_the_mask_hides_the_pair_changes_nothing(backe
         w = torch.randn(out.shape, generator=g)
         for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v))):
             assert torch.isfinite(a).all() and (a - b).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("num_buckets,bidirectional", [(10, False), (24, True), (7, False)])
+def test_relative_bias_max_distance_within_the_exact_buckets_is_refused(num_buckets, bidirectional):
+    """max_distance <= the exact-bucket count makes T5's log scale degenerate (log(1) = 0, or a
+    negative ratio): refused clearly; one past it gives buckets inside the table for every distance."""
+    exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+    table = torch.randn(3, num_buckets)
+    for bad in (2, exact - 1, exact):
+        if bad < 2:
+            continue
+        with pytest.raises(ValueError, match=rf"max_distance={bad}\b.*greater than {exact}"):
+            RelativeBias(table, max_distance=bad, bidirectional=bidirectional)
+        with pytest.raises(ValueError, match="max_distance"):
+            t5_bucket(torch.arange(-50, 50), num_buckets=num_buckets, max_distance=bad, bidirectional=bidirectional)
+    mod = RelativeBias(table, max_distance=exact + 1, bidirectional=bidirectional)
+    buckets = mod.buckets(torch.zeros(1, dtype=torch.long), torch.arange(-300, 300))
+    assert buckets.min() >= 0 and buckets.max() < num_buckets
+    scores = mod.evaluate(torch.zeros(1, 3, 9, 600), (0, 9), (-300, 300), 1, 3)
+    assert torch.isfinite(scores).all()
