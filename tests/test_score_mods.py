@@ -341,3 +341,19 @@ def test_relative_bias_max_distance_within_the_exact_buckets_is_refused(num_buck
     assert buckets.min() >= 0 and buckets.max() < num_buckets
     scores = mod.evaluate(torch.zeros(1, 3, 9, 600), (0, 9), (-300, 300), 1, 3)
     assert torch.isfinite(scores).all()
+
+
+@pytest.mark.parametrize("backend", list(MASKS))
+@pytest.mark.parametrize("wrong", ["extra_dim", "reduced", "sliced"])
+def test_a_modifier_returning_the_wrong_shape_is_refused_on_every_backend(backend, wrong):
+    """One new score per score: a modifier that adds, reduces or drops entries gets a clear
+    ValueError naming both shapes (never a deep RuntimeError, nor a silently broadcast output)."""
+    fn = {
+        "extra_dim": lambda s, b, h, q, k: s[None] * 2,
+        "reduced": lambda s, b, h, q, k: s.sum(-1, keepdim=True),
+        "sliced": lambda s, b, h, q, k: s[..., :1] + 0 * k[..., :1],
+    }[wrong]
+    q = torch.randn(2, 4, 19, 8)
+    k = torch.randn(2, 2, 19, 8)
+    with pytest.raises(ValueError, match=r"fn returned shape .* for scores of shape"):
+        attnkit.attention(q, k, k, mask=MASKS[backend], score_mod=fn, backend=backend, options=OPTIONS.get(backend))
