@@ -125,3 +125,31 @@ def test_sliding_window_dense_conjunct_when_queries_start_before_keys(Tq, Tk, q_
         q, k, v = make_qkv(2, 4, 2, Tq, Tk, 16)
         check_against_reference("sliding_window", q, k, v, mask=window & Dense(keep), q_offset=q_offset,
                                 kv_offset=kv_offset, options=SlidingWindowOptions(chunk=4))
+
+
+@pytest.mark.parametrize("backend", ["sliding_window", "block_sparse", "flex"])
+@pytest.mark.parametrize("extra", ["per_head_dense", "custom", "none"])
+@pytest.mark.parametrize("Hkv", [6, 3, 1])
+def test_an_empty_batch_gives_empty_results_and_gradients(backend, extra, Hkv):
+    """B = 0 (GQA and MQA too): empty output and LSE of the right shapes, and empty gradients."""
+    from attnkit.backends import flex
+
+    Tq, Tk = 27, 33
+    base = {"sliding_window": SlidingWindow(6, 1), "block_sparse": BlockSparse.bigbird(9, 4), "flex": Causal()}[backend]
+    part = {"per_head_dense": Dense(torch.ones(0, 6, Tq, Tk, dtype=torch.bool)),
+            "custom": attnkit.Custom(lambda b, h, q, k: (k % 3 != 0) | (h == b)), "none": None}[extra]
+    mask = base if part is None else base & part
+    grads = backend != "flex"  # Flex has no backward on a CPU
+    q = torch.randn(0, 6, Tq, 8, requires_grad=grads)
+    k, v = (torch.randn(0, Hkv, Tk, 8, requires_grad=grads) for _ in range(2))
+    lse = backend != "flex"
+    with flex.allow_cpu():
+        result = attnkit.attention(q, k, v, mask=mask, backend=backend, return_lse=lse,
+                                   options=flex.FlexOptions(compile=False) if backend == "flex" else None)
+    out = result[0] if lse else result
+    assert out.shape == (0, 6, Tq, 8) and out.dtype == q.dtype
+    if lse:
+        assert result[1].shape == (0, 6, Tq)
+    if grads:
+        dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape

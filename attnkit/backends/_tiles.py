@@ -8,6 +8,9 @@ any other conjunct is asked tile by tile through its own ``block_status``.
 
 :func:`dead_keys` finds the keys no query may see (to zero them when K/V hold NaN/Inf), evaluating
 the mask a chunk of queries at a time so that memory stays O(chunk · Tk).
+
+:func:`empty_batch` is the result of a call with an empty batch, for the backends whose
+reshapes cannot run on zero elements.
 """
 
 from __future__ import annotations
@@ -140,3 +143,15 @@ def zero_dead_keys(k: Tensor, v: Tensor, mask: Mask | None, Tq: int, q_offset: i
     if not bool(dead.any()):
         return k, v
     return k.masked_fill(dead[..., None], 0), v.masked_fill(dead[..., None], 0)
+
+
+def empty_batch(inp) -> Tensor | tuple[Tensor, Tensor]:
+    """The result of a call with ``B = 0`` (nothing to compute): ``out (0, Hq, Tq, Dv)``, and the LSE
+    with ``return_lse``, in the autograd graph of q, k and v (their gradients are empty too). For
+    backends whose reshapes cannot infer a dimension from zero elements."""
+    connect = (inp.q.sum() + inp.k.sum() + inp.v.sum()) * 0  # a sum over nothing: 0
+    out = inp.q.new_zeros(0, inp.Hq, inp.Tq, inp.Dv) + connect.to(inp.dtype)
+    if not inp.return_lse:
+        return out
+    return out, torch.zeros(0, inp.Hq, inp.Tq, dtype=torch.promote_types(inp.dtype, torch.float32), device=inp.device)
+

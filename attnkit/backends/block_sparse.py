@@ -20,6 +20,7 @@ from ._common import (
     connected, finite_kv, grouped, mask_on, modify_gathered, nonfinite_keys, poison_rows, safe, softmax_parts,
     gathered_sink, upcast_on_cpu,
 )
+from ._tiles import empty_batch
 
 
 @torch.compiler.assume_constant_result
@@ -52,6 +53,8 @@ class BlockSparseBackend(Backend):
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: None):
+        if inp.B == 0:
+            return empty_batch(inp)
         dtype, inp = inp.dtype, upcast_on_cpu(inp)
         bad = nonfinite_keys(inp)
         inp = finite_kv(inp, bad)

@@ -27,7 +27,7 @@ import torch
 from ..inputs import AttentionInputs
 from ..masks import Band, Causal, Mask, SlidingWindow
 from ..registry import Backend, register_backend
-from ._tiles import FULL, PARTIAL, tile_grid, zero_dead_keys
+from ._tiles import FULL, PARTIAL, empty_batch, tile_grid, zero_dead_keys
 
 _CPU_ALLOWED: ContextVar[bool] = ContextVar("attnkit_flex_cpu", default=False)
 
@@ -209,6 +209,8 @@ class Flex(Backend):
     @classmethod
     def forward(cls, inp: AttentionInputs, options: FlexOptions | None):
         options = options or FlexOptions()
+        if inp.B == 0:  # Flex traces mask_mods on sample indices, which an empty batch cannot index
+            return empty_batch(inp)
         dev = inp.device.type
         first = options.compile and dev not in _STATE["compiled"]
         fn = _compiled(dev, options.compile)

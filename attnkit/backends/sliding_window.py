@@ -26,6 +26,7 @@ from ._common import (
     connected, finite_kv, grouped, mask_on, modify_gathered, nonfinite_keys, poison_rows, safe, softmax_parts,
     gathered_sink, upcast_on_cpu,
 )
+from ._tiles import empty_batch
 
 NEG_INF = float("-inf")
 
@@ -161,6 +162,8 @@ class SlidingWindowBackend(Backend):
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: SlidingWindowOptions | None):
+        if inp.B == 0:
+            return empty_batch(inp)
         dtype, inp = inp.dtype, upcast_on_cpu(inp)
         left, right, band_mask, glob = band_of(inp.mask)
         chunk = (options.chunk if options and options.chunk else None) or max(16, min(128, (left + right + 1) // 4))
