@@ -270,14 +270,18 @@ def test_capabilities_agree_with_forward(family, data):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@settings(SETTINGS, max_examples=10)
+@settings(SETTINGS, max_examples=25)
 @given(data=st.data())
 def test_queries_before_keys(family, data):
     """The same property when the first query sits before the first key (``q_offset < kv_offset``,
     or ``Tq > Tk`` bottom-right): the rows before the keys see nothing, and masks relative to the
     call (``Dense``) still index from its first query."""
     call, mask, qkv, do = draw_valid_call(data, family, torch.float64, queries_first=True)
-    for mask in CAUSAL_SPELLINGS if family == "causal" else [mask]:
+    masks = CAUSAL_SPELLINGS if family == "causal" else [mask]
+    if family == "banded":  # a band with a call-relative conjunct, whose rows must not shift
+        window = SlidingWindow(data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3)))
+        masks = masks + [window & data.draw(leaf_masks(call, "Dense"))]
+    for mask in masks:
         ran = [b for b in BACKENDS if check_backend(b, call, mask, qkv, do)]
         assert "naive" in ran
 
@@ -286,7 +290,7 @@ SCORE_MOD_BACKENDS = [b for b in BACKENDS if attnkit.get_backend(b).exact and at
 
 
 @pytest.mark.parametrize("family", ("tree", "banded", "layout"))
-@settings(SETTINGS, max_examples=10)
+@settings(SETTINGS, max_examples=25)
 @given(data=st.data())
 def test_score_mod_nan_where_the_mask_hides_the_pair(family, data):
     """A score modifier that is the identity where the mask keeps a pair and NaN where it hides it
