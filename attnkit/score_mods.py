@@ -169,9 +169,24 @@ class ALiBi(ScoreMod):
         return f"ALiBi(heads={self.slopes.numel()})"
 
 
+def _check_max_distance(max_distance: int, num_buckets: int, bidirectional: bool) -> None:
+    """The logarithmic buckets span ``exact .. max_distance`` (``exact`` = half the buckets of one
+    direction), so ``max_distance`` must exceed ``exact``: at or below it ``log(max_distance / exact)``
+    is 0 or negative and the buckets would be garbage (an IndexError, or negative ones that wrap)."""
+    exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+    if max_distance <= exact:
+        raise ValueError(
+            f"RelativeBias(max_distance={max_distance}): with {num_buckets} buckets "
+            f"({'bidirectional' if bidirectional else 'one direction'}) distances below {exact} get exact buckets, "
+            f"so max_distance must be greater than {exact}. Fix: pass max_distance > {exact} (T5 uses 128 with "
+            "32 buckets), or fewer buckets."
+        )
+
+
 def t5_bucket(relative: Tensor, *, num_buckets: int, max_distance: int, bidirectional: bool) -> Tensor:
     """T5's relative-position bucket of ``relative = pos(k) - pos(q)`` (Raffel et al. 2020): exact
     buckets for small distances, logarithmic ones up to ``max_distance``."""
+    _check_max_distance(max_distance, num_buckets, bidirectional)
     buckets = torch.zeros_like(relative)
     n = num_buckets
     if bidirectional:
@@ -212,6 +227,7 @@ class RelativeBias(ScoreMod):
         if buckets < 2:
             raise ValueError(f"RelativeBias(table): {t.shape[1]} buckets are too few; expected at least "
                              f"{4 if self.bidirectional else 2}.")
+        _check_max_distance(self.max_distance, t.shape[1], self.bidirectional)
         object.__setattr__(self, "num_heads", t.shape[0])
 
     def buckets(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -247,6 +263,13 @@ class CustomScoreMod(ScoreMod):
         out = self.fn(score, b, h, q_idx, kv_idx)
         if not isinstance(out, Tensor) or not out.is_floating_point():
             raise TypeError(f"CustomScoreMod({self.name}): fn returned {type(out).__name__}; expected a float tensor.")
+        if out.shape != score.shape:  # a broadcast would silently grow the output (or fail deep in a kernel)
+            raise ValueError(
+                f"CustomScoreMod({self.name}): fn returned shape {tuple(out.shape)} for scores of shape "
+                f"{tuple(score.shape)}; expected the scores' shape (one new score per score). Fix: compute "
+                "elementwise from score and the index tensors, e.g. `score - (q_idx - kv_idx).abs()`, without "
+                "reducing, indexing or adding dimensions."
+            )
         return out
 
     def parameters(self):

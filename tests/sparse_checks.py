@@ -17,14 +17,15 @@ def make_qkv(B, Hq, Hkv, Tq, Tk, D, dtype=torch.float32, seed=0):
     return q, k, v
 
 
-def check_against_reference(backend, q, k, v, *, mask=None, bias=None, options=None, q_offset=None, grads=True):
+def check_against_reference(backend, q, k, v, *, mask=None, bias=None, options=None, q_offset=None, kv_offset=0,
+                            grads=True):
     """Assert the flash-attn rule for out (2x), LSE and grads (3x); returns the outputs."""
     dtype = q.dtype
     out, lse = attnkit.attention(q, k, v, mask=mask, bias=bias, backend=backend, options=options,
-                                 q_offset=q_offset, return_lse=True)
+                                 q_offset=q_offset, kv_offset=kv_offset, return_lse=True)
     # the yardstick: the independent low-precision reference (not a backend under test)
-    n_out, n_lse = reference_attention_lowp(q, k, v, mask=mask, bias=bias, q_offset=q_offset)
-    r_out, r_lse = reference_attention(q, k, v, mask=mask, bias=bias, q_offset=q_offset)
+    n_out, n_lse = reference_attention_lowp(q, k, v, mask=mask, bias=bias, q_offset=q_offset, kv_offset=kv_offset)
+    r_out, r_lse = reference_attention(q, k, v, mask=mask, bias=bias, q_offset=q_offset, kv_offset=kv_offset)
     assert out.shape == r_out.shape and out.dtype == dtype
     out_d, lse_d, n_out, n_lse, r_out_d, r_lse_d = (x.detach() for x in (out, lse, n_out, n_lse, r_out, r_lse))
     assert flash_rule_ok(max_error(out_d, r_out_d), max_error(n_out, r_out_d), factor=2, dtype=dtype), (
@@ -42,7 +43,7 @@ def check_against_reference(backend, q, k, v, *, mask=None, bias=None, options=N
         loss = (o.double() * w).sum() + 0.5 * l.double().masked_fill(~fin, 0).sum()
         return torch.autograd.grad(loss, inputs)
 
-    n_out, n_lse = reference_attention_lowp(q, k, v, mask=mask, bias=bias, q_offset=q_offset)
+    n_out, n_lse = reference_attention_lowp(q, k, v, mask=mask, bias=bias, q_offset=q_offset, kv_offset=kv_offset)
     got, naive, ref = grads_of(out, lse), grads_of(n_out, n_lse), grads_of(r_out, r_lse)
     for a, n, r in zip(got, naive, ref):
         a, n, r = a.detach(), n.detach(), r.detach()

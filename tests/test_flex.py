@@ -84,6 +84,28 @@ def test_block_mask_from_structure_without_evaluating(monkeypatch):
     assert bm.q_num_blocks is not None  # the transposed indices the backward pass needs
 
 
+def test_new_custom_of_a_stateful_method_builds_its_own_block_mask():
+    """The BlockMask cache must not hand a new Custom(m.keep) the blocks planned for an older one
+    whose function read different state: the compiled kernel would skip blocks that now attend."""
+
+    class PerBatch:
+        lengths = torch.tensor([5, 40])
+
+        def keep(self, b, h, q, k):
+            return k < self.lengths[b]
+
+    m = PerBatch()
+    q = torch.randn(2, 2, 300, 8)
+    for lengths in ([5, 40], [290, 140]):
+        m.lengths = torch.tensor(lengths)
+        mask = Custom(m.keep)
+        inp = attnkit.inputs.AttentionInputs.create(q, q, q, mask=mask)
+        cached, _ = flex.block_mask(mask, inp)
+        fresh = flex.build_block_mask(mask, 2, 2, 300, 300, 0, 0, q.device)
+        assert torch.equal(cached.kv_num_blocks, fresh.kv_num_blocks)
+        assert torch.equal(cached.full_kv_num_blocks, fresh.full_kv_num_blocks)
+
+
 def test_declines_where_torch_cannot_run_it():
     q = torch.randn(1, 1, 8, 8, requires_grad=True)
     reasons = attnkit.explain(q.detach(), q.detach(), q.detach(), backend="flex").reasons["flex"]
@@ -114,3 +136,34 @@ def test_compiled_once_over_lengths_1000_to_1100():
         assert max_error(out, ref) < 1e-5
     assert counters["stats"]["unique_graphs"] - before <= 2
     assert "compiled for cpu already" in attnkit.get_backend("flex").describe(attnkit.inputs.AttentionInputs.create(q, k, v))
+
+
+@pytest.mark.slow
+def test_compiled_strides_never_recompile_and_the_limit_is_loud(monkeypatch):
+    """Transposed, sliced and expanded inputs reuse the one compiled kernel (dynamo specializes
+    on strides); a call past dynamo's recompile limit raises instead of running eagerly."""
+    import torch._dynamo
+
+    monkeypatch.setitem(flex._STATE, "compiled", {})
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(2, 3, 61, 40, generator=g)
+    layouts = [
+        torch.randn(2, 3, 61, 16, generator=g),  # contiguous
+        torch.randn(2, 61, 3, 16, generator=g).transpose(1, 2),  # (B, T, H, D) storage
+        wide[..., 7:23],  # a slice of a wider tensor
+        torch.randn(2, 1, 61, 16, generator=g).expand(2, 3, 61, 16),  # broadcast heads
+    ]
+    mask = Causal()
+    try:
+        for i, x in enumerate(layouts):
+            q, k, v = (x, x, x) if i % 2 else (x, x * 0.5, x.flip(2))  # one object for q, k, v or three
+            out = attnkit.attention(q, k, v, mask=mask, backend="flex")
+            ref, _ = reference_attention(q, k, v, mask=mask)
+            assert max_error(out, ref) < 1e-5
+        x = layouts[0]
+        with pytest.raises(RuntimeError, match="recompile_limit"):  # a new mask kind needs a second compile
+            attnkit.attention(x, x, x, mask=SlidingWindow(9, 2), backend="flex")
+    finally:
+        torch._dynamo.reset()

@@ -136,3 +136,22 @@ def test_integer_arguments_accept_ints_tensors_and_ranges():
     assert KeyPadding(torch.tensor([3, 5], dtype=torch.int32)).lengths.dtype == torch.long
     assert KeyPadding(range(2, 4)).lengths.tolist() == [2, 3]
     assert Document([[0, 0, 1]]).ids.shape == (1, 3)
+
+
+def test_custom_equality_is_identity_so_no_plan_is_shared():
+    """Plans are cached by mask equality: a new Custom of the same function (a bound method reading
+    state that changed since) must never equal the old one, nor hash with it, inside And/Or too."""
+
+    class Lengths:
+        def __init__(self):
+            self.n = 3
+
+        def keep(self, b, h, q, k):
+            return k < self.n
+
+    m = Lengths()
+    first, second = Custom(m.keep), Custom(m.keep)
+    assert first == first and hash(first) == hash(first)
+    assert first != second and len({first, second}) == 2
+    assert (Causal() & first) != (Causal() & second) and (Causal() & first) == (Causal() & first)
+    assert len({Causal() | first, Causal() | second}) == 2

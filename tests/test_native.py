@@ -77,6 +77,26 @@ def test_offsets_and_lengths(q_offset, kv_offset, Tq, Tk):
         _check(mask, Tq=Tq, Tk=Tk, q_offset=q_offset, kv_offset=kv_offset, block=(16, 32))
 
 
+class _PerBatchLengths:
+    """A model-like object whose bound method reads state that changes between batches."""
+
+    def __init__(self, lengths):
+        self.lengths = torch.tensor(lengths)
+
+    def keep(self, b, h, q, k):
+        return (k < self.lengths[b]) & (k <= q)
+
+
+@needs_build
+def test_new_custom_of_a_stateful_method_never_reuses_a_plan():
+    """Two calls, each with a new Custom(m.keep) after m's state changed: the second must not run
+    with the first call's cached tile plan (its EMPTY/FULL tiles are wrong for the new lengths)."""
+    m = _PerBatchLengths([250, 20])
+    for lengths in ([250, 20], [9, 171]):
+        m.lengths = torch.tensor(lengths)
+        _check(Custom(m.keep), B=2, Hq=3, Hkv=1, Tq=201, Tk=260, block=(32, 64))
+
+
 @needs_build
 def test_float32_default_tiles_and_mqa():
     _check(Causal() & Document(torch.arange(2 * 700) // 190), B=1, Hq=3, Hkv=1, Tq=700, Tk=700, D=64, Dv=64,

@@ -24,6 +24,7 @@ from attnkit.backends import lsh
 from attnkit.dispatch import select
 from attnkit.inputs import AttentionInputs
 from attnkit.masks import BlockSparse, GlobalTokens
+from attnkit.score_mods import CustomScoreMod
 
 from .reference import DEVICE, device_unavailable, flash_rule_ok, keep_grid, max_error, reference_attention
 
@@ -44,10 +45,12 @@ def known_wrong(backend: str, mask, keep) -> str | None:
 
 # -- strategies -------------------------------------------------------------------------------------
 @st.composite
-def calls(draw, *, max_len=12, max_batch=2, max_kv_heads=2, max_groups=2, max_dim=16):
+def calls(draw, *, max_len=12, max_batch=2, max_kv_heads=2, max_groups=2, max_dim=16, queries_first=False):
     """A call's sizes and positions: ``dict(B, Hq, Hkv, Tq, Tk, D, Dv, q_offset, kv_offset, end)``;
     ``end`` is one past the last absolute position (what position-indexed masks must cover). Half
-    of the calls are self-attention (Tq == Tk, equal offsets), which ``lsh`` needs."""
+    of the calls are self-attention (Tq == Tk, equal offsets), which ``lsh`` needs.
+    ``queries_first``: the first query sits before the first key (``q_offset < kv_offset``): an
+    explicit smaller ``q_offset``, or the bottom-right default with ``Tq > Tk``."""
     B = draw(st.integers(1, max_batch))
     Hkv = draw(st.integers(1, max_kv_heads))
     Hq = Hkv * draw(st.integers(1, max_groups))
@@ -55,12 +58,19 @@ def calls(draw, *, max_len=12, max_batch=2, max_kv_heads=2, max_groups=2, max_di
     D = draw(st.integers(1, max_dim))
     Dv = draw(st.one_of(st.just(D), st.integers(1, max_dim)))
     kv_offset = draw(st.integers(0, 4))
-    if draw(st.booleans()):
+    if queries_first:
+        kv_offset = draw(st.integers(1, 6))
+        if Tk < max_len and draw(st.booleans()):  # bottom-right with more queries than keys
+            Tq, q_offset = draw(st.integers(Tk + 1, max_len)), None
+        else:
+            Tq, q_offset = draw(st.integers(1, max_len)), draw(st.integers(0, kv_offset - 1))
+    elif draw(st.booleans()):
         Tq, q_offset = Tk, kv_offset
     else:
         Tq = draw(st.integers(1, max_len))
         q_offset = draw(st.one_of(st.none(), st.integers(0, 6)))
     q0 = kv_offset + Tk - Tq if q_offset is None else q_offset
+    assert q0 < kv_offset or not queries_first
     end = max(q0 + Tq, kv_offset + Tk)
     return dict(B=B, Hq=Hq, Hkv=Hkv, Tq=Tq, Tk=Tk, D=D, Dv=Dv, q_offset=q_offset, kv_offset=kv_offset, end=end)
 
@@ -230,10 +240,10 @@ def check_backend(backend: str, call, mask, qkv, do, *, skip_known_wrong=True) -
     return True
 
 
-def draw_valid_call(data, family, dtype, mask=None):
+def draw_valid_call(data, family, dtype, mask=None, queries_first=False):
     """``(call, mask, qkv, do)`` drawn for ``family`` (or with ``mask(call)``); calls that
     ``attention()`` refuses for everyone (e.g. Document ids that end before its last position) are rejected."""
-    call = data.draw(calls(max_batch=3 if mask else 2))
+    call = data.draw(calls(max_batch=3 if mask else 2, queries_first=queries_first))
     mask = data.draw(mask_trees(call, family) if mask is None else mask(call))
     qkv, do = tensors(call, dtype)
     try:
@@ -257,6 +267,53 @@ def test_capabilities_agree_with_forward(family, data):
     for mask in CAUSAL_SPELLINGS if family == "causal" else [mask]:
         ran = [b for b in BACKENDS if check_backend(b, call, mask, qkv, do)]
         assert "naive" in ran  # the reference backend accepts every valid call
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(SETTINGS, max_examples=25)
+@given(data=st.data())
+def test_queries_before_keys(family, data):
+    """The same property when the first query sits before the first key (``q_offset < kv_offset``,
+    or ``Tq > Tk`` bottom-right): the rows before the keys see nothing, and masks relative to the
+    call (``Dense``) still index from its first query."""
+    call, mask, qkv, do = draw_valid_call(data, family, torch.float64, queries_first=True)
+    masks = CAUSAL_SPELLINGS if family == "causal" else [mask]
+    if family == "banded":  # a band with a call-relative conjunct, whose rows must not shift
+        window = SlidingWindow(data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3)))
+        masks = masks + [window & data.draw(leaf_masks(call, "Dense"))]
+    for mask in masks:
+        ran = [b for b in BACKENDS if check_backend(b, call, mask, qkv, do)]
+        assert "naive" in ran
+
+
+SCORE_MOD_BACKENDS = [b for b in BACKENDS if attnkit.get_backend(b).exact and attnkit.get_backend(b).supports_score_mod]
+
+
+@pytest.mark.parametrize("family", ("tree", "banded", "layout"))
+@settings(SETTINGS, max_examples=25)
+@given(data=st.data())
+def test_score_mod_nan_where_the_mask_hides_the_pair(family, data):
+    """A score modifier that is the identity where the mask keeps a pair and NaN where it hides it
+    changes nothing, output or gradients, on every backend that applies score modifiers (the mask
+    comes after the modifier, and no hidden pair may reach a result, padding included)."""
+    call, mask, qkv, do = draw_valid_call(data, family, torch.float64, queries_first=data.draw(st.booleans()))
+    assume(mask is not None)
+    q0 = call["kv_offset"] + call["Tk"] - call["Tq"] if call["q_offset"] is None else call["q_offset"]
+    hidden_nan = CustomScoreMod(
+        lambda s, b, h, qi, ki: torch.where(mask.mask_mod(b, h, qi, ki, q_offset=q0, kv_offset=call["kv_offset"]),
+                                            s, float("nan")), name="nan_where_hidden")
+    kwargs = dict(mask=mask, **positions(call))
+    ref, ref_grads = grads_of(lambda q, k, v: reference_attention(q, k, v, **kwargs)[0], qkv, do)
+    for backend in SCORE_MOD_BACKENDS:
+        if attnkit.get_backend(backend).not_supported_reasons(AttentionInputs.create(*qkv, score_mod=hidden_nan, **kwargs)):
+            continue
+        out, grads = grads_of(lambda q, k, v: attnkit.attention(q, k, v, backend=backend, score_mod=hidden_nan, **kwargs),
+                              qkv, do)
+        assert torch.isfinite(out).all() and flash_rule_ok(max_error(out, ref), 0.0, factor=2, dtype=torch.float64), (
+            backend, mask, max_error(out, ref))
+        for name, g, rg in zip("qkv", grads, ref_grads):
+            assert torch.isfinite(g).all() and flash_rule_ok(max_error(g, rg), 0.0, factor=3, dtype=torch.float64), (
+                backend, mask, f"d{name}", max_error(g, rg))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

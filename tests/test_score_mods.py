@@ -260,3 +260,100 @@ def test_alibi_model_passes_no_dense_bias(monkeypatch):
     with torch.no_grad():
         model(torch.randint(0, 40, (1, 9)))
     assert seen and all(b is None for b in seen)
+
+
+@pytest.mark.parametrize("backend", list(MASKS))
+def test_rows_whose_window_reaches_no_key_have_the_sink_as_lse(backend):
+    """Queries far after the keys (a large q_offset) see nothing through a window: like any fully
+    masked row they output 0 and their LSE is the sink, through which the sink gets its gradient
+    (an LSE merge of such a row with another chunk must count the sink's mass)."""
+    g = torch.Generator().manual_seed(6)
+    Tq, Tk, Hq = 21, 13, 6
+    q, k, v = torch.randn(1, Hq, Tq, 8, generator=g), torch.randn(1, 3, Tk, 8, generator=g), torch.randn(1, 3, Tk, 8, generator=g)
+    sinks = torch.randn(Hq, generator=g, dtype=torch.float64).float().requires_grad_()
+    mask = SlidingWindow(3, 0) if backend != "block_sparse" else BlockSparse.bigbird(8, 4) & SlidingWindow(3, 0)
+    kw = dict(mask=mask, sinks=sinks, q_offset=9, kv_offset=0, return_lse=True)
+    out, lse = attnkit.attention(q, k, v, backend=backend, options=OPTIONS.get(backend), **kw)
+    ref, ref_lse = attnkit.attention(q.double(), k.double(), v.double(), backend="naive", **{**kw, "sinks": sinks.double()})
+    blind = torch.arange(Tq) + 9 - 3 > Tk - 1  # the window starts after the last key
+    n = int(blind.sum())
+    assert 0 < n < Tq and torch.equal(out[:, :, blind], torch.zeros_like(out[:, :, blind]))
+    assert torch.equal(lse[:, :, blind], sinks.detach().view(1, Hq, 1).expand(1, Hq, n))
+    assert (lse.double() - ref_lse).abs().max() < 1e-5 and (out.double() - ref).abs().max() < 1e-5
+    (grad,) = torch.autograd.grad(lse[:, :, blind].sum(), sinks)
+    assert torch.equal(grad, torch.full((Hq,), float(n)))
+
+
+@pytest.mark.parametrize("backend", list(MASKS))
+def test_an_infinite_sink_takes_all_the_mass(backend):
+    """sinks = +inf: that head's rows give 0 and LSE +inf (the sink's limit), never NaN; the
+    other heads are unchanged."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 37, 8, generator=g) for _ in range(3))
+    mask = MASKS[backend]
+    sinks = torch.tensor([0.3, float("inf"), -1.0, float("inf")])
+    out, lse = attnkit.attention(q, k, v, mask=mask, sinks=sinks, backend=backend, options=OPTIONS.get(backend),
+                                 return_lse=True)
+    ref, ref_lse = attnkit.attention(q, k, v, mask=mask, sinks=torch.tensor([0.3, 0.0, -1.0, 0.0]), backend="naive",
+                                     return_lse=True)
+    inf = torch.tensor([False, True, False, True])
+    assert torch.equal(out[:, inf], torch.zeros_like(out[:, inf])) and (lse[:, inf] == float("inf")).all()
+    assert (out[:, ~inf] - ref[:, ~inf]).abs().max() < 1e-5 and (lse[:, ~inf] - ref_lse[:, ~inf]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("backend", list(MASKS))
+def test_a_modifier_nan_only_where_the_mask_hides_the_pair_changes_nothing(backend):
+    """A modifier that is NaN exactly on the hidden pairs (it is never seen there): output, LSE and
+    every gradient equal the unmodified call's, including the query and key padding a backend adds
+    around a call whose offsets are not multiples of its blocks."""
+    mask = BlockSparse.bigbird(12, 4, seed=2) & Causal() if backend == "block_sparse" else MASKS[backend]
+    nan_where_hidden = CustomScoreMod(lambda s, b, h, q, k: torch.where(mask.mask_mod(b, h, q, k), s, float("nan")))
+    g = torch.Generator().manual_seed(8)
+    for Tq, Tk, q_offset in ((29, 45, None), (13, 45, 6)):
+        q = torch.randn(2, 4, Tq, 8, generator=g).requires_grad_()
+        k, v = (torch.randn(2, 2, Tk, 8, generator=g).requires_grad_() for _ in range(2))
+        kw = dict(mask=mask, q_offset=q_offset, backend=backend, options=OPTIONS.get(backend), return_lse=True)
+        out, lse = attnkit.attention(q, k, v, score_mod=nan_where_hidden, **kw)
+        ref, ref_lse = attnkit.attention(q, k, v, **kw)
+        assert torch.isfinite(out).all() and (out - ref).abs().max() < 1e-5
+        seen = torch.isfinite(ref_lse)
+        assert torch.equal(seen, torch.isfinite(lse)) and (lse - ref_lse)[seen].abs().max() < 1e-5
+        w = torch.randn(out.shape, generator=g)
+        for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v))):
+            assert torch.isfinite(a).all() and (a - b).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("num_buckets,bidirectional", [(10, False), (24, True), (7, False)])
+def test_relative_bias_max_distance_within_the_exact_buckets_is_refused(num_buckets, bidirectional):
+    """max_distance <= the exact-bucket count makes T5's log scale degenerate (log(1) = 0, or a
+    negative ratio): refused clearly; one past it gives buckets inside the table for every distance."""
+    exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+    table = torch.randn(3, num_buckets)
+    for bad in (2, exact - 1, exact):
+        if bad < 2:
+            continue
+        with pytest.raises(ValueError, match=rf"max_distance={bad}\b.*greater than {exact}"):
+            RelativeBias(table, max_distance=bad, bidirectional=bidirectional)
+        with pytest.raises(ValueError, match="max_distance"):
+            t5_bucket(torch.arange(-50, 50), num_buckets=num_buckets, max_distance=bad, bidirectional=bidirectional)
+    mod = RelativeBias(table, max_distance=exact + 1, bidirectional=bidirectional)
+    buckets = mod.buckets(torch.zeros(1, dtype=torch.long), torch.arange(-300, 300))
+    assert buckets.min() >= 0 and buckets.max() < num_buckets
+    scores = mod.evaluate(torch.zeros(1, 3, 9, 600), (0, 9), (-300, 300), 1, 3)
+    assert torch.isfinite(scores).all()
+
+
+@pytest.mark.parametrize("backend", list(MASKS))
+@pytest.mark.parametrize("wrong", ["extra_dim", "reduced", "sliced"])
+def test_a_modifier_returning_the_wrong_shape_is_refused_on_every_backend(backend, wrong):
+    """One new score per score: a modifier that adds, reduces or drops entries gets a clear
+    ValueError naming both shapes (never a deep RuntimeError, nor a silently broadcast output)."""
+    fn = {
+        "extra_dim": lambda s, b, h, q, k: s[None] * 2,
+        "reduced": lambda s, b, h, q, k: s.sum(-1, keepdim=True),
+        "sliced": lambda s, b, h, q, k: s[..., :1] + 0 * k[..., :1],
+    }[wrong]
+    q = torch.randn(2, 4, 19, 8)
+    k = torch.randn(2, 2, 19, 8)
+    with pytest.raises(ValueError, match=r"fn returned shape .* for scores of shape"):
+        attnkit.attention(q, k, k, mask=MASKS[backend], score_mod=fn, backend=backend, options=OPTIONS.get(backend))

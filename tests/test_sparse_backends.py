@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit
-from attnkit import BlockSparse, Causal, Document, KeyPadding, SlidingWindow, longformer
+from attnkit import BlockSparse, Causal, Dense, Document, KeyPadding, SlidingWindow, longformer
 from attnkit.backends.sliding_window import SlidingWindowOptions
 from tests.reference import reference_attention
 from tests.sparse_checks import check_against_reference, make_qkv
@@ -113,3 +113,43 @@ def test_info_cli_explains_a_longformer_mask():
     q = torch.empty(1, 2, 4096, 8)
     explanation = attnkit.explain(q, q, q, mask=mask)
     assert explanation.chosen == "block_sparse" and "needs banded" in str(explanation)
+
+
+@pytest.mark.parametrize("Tq,Tk,q_offset,kv_offset", [(29, 19, None, 0), (23, 40, 5, 20), (31, 12, 40, 46)])
+def test_sliding_window_dense_conjunct_when_queries_start_before_keys(Tq, Tk, q_offset, kv_offset):
+    """A Dense keep is relative to the call (row i = the call's i-th query); the band runs only on
+    the queries whose window reaches a key, and must still index the Dense rows from the call's
+    first query (Tq > Tk bottom-right, and explicit q_offset < kv_offset)."""
+    keep = torch.rand(2, 1, Tq, Tk, generator=torch.Generator().manual_seed(4)) < 0.7
+    for window in (SlidingWindow(3, 0), SlidingWindow(5, 2) & Causal()):
+        q, k, v = make_qkv(2, 4, 2, Tq, Tk, 16)
+        check_against_reference("sliding_window", q, k, v, mask=window & Dense(keep), q_offset=q_offset,
+                                kv_offset=kv_offset, options=SlidingWindowOptions(chunk=4))
+
+
+@pytest.mark.parametrize("backend", ["sliding_window", "block_sparse", "flex"])
+@pytest.mark.parametrize("extra", ["per_head_dense", "custom", "none"])
+@pytest.mark.parametrize("Hkv", [6, 3, 1])
+def test_an_empty_batch_gives_empty_results_and_gradients(backend, extra, Hkv):
+    """B = 0 (GQA and MQA too): empty output and LSE of the right shapes, and empty gradients."""
+    from attnkit.backends import flex
+
+    Tq, Tk = 27, 33
+    base = {"sliding_window": SlidingWindow(6, 1), "block_sparse": BlockSparse.bigbird(9, 4), "flex": Causal()}[backend]
+    part = {"per_head_dense": Dense(torch.ones(0, 6, Tq, Tk, dtype=torch.bool)),
+            "custom": attnkit.Custom(lambda b, h, q, k: (k % 3 != 0) | (h == b)), "none": None}[extra]
+    mask = base if part is None else base & part
+    grads = backend != "flex"  # Flex has no backward on a CPU
+    q = torch.randn(0, 6, Tq, 8, requires_grad=grads)
+    k, v = (torch.randn(0, Hkv, Tk, 8, requires_grad=grads) for _ in range(2))
+    lse = backend != "flex"
+    with flex.allow_cpu():
+        result = attnkit.attention(q, k, v, mask=mask, backend=backend, return_lse=lse,
+                                   options=flex.FlexOptions(compile=False) if backend == "flex" else None)
+    out = result[0] if lse else result
+    assert out.shape == (0, 6, Tq, 8) and out.dtype == q.dtype
+    if lse:
+        assert result[1].shape == (0, 6, Tq)
+    if grads:
+        dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape

@@ -5,6 +5,9 @@ of a call as one ``uint8`` tensor (0 EMPTY, 1 PARTIAL, 2 FULL), the AND of its c
 Positional conjuncts (``Causal``, ``SlidingWindow``, ``KeyPadding``, ``Padding``, ``Document``)
 are answered with a few tensor operations on the tile bounds, with no per-element evaluation;
 any other conjunct is asked tile by tile through its own ``block_status``.
+
+:func:`empty_batch` is the result of a call with an empty batch, for the backends whose
+reshapes cannot run on zero elements.
 """
 
 from __future__ import annotations
@@ -109,3 +112,13 @@ def tile_grid(mask: Mask | None, Tq: int, Tk: int, q_offset: int, kv_offset: int
         grid = g if grid is None else torch.minimum(grid, g)
     return grid.contiguous()
 
+
+def empty_batch(inp) -> Tensor | tuple[Tensor, Tensor]:
+    """The result of a call with ``B = 0`` (nothing to compute): ``out (0, Hq, Tq, Dv)``, and the LSE
+    with ``return_lse``, in the autograd graph of q, k and v (their gradients are empty too). For
+    backends whose reshapes cannot infer a dimension from zero elements."""
+    connect = (inp.q.sum() + inp.k.sum() + inp.v.sum()) * 0  # a sum over nothing: 0
+    out = inp.q.new_zeros(0, inp.Hq, inp.Tq, inp.Dv) + connect.to(inp.dtype)
+    if not inp.return_lse:
+        return out
+    return out, torch.zeros(0, inp.Hq, inp.Tq, dtype=torch.promote_types(inp.dtype, torch.float32), device=inp.device)

@@ -20,6 +20,7 @@ from ._common import (
     connected, grouped, mask_on, modify_gathered, safe, softmax_parts,
     gathered_sink, upcast_on_cpu,
 )
+from ._tiles import empty_batch
 
 
 @torch.compiler.assume_constant_result
@@ -52,6 +53,8 @@ class BlockSparseBackend(Backend):
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: None):
+        if inp.B == 0:
+            return empty_batch(inp)
         dtype, inp = inp.dtype, upcast_on_cpu(inp)
         pattern = inp.mask.block_layout()
         bs = pattern.block_size
@@ -78,9 +81,12 @@ class BlockSparseBackend(Backend):
             q_pos = (r0 + rows)[:, None] * bs + offs  # (n, bs) absolute
             k_pos = ((c0 + cols)[:, :, None] * bs + offs).view(n, r * bs)  # (n, r*bs)
             # Padding positions are clamped into the call (their results are masked or dropped),
-            # so masks indexed by position (Document) are only evaluated inside it.
+            # so masks indexed by position (Document) and score modifiers are only evaluated inside
+            # it: a padding query row scores like a real one (a modifier that is NaN only where the
+            # mask hides the pair would otherwise fill it with NaN, which reaches dK and dV).
             q_in = q_pos.clamp(inp.q_offset, inp.q_offset + Tq - 1)
-            keep = mask_on(inp.mask, inp, q_in, k_pos.clamp(inp.kv_offset, inp.kv_offset + Tk - 1))
+            k_in = k_pos.clamp(inp.kv_offset, inp.kv_offset + Tk - 1)
+            keep = mask_on(inp.mask, inp, q_in, k_in)
             in_call = (k_pos >= inp.kv_offset) & (k_pos < inp.kv_offset + Tk)
             keep = grouped(keep & in_call[:, None, :], Hkv)  # (B|1, Hkv|1, n, G|1, bs, r*bs)
             kg = k[:, :, cols].reshape(B, Hkv, n, r * bs, D)  # reshape: a strided k gathers strided
@@ -89,7 +95,7 @@ class BlockSparseBackend(Backend):
             s = torch.matmul(qg, kg.transpose(-2, -1)).to(torch.promote_types(inp.dtype, torch.float32))
             s = s.view(B, Hkv, n, G, bs, r * bs)
             if inp.score_mod is not None:
-                s = modify_gathered(inp, s, q_pos, k_pos)
+                s = modify_gathered(inp, s, q_in, k_in)
             s = s.masked_fill_(~keep, float("-inf")) if inplace else s.masked_fill(~keep, float("-inf"))
             p, denom, lse = softmax_parts(s, inplace, sink=gathered_sink(inp, s.dtype))
             o = torch.matmul(p.to(inp.dtype).reshape(B, Hkv, n, G * bs, r * bs), vg)

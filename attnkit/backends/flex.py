@@ -28,7 +28,7 @@ import torch
 from ..inputs import AttentionInputs
 from ..masks import Band, Causal, Mask, SlidingWindow
 from ..registry import Backend, register_backend
-from ._tiles import FULL, PARTIAL, tile_grid
+from ._tiles import FULL, PARTIAL, empty_batch, tile_grid
 
 _CPU_ALLOWED: ContextVar[bool] = ContextVar("attnkit_flex_cpu", default=False)
 
@@ -73,6 +73,14 @@ def _compiled(device_type: str, compile: bool):
     if fn is None:
         fn = _STATE["compiled"][device_type] = torch.compile(fa.flex_attention, dynamic=True)
     return fn
+
+
+def _loud_recompile_limit(compile: bool):
+    """Make dynamo raise when a compiled call hits its recompile limit (it would otherwise fall
+    back to eager silently); a no-op for eager calls."""
+    if not compile:
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
 
 
 def _mask_mod(mask: Mask, B: int, H: int, q_offset: int, kv_offset: int, Tq: int, Tk: int, device):
@@ -202,10 +210,18 @@ class Flex(Backend):
     @classmethod
     def forward(cls, inp: AttentionInputs, options: FlexOptions | None):
         options = options or FlexOptions()
+        if inp.B == 0:  # Flex traces mask_mods on sample indices, which an empty batch cannot index
+            return empty_batch(inp)
         dev = inp.device.type
         first = options.compile and dev not in _STATE["compiled"]
         fn = _compiled(dev, options.compile)
         bm, _ = block_mask(inp.mask, inp)
+        # Dynamo specializes on strides even with dynamic shapes, and on whether q, k and v are one
+        # object: transposed or sliced inputs, or attention(x, x, x) after attention(q, k, v), would
+        # each compile anew (and past its recompile limit run eager). Contiguous strides are
+        # expressions of the sizes, and a fresh view per argument keeps the objects distinct
+        # (no copy), so one compiled kernel serves every layout and length.
+        q, k, v = (t.contiguous().view(t.shape) for t in (inp.q, inp.k, inp.v))
         kwargs = dict(block_mask=bm, scale=inp.scale, enable_gqa=inp.groups > 1)
         if inp.bias is not None:
             kwargs["score_mod"] = _score_mod(inp.bias)
@@ -213,8 +229,19 @@ class Flex(Backend):
             kwargs["return_aux"] = _flex_api().AuxRequest(lse=True)
         start = time.perf_counter()
         try:
-            result = fn(inp.q, inp.k, inp.v, **kwargs)
+            with _loud_recompile_limit(options.compile):
+                result = fn(q, k, v, **kwargs)
         except Exception as exc:
+            if options.compile and type(exc).__name__ == "FailOnRecompileLimitHit":
+                # Past dynamo's limit torch would run flex_attention eagerly (the unfused path that
+                # materializes every score) without a word: refuse instead.
+                raise RuntimeError(
+                    f"flex: flex_attention was recompiled {torch._dynamo.config.recompile_limit} times on {dev} "
+                    f"(q {tuple(inp.q.shape)}, k {tuple(inp.k.shape)}), dynamo's recompile_limit, and would run "
+                    "eagerly from now on. Each mask kind (its structure, e.g. a band or none) compiles once; so "
+                    "does each new Custom function. Fix: reuse mask values across calls, raise "
+                    "torch._dynamo.config.recompile_limit, or use backend='native' or 'tiled'."
+                ) from exc
             if not options.compile or "Inductor" not in type(exc).__name__:
                 raise
             # torch 2.13's CPU Flex template fails to compile some mask_mods (C++ codegen errors):

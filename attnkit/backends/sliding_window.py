@@ -26,6 +26,7 @@ from ._common import (
     connected, grouped, mask_on, modify_gathered, safe, softmax_parts,
     gathered_sink, upcast_on_cpu,
 )
+from ._tiles import empty_batch
 
 NEG_INF = float("-inf")
 
@@ -54,8 +55,11 @@ def band_of(mask: Mask | None) -> tuple[int, int, Mask, Tensor | None] | None:
     return band.left, band.right, core, None if glob is None else glob.positions
 
 
-def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk: int, glob: Tensor | None):
-    """``(out, lse)`` of the banded attention."""
+def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk: int, glob: Tensor | None,
+            call: AttentionInputs):
+    """``(out, lse)`` of the banded attention. ``inp`` may be a run of the queries of ``call``, the
+    whole call, whose offsets masks relative to the call (``Dense``: row i is the call's i-th query)
+    are evaluated with."""
     B, Hq, Tq, D = inp.q.shape
     Hkv, Tk, Dv, G = inp.Hkv, inp.Tk, inp.Dv, inp.groups
     dev, acc = inp.device, torch.promote_types(inp.dtype, torch.float32)
@@ -73,7 +77,7 @@ def _banded(inp: AttentionInputs, band_mask: Mask, left: int, right: int, chunk:
     # Padding queries/keys get a clamped position (their result is discarded or masked below), so
     # masks indexed by position (Document) are only evaluated inside the call.
     qpos = qpos.clamp(max=inp.q_offset + Tq - 1)
-    keep = mask_on(band_mask, inp, qpos, inp.kv_offset + kidx.clamp(0, Tk - 1))
+    keep = mask_on(band_mask, call, qpos, inp.kv_offset + kidx.clamp(0, Tk - 1))
     keep = keep & ((kidx >= 0) & (kidx < Tk)).view(1, 1, nC, 1, L)
     if glob is not None:  # global keys are scored in their own columns: drop them from the band
         keep = keep & ~torch.isin(k5, glob.to(dev))
@@ -145,6 +149,8 @@ class SlidingWindowBackend(Backend):
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: SlidingWindowOptions | None):
+        if inp.B == 0:
+            return empty_batch(inp)
         dtype, inp = inp.dtype, upcast_on_cpu(inp)
         left, right, band_mask, glob = band_of(inp.mask)
         chunk = (options.chunk if options and options.chunk else None) or max(16, min(128, (left + right + 1) // 4))
@@ -158,21 +164,24 @@ def _reachable_rows(inp: AttentionInputs, band_mask: Mask, left: int, right: int
     every key, e.g. after a large offset gap, keeps nothing): output 0 and LSE -inf elsewhere, so
     memory stays O(Tq · (left + right)) however far apart the positions are."""
     Tq, Tk = inp.Tq, inp.Tk
+    B, Hq = inp.B, inp.Hq
+    acc = torch.promote_types(inp.dtype, torch.float32)
+    # A row that reaches no key keeps only its sink: LSE = the sink (else -inf), as a fully masked row.
+    empty_lse = (torch.full((), float("-inf"), dtype=acc, device=inp.device) if inp.sinks is None
+                 else inp.sinks.to(acc).view(1, Hq, 1))
     lo = inp.kv_offset - right - inp.q_offset  # first query index whose band reaches key 0
     hi = inp.kv_offset + Tk - 1 + left - inp.q_offset  # last query index whose band reaches key Tk-1
     if glob is not None:
         lo, hi = 0, Tq - 1  # global rows and columns reach everywhere
     q0, q1 = max(0, lo), min(Tq, hi + 1)
     if q0 >= q1:  # nothing reachable: every row is fully masked
-        B, Hq, _, _ = inp.q.shape
-        acc = torch.promote_types(inp.dtype, torch.float32)
-        out = connected(inp.q.new_zeros(B, Hq, Tq, inp.Dv), inp.q, inp.k, inp.v)
-        return out, torch.full((B, Hq, Tq), float("-inf"), dtype=acc, device=inp.device)
+        out = connected(inp.q.new_zeros(B, Hq, Tq, inp.Dv), inp.q, inp.k, inp.v, inp.sinks)
+        return out, empty_lse.expand(B, Hq, Tq).clone()
     sub = inp if (q0, q1) == (0, Tq) else dataclasses.replace(inp, q=inp.q[:, :, q0:q1], q_offset=inp.q_offset + q0)
-    out, lse = _banded(sub, band_mask, left, right, min(chunk, q1 - q0), glob)
+    out, lse = _banded(sub, band_mask, left, right, min(chunk, q1 - q0), glob, inp)
     if (q0, q1) == (0, Tq):
         return out, lse
     pad = (q0, Tq - q1)
     out = F.pad(out, (0, 0, *pad))
-    lse = F.pad(lse, pad, value=float("-inf"))
+    lse = torch.cat([empty_lse.expand(B, Hq, q0), lse, empty_lse.expand(B, Hq, Tq - q1)], dim=-1)
     return out, lse

@@ -151,8 +151,10 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, 
         n = q1 - q0
         qt = q5[:, :, :, q0:q1].reshape(B, Hkv, G * n, D) * plan.scale  # scale q, not the scores
         m_run = torch.full((B, Hkv, G, n), NEG_INF, dtype=acc_dtype, device=q.device)
-        if sink is not None:
-            m_run = m_run.copy_(sink.expand_as(m_run))
+        if sink is not None:  # a +inf sink starts the max at the largest finite value: the keys then
+            # get weight 0 and the sink term below makes the row's sum +inf (output 0, LSE +inf, as
+            # the other backends), where +inf - +inf would give NaN
+            m_run = m_run.copy_(sink.clamp(max=torch.finfo(acc_dtype).max).expand_as(m_run))
         l_run = torch.zeros((B, Hkv, G, n), dtype=acc_dtype, device=q.device)
         acc = torch.zeros((B, Hkv, G * n, E), dtype=acc_dtype, device=q.device)
         for k0, k1, status in row:

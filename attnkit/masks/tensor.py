@@ -67,13 +67,21 @@ class Dense(Mask):
         return f"Dense(keep=<{tuple(self.keep.shape)}>)"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Custom(Mask):
     """Escape hatch: ``fn(b, h, q_idx, kv_idx) -> bool tensor`` over absolute positions,
     FlexAttention's ``mask_mod`` convention: ``b (B, 1, 1, 1)`` and ``h (1, Hq, 1, 1)`` hold every
     batch row and query head of the call, so ``Custom(lambda b, h, q, k: k < lengths[b])`` equals
     ``KeyPadding(lengths)`` and per-head masks work. Backends can only evaluate it, never skip work
-    from its structure unless ``block_status`` finds a tile FULL or EMPTY by evaluation."""
+    from its structure unless ``block_status`` finds a tile FULL or EMPTY by evaluation.
+
+    A ``Custom`` value assumes ``fn`` is pure for the value's life: the same inputs give the same
+    keep every time. Backends cache what they derive from a mask (its materialized keep, a
+    kernel's tile plan) on that assumption, so a function that reads mutable state (a bound
+    method reading ``self.lengths``) must be wrapped in a new ``Custom`` whenever that state
+    changes, e.g. once per forward pass. Equality is identity: two ``Custom`` values are equal
+    only when they are the same object, never because they wrap the same function, so a new
+    ``Custom`` never reuses a plan built for another."""
 
     fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
     name: str = "custom"
