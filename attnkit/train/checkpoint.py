@@ -10,9 +10,12 @@ Layout of a run directory::
         meta.json            model and training configs, step, optimizer hyper-parameters, metrics
 
 A checkpoint directory is first written under a temporary name, flushed, and renamed into place
-with ``os.replace``; only then is ``latest`` replaced (temp file + ``os.replace``). A crash at any
-moment leaves ``latest`` naming a complete checkpoint; the next save removes the crashed one's
-temporary directory. Weights with a NaN or infinity are never saved, so a diverging run cannot
+with ``os.replace``; only then is ``latest`` replaced (temp file + ``os.replace``), and only then
+are the old checkpoints rotated out (each renamed to a temporary name before it is deleted). So a
+``step-*`` directory is always complete, and a crash at any moment leaves a resumable run: a run
+directory resolves to the newest of ``latest`` and its complete ``step-*`` directories (a kill
+between the rename and the ``latest`` update leaves ``latest`` one save behind, or absent after the
+first save). The next save removes the crashed one's temporary directory. Weights with a NaN or infinity are never saved, so a diverging run cannot
 rotate the good checkpoints out.
 
 Loading treats the directory as untrusted: ``safetensors`` and ``json`` only, never
@@ -38,7 +41,7 @@ from .config import MODEL_KINDS
 from .files import atomic_write_text, fsync_dir, read_json, remove_stale_temporaries, temp_prefix
 
 __all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "load_model_weights", "model_from_header",
-           "checkpoint_names", "checkpoint_order",
+           "checkpoint_names", "checkpoint_order", "newest_checkpoint",
            "non_finite_parameters", "read_safetensors", "CheckpointError"]
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d{6,})(?:-r(\d+))?$")
@@ -181,7 +184,9 @@ def save_checkpoint(out_dir: str, step: int, model: nn.Module, meta: dict,
     atomic_write_text(os.path.join(out_dir, "latest"), name + "\n")
     old = [d for d in checkpoint_names(out_dir) if d != name]
     for d in old[: max(len(old) - (keep - 1), 0)]:
-        shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)
+        doomed = tempfile.mkdtemp(prefix=temp_prefix(d), dir=out_dir)
+        os.replace(os.path.join(out_dir, d), doomed)  # never a half-deleted step-* directory
+        shutil.rmtree(doomed, ignore_errors=True)
     return final
 
 
@@ -195,18 +200,16 @@ def _check_checkpoint_dir(ckpt: str) -> str:
     return ckpt
 
 
-def resolve_checkpoint(path: str) -> str:
-    """A checkpoint directory from a run directory (via ``latest``) or a checkpoint directory itself.
+def _is_complete(ckpt: str) -> bool:
+    return all(os.path.isfile(os.path.join(ckpt, f)) and not os.path.islink(os.path.join(ckpt, f)) for f in FILES)
 
-    ``latest`` must be one line naming a ``step-*`` directory of the run directory itself: no path
-    separators, no ``..``, no symbolic links."""
-    path = os.fspath(path)
-    if os.path.lexists(os.path.join(path, "meta.json")):
-        return _check_checkpoint_dir(path)
+
+def _read_latest(path: str) -> str | None:
+    """The checkpoint name ``path/latest`` holds (None when there is no ``latest``), checked:
+    one line naming a ``step-*`` directory of ``path`` itself."""
     latest = os.path.join(path, "latest")
     if not os.path.lexists(latest):
-        raise CheckpointError(f"checkpoint: {path!r} is neither a run directory with a 'latest' file nor a "
-                              f"checkpoint directory with meta.json. Fix: {_FIX}.")
+        return None
     if os.path.islink(latest) or not os.path.isfile(latest) or os.path.getsize(latest) > 256:
         raise CheckpointError(f"checkpoint: {latest} is not the small regular file attnkit writes (a link, a "
                               f"directory or too large). Fix: {_FIX}.")
@@ -218,7 +221,37 @@ def resolve_checkpoint(path: str) -> str:
                               f"{path} (links, '..' and absolute paths are refused). Fix: write the name of one "
                               f"of its checkpoints ({', '.join(checkpoint_names(path)) or 'none found'}) into it, "
                               f"or pass the checkpoint directory itself.")
-    return _check_checkpoint_dir(ckpt)
+    return name
+
+
+def newest_checkpoint(path: str) -> str | None:
+    """The newest checkpoint of run directory ``path``: the newest of the one ``latest`` names and
+    the complete ``step-*`` directories (a save renames its directory into place before it updates
+    ``latest``, so a kill in between leaves ``latest`` one save behind). None when it has none."""
+    path = os.fspath(path)
+    named = _read_latest(path)
+    complete = [n for n in checkpoint_names(path) if _is_complete(os.path.join(path, n))]
+    candidates = complete + ([named] if named is not None else [])
+    return max(candidates, key=checkpoint_order) if candidates else None
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory from a run directory (its newest checkpoint, see
+    :func:`newest_checkpoint`) or a checkpoint directory itself.
+
+    ``latest`` must be one line naming a ``step-*`` directory of the run directory itself: no path
+    separators, no ``..``, no symbolic links."""
+    path = os.fspath(path)
+    if os.path.lexists(os.path.join(path, "meta.json")):
+        return _check_checkpoint_dir(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint: {path!r} does not exist or is not a directory. Fix: {_FIX}.")
+    name = newest_checkpoint(path)
+    if name is None:
+        raise CheckpointError(f"checkpoint: {path!r} holds no checkpoint (no 'latest' file, no complete step-* "
+                              f"directory, no meta.json): a run stopped before its first save leaves none. Fix: "
+                              f"{_FIX}; to start that run again, pass --out {path} --overwrite.")
+    return _check_checkpoint_dir(os.path.join(path, name))
 
 
 def _fail(path: str, problem: str) -> CheckpointError:
