@@ -22,12 +22,15 @@ Loading treats the directory as untrusted: ``safetensors`` and ``json`` only, ne
 ``torch.load``/pickle; ``latest`` must name a checkpoint directory inside the run directory (no
 ``..``, absolute paths or symbolic links); ``meta.json`` is size-limited and checked field by field;
 a stored config is checked against the weights' shapes before the model is allocated
-(:func:`model_from_header`). Every refusal is a ``ValueError`` naming the file and the fix.
+(:func:`model_from_header`), including the tensors the config derives that are not stored; weights
+holding NaN or infinity are refused (attnkit never saves them); resuming needs the stored RNG state
+(without it the continuation would not be exact). Every refusal is a ``ValueError`` naming the file and the fix.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -42,7 +45,7 @@ from .files import atomic_write_text, fsync_dir, read_json, remove_stale_tempora
 
 __all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "load_model_weights", "model_from_header",
            "checkpoint_names", "checkpoint_order", "newest_checkpoint",
-           "non_finite_parameters", "read_safetensors", "CheckpointError"]
+           "non_finite_parameters", "check_finite_weights", "read_safetensors", "CheckpointError"]
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d{6,})(?:-r(\d+))?$")
 META_LIMIT_BYTES = 64 * 2**20  # meta.json holds the per-step history: ~100 bytes a step
@@ -304,8 +307,20 @@ def load_checkpoint(path: str) -> tuple[dict, dict[str, Tensor], dict[str, Tenso
     ckpt = resolve_checkpoint(path)
     meta_path = os.path.join(ckpt, "meta.json")
     meta = check_meta(read_json(meta_path, limit_bytes=META_LIMIT_BYTES, fix=_FIX + "."), meta_path)
-    return (meta, read_safetensors(os.path.join(ckpt, "model.safetensors")),
-            read_safetensors(os.path.join(ckpt, "state.safetensors")))
+    weights_path = os.path.join(ckpt, "model.safetensors")
+    weights = read_safetensors(weights_path)
+    check_finite_weights(weights, weights_path)
+    return meta, weights, read_safetensors(os.path.join(ckpt, "state.safetensors"))
+
+
+def check_finite_weights(tensors: Mapping[str, Tensor], path: str) -> None:
+    """Refuse stored weights holding a NaN or an infinity: attnkit never saves such weights, so the
+    file was damaged or edited, and a model loaded from it would answer NaN."""
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise CheckpointError(f"checkpoint: {path}: {len(bad)} weight tensor(s) hold NaN or infinity "
+                              f"({', '.join(bad[:3])}); attnkit never saves such weights, so the file was damaged "
+                              f"or edited. Fix: load another checkpoint (the run keeps the previous one).")
 
 
 def _aliases(model: nn.Module) -> dict[str, set[str]]:
@@ -340,6 +355,11 @@ def model_from_header(build: Callable[[], nn.Module],
         except (TypeError, ValueError, LookupError) as exc:  # the config's own validation, unknown names
             raise CheckpointError(f"{where}: the stored config is not valid ({type(exc).__name__}: {exc}). "
                                   f"Fix: {_FIX}.") from None
+        except (RuntimeError, OverflowError, MemoryError) as exc:  # sizes no tensor can have (2**31 x 2**31)
+            raise CheckpointError(f"{where}: the stored config asks for tensors too large to exist "
+                                  f"({type(exc).__name__}: {str(exc)[:200]}); nothing was allocated. Fix: keep the "
+                                  f"config and the weights of one save together (a hand-edited config cannot be "
+                                  f"loaded).") from None
     expected = {k: (tuple(t.shape), t.is_floating_point()) for k, t in skeleton.state_dict().items()}
     aliases = _aliases(skeleton)
     unexpected = [k for k in info if k not in expected]
@@ -352,8 +372,29 @@ def model_from_header(build: Callable[[], nn.Module],
             f"{where}: the stored config does not describe the stored weights (missing {missing[:4]}, unexpected "
             f"{unexpected[:4]}, mismatched {wrong[:3]}); nothing was allocated. Fix: keep the config and the "
             f"weights of one save together (a hand-edited config cannot be loaded).")
+    _check_derived_sizes(skeleton, info, where)
     del skeleton
     return build()
+
+
+DERIVED_LIMIT_BYTES = 256 * 2**20  # tensors a config derives (position tables, caches) beyond the stored weights
+
+
+def _check_derived_sizes(skeleton: nn.Module, info: Mapping[str, tuple[tuple[int, ...], str]], where: str) -> None:
+    """Refuse a config whose tensors that are *not* stored (a sin/cos position table, a cache, both
+    computed from the config) would take more than ``max(4 x the stored weights, DERIVED_LIMIT_BYTES)``."""
+    stored_bytes = sum(math.prod(shape) * 4 for shape, _ in info.values())
+    kept = set(skeleton.state_dict())
+    derived = [(name, t) for name, t in skeleton.named_buffers() if name not in kept]
+    total = sum(t.numel() * t.element_size() for _, t in derived)
+    limit = max(4 * stored_bytes, DERIVED_LIMIT_BYTES)
+    if total > limit:
+        name, t = max(derived, key=lambda nt: nt[1].numel())
+        raise CheckpointError(f"{where}: the stored config derives {total / 2**20:.0f} MiB of tensors that are not "
+                              f"stored (largest: {name} {list(t.shape)}), more than the {limit / 2**20:.0f} MiB "
+                              f"allowed beside {stored_bytes / 2**20:.1f} MiB of weights; nothing was allocated. "
+                              f"Fix: keep the config and the weights of one save together (a hand-edited config "
+                              f"cannot be loaded).")
 
 
 def _is_float_name(dtype: str) -> bool:
@@ -374,6 +415,10 @@ def load_model_weights(model: nn.Module, tensors: dict[str, Tensor]) -> None:
 def restore_training_state(optimizer: torch.optim.Optimizer, meta: dict, state: dict[str, Tensor],
                            where: str = "checkpoint") -> None:
     """Optimizer moments and RNG states from a checkpoint (``CheckpointError`` when they do not fit)."""
+    if "rng.cpu" not in state:
+        raise CheckpointError(f"{where}: its state.safetensors holds no RNG state ('rng.cpu'), so a resumed run "
+                              f"could not continue exactly (dropout, sampling). Fix: resume from another checkpoint "
+                              f"of the run, or load its weights (attnkit.train.load_model) for a new run.")
     try:
         if "optimizer" in meta:
             _restore_optimizer(optimizer, state, meta["optimizer"])
