@@ -251,3 +251,33 @@ def test_sigterm_to_the_real_command_exits_143_with_one_line_and_resumes(tmp_pat
     assert meta["step"] == int(lines[-1].split("after step ")[1].split(",")[0]) >= 3
     with open(os.path.join(out, "metrics.jsonl")) as f:
         assert [json.loads(x)["step"] for x in f][: meta["step"]] == list(range(1, meta["step"] + 1))
+
+
+def test_a_failed_start_leaves_nothing_behind(tmp_path, monkeypatch):
+    from attnkit.train import loop
+
+    def broken(*args, **kwargs):
+        raise ValueError("model: refused for the test")
+
+    monkeypatch.setattr(loop, "build_model", broken)
+    fresh, empty = tmp_path / "fresh" / "run", tmp_path / "empty"
+    empty.mkdir()
+    for out in (fresh, empty):
+        with pytest.raises(ValueError, match="refused for the test"):
+            train(tiny_train_config(out, steps=2), tiny_gpt_config())
+    assert not fresh.exists()  # created by the run: removed
+    assert list(empty.iterdir()) == []  # the user's own directory stays, empty as it was
+
+
+def test_a_run_dir_without_a_checkpoint_is_never_answered_with_resume(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')  # a run killed before its first save
+    with pytest.raises(ValueError) as new_run:
+        train(tiny_train_config(out, steps=2), tiny_gpt_config())
+    assert "--resume" not in str(new_run.value) and "--overwrite" in str(new_run.value)
+    with pytest.raises(ValueError) as resumed:
+        train(TrainConfig(resume=str(out), device="cpu"))
+    assert "--overwrite" in str(resumed.value)
+    train(tiny_train_config(out, steps=2, overwrite=True), tiny_gpt_config())  # the advice works
+    assert load_checkpoint(str(out))[0]["step"] == 2
