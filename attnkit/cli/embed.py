@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from ..dispatch import use_backend
-from .options import positive_int
+from .options import positive_int, warn_if_approximate
 
 
 def default_model_path() -> Path:
@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {str(args.model)!r}: not a directory. Fix: pass a Hugging Face BERT model "
                          f"directory (config.json and model.safetensors), or drop --model for the default.")
     path = args.model or default_model_path()
+    warn_if_approximate("--backend", args.backend, "the embeddings and their similarities")
     model, tokenizer = load_bert(path)
     if args.backend == "auto":
         vectors = embed_sentences(model, tokenizer, args.sentences, max_length=args.max_length)
