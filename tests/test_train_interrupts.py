@@ -123,6 +123,7 @@ def _next_argv(text, out, steps):
     return _resume_argv(out)
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_always_resumes_with_resume_run_and_equals_the_straight_run(tmp_path, text):
     steps, rng = 80, random.Random(20)
     want = _reference(tmp_path, text, steps)
@@ -189,6 +190,7 @@ def test_a_rotated_out_checkpoint_is_never_left_half_deleted(tmp_path, monkeypat
     assert steps == ["step-000002", "step-000007"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [5])
 def test_sigint_and_sigterm_at_random_moments_save_the_last_step_and_resume_bitwise(tmp_path, text, seed):
     steps, rng = 90, random.Random(seed)
@@ -231,6 +233,7 @@ def test_sigint_and_sigterm_at_random_moments_save_the_last_step_and_resume_bitw
     assert _losses(out) == want  # bitwise
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_real_command_exits_143_with_one_line_and_resumes(tmp_path, text):
     out = str(tmp_path / "run")
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -12,6 +12,8 @@ Examples:
 
 A new run refuses a non-empty --out (pass --resume to continue it or --overwrite to replace it).
 With --resume the run's stored settings apply; flags given explicitly override them (reported).
+Ctrl-C (SIGINT) or SIGTERM stops the run between optimizer steps: the last finished step is saved,
+one line says so, and the exit status is 130 or 143; --resume RUN then continues it exactly.
 """
 
 from __future__ import annotations

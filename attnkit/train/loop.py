@@ -11,6 +11,9 @@ processes and any gradient-accumulation split of the same global batch compute t
 override it and are reported), the schedule is a pure function of the stored config and the step,
 and the data of a step is a pure function of ``(seed, step)``. A non-finite loss or gradient stops
 the run before the optimizer step, without saving: the checkpoints on disk stay the good ones.
+SIGINT and SIGTERM are handled between optimizer steps (:mod:`attnkit.train.interrupt`): the last
+finished step is saved and :class:`TrainingInterrupted` raised. A new run that fails before its
+first checkpoint removes what it wrote (the ``--out`` it created, or its files in an existing one).
 """
 
 from __future__ import annotations
