@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from .checkpoint import (
-    checkpoint_names, checkpoint_order, load_checkpoint, load_model_weights, model_from_header, restore_training_state,
-    save_checkpoint,
+    checkpoint_names, checkpoint_order, load_checkpoint, load_model_weights, model_from_header, newest_checkpoint,
+    restore_training_state, save_checkpoint,
 )
 from .config import GPT_TRAIN_DEFAULTS, TrainConfig, lr_at
 from .data import IGNORE_INDEX, load_corpus
@@ -325,9 +325,12 @@ def _clip(model: nn.Module, max_norm: float) -> float:
 
 
 def _diverged_message(cfg: TrainConfig, step: int, loss: float, grad_norm: float, lr: float) -> str:
-    saved = os.path.join(cfg.out, "latest")
-    where = (f"the last good checkpoint is kept ({saved}); continue from it with --resume {cfg.out}"
-             if os.path.isfile(saved) else "no checkpoint was saved; start again")
+    try:
+        kept = newest_checkpoint(cfg.out) if os.path.isdir(cfg.out) else None
+    except ValueError:  # a 'latest' that was tampered with: say nothing about it here
+        kept = None
+    where = (f"the last good checkpoint is kept ({os.path.join(cfg.out, kept)}); continue from it with --resume "
+             f"{cfg.out}" if kept else "no checkpoint was saved; start again")
     return (f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm} (lr {lr:.2e}); stopped "
             f"without saving. Fix: {where} and a lower --lr (now {cfg.lr:g}), more --warmup-steps or a "
             f"--grad-clip.")
