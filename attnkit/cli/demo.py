@@ -15,7 +15,8 @@ from .options import bounded_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--length", type=bounded_int(1, 4096), default=256, help="sequence length (1..4096; naive is the reference)")
+    parser.add_argument("--length", type=bounded_int(1, 4096), default=256,
+                        help="sequence length (1..4096; naive is the reference)")
     parser.add_argument("--seed", type=int, default=0)
 
 

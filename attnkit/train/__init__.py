@@ -16,5 +16,6 @@ from .modeling import build_model, load_model
 from .tasks import SyntheticTask, make_task
 
 __all__ = ["TrainConfig", "train", "evaluate", "build_model", "load_model", "save_checkpoint", "load_checkpoint",
-           "CheckpointError", "TrainingDiverged", "TrainingInterrupted", "lr_at", "TextCorpus", "load_corpus", "SyntheticTask", "make_task",
+           "CheckpointError", "TrainingDiverged", "TrainingInterrupted", "lr_at", "TextCorpus", "load_corpus",
+           "SyntheticTask", "make_task",
            "LSTMConfig", "LSTMLanguageModel"]

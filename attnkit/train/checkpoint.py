@@ -15,8 +15,8 @@ are the old checkpoints rotated out (each renamed to a temporary name before it 
 ``step-*`` directory is always complete, and a crash at any moment leaves a resumable run: a run
 directory resolves to the newest of ``latest`` and its complete ``step-*`` directories (a kill
 between the rename and the ``latest`` update leaves ``latest`` one save behind, or absent after the
-first save). The next save removes the crashed one's temporary directory. Weights with a NaN or infinity are never saved, so a diverging run cannot
-rotate the good checkpoints out.
+first save). The next save removes the crashed one's temporary directory. Weights with a NaN or
+infinity are never saved, so a diverging run cannot rotate the good checkpoints out.
 
 Loading treats the directory as untrusted: ``safetensors`` and ``json`` only, never
 ``torch.load``/pickle; ``latest`` must name a checkpoint directory inside the run directory (no

@@ -47,8 +47,8 @@ from .run_dir import (
 )
 from .tasks import SyntheticTask, make_task
 
-__all__ = ["TrainConfig", "TrainingDiverged", "TrainingInterrupted", "train", "build_model", "load_model", "evaluate", "lr_at",
-           "load_data", "GPT_TRAIN_DEFAULTS", "num_params"]
+__all__ = ["TrainConfig", "TrainingDiverged", "TrainingInterrupted", "train", "build_model", "load_model", "evaluate",
+           "lr_at", "load_data", "GPT_TRAIN_DEFAULTS", "num_params"]
 
 # Settings of this invocation, not of the run (where it runs, what it prints, which reports it adds):
 # never taken from a stored config. A run trained on a GPU resumes on a CPU-only machine.

@@ -2,8 +2,9 @@
 
 A new run goes into an empty (or absent) ``--out``; a non-empty one is refused unless the user
 asks to ``--overwrite`` it (which removes attnkit's own files there, nothing else) or to
-``--resume`` it. A new run that fails before its first checkpoint leaves nothing behind. Every file is written through :mod:`attnkit.train.files`, so a symbolic link
-planted in the directory is replaced, never written through.
+``--resume`` it (offered only when it holds a checkpoint). A new run that fails before its first
+checkpoint leaves nothing behind. Every file is written through :mod:`attnkit.train.files`, so a
+symbolic link planted in the directory is replaced, never written through.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import shutil
 from .checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_names, newest_checkpoint
 from .files import append_line, atomic_write_text, remove_stale_temporaries
 
-__all__ = ["prepare_new_run", "discard_failed_start", "same_directory", "write_metrics", "append_metric", "write_results",
+__all__ = ["prepare_new_run", "discard_failed_start", "same_directory", "write_metrics", "append_metric",
+           "write_results",
            "METRICS", "RESULTS", "LOSS_CURVE"]
 
 METRICS, RESULTS, LOSS_CURVE, LATEST = "metrics.jsonl", "results.json", "loss.png", "latest"
