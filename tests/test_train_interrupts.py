@@ -178,7 +178,6 @@ def test_a_rotated_out_checkpoint_is_never_left_half_deleted(tmp_path, monkeypat
         raise KeyboardInterrupt  # killed inside the deletion
 
     monkeypatch.setattr(shutil, "rmtree", rmtree)
-    from attnkit.train.lstm import LSTMConfig  # noqa: F401  (the model kind below is the stored one)
     from attnkit.train.modeling import build_model
 
     model = build_model(meta["model_kind"], meta["model_config"])
