@@ -85,7 +85,7 @@ def _order(preferred: tuple[str, ...], registered: tuple[str, ...]) -> tuple[str
     registry rarely changes, and attention() is called per layer per token)."""
     order = [name for name in preferred if name in registered]
     order += [name for name in registered if name not in order and name != "naive"]
-    return tuple(order + ["naive"] * ("naive" in registered))
+    return tuple(order + ["naive"] * ("naive" in registered and "naive" not in order))
 
 
 def _candidates(backend: str) -> tuple[list[str], bool]:
@@ -145,16 +145,26 @@ class Explanation:
     description: str
     plan: str = ""  # how the chosen backend runs it, in words
     measured: str = ""  # the measured figures behind auto's order, or why built-in defaults apply
+    named: tuple[str, ...] = ()  # the backends named (backend= or use_backend); () for auto
 
     def __str__(self) -> str:
         lines = [f"input: {self.description}"]
-        lines.append(f"chosen: {self.chosen}" if self.chosen else "chosen: none (no backend can run this input)")
+        named = ", ".join(self.named)
+        if self.chosen:
+            lines.append(f"chosen: {self.chosen}")
+        elif self.named:
+            lines.append(f"chosen: none: the backend(s) named ({named}) cannot run this input")
+        else:
+            lines.append("chosen: none (no backend can run this input)")
         for name in self.order:
             why = self.reasons[name]
             if name == self.chosen:
-                lines.append(f"  {name}: runs (first in priority order with no reasons against it): {self.plan}")
+                first = "the first named" if self.named else "first in priority order"
+                lines.append(f"  {name}: runs ({first} with no reasons against it): {self.plan}")
             elif why:
                 lines.append(f"  {name}: not used: {'; '.join(why)}")
+            elif self.named and name not in self.named:
+                lines.append(f"  {name}: could run, but was not named ({named} was)")
             else:
                 lines.append(f"  {name}: could run, but comes after {self.chosen} in priority order")
         if self.measured:
@@ -180,7 +190,7 @@ def explain(q, k, v, *, backend: str = "auto", **kwargs) -> Explanation:
     chosen = next((name for name in (names if named else priority(inp)) if not reasons[name]), None)
     plan = known[chosen].describe(inp) if chosen else ""
     measured = "" if named else calibration.describe(inp)
-    return Explanation(chosen, reasons, order, _describe(inp), plan, measured)
+    return Explanation(chosen, reasons, order, _describe(inp), plan, measured, tuple(names) if named else ())
 
 
 @contextlib.contextmanager

@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from ._compat import assume_constant_result
+
 __all__ = ["half_matmul_is_fast", "matmul_rate"]
 
 _SIZE = 256  # a 256^3 product: about 3 ms at the slowest rate seen, microseconds at the fastest
@@ -34,7 +36,7 @@ def matmul_rate(dtype: torch.dtype, size: int = _SIZE, repeats: int = 3) -> floa
     return 2 * size**3 / best / 1e9
 
 
-@torch.compiler.assume_constant_result  # a traced graph takes the measured answer as a constant
+@assume_constant_result  # a traced graph takes the measured answer as a constant
 @functools.lru_cache(maxsize=None)
 def half_matmul_is_fast(dtype: torch.dtype) -> bool:
     """True when CPU matrix products in ``dtype`` (float16/bfloat16) run at least as fast as in

@@ -119,6 +119,7 @@ API = [
     ("TransformerConfig-eps-0", lambda: TransformerConfig(layer_norm_eps=0.0), "layer_norm_eps"),
     ("TransformerConfig-rope_base-neg", lambda: TransformerConfig(position="rope", rope_base=-1.0), "rope_base"),
     ("TransformerConfig-init-neg", lambda: TransformerConfig(initializer_range=-0.02), "initializer_range"),
+    ("TransformerConfig-init-nan", lambda: TransformerConfig(initializer_range=NAN), "initializer_range"),
     ("TransformerConfig-ffn-0", lambda: TransformerConfig(ffn_dim=0), "ffn_dim"),
     # caches
     ("StaticLayerCache-0", lambda: StaticLayerCache(0), "max_len"),
@@ -210,21 +211,19 @@ CLI = [
     ("generate-top-k-neg", ["generate", "{run}", "--top-k", "-1"], "--top-k"),
     ("generate-top-p-1.5", ["generate", "{run}", "--top-p", "1.5"], "--top-p"),
     ("generate-penalty-inf", ["generate", "{run}", "--repetition-penalty", "inf"], "--repetition-penalty"),
+    ("generate-max-new-tokens-0", ["generate", "{run}", "--max-new-tokens", "0"], "--max-new-tokens"),
+    ("embed-max-length-neg", ["embed", "--max-length", "-3", "hello"], "--max-length"),
+    ("demo-length-huge", ["demo", "--length", "1000000"], "--length"),
+    ("info-shape-beyond-memory", ["info", "--shape", "3,5,900000000,16"], "--shape"),
+    ("info-mask-padding-beyond-keys", ["info", "--shape", "1,2,8,4", "--kv-len", "40", "--mask", "padding:41"],
+     "--mask"),
+    train_case("train-init-range-nan", "--initializer-range", "nan"),
+    train_case("train-init-range-neg", "--initializer-range", "-0.5"),
+    ("train-resume-no-checkpoint", [*TRAIN[:-6], "--data", "{text}", "--resume", "{tmp}"], "--overwrite"),
 ]
 
 # Not fixed on this branch yet: id -> reason (strict xfail). Drop an entry when its fix lands.
-NOT_YET: dict[str, str] = {
-    "TransformerConfig-init-neg": "ranges not checked",
-    "demo-length-0": "not refused as a usage error (exit 2, one line naming the flag)",
-    "embed-max-length-0": "not refused as a usage error (exit 2, one line naming the flag)",
-    "embed-model-missing": "not refused as a usage error (exit 2, one line naming the flag)",
-    "train-dropout-1.5": "not refused as a usage error (exit 2, one line naming the flag)",
-    "train-eps-0": "not refused as a usage error (exit 2, one line naming the flag)",
-    "train-data-missing": "not refused as a usage error (exit 2, one line naming the flag)",
-    "train-resume-missing": "not refused as a usage error (exit 2, one line naming the flag)",
-    "generate-max-new-tokens-neg": "not refused as a usage error (exit 2, one line naming the flag)",
-    "generate-top-k-neg": "not refused as a usage error (exit 2, one line naming the flag)",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def _param(case):

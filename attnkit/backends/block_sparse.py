@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._compat import assume_constant_result
 from ..inputs import AttentionInputs
 from ..masks import MaskSupport
 from ..registry import Backend, register_backend
@@ -23,7 +24,7 @@ from ._common import (
 from ._tiles import empty_batch
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _row_groups(pattern, r0: int, r1: int, c0: int, c1: int) -> tuple:
     """The call's block rows grouped by their number of active key blocks (union over heads;
     ``mask_mod`` applies the per-head layout): ``((rows, cols_per_row), ...)`` as plain ints,

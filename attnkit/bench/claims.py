@@ -15,7 +15,6 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-import torch.utils.benchmark as tb
 
 from .memory import PeakMemory
 
@@ -64,6 +63,8 @@ def multihead(lengths: tuple[int, ...] = (1024, 2048), width: int = 512, heads: 
               min_run_time: float = 0.1, device: str = "cpu") -> list[dict]:
     """Time SDPA forward with ``heads`` heads of width/heads against 1 head of full width (same
     FLOPs for Q Kᵀ and P V), interleaved ``rounds`` times; the ratio is single / multi."""
+    import torch.utils.benchmark as tb  # here, not at import: see attnkit.bench.runner._time
+
     rows = []
     for n in lengths:
         multi = [torch.randn(1, heads, n, width // heads, device=device) for _ in range(3)]

@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 
+from typing import TYPE_CHECKING
+
 import torch
-import torch.utils.benchmark as tb
 
 from .. import calibration
 from ..dispatch import NoBackendError, select
@@ -54,7 +55,15 @@ def machine_description(device: str) -> dict:
     return info
 
 
+if TYPE_CHECKING:
+    import torch.utils.benchmark as tb
+
+
 def _time(fn: Callable[[], object], min_run_time: float) -> tb.Measurement:
+    # imported here: torch.utils.benchmark imports torch.utils.cpp_extension, which logs a CUDA_HOME
+    # warning on CPU-only installs of machines with a CUDA toolkit, and every command imports this module
+    import torch.utils.benchmark as tb
+
     return tb.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time)
 
 

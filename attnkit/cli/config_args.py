@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
 
-__all__ = ["add_dataclass_arguments", "dataclass_from_args"]
+__all__ = ["add_dataclass_arguments", "dataclass_from_args", "name_the_flag"]
 
 
 def _scalar_type(hint):
@@ -64,3 +65,23 @@ def add_dataclass_arguments(parser, cls, *, group_title: str | None = None, pref
 
 def dataclass_from_args(cls, args: argparse.Namespace, pairs: list[tuple[str, str]], **extra):
     return cls(**{name: getattr(args, dest) for name, dest in pairs}, **extra)
+
+
+def name_the_flag(exc: Exception, pairs: list[tuple[str, str]]) -> Exception:
+    """``exc`` (a config's ``ValueError``/``TypeError``) with the command-line flag of the field it
+    is about in front, e.g. ``--dropout: TransformerConfig.dropout: expected ...``.
+
+    The field is the subject the message starts with (``name:``, ``Class.name:`` or
+    ``Class(name=...)``); a message that already names its flag, or none of ``pairs``, is returned as is."""
+    message = str(exc)
+    match = re.match(r"^(?:\w+[.(])?(\w+)(?:=[^)]*\))?[:\s(]", message)
+    dests = dict(pairs)
+    if match is None or match.group(1) not in dests:
+        return exc
+    flag = "--" + dests[match.group(1)].replace("_", "-")
+    if flag in message:
+        return exc
+    try:
+        return type(exc)(f"{flag}: {message}")
+    except Exception:  # an exception type with its own constructor: keep it
+        return exc

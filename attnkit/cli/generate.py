@@ -15,16 +15,17 @@ import sys
 import torch
 
 from ..train.data import decode, encode
+from .options import nonnegative_int, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("checkpoint", help="run directory of `attnkit train` (its latest checkpoint) or a step-* dir")
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    parser.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=200, help="bytes to generate (>= 1)")
     parser.add_argument("--temperature", type=_real(lambda x: x >= 0, "a finite float >= 0"),
                         default=0.8, help="softmax temperature (0 = greedy)")
-    parser.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0 = off)")
+    parser.add_argument("--top-k", type=nonnegative_int, default=40, help="sample among the k likeliest (0 = off)")
     parser.add_argument("--top-p", type=_real(lambda x: 0 < x <= 1, "a float in (0, 1]"), default=1.0,
                         help="nucleus sampling mass (1 = off)")
     parser.add_argument("--repetition-penalty", type=_real(lambda x: x > 0, "a finite float > 0"),

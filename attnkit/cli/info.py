@@ -10,6 +10,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import os
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -162,6 +163,14 @@ def policy_line(prog: str = "attnkit") -> str:
             f"in {calibration.calibration_path()}, from `{data.get('command', prog + ' bench --calibrate')}`)")
 
 
+def _memory_bytes() -> int | None:
+    """This machine's physical memory (None where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     explanation = None
     if args.shape is not None:  # build and check the input first: a mistake is reported before any output
@@ -171,7 +180,17 @@ def run(args: argparse.Namespace) -> int:
         if H % Hkv:
             raise ValueError(f"--kv-heads {Hkv}: must divide the {H} query heads of --shape "
                              f"(grouped-query attention); e.g. --kv-heads {H} or 1")
-        meta = dict(device=args.device, dtype=getattr(torch, args.dtype))
+        dtype = getattr(torch, args.dtype)
+        need = (B * H * T * D + 2 * B * Hkv * Tk * D) * dtype.itemsize
+        have = _memory_bytes()
+        if have is not None and need > have:
+            raise ValueError(f"--shape {B},{H},{T},{D}: q, k and v would take {need / 2**30:.1f} GiB, more than this "
+                             f"machine's {have / 2**30:.1f} GiB of memory, so no backend could run the call here. "
+                             f"Fix: a smaller B, H, T or D (or --kv-len).")
+        if args.mask is not None and args.mask.padding_length is not None and args.mask.padding_length > Tk:
+            raise ValueError(f"--mask padding:{args.mask.padding_length}: more valid keys than the {Tk} keys of the "
+                             f"input. Fix: padding:LEN with LEN <= {Tk} (--kv-len, else T of --shape).")
+        meta = dict(device=args.device, dtype=dtype)
         # selection reads only shapes/dtypes: empty tensors of the real shape cost no compute
         q = torch.empty(B, H, T, D, **meta).requires_grad_(args.grad)
         k = torch.empty(B, Hkv, Tk, D, **meta).requires_grad_(args.grad)

@@ -4,7 +4,8 @@ with ``add_arguments(parser)`` and ``run(args) -> int``.
 A mistake in the input (a bad flag value, an unknown backend, a missing file, a device this machine
 does not have, a missing optional extra) ends with one line on stderr,
 ``attnkit <command>: error: <what was wrong and the fix>``, and exit status 2, the status argparse
-uses for usage errors. ``ATTNKIT_TRACEBACK=1`` shows the full traceback instead.
+uses for usage errors. ``ATTNKIT_TRACEBACK=1`` shows the full traceback instead. ``train`` stopped
+by SIGINT or SIGTERM saves its last finished step, prints one line and exits with 130 or 143.
 """
 
 from __future__ import annotations
@@ -109,6 +110,11 @@ def main(argv: list[str] | None = None, prog: str = "attnkit") -> int:
         return 2
     try:
         return int(args._module.run(args) or 0)
+    except KeyboardInterrupt as exc:  # train's SIGINT/SIGTERM stop: it printed its one line and saved
+        code = getattr(exc, "exit_code", None)
+        if code is None:
+            raise
+        return code
     except Exception as exc:
         if not _is_user_error(exc) or os.environ.get("ATTNKIT_TRACEBACK"):
             raise

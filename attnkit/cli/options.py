@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["bounded_int", "positive_int", "nonnegative_int", "int_list", "name_list", "device"]
+__all__ = ["bounded_int", "positive_int", "nonnegative_int", "int_list", "name_list", "device", "warn_if_approximate"]
 
 
 def _int(text: str) -> int:
@@ -67,6 +67,18 @@ def name_list(choices: Iterable[str] | None = None) -> Callable[[str], list[str]
 
     parse.__name__ = "list"
     return parse
+
+
+def warn_if_approximate(flag: str, name: str, what: str) -> None:
+    """Warn on stderr when ``name`` is an approximate backend (a different function than softmax
+    attention) used where the model's own, exact, results are expected; ``what`` says what changes."""
+    import sys
+
+    from ..registry import get_backend
+
+    if name != "auto" and not get_backend(name).exact:
+        print(f"warning: {flag} {name} is approximate attention (a different function), so {what} differ from "
+              f"the model's own; pass an exact backend (auto, sdpa, tiled, naive, ...) for those.", file=sys.stderr)
 
 
 def device(text: str) -> str:

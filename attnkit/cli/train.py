@@ -1,7 +1,7 @@
 """Train a byte-level GPT (or the LSTM baseline) on text or a synthetic task; resume, DDP, profile, int8, distill.
 
 Examples:
-  python -m attnkit train                                   # Shakespeare, ~2 min on 2 CPU cores
+  python -m attnkit train                                   # a 0.8M-parameter GPT on Shakespeare, 300 steps
   python -m attnkit train --resume runs/attnkit --steps 600 # continue (stored settings; the schedule's
                                                             # floor lr after its end, or --decay-steps 600)
   torchrun --nproc_per_node=2 -m attnkit train              # DDP (gloo on CPU, nccl on GPU)
@@ -12,6 +12,8 @@ Examples:
 
 A new run refuses a non-empty --out (pass --resume to continue it or --overwrite to replace it).
 With --resume the run's stored settings apply; flags given explicitly override them (reported).
+Ctrl-C (SIGINT) or SIGTERM stops the run between optimizer steps: the last finished step is saved,
+one line says so, and the exit status is 130 or 143; --resume RUN then continues it exactly.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 from ..train.config import GPT_TRAIN_DEFAULTS, TrainConfig
 from ..train.loop import train
 from ..train.lstm import LSTMConfig
-from .config_args import add_dataclass_arguments
+from .config_args import add_dataclass_arguments, name_the_flag
 
 _MODEL_SKIP = ("vocab_size",)
 
@@ -84,18 +86,26 @@ def _flag(dest: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     values, given = _values(args, args._train_pairs)
-    cfg = TrainConfig(**values)
-    model_pairs = args._lstm_pairs if cfg.model == "lstm" else getattr(args, "_gpt_pairs", None)
-    if model_pairs is None:
-        raise ValueError("model: the GPT model (attnkit.nn.models) is not available in this install. "
-                         "Fix: --model lstm, or install attnkit with its models.")
-    model_values, model_given = _values(args, model_pairs)
-    if cfg.resume and model_given:
-        flags = ", ".join(_flag(dest) for name, dest in model_pairs if name in model_given)
-        raise ValueError(f"{flags}: a resumed run keeps the model stored in {cfg.resume}. Fix: drop these flags, "
-                         f"or start a new run (--out) to train another model.")
-    model_config = (LSTMConfig if cfg.model == "lstm" else _transformer_config_cls())(**model_values)
-    results = train(cfg, model_config, given=given)
+    pairs = list(args._train_pairs)
+    try:
+        cfg = TrainConfig(**values)
+        model_pairs = args._lstm_pairs if cfg.model == "lstm" else getattr(args, "_gpt_pairs", None)
+        if model_pairs is None:
+            raise ValueError("model: the GPT model (attnkit.nn.models) is not available in this install. "
+                             "Fix: --model lstm, or install attnkit with its models.")
+        pairs += model_pairs
+        if cfg.resume and not os.path.exists(cfg.resume):
+            raise ValueError(f"--resume {cfg.resume!r}: no such run directory or checkpoint. Fix: pass the --out "
+                             f"of an earlier run (or one of its step-* directories).")
+        model_values, model_given = _values(args, model_pairs)
+        if cfg.resume and model_given:
+            flags = ", ".join(_flag(dest) for name, dest in model_pairs if name in model_given)
+            raise ValueError(f"{flags}: a resumed run keeps the model stored in {cfg.resume}. Fix: drop these "
+                             f"flags, or start a new run (--out) to train another model.")
+        model_config = (LSTMConfig if cfg.model == "lstm" else _transformer_config_cls())(**model_values)
+        results = train(cfg, model_config, given=given)
+    except (ValueError, TypeError) as exc:  # a config's refusal names its field: name the flag too
+        raise name_the_flag(exc, pairs) from None
     summary = {k: v for k, v in results.items() if k not in ("history", "evals")}
     if results.get("history"):
         tail = results["history"][-10:]

@@ -96,6 +96,8 @@ class TransformerConfig:
                      fix="the usual value is 1e-5")
         finite_float(self.rope_base, "rope_base", low=0.0, low_inclusive=False, owner="TransformerConfig",
                      fix="RoPE's usual base is 10000.0")
+        finite_float(self.initializer_range, "initializer_range", low=0.0, owner="TransformerConfig",
+                     fix="the usual standard deviation is 0.02")
         if self.type_vocab_size < 0:
             raise ValueError(f"TransformerConfig.type_vocab_size: expected >= 0, got {self.type_vocab_size}.")
         if self.position in ("sinusoidal",) and self.embed_dim % 2:

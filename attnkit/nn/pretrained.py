@@ -12,7 +12,9 @@ directory is replaced, never written through.
 Loading treats the directory as untrusted: ``config.json`` is size-limited and must be a regular
 file; the config is checked against the safetensors *header* (names, shapes, dtypes) on the meta
 device before a single weight is allocated, so a 12 KB directory claiming ``vocab_size=5_000_000``
-is refused without allocating anything. ``from_pretrained`` also reads the run directories of
+is refused without allocating anything. Tensors the config derives rather than stores (ViT's
+sin/cos position table grows with ``image_size``) are sized on the meta device too and refused
+beyond a bound; weights holding NaN or infinity are refused. ``from_pretrained`` also reads the run directories of
 ``python -m attnkit train`` (their ``latest`` checkpoint) and their ``step-*`` checkpoints.
 
 Model classes register themselves by subclassing :class:`PretrainedModel`, so this module needs no
@@ -195,7 +197,7 @@ def load_pretrained(directory: str | os.PathLike, *, map_location: str = "cpu") 
     """Rebuild the model saved by :func:`save_pretrained` (eval mode, same dtype as saved), or the
     GPT of a training run directory / checkpoint. Refusals are ``ValueError`` naming the file."""
     st = _safetensors()
-    from ..train.checkpoint import model_from_header
+    from ..train.checkpoint import check_finite_weights, model_from_header
 
     directory = Path(directory)
     config_file = directory / "config.json"
@@ -211,6 +213,7 @@ def load_pretrained(directory: str | os.PathLike, *, map_location: str = "cpu") 
         raise _fail(weights, f"tensors of several dtypes {sorted(dtypes)}; save_pretrained stores one")
     model = model_from_header(_builder(meta), header, str(config_file), config=meta["config"])
     state = st.load_file(str(weights), device=map_location)
+    check_finite_weights(state, str(weights))
     if state:
         model = model.to(next(iter(state.values())).dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)

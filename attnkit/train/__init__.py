@@ -10,11 +10,12 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import TrainConfig, lr_at
 from .data import TextCorpus, load_corpus
 from .evaluate import evaluate
-from .loop import TrainingDiverged, train
+from .loop import TrainingDiverged, TrainingInterrupted, train
 from .lstm import LSTMConfig, LSTMLanguageModel
 from .modeling import build_model, load_model
 from .tasks import SyntheticTask, make_task
 
 __all__ = ["TrainConfig", "train", "evaluate", "build_model", "load_model", "save_checkpoint", "load_checkpoint",
-           "CheckpointError", "TrainingDiverged", "lr_at", "TextCorpus", "load_corpus", "SyntheticTask", "make_task",
+           "CheckpointError", "TrainingDiverged", "TrainingInterrupted", "lr_at", "TextCorpus", "load_corpus",
+           "SyntheticTask", "make_task",
            "LSTMConfig", "LSTMLanguageModel"]

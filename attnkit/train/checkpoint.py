@@ -10,21 +10,27 @@ Layout of a run directory::
         meta.json            model and training configs, step, optimizer hyper-parameters, metrics
 
 A checkpoint directory is first written under a temporary name, flushed, and renamed into place
-with ``os.replace``; only then is ``latest`` replaced (temp file + ``os.replace``). A crash at any
-moment leaves ``latest`` naming a complete checkpoint; the next save removes the crashed one's
-temporary directory. Weights with a NaN or infinity are never saved, so a diverging run cannot
-rotate the good checkpoints out.
+with ``os.replace``; only then is ``latest`` replaced (temp file + ``os.replace``), and only then
+are the old checkpoints rotated out (each renamed to a temporary name before it is deleted). So a
+``step-*`` directory is always complete, and a crash at any moment leaves a resumable run: a run
+directory resolves to the newest of ``latest`` and its complete ``step-*`` directories (a kill
+between the rename and the ``latest`` update leaves ``latest`` one save behind, or absent after the
+first save). The next save removes the crashed one's temporary directory. Weights with a NaN or
+infinity are never saved, so a diverging run cannot rotate the good checkpoints out.
 
 Loading treats the directory as untrusted: ``safetensors`` and ``json`` only, never
 ``torch.load``/pickle; ``latest`` must name a checkpoint directory inside the run directory (no
 ``..``, absolute paths or symbolic links); ``meta.json`` is size-limited and checked field by field;
 a stored config is checked against the weights' shapes before the model is allocated
-(:func:`model_from_header`). Every refusal is a ``ValueError`` naming the file and the fix.
+(:func:`model_from_header`), including the tensors the config derives that are not stored; weights
+holding NaN or infinity are refused (attnkit never saves them); resuming needs the stored RNG state
+(without it the continuation would not be exact). Every refusal is a ``ValueError`` naming the file and the fix.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -38,8 +44,8 @@ from .config import MODEL_KINDS
 from .files import atomic_write_text, fsync_dir, read_json, remove_stale_temporaries, temp_prefix
 
 __all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "load_model_weights", "model_from_header",
-           "checkpoint_names", "checkpoint_order",
-           "non_finite_parameters", "read_safetensors", "CheckpointError"]
+           "checkpoint_names", "checkpoint_order", "newest_checkpoint",
+           "non_finite_parameters", "check_finite_weights", "read_safetensors", "CheckpointError"]
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d{6,})(?:-r(\d+))?$")
 META_LIMIT_BYTES = 64 * 2**20  # meta.json holds the per-step history: ~100 bytes a step
@@ -181,7 +187,9 @@ def save_checkpoint(out_dir: str, step: int, model: nn.Module, meta: dict,
     atomic_write_text(os.path.join(out_dir, "latest"), name + "\n")
     old = [d for d in checkpoint_names(out_dir) if d != name]
     for d in old[: max(len(old) - (keep - 1), 0)]:
-        shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)
+        doomed = tempfile.mkdtemp(prefix=temp_prefix(d), dir=out_dir)
+        os.replace(os.path.join(out_dir, d), doomed)  # never a half-deleted step-* directory
+        shutil.rmtree(doomed, ignore_errors=True)
     return final
 
 
@@ -195,18 +203,16 @@ def _check_checkpoint_dir(ckpt: str) -> str:
     return ckpt
 
 
-def resolve_checkpoint(path: str) -> str:
-    """A checkpoint directory from a run directory (via ``latest``) or a checkpoint directory itself.
+def _is_complete(ckpt: str) -> bool:
+    return all(os.path.isfile(os.path.join(ckpt, f)) and not os.path.islink(os.path.join(ckpt, f)) for f in FILES)
 
-    ``latest`` must be one line naming a ``step-*`` directory of the run directory itself: no path
-    separators, no ``..``, no symbolic links."""
-    path = os.fspath(path)
-    if os.path.lexists(os.path.join(path, "meta.json")):
-        return _check_checkpoint_dir(path)
+
+def _read_latest(path: str) -> str | None:
+    """The checkpoint name ``path/latest`` holds (None when there is no ``latest``), checked:
+    one line naming a ``step-*`` directory of ``path`` itself."""
     latest = os.path.join(path, "latest")
     if not os.path.lexists(latest):
-        raise CheckpointError(f"checkpoint: {path!r} is neither a run directory with a 'latest' file nor a "
-                              f"checkpoint directory with meta.json. Fix: {_FIX}.")
+        return None
     if os.path.islink(latest) or not os.path.isfile(latest) or os.path.getsize(latest) > 256:
         raise CheckpointError(f"checkpoint: {latest} is not the small regular file attnkit writes (a link, a "
                               f"directory or too large). Fix: {_FIX}.")
@@ -218,7 +224,37 @@ def resolve_checkpoint(path: str) -> str:
                               f"{path} (links, '..' and absolute paths are refused). Fix: write the name of one "
                               f"of its checkpoints ({', '.join(checkpoint_names(path)) or 'none found'}) into it, "
                               f"or pass the checkpoint directory itself.")
-    return _check_checkpoint_dir(ckpt)
+    return name
+
+
+def newest_checkpoint(path: str) -> str | None:
+    """The newest checkpoint of run directory ``path``: the newest of the one ``latest`` names and
+    the complete ``step-*`` directories (a save renames its directory into place before it updates
+    ``latest``, so a kill in between leaves ``latest`` one save behind). None when it has none."""
+    path = os.fspath(path)
+    named = _read_latest(path)
+    complete = [n for n in checkpoint_names(path) if _is_complete(os.path.join(path, n))]
+    candidates = complete + ([named] if named is not None else [])
+    return max(candidates, key=checkpoint_order) if candidates else None
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory from a run directory (its newest checkpoint, see
+    :func:`newest_checkpoint`) or a checkpoint directory itself.
+
+    ``latest`` must be one line naming a ``step-*`` directory of the run directory itself: no path
+    separators, no ``..``, no symbolic links."""
+    path = os.fspath(path)
+    if os.path.lexists(os.path.join(path, "meta.json")):
+        return _check_checkpoint_dir(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint: {path!r} does not exist or is not a directory. Fix: {_FIX}.")
+    name = newest_checkpoint(path)
+    if name is None:
+        raise CheckpointError(f"checkpoint: {path!r} holds no checkpoint (no 'latest' file, no complete step-* "
+                              f"directory, no meta.json): a run stopped before its first save leaves none. Fix: "
+                              f"{_FIX}; to start that run again, pass --out {path} --overwrite.")
+    return _check_checkpoint_dir(os.path.join(path, name))
 
 
 def _fail(path: str, problem: str) -> CheckpointError:
@@ -271,8 +307,20 @@ def load_checkpoint(path: str) -> tuple[dict, dict[str, Tensor], dict[str, Tenso
     ckpt = resolve_checkpoint(path)
     meta_path = os.path.join(ckpt, "meta.json")
     meta = check_meta(read_json(meta_path, limit_bytes=META_LIMIT_BYTES, fix=_FIX + "."), meta_path)
-    return (meta, read_safetensors(os.path.join(ckpt, "model.safetensors")),
-            read_safetensors(os.path.join(ckpt, "state.safetensors")))
+    weights_path = os.path.join(ckpt, "model.safetensors")
+    weights = read_safetensors(weights_path)
+    check_finite_weights(weights, weights_path)
+    return meta, weights, read_safetensors(os.path.join(ckpt, "state.safetensors"))
+
+
+def check_finite_weights(tensors: Mapping[str, Tensor], path: str) -> None:
+    """Refuse stored weights holding a NaN or an infinity: attnkit never saves such weights, so the
+    file was damaged or edited, and a model loaded from it would answer NaN."""
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise CheckpointError(f"checkpoint: {path}: {len(bad)} weight tensor(s) hold NaN or infinity "
+                              f"({', '.join(bad[:3])}); attnkit never saves such weights, so the file was damaged "
+                              f"or edited. Fix: load another checkpoint (the run keeps the previous one).")
 
 
 def _aliases(model: nn.Module) -> dict[str, set[str]]:
@@ -307,6 +355,11 @@ def model_from_header(build: Callable[[], nn.Module],
         except (TypeError, ValueError, LookupError) as exc:  # the config's own validation, unknown names
             raise CheckpointError(f"{where}: the stored config is not valid ({type(exc).__name__}: {exc}). "
                                   f"Fix: {_FIX}.") from None
+        except (RuntimeError, OverflowError, MemoryError) as exc:  # sizes no tensor can have (2**31 x 2**31)
+            raise CheckpointError(f"{where}: the stored config asks for tensors too large to exist "
+                                  f"({type(exc).__name__}: {str(exc)[:200]}); nothing was allocated. Fix: keep the "
+                                  f"config and the weights of one save together (a hand-edited config cannot be "
+                                  f"loaded).") from None
     expected = {k: (tuple(t.shape), t.is_floating_point()) for k, t in skeleton.state_dict().items()}
     aliases = _aliases(skeleton)
     unexpected = [k for k in info if k not in expected]
@@ -319,8 +372,29 @@ def model_from_header(build: Callable[[], nn.Module],
             f"{where}: the stored config does not describe the stored weights (missing {missing[:4]}, unexpected "
             f"{unexpected[:4]}, mismatched {wrong[:3]}); nothing was allocated. Fix: keep the config and the "
             f"weights of one save together (a hand-edited config cannot be loaded).")
+    _check_derived_sizes(skeleton, info, where)
     del skeleton
     return build()
+
+
+DERIVED_LIMIT_BYTES = 256 * 2**20  # tensors a config derives (position tables, caches) beyond the stored weights
+
+
+def _check_derived_sizes(skeleton: nn.Module, info: Mapping[str, tuple[tuple[int, ...], str]], where: str) -> None:
+    """Refuse a config whose tensors that are *not* stored (a sin/cos position table, a cache, both
+    computed from the config) would take more than ``max(4 x the stored weights, DERIVED_LIMIT_BYTES)``."""
+    stored_bytes = sum(math.prod(shape) * 4 for shape, _ in info.values())
+    kept = set(skeleton.state_dict())
+    derived = [(name, t) for name, t in skeleton.named_buffers() if name not in kept]
+    total = sum(t.numel() * t.element_size() for _, t in derived)
+    limit = max(4 * stored_bytes, DERIVED_LIMIT_BYTES)
+    if total > limit:
+        name, t = max(derived, key=lambda nt: nt[1].numel())
+        raise CheckpointError(f"{where}: the stored config derives {total / 2**20:.0f} MiB of tensors that are not "
+                              f"stored (largest: {name} {list(t.shape)}), more than the {limit / 2**20:.0f} MiB "
+                              f"allowed beside {stored_bytes / 2**20:.1f} MiB of weights; nothing was allocated. "
+                              f"Fix: keep the config and the weights of one save together (a hand-edited config "
+                              f"cannot be loaded).")
 
 
 def _is_float_name(dtype: str) -> bool:
@@ -341,6 +415,10 @@ def load_model_weights(model: nn.Module, tensors: dict[str, Tensor]) -> None:
 def restore_training_state(optimizer: torch.optim.Optimizer, meta: dict, state: dict[str, Tensor],
                            where: str = "checkpoint") -> None:
     """Optimizer moments and RNG states from a checkpoint (``CheckpointError`` when they do not fit)."""
+    if "rng.cpu" not in state:
+        raise CheckpointError(f"{where}: its state.safetensors holds no RNG state ('rng.cpu'), so a resumed run "
+                              f"could not continue exactly (dropout, sampling). Fix: resume from another checkpoint "
+                              f"of the run, or load its weights (attnkit.train.load_model) for a new run.")
     try:
         if "optimizer" in meta:
             _restore_optimizer(optimizer, state, meta["optimizer"])

@@ -11,6 +11,9 @@ processes and any gradient-accumulation split of the same global batch compute t
 override it and are reported), the schedule is a pure function of the stored config and the step,
 and the data of a step is a pure function of ``(seed, step)``. A non-finite loss or gradient stops
 the run before the optimizer step, without saving: the checkpoints on disk stay the good ones.
+SIGINT and SIGTERM are handled between optimizer steps (:mod:`attnkit.train.interrupt`): the last
+finished step is saved and :class:`TrainingInterrupted` raised. A new run that fails before its
+first checkpoint removes what it wrote (the ``--out`` it created, or its files in an existing one).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import time
 from dataclasses import asdict, fields, replace
 
@@ -25,23 +29,26 @@ import torch
 from torch import nn
 
 from .checkpoint import (
-    checkpoint_names, checkpoint_order, load_checkpoint, load_model_weights, model_from_header, restore_training_state,
-    save_checkpoint,
+    checkpoint_names, checkpoint_order, load_checkpoint, load_model_weights, model_from_header, newest_checkpoint,
+    restore_training_state, save_checkpoint,
 )
 from .config import GPT_TRAIN_DEFAULTS, TrainConfig, lr_at
 from .data import IGNORE_INDEX, load_corpus
 from .distill import distill_loss, distill_report
 from .distributed import DistContext, all_reduce_sum, barrier, setup_distributed, teardown
 from .evaluate import autocast, evaluate, loss_sum
+from .interrupt import StopSignals, TrainingInterrupted
 from .logs import RunLog, plot_loss_curve
 from .lstm import LSTMConfig
 from .modeling import build_model, config_dict, default_model_config, load_model, num_params, sample_text
 from .profiler import finish_profiler, start_profiler
-from .run_dir import LOSS_CURVE, append_metric, prepare_new_run, same_directory, write_metrics, write_results
+from .run_dir import (
+    LOSS_CURVE, append_metric, discard_failed_start, prepare_new_run, same_directory, write_metrics, write_results,
+)
 from .tasks import SyntheticTask, make_task
 
-__all__ = ["TrainConfig", "TrainingDiverged", "train", "build_model", "load_model", "evaluate", "lr_at",
-           "load_data", "GPT_TRAIN_DEFAULTS", "num_params"]
+__all__ = ["TrainConfig", "TrainingDiverged", "TrainingInterrupted", "train", "build_model", "load_model", "evaluate",
+           "lr_at", "load_data", "GPT_TRAIN_DEFAULTS", "num_params"]
 
 # Settings of this invocation, not of the run (where it runs, what it prints, which reports it adds):
 # never taken from a stored config. A run trained on a GPU resumes on a CPU-only machine.
@@ -77,14 +84,15 @@ def train(cfg: TrainConfig, model_config=None, *, stop_at: int | None = None,
         return train_context_parallel(cfg, model_config)
     ctx = setup_distributed(cfg.device)
     try:
-        return _train(cfg, model_config, ctx, stop_at, given)
+        with StopSignals() as stop:
+            return _train(cfg, model_config, ctx, stop_at, given, stop)
     finally:
         teardown(ctx)
 
 
-def _train(cfg: TrainConfig, model_config, ctx: DistContext, stop_at: int | None, given) -> dict:
-    device = ctx.device
-    meta = state = None
+def _train(cfg: TrainConfig, model_config, ctx: DistContext, stop_at: int | None, given, stop: StopSignals) -> dict:
+    meta = state = weights = None
+    changes: list[str] = []
     if cfg.resume:
         meta, weights, state = load_checkpoint(cfg.resume)
         cfg, changes = _resumed_config(cfg, meta, given)
@@ -94,14 +102,27 @@ def _train(cfg: TrainConfig, model_config, ctx: DistContext, stop_at: int | None
     start_step = meta["step"] if meta is not None else 0
     end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     writes = end > start_step  # a finished run is only analysed: nothing is written
-    if writes and ctx.is_main:
-        if meta is None or not same_directory(cfg.out, _run_dir_of(cfg.resume)):
-            prepare_new_run(cfg.out, cfg.overwrite)  # before any work: a non-empty --out is refused at once
-        else:
-            _check_newest(cfg.out, start_step, cfg.resume)
-    data = load_data(cfg.data)
+    data = load_data(cfg.data)  # a bad --data is refused before anything is written
     if isinstance(data, SyntheticTask):
         cfg = replace(cfg, seq_len=data.seq_len)
+    started = None  # (out, created): a new run directory, emptied again when the run fails before its first save
+    if writes and ctx.is_main:
+        if meta is None or not same_directory(cfg.out, _run_dir_of(cfg.resume)):
+            created = not os.path.lexists(cfg.out)
+            prepare_new_run(cfg.out, cfg.overwrite)  # before any work: a non-empty --out is refused at once
+            started = (cfg.out, created)
+        else:
+            _check_newest(cfg.out, start_step, cfg.resume)
+    try:
+        return _run(cfg, ctx, stop, meta, weights, state, data, model_config, start_step, end, writes, changes)
+    except BaseException:
+        if started is not None:
+            discard_failed_start(*started)
+        raise
+
+
+def _run(cfg, ctx, stop, meta, weights, state, data, model_config, start_step, end, writes, changes) -> dict:
+    device = ctx.device
     torch.manual_seed(cfg.seed)
 
     # 1. the model: from the checkpoint, or new
@@ -146,9 +167,11 @@ def _train(cfg: TrainConfig, model_config, ctx: DistContext, stop_at: int | None
     # 3. the loop
     profiler = start_profiler(device) if cfg.profile and writes else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    step = start_step
+    step = saved = start_step
     try:
         for step in range(start_step, end):
+            if _stop_requested(stop, ctx):  # between two optimizer steps: the last one is complete
+                _interrupted(stop.signum, cfg, ctx, saved, model, optimizer, kind, model_cfg, history, evals, log)
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
@@ -189,12 +212,10 @@ def _train(cfg: TrainConfig, model_config, ctx: DistContext, stop_at: int | None
                 evals.append(_eval_and_sample(model, data, cfg, ctx, step + 1, log))
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < end:
                 _save(cfg, ctx, step + 1, model, optimizer, kind, model_cfg, history, evals, log)
+                saved = step + 1
         step = end
-    except KeyboardInterrupt:
-        step = len(history)
-        log(f"interrupted: saving step {step}; continue with --resume {cfg.out}")
-        _save(cfg, ctx, step, model, optimizer, kind, model_cfg, history, evals, log)
-        raise
+        if stop.signum is not None:
+            log(f"{stop.name(stop.signum)} received during the last step: finishing the run")
     finally:
         if profiler is not None:
             finish_profiler(profiler, cfg.out, log)
@@ -304,9 +325,12 @@ def _clip(model: nn.Module, max_norm: float) -> float:
 
 
 def _diverged_message(cfg: TrainConfig, step: int, loss: float, grad_norm: float, lr: float) -> str:
-    saved = os.path.join(cfg.out, "latest")
-    where = (f"the last good checkpoint is kept ({saved}); continue from it with --resume {cfg.out}"
-             if os.path.isfile(saved) else "no checkpoint was saved; start again")
+    try:
+        kept = newest_checkpoint(cfg.out) if os.path.isdir(cfg.out) else None
+    except ValueError:  # a 'latest' that was tampered with: say nothing about it here
+        kept = None
+    where = (f"the last good checkpoint is kept ({os.path.join(cfg.out, kept)}); continue from it with --resume "
+             f"{cfg.out}" if kept else "no checkpoint was saved; start again")
     return (f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm} (lr {lr:.2e}); stopped "
             f"without saving. Fix: {where} and a lower --lr (now {cfg.lr:g}), more --warmup-steps or a "
             f"--grad-clip.")
@@ -330,10 +354,34 @@ def _eval_and_sample(model, data, cfg, ctx, step, log) -> dict:
     return result
 
 
-def _save(cfg, ctx, step, model, optimizer, kind, model_cfg, history, evals, log) -> None:
+def _save(cfg, ctx, step, model, optimizer, kind, model_cfg, history, evals, log, quiet=False) -> str:
+    path = os.path.join(cfg.out, f"step-{step:06d}")
     if ctx.is_main:
         meta = {"model_kind": kind, "model_config": model_cfg, "train_config": asdict(cfg),
                 "history": history, "evals": evals}
         path = save_checkpoint(cfg.out, step, model, meta, optimizer)
-        log(f"saved step {step} → {path}")
+        if not quiet:
+            log(f"saved step {step} → {path}")
     barrier(ctx)
+    return path
+
+
+def _stop_requested(stop: StopSignals, ctx: DistContext) -> bool:
+    """Whether a stop signal arrived (on any process: they all stop at the same step)."""
+    flag = float(stop.signum is not None)
+    return (all_reduce_sum(flag, ctx) if ctx.enabled else flag) > 0
+
+
+def _interrupted(signum, cfg, ctx, saved, model, optimizer, kind, model_cfg, history, evals, log):
+    """Save the last finished step (unless it is saved already), print one line, raise TrainingInterrupted."""
+    signum = signum if signum is not None else signal.SIGTERM  # another process received it
+    done, name = len(history), StopSignals.name(signum)
+    if done > saved:
+        path = _save(cfg, ctx, done, model, optimizer, kind, model_cfg, history, evals, log, quiet=True)
+        message = f"{name}: stopped after step {done}, saved {path}; continue with --resume {cfg.out}"
+    elif done > 0:
+        message = f"{name}: stopped after step {done}, which is saved; continue with --resume {cfg.out}"
+    else:
+        message = f"{name}: stopped before the first step finished; nothing was saved"
+    log(message)
+    raise TrainingInterrupted(signum, done, path if done > saved else None, message)

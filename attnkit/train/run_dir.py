@@ -2,8 +2,9 @@
 
 A new run goes into an empty (or absent) ``--out``; a non-empty one is refused unless the user
 asks to ``--overwrite`` it (which removes attnkit's own files there, nothing else) or to
-``--resume`` it. Every file is written through :mod:`attnkit.train.files`, so a symbolic link
-planted in the directory is replaced, never written through.
+``--resume`` it (offered only when it holds a checkpoint). A new run that fails before its first
+checkpoint leaves nothing behind. Every file is written through :mod:`attnkit.train.files`, so a
+symbolic link planted in the directory is replaced, never written through.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import json
 import os
 import shutil
 
-from .checkpoint import CHECKPOINT_NAME
+from .checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_names, newest_checkpoint
 from .files import append_line, atomic_write_text, remove_stale_temporaries
 
-__all__ = ["prepare_new_run", "same_directory", "write_metrics", "append_metric", "write_results",
+__all__ = ["prepare_new_run", "discard_failed_start", "same_directory", "write_metrics", "append_metric",
+           "write_results",
            "METRICS", "RESULTS", "LOSS_CURVE"]
 
 METRICS, RESULTS, LOSS_CURVE, LATEST = "metrics.jsonl", "results.json", "loss.png", "latest"
@@ -27,8 +29,21 @@ def _is_run_file(name: str) -> bool:
         name.startswith("trace-rank") and name.endswith(".json"))
 
 
+def _remove_run_files(out: str, present: list[str]) -> None:
+    for name in present:
+        path = os.path.join(out, name)
+        if not _is_run_file(name):
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
 def prepare_new_run(out: str, overwrite: bool) -> None:
-    """Make ``out`` ready for a new run: create it, or refuse a non-empty one unless ``overwrite``."""
+    """Make ``out`` ready for a new run: create it, or refuse a non-empty one unless ``overwrite``.
+
+    The refusal offers ``--resume`` only when ``out`` holds a checkpoint to resume."""
     if os.path.lexists(out) and not os.path.isdir(out):
         raise ValueError(f"out: {out!r} exists and is not a directory. Fix: pass a directory for --out.")
     os.makedirs(out, exist_ok=True)
@@ -38,16 +53,28 @@ def prepare_new_run(out: str, overwrite: bool) -> None:
         return
     if not overwrite:
         shown = ", ".join(present[:4]) + (", ..." if len(present) > 4 else "")
-        raise ValueError(f"out: {out!r} is not empty ({shown}). Fix: --resume {out} to continue that run, "
-                         f"--overwrite to replace it, or another --out.")
-    for name in present:
-        path = os.path.join(out, name)
-        if not _is_run_file(name):
-            continue
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
+        try:
+            resumable = newest_checkpoint(out) is not None
+        except CheckpointError:
+            resumable = False
+        fix = (f"--resume {out} to continue that run, --overwrite to replace it, or another --out" if resumable
+               else f"it holds no checkpoint to resume: --overwrite to replace its files, or another --out")
+        raise ValueError(f"out: {out!r} is not empty ({shown}). Fix: {fix}.")
+    _remove_run_files(out, present)
+
+
+def discard_failed_start(out: str, created: bool) -> None:
+    """Undo a new run that failed before its first checkpoint: remove ``out`` if the run created it,
+    else the files the run wrote there (a failed start leaves nothing behind)."""
+    try:
+        if checkpoint_names(out):
+            return
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
         else:
-            os.remove(path)
+            _remove_run_files(out, sorted(os.listdir(out)))
+    except OSError:  # best effort: the original error is the one to report
+        pass
 
 
 def same_directory(a: str, b: str) -> bool:
