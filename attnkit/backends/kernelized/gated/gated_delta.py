@@ -28,7 +28,7 @@ __all__ = ["chunk_gated_delta_rule", "ut_transform"]
 
 def ut_transform(k: Tensor, beta: Tensor, kk_gamma: Tensor, rhs: list[Tensor]) -> list[Tensor]:
     """``(I + strict_lower(diag(β) K Kᵀ ⊙ Γ))⁻¹ @ rhs`` by one unit-lower-triangular solve."""
-    a = (kk_gamma * beta[..., None]).tril(-1)
+    a = kk_gamma * beta[..., None]  # only its strict lower triangle is read (unitriangular, lower)
     sizes = [r.shape[-1] for r in rhs]
     x = torch.linalg.solve_triangular(a, torch.cat(rhs, dim=-1), upper=False, unitriangular=True)
     return list(x.split(sizes, dim=-1))

@@ -51,10 +51,12 @@ def chunk_scan(q_g: Tensor, k_d: Tensor, a_qk: Tensor, chunk_decay: Tensor, u: T
     B, H, N, C, Dk = q_g.shape
     S = u.new_zeros(B, H, Dk, u.shape[-1]) if initial_state is None else initial_state.to(u.dtype)
     per_channel = chunk_decay.dim() == 4
+    reads = q_g if w is None else torch.cat([w, q_g], dim=-2)  # (B, H, N, C or 2C, Dk): one matmul reads S
     outs = []
     for n in range(N):
-        v_new = u[:, :, n] if w is None else u[:, :, n] - w[:, :, n] @ S  # (B, H, C, Dv)
-        outs.append(q_g[:, :, n] @ S + a_qk[:, :, n] @ v_new)
+        read = reads[:, :, n] @ S
+        v_new = u[:, :, n] if w is None else u[:, :, n] - read[:, :, :C]  # (B, H, C, Dv)
+        outs.append(read[:, :, -C:] + a_qk[:, :, n] @ v_new)
         decay = chunk_decay[:, :, n, :, None] if per_channel else chunk_decay[:, :, n, None, None]
         S = S * decay + k_d[:, :, n].transpose(-1, -2) @ v_new
     return torch.stack(outs, dim=2), S
