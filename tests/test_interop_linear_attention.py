@@ -1,4 +1,4 @@
-"""transformers' Qwen3-Next (gated delta rule) and Kimi-Linear (KDA) layers on attnkit's kernels:
+"""transformers' Qwen3-Next (gated delta rule), Kimi-Linear (KDA) and Mamba2 (SSD) layers on attnkit's kernels:
 the same logits, gradients and generated tokens as transformers' own torch path (tiny random
 configs, nothing downloaded)."""
 
@@ -9,6 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import attnkit  # noqa: E402
 from attnkit.interop import use_attnkit_linear_attention  # noqa: E402
 
 
@@ -39,7 +40,16 @@ def kimi_linear():
     return KimiLinearForCausalLM(config).eval()
 
 
-MODELS = {"qwen3_next": qwen3_next, "kimi_linear": kimi_linear}
+def mamba2():
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    config = Mamba2Config(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8,
+                          n_groups=2, expand=2, chunk_size=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return Mamba2ForCausalLM(config).eval()
+
+
+MODELS = {"qwen3_next": qwen3_next, "kimi_linear": kimi_linear, "mamba2": mamba2}
 
 
 def build(name):
@@ -55,7 +65,7 @@ def test_logits_and_gradients_equal_transformers(name, monkeypatch):
 
     calls = []
     real = adapter.gated_linear_attention
-    monkeypatch.setattr(adapter, "gated_linear_attention", lambda *a, **kw: calls.append(a[3].dim()) or real(*a, **kw))
+    monkeypatch.setattr(adapter, "gated_linear_attention", lambda *a, **kw: calls.append(attnkit.explain_gated(*a[:5]).splitlines()[0]) or real(*a, **kw))
     model = build(name)
     ids = torch.randint(1, 61, (2, 75), generator=torch.Generator().manual_seed(1))  # > one 64-token chunk
     results = []
@@ -67,7 +77,8 @@ def test_logits_and_gradients_equal_transformers(name, monkeypatch):
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.append((out.logits.detach(), grads))
     (ref, ref_grads), (got, got_grads) = results
-    assert calls and set(calls) == {4 if name == "kimi_linear" else 3}  # attnkit ran, KDA for Kimi's gates
+    rule = {"qwen3_next": "gated_delta", "kimi_linear": "kda", "mamba2": "ssd"}[name]
+    assert calls and all(c.startswith(f"rule: {rule} ") for c in calls)  # attnkit ran, with the model's rule
     assert (got - ref).abs().max() <= 1e-5
     assert ref_grads.keys() == got_grads.keys() and ref_grads
     largest = max(g.abs().max() for g in ref_grads.values())

@@ -1,10 +1,12 @@
 """transformers' linear-attention layers on attnkit's kernels: Qwen3-Next and Qwen3.5 (gated delta
-rule) and Kimi-Linear (KDA).
+rule), Kimi-Linear (KDA) and Mamba2 (SSD).
 
 Those models call module-level functions ``torch_chunk_gated_delta_rule`` /
 ``torch_recurrent_gated_delta_rule`` (and ``chunk_kimi_delta_attention`` /
 ``recurrent_kimi_delta_attention``) with flash-linear-attention's signature and the
-``(B, T, H, D)`` layout. :func:`use_attnkit_linear_attention` swaps them, for the duration of a
+``(B, T, H, D)`` layout; Mamba2 calls ``mamba2_chunk_scan`` / ``mamba2_selective_state_update``
+with mamba_ssm's (SSD as gated linear attention: ``q = C``, ``k = B``, ``v = x·dt``, ``g = A·dt``,
+its state ``(B, H, P, N)`` is attnkit's ``(B, H, N, P)`` transposed). :func:`use_attnkit_linear_attention` swaps them, for the duration of a
 ``with`` block, for adapters over :func:`attnkit.gated_linear_attention`, so prefill, training
 (gradients by autograd through the chunked form) and ``generate()`` (one-token steps on the
 recurrent form, state kept in the model's own cache) run on attnkit::
@@ -20,12 +22,15 @@ import contextlib
 import importlib
 from collections.abc import Iterator
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..backends.kernelized.gated import gated_linear_attention
 from ._deps import require
 
-__all__ = ["use_attnkit_linear_attention", "chunk_rule_hf", "recurrent_rule_hf"]
+__all__ = ["use_attnkit_linear_attention", "chunk_rule_hf", "recurrent_rule_hf", "mamba2_chunk_scan_hf",
+           "mamba2_state_update_hf"]
 
 
 def _call(method: str, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, *,
@@ -55,6 +60,54 @@ def recurrent_rule_hf(query, key, value, g, beta, initial_state=None, output_fin
                  chunk_size=None, cu_seqlens=cu_seqlens)
 
 
+def _mamba2_dt(dt: Tensor, dt_bias, dt_softplus: bool, dt_limit=(0.0, float("inf"))) -> Tensor:
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    return torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+
+
+def mamba2_chunk_scan_hf(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+                         dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, z=None, **kwargs):
+    """mamba_ssm's ``mamba_chunk_scan_combined``: ``x (B, T, H, P)``, ``dt (B, T, H)``, ``A (H,)``,
+    ``B, C (B, T, G, N)``; returns ``y (B, T, H, P)`` (and the state ``(B, H, P, N)``)."""
+    dt = _mamba2_dt(dt, dt_bias, dt_softplus, dt_limit).float()
+    x = hidden_states.float()
+    v = (x * dt[..., None]).transpose(1, 2)  # (B, H, T, P)
+    g = (A.float() * dt).transpose(1, 2)  # (B, H, T)
+    q, k = C.float().transpose(1, 2), B.float().transpose(1, 2)  # (B, G, T, N)
+    state = None if initial_states is None else initial_states.float().transpose(-1, -2)
+    y, final = gated_linear_attention(q, k, v, g, None, scale=1.0, initial_state=state, return_state=True,
+                                      method="chunked", chunk_size=chunk_size, check_gates=False)
+    y = y.transpose(1, 2)  # (B, T, H, P)
+    if D is not None:
+        y = y + D.float()[:, None] * x
+    if z is not None:
+        y = y * F.silu(z)
+    return (y, final.transpose(-1, -2)) if return_final_states else y
+
+
+def mamba2_state_update_hf(state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, z=None,
+                           **kwargs):
+    """mamba_ssm's ``selective_state_update`` for one token (its per-``P`` expansions of ``dt``,
+    ``A``, ``D``, ``dt_bias`` are constant along ``P``); updates ``state (B, H, P, N)`` in place."""
+    dt = _mamba2_dt(dt[..., 0], None if dt_bias is None else dt_bias[..., 0], dt_softplus).float()  # (B, H)
+    x = hidden_states.float()  # (B, H, P)
+    v = (x * dt[..., None])[:, :, None]  # (B, H, 1, P)
+    g = (A[:, 0, 0].float() * dt)[:, :, None]  # (B, H, 1)
+    q, k = C.float()[:, :, None], B.float()[:, :, None]  # (B, G, 1, N)
+    y, final = gated_linear_attention(q, k, v, g, None, scale=1.0, initial_state=state.float().transpose(-1, -2),
+                                      return_state=True, method="recurrent", check_gates=False)
+    state.copy_(final.transpose(-1, -2).to(state.dtype))
+    y = y[:, :, 0]
+    if D is not None:
+        y = y + x * D.float()
+    if z is not None:
+        y = y * F.silu(z)
+    return y.to(hidden_states.dtype)
+
+
 #: module -> {function name: adapter}
 _TARGETS = {
     "transformers.models.qwen3_next.modeling_qwen3_next": {
@@ -63,12 +116,14 @@ _TARGETS = {
         "torch_chunk_gated_delta_rule": chunk_rule_hf, "torch_recurrent_gated_delta_rule": recurrent_rule_hf},
     "transformers.models.kimi_linear.modeling_kimi_linear": {
         "chunk_kimi_delta_attention": chunk_rule_hf, "recurrent_kimi_delta_attention": recurrent_rule_hf},
+    "transformers.models.mamba2.modeling_mamba2": {
+        "mamba2_chunk_scan": mamba2_chunk_scan_hf, "mamba2_selective_state_update": mamba2_state_update_hf},
 }
 
 
 @contextlib.contextmanager
 def use_attnkit_linear_attention() -> Iterator[list[str]]:
-    """Within the block, the models above run their gated-delta / KDA layers on attnkit; yields the
+    """Within the block, the models above run their gated-delta / KDA / SSD layers on attnkit; yields the
     modules patched (a model whose module is missing from this transformers version is skipped).
     The original functions are restored on exit, also after an exception."""
     require("transformers", "use_attnkit_linear_attention")
