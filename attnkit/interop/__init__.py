@@ -9,7 +9,7 @@ tokenizers); importing this package does not, the functions raise ``ImportError`
 * :func:`gpt2_from_hf` — a ``GPT2LMHeadModel`` (or its state dict + config) into an attnkit ``GPT``.
 * :func:`save_pretrained` / :func:`load_pretrained` — attnkit weights as safetensors + config JSON.
 * :func:`register_hf_attention` — ``attn_implementation="attnkit"`` in ``transformers``.
-* :func:`use_attnkit_linear_attention` — Qwen3-Next / Qwen3.5 gated-delta and Kimi-Linear KDA
+* :func:`use_attnkit_linear_attention` — Qwen3-Next / Qwen3.5 gated-delta, Kimi-Linear KDA and Mamba2 SSD
   layers on attnkit's gated linear attention.
 """
 
