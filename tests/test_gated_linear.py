@@ -148,3 +148,19 @@ def test_bad_input_names_the_argument(change, match):
     args = change({"q": q, "k": k, "v": v, "g": g, "beta": beta})
     with pytest.raises(ValueError, match=match):
         attnkit.gated_linear_attention(**args)
+
+
+@pytest.mark.parametrize("C", [1, 5, 16, 48])
+@pytest.mark.parametrize("case", ["random", "identical_keys"])
+def test_unit_lower_inverse_equals_the_inverse(C, case):
+    from attnkit.backends.kernelized.gated.gated_delta import unit_lower_inverse
+
+    gen = torch.Generator().manual_seed(C)
+    if case == "random":
+        a = torch.randn(3, C, C, generator=gen, dtype=torch.float64)
+    else:  # β = 1 and one key repeated: the worst-conditioned chunk a normalized key sequence makes
+        a = torch.ones(3, C, C, dtype=torch.float64)
+    want = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + a.tril(-1))
+    got = unit_lower_inverse(a.float())
+    assert got.shape == (3, C, C)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()

@@ -52,11 +52,14 @@ def chunk_scan(q_g: Tensor, k_d: Tensor, a_qk: Tensor, chunk_decay: Tensor, u: T
     S = u.new_zeros(B, H, Dk, u.shape[-1]) if initial_state is None else initial_state.to(u.dtype)
     per_channel = chunk_decay.dim() == 4
     reads = q_g if w is None else torch.cat([w, q_g], dim=-2)  # (B, H, N, C or 2C, Dk): one matmul reads S
+    # unbind, not x[:, :, n]: autograd stacks the per-chunk gradients once, instead of adding each
+    # into a zero-filled full-size tensor (quadratic in the number of chunks).
+    chunks = zip(reads.unbind(2), u.unbind(2), a_qk.unbind(2), k_d.transpose(-1, -2).unbind(2),
+                 chunk_decay.unbind(2))
     outs = []
-    for n in range(N):
-        read = reads[:, :, n] @ S
-        v_new = u[:, :, n] if w is None else u[:, :, n] - read[:, :, :C]  # (B, H, C, Dv)
-        outs.append(read[:, :, -C:] + a_qk[:, :, n] @ v_new)
-        decay = chunk_decay[:, :, n, :, None] if per_channel else chunk_decay[:, :, n, None, None]
-        S = S * decay + k_d[:, :, n].transpose(-1, -2) @ v_new
+    for read_n, u_n, a_n, kt_n, decay_n in chunks:
+        read = read_n @ S
+        v_new = u_n if w is None else u_n - read[:, :, :C]  # (B, H, C, Dv)
+        outs.append(read[:, :, -C:] + a_n @ v_new)
+        S = S * (decay_n[..., None] if per_channel else decay_n[..., None, None]) + kt_n @ v_new
     return torch.stack(outs, dim=2), S
