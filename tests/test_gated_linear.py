@@ -164,3 +164,18 @@ def test_unit_lower_inverse_equals_the_inverse(C, case):
     got = unit_lower_inverse(a.float())
     assert got.shape == (3, C, C)
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_recomputed_segments_give_the_same_values_and_gradients(rule):
+    q, k, v, g, beta = make(rule, 1, 1, 2, 45, 8, 6, seed=17)
+    s0 = torch.randn(1, 2, 8, 6)
+    results = []
+    for segment in (None, 16):
+        xs = [x.detach().clone().requires_grad_() for x in (q, k, v, g, s0)]
+        o, s = attnkit.gated_linear_attention(*xs[:4], beta, initial_state=xs[4], return_state=True,
+                                              chunk_size=8, recompute_segment=segment)
+        (o.square().sum() + s.sum()).backward()
+        results.append([o, s] + [x.grad for x in xs])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

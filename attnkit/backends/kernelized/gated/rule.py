@@ -15,6 +15,7 @@ head ``h // (Hv // Hk)``, as Qwen3-Next). Inputs of any float dtype are computed
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 from ...._validate import positive_int
@@ -101,9 +102,24 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, *, 
     return q, k, v, g, beta
 
 
-def _run(q, k, v, g, beta, state, method: str, chunk_size: int | None) -> tuple[Tensor, Tensor]:
+def _run(q, k, v, g, beta, state, method: str, chunk_size: int | None,
+         recompute_segment: int | None = None) -> tuple[Tensor, Tensor]:
     if method == "recurrent" or (method == "auto" and q.shape[2] == 1) or q.shape[2] == 0:
         return recurrent_rule(q, k, v, g, beta, state)
+    T = q.shape[2]
+    if recompute_segment is not None and T > recompute_segment and torch.is_grad_enabled():
+        # Activation checkpointing per segment: backward keeps only each segment's starting state
+        # and recomputes the segment's chunked forward, so the peak holds one segment's tensors.
+        outs = []
+        # split, not slices: autograd joins the pieces' gradients once (a slice's backward fills a
+        # full-size zero tensor per piece)
+        pieces = zip(*(x.split(recompute_segment, dim=2) for x in (q, k, v, g)),
+                     beta.split(recompute_segment, dim=2) if beta is not None else [None] * T)
+        for q_s, k_s, v_s, g_s, b_s in pieces:
+            o, state = torch.utils.checkpoint.checkpoint(_run, q_s, k_s, v_s, g_s, b_s, state, method, chunk_size,
+                                                         use_reentrant=False)
+            outs.append(o)
+        return torch.cat(outs, dim=2), state
     rule = rule_name(g, beta)
     opts = {} if chunk_size is None else {"chunk_size": chunk_size}
     if rule == "ssd":
@@ -116,7 +132,7 @@ def gated_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None = None, *,
     scale: float | None = None, qk_l2norm: bool = False, initial_state: Tensor | None = None,
     return_state: bool = False, cu_seqlens: Tensor | None = None, method: str = "auto",
-    chunk_size: int | None = None, check_gates: bool = True,
+    chunk_size: int | None = None, recompute_segment: int | None = None, check_gates: bool = True,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Causal gated linear attention: the gated delta rule, KDA or SSD (chosen by ``g`` and ``beta``).
 
@@ -132,25 +148,29 @@ def gated_linear_attention(
     equals one call. ``cu_seqlens`` (``[0, end_1, ..., T]``, with ``B = 1``) packs sequences: the
     state restarts at each boundary, ``initial_state`` and the returned state then hold one row per
     sequence. ``method``: ``"chunked"`` (O(T) memory, the fast path), ``"recurrent"`` (token by
-    token, the naive twin) or ``"auto"`` (recurrent for one token, else chunked). Returns
-    ``o (B, Hv, T, Dv)`` in q's dtype (and the state)."""
+    token, the naive twin) or ``"auto"`` (recurrent for one token, else chunked).
+    ``recompute_segment`` (tokens) trades time for memory in training: backward recomputes each
+    segment from its starting state instead of keeping every chunk's intermediates (the result is
+    the same). Returns ``o (B, Hv, T, Dv)`` in q's dtype (and the state)."""
     if method not in _METHODS:
         raise ValueError(f"method: expected one of {_METHODS}, got {method!r}.")
     positive_int(chunk_size, "chunk_size", allow_none=True)
+    positive_int(recompute_segment, "recompute_segment", allow_none=True)
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_gates=check_gates)
     out_dtype = q.dtype
     q, k, v, g, beta = prepare(q, k, v, g, beta, scale=scale, qk_l2norm=qk_l2norm)
     state = None if initial_state is None else initial_state.to(q.dtype)
     if cu_seqlens is None:
-        o, final = _run(q, k, v, g, beta, state, method, chunk_size)
+        o, final = _run(q, k, v, g, beta, state, method, chunk_size, recompute_segment)
     else:
         offsets = cu_seqlens.tolist()
+        lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+        pieces = zip(*(x.split(lengths, dim=2) for x in (q, k, v, g)),
+                     beta.split(lengths, dim=2) if beta is not None else [None] * len(lengths))
         outs, finals = [], []
-        for i, (s, e) in enumerate(zip(offsets, offsets[1:])):
-            piece = slice(s, e)
-            o_i, f_i = _run(q[:, :, piece], k[:, :, piece], v[:, :, piece], g[:, :, piece],
-                            None if beta is None else beta[:, :, piece],
-                            None if state is None else state[i : i + 1], method, chunk_size)
+        for i, (q_s, k_s, v_s, g_s, b_s) in enumerate(pieces):  # split, not slices (see _run)
+            o_i, f_i = _run(q_s, k_s, v_s, g_s, b_s, None if state is None else state[i : i + 1], method,
+                            chunk_size, recompute_segment)
             outs.append(o_i)
             finals.append(f_i)
         o, final = torch.cat(outs, dim=2), torch.cat(finals, dim=0)
