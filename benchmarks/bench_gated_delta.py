@@ -7,7 +7,8 @@ Measured in one process, interleaved (median of ``--rounds`` rounds), B=1, H=8, 
 2. forward+backward vs causal softmax SDPA on the same q, k, v shapes at each ``--lengths``
    (4096 by default; add 16384,65536 for the long figures) -> time ratio;
 3. one decode step (one token, state cached) vs one SDPA decode step over ``--decode-context`` keys;
-4. peak memory (max RSS growth) of forward+backward at each length, each in a fresh subprocess;
+4. peak memory (max RSS growth) of forward+backward at each length, each in a fresh subprocess
+   (also with ``recompute_segment=1024``);
 5. error vs a float64 recurrence (fp32 relative; bf16 vs a bf16 recurrence), at ``--check-length``.
 
 The CPU may be shared: read the ratios and repeat. Nothing here asserts a timing.
@@ -50,6 +51,10 @@ def inputs(T: int, H: int, D: int, *, dtype=torch.float32, grad=False, seed=0):
 
 def ours(q, k, v, g, beta):
     return attnkit.gated_linear_attention(q, k, v, g, beta)
+
+
+def ours_recompute(q, k, v, g, beta):
+    return attnkit.gated_linear_attention(q, k, v, g, beta, recompute_segment=1024)
 
 
 def transformers_rule():
@@ -124,7 +129,8 @@ def peak_memory(T: int, H: int, D: int, which: str) -> float:
     code = (f"import sys, resource; sys.argv=['x']; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r});"
             f"import bench_gated_delta as b; import torch; x = b.inputs({T}, {H}, {D}, grad=True);"
             "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
-            f"fn = b.ours if {which!r} == 'gated_delta' else b.sdpa; fn(*x).sum().backward();"
+            f"fn = {{'gated_delta': b.ours, 'gated_delta_recompute': b.ours_recompute, 'sdpa': b.sdpa}}[{which!r}];"
+            "fn(*x).sum().backward();"
             "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
@@ -156,11 +162,11 @@ def main() -> None:
     for L in (int(x) for x in args.lengths.split(",")):
         times = median_interleaved({"attnkit": ours, "sdpa": sdpa}, lambda: inputs(L, H, D, grad=True), True,
                                    args.rounds)
-        mem = {name: peak_memory(L, H, D, name) for name in ("gated_delta", "sdpa")}
+        mem = {name: peak_memory(L, H, D, name) for name in ("gated_delta", "gated_delta_recompute", "sdpa")}
         result["vs_sdpa_fwd_bwd"][L] = {**times, "ratio": times["attnkit"] / times["sdpa"], "peak_mib": mem}
         print(f"T={L} fwd+bwd: attnkit {times['attnkit'] * 1e3:.1f} ms, SDPA {times['sdpa'] * 1e3:.1f} ms, "
-              f"ratio {times['attnkit'] / times['sdpa']:.2f}; peak MiB attnkit {mem['gated_delta']:.0f}, "
-              f"SDPA {mem['sdpa']:.0f}")
+              f"ratio {times['attnkit'] / times['sdpa']:.2f}; peak MiB attnkit {mem['gated_delta']:.0f} "
+              f"(recompute_segment=1024: {mem['gated_delta_recompute']:.0f}), SDPA {mem['sdpa']:.0f}")
     result["decode"] = decode_step(H, D, args.decode_context, args.rounds)
     print(f"decode step: {result['decode']['gated_delta_step_s'] * 1e6:.0f} us vs SDPA at Tk={args.decode_context} "
           f"{result['decode']['sdpa_step_s'] * 1e6:.0f} us, ratio {result['decode']['ratio']:.2f}")

@@ -1,4 +1,5 @@
-"""transformers' Qwen3-Next (gated delta rule), Kimi-Linear (KDA) and Mamba2 (SSD) layers on attnkit's kernels:
+"""transformers' Qwen3-Next and Qwen3.5 (gated delta rule), Kimi-Linear (KDA) and Mamba2 (SSD) layers on attnkit's
+kernels:
 the same logits, gradients and generated tokens as transformers' own torch path (tiny random
 configs, nothing downloaded)."""
 
@@ -26,6 +27,18 @@ def qwen3_next():
     return Qwen3NextForCausalLM(config).eval()
 
 
+def qwen3_5():
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=1, linear_num_value_heads=3, layer_types=["linear_attention", "full_attention"],
+        pad_token_id=0)
+    torch.manual_seed(0)
+    return Qwen3_5ForCausalLM(config).eval()
+
+
 def kimi_linear():
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
@@ -49,7 +62,7 @@ def mamba2():
     return Mamba2ForCausalLM(config).eval()
 
 
-MODELS = {"qwen3_next": qwen3_next, "kimi_linear": kimi_linear, "mamba2": mamba2}
+MODELS = {"qwen3_next": qwen3_next, "qwen3_5": qwen3_5, "kimi_linear": kimi_linear, "mamba2": mamba2}
 
 
 def build(name):
@@ -77,7 +90,7 @@ def test_logits_and_gradients_equal_transformers(name, monkeypatch):
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.append((out.logits.detach(), grads))
     (ref, ref_grads), (got, got_grads) = results
-    rule = {"qwen3_next": "gated_delta", "kimi_linear": "kda", "mamba2": "ssd"}[name]
+    rule = {"qwen3_next": "gated_delta", "qwen3_5": "gated_delta", "kimi_linear": "kda", "mamba2": "ssd"}[name]
     assert calls and all(c.startswith(f"rule: {rule} ") for c in calls)  # attnkit ran, with the model's rule
     assert (got - ref).abs().max() <= 1e-5
     assert ref_grads.keys() == got_grads.keys() and ref_grads
