@@ -1,7 +1,6 @@
-"""transformers' Qwen3-Next and Qwen3.5 (gated delta rule), Kimi-Linear (KDA) and Mamba2 (SSD) layers on attnkit's
-kernels:
-the same logits, gradients and generated tokens as transformers' own torch path (tiny random
-configs, nothing downloaded)."""
+"""transformers' Qwen3-Next and Qwen3.5 (gated delta rule), Kimi-Linear (KDA) and Mamba2 (SSD)
+layers on attnkit's kernels: the same logits, gradients and generated tokens as transformers' own
+torch path (tiny random configs, nothing downloaded)."""
 
 from __future__ import annotations
 
