@@ -106,6 +106,20 @@ def test_prefill_in_pieces_and_decode_equal_one_call(rule):
     assert torch.equal(cache.state.state[0], cache.state.state[1])
 
 
+def test_kv_cache_of_gated_states_decodes_each_layer():
+    cache = attnkit.KVCache.gated(2, qk_l2norm=True)
+    q, k, v, g, beta = make("gated_delta", 1, 1, 2, 6, 4, 4, seed=21)
+    full = attnkit.gated_linear_attention(q, k, v, g, beta, qk_l2norm=True)
+    for t in range(6):
+        for layer in cache:
+            out = layer.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], g=g[:, :, t : t + 1],
+                             beta=beta[:, :, t : t + 1])
+        assert rel_err(out, full[:, :, t : t + 1].double()) <= 1e-5
+    assert cache.seq_len == 6 and cache[0].state is not cache[1].state
+    cache.reset()
+    assert cache.seq_len == 0 and cache[0].state.state is None
+
+
 @pytest.mark.parametrize("rule", RULES)
 def test_packed_sequences_restart_the_state(rule):
     lengths = [5, 0, 30, 1]
