@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -80,6 +79,9 @@ def timed(fn, args, backward: bool) -> float:
 
 def median_interleaved(cases: dict, args_of, backward: bool, rounds: int) -> dict:
     times = {name: [] for name in cases}
+    for name, fn in cases.items():  # warm-up, untimed (first-call allocations, lazy imports)
+        with torch.set_grad_enabled(backward):
+            timed(fn, args_of(), backward)
     for _ in range(rounds):
         for name, fn in cases.items():
             args = args_of()

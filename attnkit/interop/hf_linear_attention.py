@@ -6,7 +6,8 @@ Those models call module-level functions ``torch_chunk_gated_delta_rule`` /
 ``recurrent_kimi_delta_attention``) with flash-linear-attention's signature and the
 ``(B, T, H, D)`` layout; Mamba2 calls ``mamba2_chunk_scan`` / ``mamba2_selective_state_update``
 with mamba_ssm's (SSD as gated linear attention: ``q = C``, ``k = B``, ``v = x·dt``, ``g = A·dt``,
-its state ``(B, H, P, N)`` is attnkit's ``(B, H, N, P)`` transposed). :func:`use_attnkit_linear_attention` swaps them, for the duration of a
+its state ``(B, H, P, N)`` is attnkit's ``(B, H, N, P)`` transposed).
+:func:`use_attnkit_linear_attention` swaps them, for the duration of a
 ``with`` block, for adapters over :func:`attnkit.gated_linear_attention`, so prefill, training
 (gradients by autograd through the chunked form) and ``generate()`` (one-token steps on the
 recurrent form, state kept in the model's own cache) run on attnkit::

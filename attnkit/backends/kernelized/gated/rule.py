@@ -140,7 +140,8 @@ def gated_linear_attention(
     (log-decays <= 0), ``beta (B, Hv, T)`` in [0, 1] or None. Per token, with ``q`` scaled by
     ``scale`` (default ``Dk ** -0.5``) after the optional L2 norm::
 
-        S_t = (I - β_t k_t k_tᵀ) Diag(exp(g_t)) S_{t-1} + β_t k_t v_tᵀ      (β None: S_t = exp(g_t) S_{t-1} + k_t v_tᵀ)
+        S_t = (I - β_t k_t k_tᵀ) Diag(exp(g_t)) S_{t-1} + β_t k_t v_tᵀ
+        (β None: S_t = exp(g_t) S_{t-1} + k_t v_tᵀ)
         o_t = S_tᵀ q_t                                                       S: (B, Hv, Dk, Dv)
 
     ``initial_state (B, Hv, Dk, Dv)`` starts the recurrence (gradients flow into it);
