@@ -43,6 +43,7 @@ from .masks import (
     longformer,
 )
 from .backends.kernelized import RecurrentState
+from .backends.kernelized.gated import GatedLinearState, explain_gated, gated_linear_attention
 from .registry import Backend, get_backend, list_backends, register_backend
 from .cache import DynamicLayerCache, KVCache, SlidingWindowLayerCache, StateCache, StaticLayerCache
 from .generation import generate
@@ -80,6 +81,9 @@ __all__ = [
     "register_backend",
     "approximation_error",
     "RecurrentState",
+    "gated_linear_attention",
+    "explain_gated",
+    "GatedLinearState",
     "KVCache",
     "DynamicLayerCache",
     "StaticLayerCache",

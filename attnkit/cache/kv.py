@@ -41,6 +41,14 @@ class KVCache:
         return cls([StateCache.recurrent(backend, head_dim, options=options) for _ in range(num_layers)])
 
     @classmethod
+    def gated(cls, num_layers: int, *, scale: float | None = None, qk_l2norm: bool = False) -> KVCache:
+        """One :class:`StateCache` over ``attnkit.GatedLinearState`` per layer, for gated
+        linear-attention layers (gated delta rule, KDA, SSD); ``step(q, k, v, g=..., beta=...)``."""
+        from ..backends.kernelized.gated import GatedLinearState
+
+        return cls([StateCache(lambda: GatedLinearState(scale=scale, qk_l2norm=qk_l2norm)) for _ in range(num_layers)])
+
+    @classmethod
     def quantized(cls, num_layers: int, max_len: int | None = None) -> KVCache:
         """int8 layer caches (:class:`QuantizedLayerCache`): static with ``max_len``, else dynamic."""
         return cls([QuantizedLayerCache(max_len) for _ in range(num_layers)])

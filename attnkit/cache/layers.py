@@ -26,8 +26,9 @@ Layer caches:
   offsets is right. Exact for masks that never look further back than ``window``
   (``SlidingWindow(left<=window, 0)``); per-token cost is flat in the context length.
 * :class:`StateCache` — the hook for recurrent (linear-attention) layers: it holds a state object
-  with ``step(q, k, v) -> out``, ``seq_len`` and ``reset()`` (e.g. ``attnkit.RecurrentState``)
-  instead of keys and values.
+  with ``step(q, k, v) -> out``, ``seq_len`` and ``reset()`` (e.g. ``attnkit.RecurrentState``, or
+  ``attnkit.GatedLinearState``, whose ``step`` also takes the gates ``g=``, ``beta=``) instead of
+  keys and values.
 """
 
 from __future__ import annotations
@@ -315,8 +316,9 @@ class StateCache(LayerCache):
             )
         return cls(lambda: RecurrentState.create(backend, head_dim, options=options, scale=scale))
 
-    def step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        out = self.state.step(q, k, v)
+    def step(self, q: Tensor, k: Tensor, v: Tensor, **gates: Tensor) -> Tensor:
+        """``state.step(q, k, v, **gates)``; ``gates`` (e.g. ``g=``, ``beta=``) are for gated states."""
+        out = self.state.step(q, k, v, **gates)
         self.seq_len += q.shape[2]
         return out
 

@@ -1,0 +1,196 @@
+"""The entry point of gated linear attention: validation, head sharing, normalization, packing.
+
+:func:`gated_linear_attention` reads like ``attnkit.attention``: layout ``(B, H, T, D)``, ``scale=None``
+meaning ``Dk ** -0.5``, keyword-only options. Which rule runs follows from the gates::
+
+    beta given, g (B, Hv, T)        gated delta rule  (Gated DeltaNet: Qwen3-Next, Qwen3.5)
+    beta given, g (B, Hv, T, Dk)    KDA               (Kimi-Linear)
+    beta None,  g (B, Hv, T)        SSD               (Mamba2; gated linear attention)
+
+Queries and keys may have fewer heads than values (``Hv % Hk == 0``; value head ``h`` reads key
+head ``h // (Hv // Hk)``, as Qwen3-Next). Inputs of any float dtype are computed in float32
+(float64 stays float64), the state is float32 and the output comes back in q's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint
+from torch import Tensor
+
+from ...._validate import positive_int
+from .gated_delta import chunk_gated_delta_rule
+from .kda import chunk_kda
+from .recurrence import recurrent_rule
+from .ssd import chunk_ssd
+
+__all__ = ["gated_linear_attention", "explain_gated", "rule_name", "prepare"]
+
+_METHODS = ("auto", "chunked", "recurrent")
+
+
+def rule_name(g: Tensor, beta: Tensor | None) -> str:
+    """``"gated_delta"``, ``"kda"`` or ``"ssd"`` for these gates (see the module docstring)."""
+    if beta is None:
+        return "ssd"
+    return "kda" if g.dim() == 4 else "gated_delta"
+
+
+def _shape(x) -> str:
+    return str(tuple(x.shape)) if isinstance(x, Tensor) else type(x).__name__
+
+
+def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, *, check_gates: bool = True) -> None:
+    """``ValueError``/``TypeError`` naming the argument for anything the rules cannot take."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
+            raise TypeError(f"{name}: expected a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}.")
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[0] != q.shape[0] or v.shape[2] != q.shape[2]:
+        raise ValueError(f"q, k, v: expected q and k (B, Hk, T, Dk) and v (B, Hv, T, Dv), got q {_shape(q)}, "
+                         f"k {_shape(k)}, v {_shape(v)}. Fix: pass the (B, H, T, D) layout, e.g. x.transpose(1, 2).")
+    B, Hk, T, Dk = q.shape
+    Hv = v.shape[1]
+    if Hv % Hk:
+        raise ValueError(f"v: {Hv} value heads for {Hk} key heads; expected Hv % Hk == 0 (each key head serves "
+                         "Hv // Hk value heads).")
+    if tuple(g.shape) not in ((B, Hv, T), (B, Hv, T, Dk)):
+        raise ValueError(f"g: expected (B, Hv, T) = {(B, Hv, T)} (one gate per head) or (B, Hv, T, Dk) = "
+                         f"{(B, Hv, T, Dk)} (one per key channel), got {_shape(g)}.")
+    if beta is not None and (not isinstance(beta, Tensor) or tuple(beta.shape) != (B, Hv, T)):
+        raise ValueError(f"beta: expected None (no delta rule: SSD) or a tensor (B, Hv, T) = {(B, Hv, T)}, "
+                         f"got {_shape(beta)}.")
+    if check_gates and g.numel():
+        bad = ~(g <= 0) | ~torch.isfinite(g)
+        if bool(bad.any()):
+            raise ValueError(f"g: expected finite log-decays <= 0 (the state is multiplied by exp(g)), got values "
+                             f"such as {g[bad].flatten()[:3].tolist()}. Fix: g = -softplus(...) or -exp(A_log) * dt; "
+                             "check_gates=False skips this check.")
+    if check_gates and beta is not None and beta.numel():
+        bad = ~((beta >= 0) & (beta <= 1))
+        if bool(bad.any()):
+            raise ValueError(f"beta: expected values in [0, 1] (the delta rule's step size), got values such as "
+                             f"{beta[bad].flatten()[:3].tolist()}. Fix: beta = sigmoid(...); check_gates=False "
+                             "skips this check.")
+    rows = B if cu_seqlens is None else cu_seqlens.numel() - 1 if isinstance(cu_seqlens, Tensor) else None
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point \
+                or cu_seqlens.numel() < 2:
+            raise TypeError(f"cu_seqlens: expected a 1-D integer tensor [0, end_1, ..., T], got {_shape(cu_seqlens)}.")
+        offsets = cu_seqlens.tolist()
+        if B != 1 or offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T={T} over a batch of 1 "
+                             f"packed sequence, got {offsets} with B={B}.")
+    if initial_state is not None:
+        want = (rows, Hv, Dk, v.shape[-1])
+        if not isinstance(initial_state, Tensor) or tuple(initial_state.shape) != want:
+            raise ValueError(f"initial_state: expected (B or sequences, Hv, Dk, Dv) = {want}, got "
+                             f"{_shape(initial_state)}.")
+
+
+def prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, *, scale: float | None,
+            qk_l2norm: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """Compute dtype, key heads repeated to the value heads, optional L2 norm, q scaled."""
+    acc = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else torch.float32
+    q, k, v, g = (x.to(acc) for x in (q, k, v, g))
+    beta = None if beta is None else beta.to(acc)
+    if qk_l2norm:  # as flash-linear-attention's l2norm: x / sqrt(|x|² + 1e-6), in the compute dtype
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    groups = v.shape[1] // k.shape[1]
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)  # (B, Hv, T, Dk)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else float(scale))
+    return q, k, v, g, beta
+
+
+def _run(q, k, v, g, beta, state, method: str, chunk_size: int | None,
+         recompute_segment: int | None = None) -> tuple[Tensor, Tensor]:
+    if method == "recurrent" or (method == "auto" and q.shape[2] == 1) or q.shape[2] == 0:
+        return recurrent_rule(q, k, v, g, beta, state)
+    T = q.shape[2]
+    if recompute_segment is not None and T > recompute_segment and torch.is_grad_enabled():
+        # Activation checkpointing per segment: backward keeps only each segment's starting state
+        # and recomputes the segment's chunked forward, so the peak holds one segment's tensors.
+        outs = []
+        # split, not slices: autograd joins the pieces' gradients once (a slice's backward fills a
+        # full-size zero tensor per piece)
+        pieces = zip(*(x.split(recompute_segment, dim=2) for x in (q, k, v, g)),
+                     beta.split(recompute_segment, dim=2) if beta is not None else [None] * T)
+        for q_s, k_s, v_s, g_s, b_s in pieces:
+            o, state = torch.utils.checkpoint.checkpoint(_run, q_s, k_s, v_s, g_s, b_s, state, method, chunk_size,
+                                                         use_reentrant=False)
+            outs.append(o)
+        return torch.cat(outs, dim=2), state
+    rule = rule_name(g, beta)
+    opts = {} if chunk_size is None else {"chunk_size": chunk_size}
+    if rule == "ssd":
+        return chunk_ssd(q, k, v, g, initial_state=state, **opts)
+    fn = chunk_kda if rule == "kda" else chunk_gated_delta_rule
+    return fn(q, k, v, g, beta, initial_state=state, **opts)
+
+
+def gated_linear_attention(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None = None, *,
+    scale: float | None = None, qk_l2norm: bool = False, initial_state: Tensor | None = None,
+    return_state: bool = False, cu_seqlens: Tensor | None = None, method: str = "auto",
+    chunk_size: int | None = None, recompute_segment: int | None = None, check_gates: bool = True,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Causal gated linear attention: the gated delta rule, KDA or SSD (chosen by ``g`` and ``beta``).
+
+    Shapes: ``q, k (B, Hk, T, Dk)``, ``v (B, Hv, T, Dv)``, ``g (B, Hv, T)`` or ``(B, Hv, T, Dk)``
+    (log-decays <= 0), ``beta (B, Hv, T)`` in [0, 1] or None. Per token, with ``q`` scaled by
+    ``scale`` (default ``Dk ** -0.5``) after the optional L2 norm::
+
+        S_t = (I - β_t k_t k_tᵀ) Diag(exp(g_t)) S_{t-1} + β_t k_t v_tᵀ
+        (β None: S_t = exp(g_t) S_{t-1} + k_t v_tᵀ)
+        o_t = S_tᵀ q_t                                                       S: (B, Hv, Dk, Dv)
+
+    ``initial_state (B, Hv, Dk, Dv)`` starts the recurrence (gradients flow into it);
+    ``return_state=True`` also returns the final state (float32), so a prompt processed in pieces
+    equals one call. ``cu_seqlens`` (``[0, end_1, ..., T]``, with ``B = 1``) packs sequences: the
+    state restarts at each boundary, ``initial_state`` and the returned state then hold one row per
+    sequence. ``method``: ``"chunked"`` (O(T) memory, the fast path), ``"recurrent"`` (token by
+    token, the naive twin) or ``"auto"`` (recurrent for one token, else chunked).
+    ``recompute_segment`` (tokens) trades time for memory in training: backward recomputes each
+    segment from its starting state instead of keeping every chunk's intermediates (the result is
+    the same). Returns ``o (B, Hv, T, Dv)`` in q's dtype (and the state)."""
+    if method not in _METHODS:
+        raise ValueError(f"method: expected one of {_METHODS}, got {method!r}.")
+    positive_int(chunk_size, "chunk_size", allow_none=True)
+    positive_int(recompute_segment, "recompute_segment", allow_none=True)
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_gates=check_gates)
+    out_dtype = q.dtype
+    q, k, v, g, beta = prepare(q, k, v, g, beta, scale=scale, qk_l2norm=qk_l2norm)
+    state = None if initial_state is None else initial_state.to(q.dtype)
+    if cu_seqlens is None:
+        o, final = _run(q, k, v, g, beta, state, method, chunk_size, recompute_segment)
+    else:
+        offsets = cu_seqlens.tolist()
+        lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+        pieces = zip(*(x.split(lengths, dim=2) for x in (q, k, v, g)),
+                     beta.split(lengths, dim=2) if beta is not None else [None] * len(lengths))
+        outs, finals = [], []
+        for i, (q_s, k_s, v_s, g_s, b_s) in enumerate(pieces):  # split, not slices (see _run)
+            o_i, f_i = _run(q_s, k_s, v_s, g_s, b_s, None if state is None else state[i : i + 1], method,
+                            chunk_size, recompute_segment)
+            outs.append(o_i)
+            finals.append(f_i)
+        o, final = torch.cat(outs, dim=2), torch.cat(finals, dim=0)
+    o = o.to(out_dtype)
+    return (o, final) if return_state else o
+
+
+def explain_gated(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None = None, *,
+                  method: str = "auto", cu_seqlens: Tensor | None = None) -> str:
+    """What :func:`gated_linear_attention` would run for these inputs, in one paragraph (no compute)."""
+    check_inputs(q, k, v, g, beta, None, cu_seqlens, check_gates=False)
+    rule = rule_name(g, beta)
+    T = q.shape[2]
+    how = "recurrent (token by token)" if method == "recurrent" or (method == "auto" and T == 1) else "chunked"
+    groups = v.shape[1] // k.shape[1]
+    lines = [f"rule: {rule} ({'per-channel' if g.dim() == 4 else 'per-head'} gates, "
+             f"{'delta rule' if beta is not None else 'no delta'})",
+             f"method: {how}, compute dtype {'float64' if torch.float64 in (q.dtype, v.dtype) else 'float32'}",
+             f"heads: {k.shape[1]} key heads" + (f", each shared by {groups} value heads" if groups > 1 else "")]
+    if cu_seqlens is not None:
+        lines.append(f"packed: {cu_seqlens.numel() - 1} sequences, state reset at each boundary")
+    return "\n".join(lines)
