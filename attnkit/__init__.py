@@ -21,6 +21,7 @@ Tour::
 from .approximation import approximation_error
 from .dispatch import NoBackendError, explain, use_backend
 from .functional import attention, attention_weights
+from .varlen import varlen_attention
 from .inputs import AttentionInputs
 from .masks import (
     And,
@@ -52,6 +53,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "attention",
+    "varlen_attention",
     "attention_weights",
     "explain",
     "use_backend",

@@ -176,9 +176,17 @@ def test_mask_padding_kinds():
 
 
 def test_mask_unrecognized_pattern_falls_back_to_hf_dense_mask():
+    strided = lambda b, h, q, k: (k <= q) & (k % 2 == 0)  # noqa: E731
+    got = make(strided, Tq=8, Tk=8)
+    assert isinstance(got.mask, Dense)
+    assert_same_as_sdpa_mask(got, strided, Tq=8, Tk=8)
+
+
+def test_chunked_causal_pattern_is_read_as_documents():
+    """Chunked attention (causal within chunks) is block-diagonal causal: Document & Causal, exact."""
     chunked = masking_utils.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
     got = make(chunked, Tq=8, Tk=8)
-    assert isinstance(got.mask, Dense)
+    assert {type(m) for m in got.mask.leaves()} == {attnkit.Document, Causal}
     assert_same_as_sdpa_mask(got, chunked, Tq=8, Tk=8)
 
 

@@ -19,9 +19,11 @@ Two registrations are needed, because transformers builds masks separately from 
   ``SlidingWindow(left, right)``, nothing) when it is one — so tiled and sliding-window backends can
   skip masked tiles — combined with the padding (``KeyPadding`` for right padding, else a
   ``(B, 1, 1, Tk)`` ``Dense``), plus the absolute offsets of the call (static caches keep keys past
-  the current position, so the default bottom-right alignment would be wrong). A pattern it cannot
-  recognize (chunked, packed, blockwise, vmap'ed custom functions) becomes a ``Dense`` of HF's own
-  boolean mask, which is exact on every backend.
+  the current position, so the default bottom-right alignment would be wrong). Packed sequences
+  (``DataCollatorWithFlattening``: position ids restarting per sequence, no attention mask) and
+  chunked attention are read as ``Document(ids) & Causal()``, so kernels skip the tiles between two
+  sequences. A pattern it cannot recognize (blockwise, vmap'ed custom functions) becomes a ``Dense``
+  of HF's own boolean mask, which is exact on every backend.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..functional import attention, attention_weights
-from ..masks import And, Causal, Dense, KeyPadding, Mask, Padding, SlidingWindow
+from ..masks import And, Causal, Dense, Document, KeyPadding, Mask, Padding, SlidingWindow
 from ..score_mods import SoftCap
 from ._deps import require
 
@@ -104,6 +106,30 @@ def _recognize(pattern: Tensor, q_pos: Tensor, kv_pos: Tensor) -> tuple[bool, Ma
     return True, SlidingWindow(None if left_open else left, right)
 
 
+def _recognize_packed(pattern: Tensor, offset: int) -> tuple[bool, Mask | None]:
+    """``(True, Document(ids) [& Causal()])`` when the ``(B, T, T)`` pattern is packed sequences
+    (position ids restarting per sequence, as transformers' ``DataCollatorWithFlattening`` makes):
+    blocks on the diagonal, each causal or full. The blocks are read off the entries just below
+    and above the diagonal, then the whole pattern is checked, so the answer is exact."""
+    B, T, _ = pattern.shape
+    if T < 2:
+        return False, None
+    below = pattern.diagonal(-1, -2, -1)  # (B, T-1): query i+1 sees key i
+    above = pattern.diagonal(1, -2, -1)  # (B, T-1): query i sees key i+1
+    starts = ~(below | above)  # a new sequence begins at i+1
+    ids = torch.nn.functional.pad(starts.long().cumsum(-1), (1, 0))  # (B, T) sequence index per position
+    if not bool(starts.any()):
+        return False, None
+    same = ids[:, :, None] == ids[:, None, :]
+    for structure in (Causal(), None):
+        expected = same if structure is None else same & torch.ones(T, T, dtype=torch.bool, device=same.device).tril()
+        if torch.equal(expected, pattern):
+            ids = torch.nn.functional.pad(ids, (offset, 0))  # Document ids cover absolute positions 0..offset+T-1
+            doc = Document(ids)
+            return True, doc if structure is None else And(doc, structure)
+    return False, None
+
+
 def _padding_mask(padding: Tensor | None, kv_offset: int, kv_length: int) -> Mask | None:
     """HF's 2-D padding mask ``(B, >= kv_offset + Tk)`` over absolute key positions as an attnkit
     mask: ``KeyPadding(lengths)`` when each row is ones then zeros (right padding), else ``Padding``."""
@@ -150,6 +176,8 @@ def attnkit_mask(
         pattern = torch.as_tensor(pattern, device=device).expand(batch_size, 1, q_length, kv_length)
         if bool((pattern == pattern[:1]).all()):  # the same for every batch element
             recognized, structure = _recognize(pattern[0, 0], q_pos, kv_pos)
+        if not recognized and q_length == kv_length and q_offset == kv_offset:
+            recognized, structure = _recognize_packed(pattern[:, 0], q_offset)
     if not recognized:
         keep = masking.sdpa_mask(
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,

@@ -225,20 +225,20 @@ class Mask:
         if q_offset is None:
             q_offset = kv_offset + Tk - Tq
         nb, nh = self.index_sizes(batch_size, num_heads)
+        span = dict(q_offset=q_offset, kv_offset=kv_offset, device=device, batch_size=nb, num_heads=nh)
+        if torch.compiler.is_compiling():  # a traced graph keeps no Python-side cache (nor reads one)
+            return self.evaluate((q_offset, q_offset + Tq), (kv_offset, kv_offset + Tk), **span)
         key = (Tq, Tk, q_offset, kv_offset, None if device is None else torch.device(device), nb, nh,
                torch.is_inference_mode_enabled())
         cached = self.__dict__.get("_prepared", ())
         for entry in cached:
             if entry[0] == key:
                 return entry[1]
-        keep = self.evaluate(
-            (q_offset, q_offset + Tq), (kv_offset, kv_offset + Tk), q_offset=q_offset, kv_offset=kv_offset,
-            device=device, batch_size=nb, num_heads=nh,
-        )
+        keep = self.evaluate((q_offset, q_offset + Tq), (kv_offset, kv_offset + Tk), **span)
         # A traced graph must not capture Python-side state, nor may a torch.func transform's wrapped
         # tensor outlive its transform; a long-lived mask (a module's default Causal()) must not pin
         # a huge tensor: past _CACHE_BYTES it is rebuilt on every call.
-        if (not torch.compiler.is_compiling() and not torch._C._functorch.is_functorch_wrapped_tensor(keep)
+        if (not torch._C._functorch.is_functorch_wrapped_tensor(keep)
                 and keep.numel() * keep.element_size() <= _CACHE_BYTES):
             object.__setattr__(self, "_prepared", ((key, keep),) + cached[:1])
         return keep

@@ -1,0 +1,153 @@
+"""``varlen_attention()``: packed variable-length sequences, flash-attn's ``flash_attn_varlen_func`` layout.
+
+Sequences are concatenated along the token axis, without padding: ``q (total_q, Hq, D)`` holds
+sequence ``i`` at rows ``cu_seqlens_q[i] .. cu_seqlens_q[i+1]-1``, and likewise ``k``/``v`` with
+``cu_seqlens_k``. Each query attends only the keys of its own sequence, under ``mask`` read in
+that sequence's own positions, with the last query aligned to the last key (bottom-right, as
+flash-attn): for a sequence with 2 queries and 5 keys, ``Causal()`` keeps::
+
+    ████·
+    █████
+
+The call is one :func:`attnkit.attention` over the packed stream, so every exact backend, the
+dispatcher and ``explain`` see it as they see any call: with one ``cu_seqlens`` for queries and keys
+(self-attention over packed sequences, the training case) it is ``Document(ids) & mask``, whose tiles
+across two sequences the tiled and native kernels skip; with different query and key offsets it is a
+mask evaluated from the offsets.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .functional import attention
+from .masks import UNBOUNDED, Causal, Custom, Document, Mask, as_mask
+from .score_mods import CustomScoreMod, as_score_mod
+
+__all__ = ["varlen_attention", "seq_ids"]
+
+
+def seq_ids(cu_seqlens: Tensor, total: int) -> Tensor:
+    """``(total,)`` long: the sequence index of every packed token (no host read: the output size is given)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths,
+                                   output_size=total)
+
+
+def _check_cu(cu: Tensor, total: int, name: str) -> None:
+    if not isinstance(cu, Tensor) or cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or cu.numel() < 2:
+        raise TypeError(f"{name}: expected a 1-D int32/int64 tensor of offsets [0, len_0, len_0+len_1, ..., total], "
+                        f"got {getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}.")
+    if cu.device.type != "cpu" or torch.compiler.is_compiling():
+        return  # values are read on the host only where that costs no device stall and no graph break
+    values = cu.tolist()
+    if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name}: expected non-decreasing offsets from 0 to the packed length {total}, got "
+                         f"{values[:8]}{' ...' if len(values) > 8 else ''}. Fix: cu_seqlens = "
+                         "torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).")
+
+
+def _check_packed(x: Tensor, name: str) -> None:
+    if not isinstance(x, Tensor) or x.dim() != 3:
+        raise ValueError(f"{name}: expected a packed (total_tokens, H, D) tensor, got "
+                         f"{tuple(getattr(x, 'shape', ()))}. Fix: concatenate the sequences along the token axis "
+                         "(flash-attn's varlen layout), or call attnkit.attention for (B, H, T, D).")
+
+
+def _check_max(value, name: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{name}: expected None or an int >= 0 (the longest sequence), got {value!r}.")
+
+
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    mask: Mask | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    score_mod=None,
+    sinks: Tensor | None = None,
+    backend: str = "auto",
+    options=None,
+    return_lse: bool = False,
+):
+    """Attention over packed sequences of different lengths, each on its own.
+
+    Args:
+        q: ``(total_q, Hq, D)``; k: ``(total_k, Hkv, D)``; v: ``(total_k, Hkv, Dv)`` (``Hq % Hkv == 0``).
+        cu_seqlens_q, cu_seqlens_k: ``(N+1,)`` int32/int64 offsets ``[0, len_0, len_0+len_1, ..., total]``.
+            Pass the *same* tensor for both in packed self-attention: that call is the fast one.
+        max_seqlen_q, max_seqlen_k: accepted for flash-attn compatibility (ints); the call does not
+            need them and reads ``cu_seqlens`` on the host only for validation, on the CPU, outside
+            ``torch.compile``.
+        mask: a per-sequence mask made of band masks (``Causal()``, ``SlidingWindow(left, right)``,
+            and ``&``/``|`` of them), in each sequence's own positions, bottom-right aligned.
+            ``causal=True`` is flash-attn's spelling of ``mask=Causal()``.
+        scale, dropout_p, score_mod, sinks, backend, options: as in :func:`attnkit.attention`; a score
+            modifier sees each sequence's own positions (ALiBi and relative biases restart per sequence).
+        return_lse: also return the log-sum-exp ``(Hq, total_q)`` in float32 (flash-attn's layout).
+
+    Returns:
+        ``out (total_q, Hq, Dv)``, or ``(out, lse)``.
+    """
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        _check_packed(x, name)
+    _check_cu(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    _check_cu(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    _check_max(max_seqlen_q, "max_seqlen_q")
+    _check_max(max_seqlen_k, "max_seqlen_k")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel() - 1} sequences, cu_seqlens_k "
+                         f"{cu_seqlens_k.numel() - 1}. Fix: one offset list per side over the same sequences.")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected True or False, got {type(causal).__name__} {causal!r}.")
+    if causal and mask is not None:
+        raise ValueError("causal=True together with mask=: give one of them (causal=True means mask=Causal()).")
+    if causal:
+        mask = Causal()
+    if mask is not None:
+        mask = as_mask(mask)
+        if not isinstance(mask, Mask) or any(leaf.band() == UNBOUNDED for leaf in mask.leaves()):
+            raise ValueError(f"mask: varlen_attention reads the mask in each sequence's own positions, so it must be "
+                             f"made of band masks (Causal(), SlidingWindow(left, right), & and | of them); got "
+                             f"{mask!r}. Fix: per-sequence padding needs no mask here (each sequence has its own "
+                             "length); for anything else call attnkit.attention with a Document mask.")
+    qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, H, total, D)
+    same = cu_seqlens_q is cu_seqlens_k or (
+        q.shape[0] == k.shape[0] and cu_seqlens_q.device.type == "cpu" and not torch.compiler.is_compiling()
+        and torch.equal(cu_seqlens_q, cu_seqlens_k))
+    sq = seq_ids(cu_seqlens_q, q.shape[0])
+    sk = sq if same else seq_ids(cu_seqlens_k, k.shape[0])
+    # Each sequence's own positions, as attention() would give them: keys 0..len_k-1, queries
+    # bottom-right aligned (the last query at the last key).
+    pos_k = torch.arange(k.shape[0], device=sk.device) - cu_seqlens_k[:-1][sk]
+    pos_q = torch.arange(q.shape[0], device=sq.device) - cu_seqlens_q[1:][sq] + (cu_seqlens_k[1:] - cu_seqlens_k[:-1])[sq]
+    if same:
+        # One coordinate system: a band within one document is the band of its own sequence, and
+        # Document's tiles across two sequences are skipped by the tiled and native kernels.
+        doc = Document(sq)
+        full = doc if mask is None else doc & mask
+    else:
+        def keep(b, h, qi, ki):
+            inside = sq[qi] == sk[ki]
+            return inside if mask is None else inside & mask.mask_mod(b, h, pos_q[qi], pos_k[ki])
+
+        full = Custom(keep, name="packed sequences")
+    mod = None
+    if score_mod is not None:
+        inner = as_score_mod(score_mod)
+        mod = CustomScoreMod(lambda s, b, h, qi, ki: inner.apply(s, b, h, pos_q[qi], pos_k[ki]),
+                             name=f"per-sequence {inner!r}", params=tuple(inner.parameters()))
+    result = attention(qb, kb, vb, mask=full, q_offset=0, kv_offset=0, scale=scale, dropout_p=dropout_p,
+                       score_mod=mod, sinks=sinks, backend=backend, options=options, return_lse=return_lse)
+    out, lse = result if return_lse else (result, None)
+    out = out.squeeze(0).transpose(0, 1)  # (total_q, Hq, Dv)
+    return (out, lse.squeeze(0)) if return_lse else out
