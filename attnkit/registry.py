@@ -47,6 +47,9 @@ class Backend:
     #: Applies ``score_mod=`` (soft-capping, ALiBi, relative biases, custom) / ``sinks=``.
     supports_score_mod: ClassVar[bool] = False
     supports_sinks: ClassVar[bool] = False
+    #: KV storage formats ``forward`` reads in place (:mod:`attnkit.kv_handle`); for any other the
+    #: dispatcher converts a cache handle to dense K/V first (``explain()`` says so).
+    kv_formats: ClassVar[frozenset[str]] = frozenset({"dense"})
     #: Optional packages the backend needs (checked with importlib, never imported here).
     requires: ClassVar[tuple[str, ...]] = ()
     #: Dataclass of hyper-parameters accepted through ``attention(..., options=...)``.
@@ -76,6 +79,7 @@ class Backend:
             or (inp.score_mod is not None and not cls.supports_score_mod)
             or (inp.sinks is not None and not cls.supports_sinks)
             or not cls.mask_support.accepts(inp.mask)
+            or inp.kv_format not in cls.kv_formats
         ):
             return False
         if cls.requires or not cls.supports_backward or (
@@ -94,6 +98,8 @@ class Backend:
             yield f"runs on {sorted(cls.devices)}, not {inp.device.type}"
         if inp.dtype not in cls.dtypes:
             yield f"supports dtypes {sorted(str(d).removeprefix('torch.') for d in cls.dtypes)}, not {inp.dtype}"
+        if inp.kv_format not in cls.kv_formats:
+            yield f"reads {' and '.join(sorted(cls.kv_formats))} K/V, not a {inp.kv_format} cache"
         mask_reason = cls.mask_support.reason(inp.mask)
         if mask_reason is not None:
             yield mask_reason
@@ -166,6 +172,7 @@ class Backend:
             "lse": cls.supports_lse,
             "score_mod": cls.supports_score_mod,
             "sinks": cls.supports_sinks,
+            "kv_formats": sorted(cls.kv_formats),
             "summary": cls.summary,
         }
 
