@@ -176,11 +176,11 @@ def test_explain_names_the_path():
     assert e.chosen == "decode" and "read in place by decode" in e.kv
     named = attnkit.explain(q, h, h, backend="naive")
     assert named.chosen == "naive" and "converted to contiguous" in named.kv
-    capped = attnkit.explain(q, h, h, score_mod=attnkit.SoftCap(5.0))
+    capped = attnkit.explain(q, h, h, score_mod=attnkit.score_mods.SoftCap(5.0))
     assert capped.chosen != "decode" and "score_mod" in capped.kv and "converted" in capped.kv
     long_q = attnkit.explain(torch.randn(1, 4, 7, 8), h, h)
     assert "Tq=7" not in long_q.kv  # 7 queries: still a decode read
-    assert attnkit.select(attnkit.AttentionInputs.create(q, h, h)).name == "decode"
+    assert attnkit.dispatch.select(attnkit.AttentionInputs.create(q, h, h)).name == "decode"
 
 
 def test_paged_cache_errors():
