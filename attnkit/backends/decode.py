@@ -22,10 +22,11 @@ and differs only in how the keys are read:
 Every segment is one batched matmul over ``(batch, K/V head)`` pairs, so PyTorch's intra-op
 threads run the split across cores. Accumulation is in float32 (float64 for float64 inputs).
 
-The registered backend ``decode`` runs the contiguous case through :func:`attnkit.attention`
-(``backend="decode"``; ``auto`` does not pick it, SDPA comes first); the caches call
-:func:`decode_attention` / :func:`paged_decode_attention` directly. Its naive twin is the
-``naive`` backend (tests compare both against the float64 oracle).
+The registered backend ``decode`` runs contiguous K/V (``backend="decode"``; for plain tensors
+``auto`` picks SDPA first) and declares the KV cache formats it reads in place (``kv_formats``:
+int8 and paged handles from :mod:`attnkit.cache`, see :mod:`attnkit.kv_handle`), so ``auto``
+picks it for a cache handle whenever it can run the call. Its naive twin is the ``naive``
+backend over the handle's dense conversion (tests compare both against the float64 oracle).
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ with its own float32 scale ``s = max|x| / 127``, so the error of every element i
 ``s / 2 = max|x| / 254`` (0.4% of that vector's largest entry) and the cache holds
 ``D + 4`` bytes per token and head instead of ``4 D`` (float32) or ``2 D`` (bf16).
 
-The decode kernel reads the int8 values segment by segment and folds the scales into the scores
-and the probabilities (:mod:`attnkit.backends.decode`); no full-precision copy of the cache is
-made. The first call over an empty cache (the prefill) attends its own keys in full precision;
+``update`` returns a :class:`~attnkit.kv_handle.KVHandle` (format ``"int8"``); the decode kernel
+reads the int8 values segment by segment and folds the scales into the scores and the
+probabilities (:mod:`attnkit.backends.decode`); no full-precision copy of the cache is made.
+Other backends read the handle's dequantized copy. The first call over an empty cache (the prefill) attends its own keys in full precision;
 every later token reads the int8 cache (the error is measured on real weights in the tests:
 ``tests/test_quantized_cache.py``).
 
