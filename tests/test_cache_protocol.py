@@ -211,3 +211,18 @@ def test_no_storage_or_kernel_module_calls_attention():
                         and node.value.id in ("attnkit", "functional"):
                     offenders.append(f"{file.relative_to(root)}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_a_handle_is_checked_like_tensors():
+    cache = KVCache.quantized(1, max_len=12)
+    cache[0].update(torch.randn(1, 2, 4, 6), torch.randn(1, 2, 4, 6))
+    h, _, _ = cache[0].update(torch.randn(1, 2, 1, 6), torch.randn(1, 2, 1, 6))
+    q = torch.randn(1, 4, 1, 6)
+    with pytest.raises(TypeError, match=r"q: expected the dtype of the cached keys, torch.float32, got torch.float64"):
+        attention(q.double(), h, h)
+    with pytest.raises(TypeError, match="both k and v"):
+        attention(q, h, torch.randn(1, 2, 5, 6))
+    with pytest.raises(ValueError, match="kv_offset"):
+        attention(q, h, h, kv_offset=3)
+    with pytest.raises(ValueError, match="head dim"):
+        attention(torch.randn(1, 4, 1, 5), h, h)
