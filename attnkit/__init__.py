@@ -22,6 +22,7 @@ from .approximation import approximation_error
 from .dispatch import NoBackendError, explain, use_backend
 from .functional import attention, attention_weights
 from .inputs import AttentionInputs
+from .kv_handle import KVHandle
 from .masks import (
     And,
     Band,
@@ -56,6 +57,7 @@ __all__ = [
     "use_backend",
     "NoBackendError",
     "AttentionInputs",
+    "KVHandle",
     "Mask",
     "BlockStatus",
     "Band",

@@ -165,6 +165,7 @@ def test_the_layer_tells_attention_the_cache_is_finite(kind, monkeypatch):
         model(x[:, :1], cache=cache)
     assert seen == [True, False]
     assert [layer.finite for layer in cache] == [True, False]
+    assert [layer.seq_len for layer in cache] == [8, 8]  # NaN keys are stored, not refused mid-model
 
 
 def test_unwritten_slots_hold_zeros():
