@@ -104,6 +104,7 @@ def mha_section(args) -> dict:
 def padded_section(args) -> dict:
     """Greedy ``generate()`` over a left-padded batch vs HF ``generate()`` on the same weights."""
     import transformers
+    from bench_hf import hf_vs_attnkit
 
     from attnkit.generation import generate
     from attnkit.interop import gpt2_from_hf
@@ -128,18 +129,7 @@ def padded_section(args) -> dict:
     def run_ours():
         return generate(ours, ids, n, attention_mask=mask, temperature=0.0, cache="static")
 
-    times: dict[str, list[float]] = {"hf": [], "attnkit": []}
-    same = True
-    with torch.inference_mode():
-        for _ in range(args.rounds):  # interleaved: HF, attnkit, HF, attnkit, ...
-            for name, fn in (("hf", run_hf), ("attnkit", run_ours)):
-                start = time.perf_counter()
-                out = fn()
-                times[name].append(time.perf_counter() - start)
-                if name == "hf":
-                    ref = out
-                else:
-                    same &= torch.equal(out[:, -n:], ref[:, -n:])
+    times, same = hf_vs_attnkit(run_hf, lambda: run_ours()[:, -ids.shape[1] - n:], args.rounds)
     tps = {k: len(lengths) * n / statistics.median(v) for k, v in times.items()}
     print(f"\npadded-batch generate(): {len(lengths)} prompts of {lengths} tokens, {n} new tokens each, "
           f"{args.layers} layers ({args.rounds} rounds, {torch.get_num_threads()} thread(s))")
