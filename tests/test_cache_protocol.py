@@ -227,3 +227,15 @@ def test_a_handle_is_checked_like_tensors():
         attention(q, h, h, kv_offset=3)
     with pytest.raises(ValueError, match="head dim"):
         attention(torch.randn(1, 4, 1, 5), h, h)
+
+
+def test_huge_finite_tokens_read_as_unknown_never_as_wrong():
+    """The finiteness check is one sum over the new tokens: finite values whose sum overflows
+    mark the cache not-known-finite (the NaN/Inf policy then looks), and the values stay exact."""
+    cache = KVCache.quantized(1, max_len=6)
+    k = torch.full((1, 1, 3, 4), 3e38)
+    cache[0].update(k, k)
+    h, _, _ = cache[0].update(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4))
+    assert not h.finite
+    kd, _ = h.dense()
+    assert torch.isfinite(kd).all() and torch.allclose(kd[0, 0, :3], k[0, 0], rtol=1e-2)
