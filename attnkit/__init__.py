@@ -23,6 +23,7 @@ from .dispatch import NoBackendError, explain, use_backend
 from .functional import attention, attention_weights
 from .varlen import varlen_attention
 from .inputs import AttentionInputs
+from .kv_handle import KVHandle
 from .masks import (
     And,
     Band,
@@ -59,6 +60,7 @@ __all__ = [
     "use_backend",
     "NoBackendError",
     "AttentionInputs",
+    "KVHandle",
     "Mask",
     "BlockStatus",
     "Band",

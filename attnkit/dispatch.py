@@ -21,7 +21,7 @@ from . import calibration
 from .inputs import AttentionInputs
 from .registry import Backend, get_backend, list_backends, registered_names
 
-__all__ = ["NoBackendError", "select", "explain", "use_backend", "priority", "Explanation"]
+__all__ = ["NoBackendError", "select", "resolve", "explain", "use_backend", "priority", "Explanation"]
 
 _SCOPED: ContextVar[tuple[str, ...] | None] = ContextVar("attnkit_backend", default=None)
 
@@ -99,8 +99,34 @@ def _candidates(backend: str) -> tuple[list[str], bool]:
     return [], False
 
 
+def resolve(inp: AttentionInputs, backend: str = "auto") -> tuple[type[Backend], AttentionInputs]:
+    """The backend that will run ``inp`` and the inputs it runs on: ``inp`` itself, or, when K/V
+    are a cache handle that no candidate reads in place (or the one that reads it cannot run this
+    call), ``inp.dense()``, the handle's declared conversion to contiguous K/V."""
+    if inp.kv_format != "dense":
+        reader = _reader(inp, backend)
+        if reader is not None:
+            return reader, inp
+        inp = inp.dense()
+    return select(inp, backend), inp
+
+
+def _reader(inp: AttentionInputs, backend: str) -> type[Backend] | None:
+    """The first candidate that reads ``inp``'s KV handle in place and can run it, or None."""
+    known = list_backends()
+    names, named = _candidates(backend)
+    for name in names if named else priority(inp):
+        impl = known[name]
+        if (named or impl.exact) and inp.kv_format in impl.kv_formats and impl.can_run(inp):
+            return impl
+    return None
+
+
 def select(inp: AttentionInputs, backend: str = "auto") -> type[Backend]:
-    """The backend that will run ``inp``; ``NoBackendError`` with every reason if none can."""
+    """The backend that will run ``inp``; ``NoBackendError`` with every reason if none can.
+    K/V given as a cache handle are converted when no candidate reads them (:func:`resolve`)."""
+    if inp.kv_format != "dense":
+        return resolve(inp, backend)[0]
     known = list_backends()
     if backend == "auto" and _SCOPED.get() is None:  # the common case, kept lean: per layer per token
         for name in priority(inp):
@@ -146,6 +172,7 @@ class Explanation:
     plan: str = ""  # how the chosen backend runs it, in words
     measured: str = ""  # the measured figures behind auto's order, or why built-in defaults apply
     named: tuple[str, ...] = ()  # the backends named (backend= or use_backend); () for auto
+    kv: str = ""  # how a KV cache handle is read: in place, or converted to dense K/V and why
 
     def __str__(self) -> str:
         lines = [f"input: {self.description}"]
@@ -167,6 +194,8 @@ class Explanation:
                 lines.append(f"  {name}: could run, but was not named ({named} was)")
             else:
                 lines.append(f"  {name}: could run, but comes after {self.chosen} in priority order")
+        if self.kv:
+            lines.append(f"kv cache: {self.kv}")
         if self.measured:
             lines.append(f"policy: {self.measured}")
         return "\n".join(lines)
@@ -177,6 +206,22 @@ def explain(q, k, v, *, backend: str = "auto", **kwargs) -> Explanation:
 
     Takes the same keyword arguments as :func:`attnkit.attention`; runs nothing."""
     inp = AttentionInputs.create(q, k, v, **kwargs)
+    kv = ""
+    if inp.kv_format != "dense":
+        handle, reader = inp.k, _reader(inp, backend)
+        if reader is not None:
+            kv = f"{handle!r} read in place by {reader.name}"
+            return _explain(inp, backend, kv)
+        why = {name: impl.not_supported_reasons(inp) for name, impl in list_backends().items()
+               if inp.kv_format in impl.kv_formats}
+        kv = (f"{handle!r} converted to contiguous {inp.dtype} K/V (a copy), because "
+              + "; ".join(f"{name}, which reads it in place: {'; '.join(r) or 'not a candidate'}"
+                          for name, r in why.items()))
+        inp = inp.dense()
+    return _explain(inp, backend, kv)
+
+
+def _explain(inp: AttentionInputs, backend: str, kv: str) -> Explanation:
     known = list_backends()
     names, named = _candidates(backend)
     order = list(names if named else priority(inp))
@@ -190,7 +235,7 @@ def explain(q, k, v, *, backend: str = "auto", **kwargs) -> Explanation:
     chosen = next((name for name in (names if named else priority(inp)) if not reasons[name]), None)
     plan = known[chosen].describe(inp) if chosen else ""
     measured = "" if named else calibration.describe(inp)
-    return Explanation(chosen, reasons, order, _describe(inp), plan, measured, tuple(names) if named else ())
+    return Explanation(chosen, reasons, order, _describe(inp), plan, measured, tuple(names) if named else (), kv)
 
 
 @contextlib.contextmanager

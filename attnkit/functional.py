@@ -6,8 +6,9 @@ import torch
 from torch import Tensor
 
 from .backends import nonfinite
-from .dispatch import select
+from .dispatch import resolve
 from .inputs import AttentionInputs
+from .kv_handle import KVHandle
 from .masks import Mask
 
 __all__ = ["attention", "attention_weights"]
@@ -83,6 +84,13 @@ def attention(
             ``None`` (default): K/V are scanned (one read-only sum each). Passing True for K/V that
             do hold NaN/Inf voids the guarantee below for the rows that may not see them.
 
+    K/V from a KV cache: ``k`` and ``v`` may both be the :class:`~attnkit.kv_handle.KVHandle` an int8
+    or paged cache's ``update()`` returns. Backends that declare its format read it in place (the
+    ``decode`` backend); otherwise it is converted to contiguous K/V first (``explain()`` says
+    which). Row ``b`` of a handle holds ``lengths[b]`` keys at positions ``0 ..``; its queries are
+    its last ``Tq`` positions, and mask, bias, score modifiers and sinks apply at those positions
+    even when rows hold different lengths.
+
     NaN and Inf (every backend):
         NaN in what a query row may attend — its query, or the key, value or bias entry of a key
         it may see — makes that row NaN; an Inf there gives what IEEE arithmetic gives (NaN,
@@ -110,15 +118,46 @@ def attention(
                 q_offset=q_offset, kv_offset=kv_offset, backend=backend, options=options, return_lse=return_lse,
                 score_mod=score_mod, sinks=sinks, kv_finite=kv_finite,
             )
+    if type(k) is KVHandle and k.ragged and score_mod is not None:
+        return _ragged_rows(q, k, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, backend=backend,
+                            options=options, return_lse=return_lse, score_mod=score_mod, sinks=sinks,
+                            kv_finite=kv_finite)
     inp = AttentionInputs.create(
         q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, q_offset=q_offset,
         kv_offset=kv_offset, return_lse=return_lse, attn_mask=attn_mask, is_causal=is_causal,
         score_mod=score_mod, sinks=sinks, kv_finite=kv_finite,
     )
-    impl = select(inp, backend)
+    impl, inp = resolve(inp, backend)
     if options is not None:
         options = impl.check_options(options)
     return nonfinite.run(impl, inp, options)
+
+
+def _ragged_rows(q: Tensor, handle: KVHandle, *, mask, bias, return_lse, **kwargs):
+    """Score modifiers read absolute positions, which differ per row when a cache's rows hold
+    different lengths: each group of equal-length rows is attended at its own offsets (the mask
+    evaluated at each row's positions first, as for any ragged call)."""
+    from .masks import as_mask
+
+    keep = handle.row_keep(None if mask is None else as_mask(mask, "mask"), q.shape[2])  # (B, H|1, Tq, Tk)
+    groups: dict[int, list[int]] = {}
+    for row, L in enumerate(handle.lengths):
+        groups.setdefault(L, []).append(row)
+    outs, lses, order = [], [], []
+    for L, rows in groups.items():
+        idx = torch.tensor(rows, device=q.device)
+        sub = handle.rows(rows)
+        m = None if keep is None else keep.index_select(0, idx)[..., :L]
+        b = bias if bias is None or bias.dim() < 4 or bias.shape[0] == 1 else bias.index_select(0, idx)
+        b = b if b is None else b[..., :L]
+        result = attention(q.index_select(0, idx), sub, sub, mask=m, bias=b, return_lse=return_lse, **kwargs)
+        outs.append(result[0] if return_lse else result)
+        lses.append(result[1] if return_lse else None)
+        order += rows
+    inverse = torch.empty(len(order), dtype=torch.long, device=q.device)
+    inverse[torch.tensor(order, device=q.device)] = torch.arange(len(order), device=q.device)
+    out = torch.cat(outs).index_select(0, inverse)
+    return (out, torch.cat(lses).index_select(0, inverse)) if return_lse else out
 
 
 def attention_weights(

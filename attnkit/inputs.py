@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .masks import Mask, as_mask
+from .kv_handle import KVHandle
+from .masks import Dense, Mask, as_mask
 from .score_mods import ScoreMod, as_score_mod, check_sinks
 
 __all__ = ["AttentionInputs", "FLOAT_DTYPES"]
@@ -80,6 +81,28 @@ def _check_int(name: str, value, *, minimum: int | None = None) -> None:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}.")
 
 
+def _read_handle(q, k, v, mask, q_offset, kv_offset, score_mod, kv_finite):
+    """Check a :class:`KVHandle` passed as ``k`` and ``v``; for ragged rows (continuous batching)
+    turn ``mask`` into the per-row keep it means at each row's positions."""
+    if not (type(k) is KVHandle and (v is k or v is None)):
+        raise TypeError(f"k, v: a KV cache handle goes in as both k and v (attention(q, h, h), as a cache's "
+                        f"update() returns it), got k {type(k).__name__} and v {type(v).__name__}.")
+    if kv_offset != 0:
+        raise ValueError(f"kv_offset: a KV cache handle holds every key from position 0, got kv_offset={kv_offset}.")
+    if k.ragged:
+        if q_offset is not None:
+            raise ValueError(f"q_offset: the rows of this cache hold different lengths {list(k.lengths)}, so each "
+                             f"row's queries sit at its own positions; got q_offset={q_offset}. Fix: pass None.")
+        if score_mod is not None:
+            raise ValueError("score_mod: with rows of different lengths attention() evaluates score modifiers per "
+                             "group of equal lengths; AttentionInputs cannot. Fix: call attention().")
+        keep = k.row_keep(None if mask is None else as_mask(mask, "mask"), q.shape[2])
+        mask = None if keep is None else Dense(keep)
+    if kv_finite is None:
+        kv_finite = k.finite
+    return k, k, mask, kv_finite
+
+
 class _derived:
     """``functools.cached_property`` without its lock: Python 3.11's takes an ``RLock``, which
     ``torch.compile`` cannot trace (every backend's read of ``inp.Tq`` became a graph break)."""
@@ -116,9 +139,12 @@ class AttentionInputs:
     score_mod: ScoreMod | None = None
     #: Per-head sink logits ``(Hq,)`` joining each row's softmax normaliser, or None.
     sinks: Tensor | None = None
-    #: True: the caller vouches that every K/V entry read is finite (a cache that checks each token
-    #: as it is written), so the NaN/Inf policy skips its scan of K and V. None/False: scanned.
+    #: True when the caller knows every K/V entry read is finite (a KV cache checks each token as
+    #: it is written), so the NaN/Inf policy need not look; None: unknown.
     kv_finite: bool | None = None
+    #: How K/V are stored: ``"dense"`` (tensors) or a :class:`~attnkit.kv_handle.KVHandle` format
+    #: (``k`` and ``v`` are then that handle).
+    kv_format: str = "dense"
 
     @classmethod
     def create(
@@ -144,17 +170,25 @@ class AttentionInputs:
         are SDPA's spellings, turned into ``mask``/``bias`` here)."""
         if attn_mask is not None or is_causal is not False:
             mask, bias, q_offset, kv_offset = _sdpa_arguments(attn_mask, is_causal, mask, bias, q_offset, kv_offset)
+        kv_format = "dense"
+        if type(k) is KVHandle or type(v) is KVHandle:
+            k, v, mask, kv_finite = _read_handle(q, k, v, mask, q_offset, kv_offset, score_mod, kv_finite)
+            kv_format = k.format
         # attention() runs per layer per token: read each tensor attribute once, and spell out what
         # was wrong only when the quick check fails.
         try:
             B, Hq, Tq, D = q.shape
             Bk, Hkv, Tk, Dk = k.shape
-            Bv, Hv, Tv, Dv = v.shape
+            Bv, Hv, Tv, Dv = v.shape if kv_format == "dense" else (Bk, Hkv, Tk, v.value_dim)
             dtype = q.dtype
             well_typed = dtype in FLOAT_DTYPES and k.dtype is dtype and v.dtype is dtype and isinstance(q, Tensor)
         except (AttributeError, TypeError, ValueError):
             well_typed = False
         if not well_typed:
+            if kv_format != "dense":
+                _check_tensor("q", q, "(B, Hq, Tq, D)")
+                raise TypeError(f"q: expected the dtype of the cached keys, {k.dtype}, got {q.dtype}. "
+                                f"Fix: decode in the dtype the cache was filled with (q.to({k.dtype})).")
             _check_tensor("q", q, "(B, Hq, Tq, D)")
             _check_tensor("k", k, "(B, Hkv, Tk, D)")
             _check_tensor("v", v, "(B, Hkv, Tk, Dv)")
@@ -256,8 +290,18 @@ class AttentionInputs:
         self = object.__new__(cls)
         self.__dict__.update(q=q, k=k, v=v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p,
                              q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse,
-                             score_mod=score_mod, sinks=sinks, kv_finite=kv_finite, B=B, Hq=Hq, Hkv=Hkv, Tq=Tq, Tk=Tk, D=D, Dv=Dv, groups=Hq // Hkv, dtype=dtype, device=device)
+                             score_mod=score_mod, sinks=sinks, kv_finite=kv_finite, kv_format=kv_format, B=B, Hq=Hq, Hkv=Hkv, Tq=Tq, Tk=Tk, D=D, Dv=Dv, groups=Hq // Hkv, dtype=dtype, device=device)
         return self
+
+    def dense(self) -> AttentionInputs:
+        """These inputs with a KV handle replaced by contiguous K/V in the query dtype (the one
+        declared conversion, :meth:`KVHandle.dense`); themselves when K/V are tensors."""
+        if self.kv_format == "dense":
+            return self
+        k, v = self.k.dense(self.dtype)
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__, k=k, v=v, kv_format="dense")
+        return new
 
     def __repr__(self) -> str:  # shapes, not tensor contents
         return (

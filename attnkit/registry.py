@@ -50,6 +50,9 @@ class Backend:
     #: Who keeps the NaN/Inf contract: ``"policy"`` (attnkit.backends.nonfinite, applied by the entry
     #: point: the backend may assume finite q, K, V) or ``"self"`` (the backend's own kernel does).
     nonfinite: ClassVar[str] = "policy"
+    #: KV storage formats ``forward`` reads in place (:mod:`attnkit.kv_handle`); for any other the
+    #: dispatcher converts a cache handle to dense K/V first (``explain()`` says so).
+    kv_formats: ClassVar[frozenset[str]] = frozenset({"dense"})
     #: Optional packages the backend needs (checked with importlib, never imported here).
     requires: ClassVar[tuple[str, ...]] = ()
     #: Dataclass of hyper-parameters accepted through ``attention(..., options=...)``.
@@ -79,6 +82,7 @@ class Backend:
             or (inp.score_mod is not None and not cls.supports_score_mod)
             or (inp.sinks is not None and not cls.supports_sinks)
             or not cls.mask_support.accepts(inp.mask)
+            or inp.kv_format not in cls.kv_formats
         ):
             return False
         if cls.requires or not cls.supports_backward or (
@@ -97,6 +101,8 @@ class Backend:
             yield f"runs on {sorted(cls.devices)}, not {inp.device.type}"
         if inp.dtype not in cls.dtypes:
             yield f"supports dtypes {sorted(str(d).removeprefix('torch.') for d in cls.dtypes)}, not {inp.dtype}"
+        if inp.kv_format not in cls.kv_formats:
+            yield f"reads {' and '.join(sorted(cls.kv_formats))} K/V, not a {inp.kv_format} cache"
         mask_reason = cls.mask_support.reason(inp.mask)
         if mask_reason is not None:
             yield mask_reason
@@ -170,6 +176,7 @@ class Backend:
             "score_mod": cls.supports_score_mod,
             "sinks": cls.supports_sinks,
             "nonfinite": cls.nonfinite,
+            "kv_formats": sorted(cls.kv_formats),
             "summary": cls.summary,
         }
 

@@ -6,14 +6,23 @@ Measures, interleaved in one run (torch.utils.benchmark, median over rounds):
    (baseline: a forward over all 512 tokens, LM head on the last position only) -> tokens/s, ratio;
 2. dynamic, int8 static, paged and int8 paged caches vs the static cache at context 512;
 3. per-token latency at several contexts with a sliding-window cache (window 256) vs a dynamic
-   cache: the sliding-window latency should stay flat.
+   cache: the sliding-window latency should stay flat;
+4. (``--sections mha``) one ``MultiHeadAttention`` decode step over a static cache vs the same layer
+   written by hand (fused projection, ``copy_`` into the preallocated buffer, direct
+   ``F.scaled_dot_product_attention``, output projection), at 1 and 2 threads (aim: <= 1.1x);
+5. (``--sections padded``) a padded batch through ``generate()`` (GPT-2-small shape, random
+   weights shared with Hugging Face, 8 prompts of 64..512 tokens left-padded, 128 new tokens,
+   greedy) vs HF ``generate()`` on the same weights and mask: tokens/s (aim: >= 1.2x). Needs
+   ``transformers``.
 
 Caches are filled with random keys/values of the right shape (the latency does not depend on
 their values), so no long prefill is timed. After each timed step the cache is cropped back to the
 context (O(1) for static/dynamic); the ring buffer is never cropped (its cost does not depend on
 how far it has advanced). The CPU is shared: read the ratios, not the absolute numbers, and repeat.
 
-    python benchmarks/bench_decode.py [--threads 1] [--rounds 3] [--out bench-results/decode.json]
+    python benchmarks/bench_decode.py [--threads 1] [--rounds 3] [--sections decode,mha,padded]
+    python benchmarks/bench_decode.py --sections mha,padded --layers 1 --context 32 --new-tokens 2 \
+        --prompt-lengths 8,16 --rounds 1          # a smoke run
 """
 
 from __future__ import annotations
@@ -30,14 +39,105 @@ from torch.utils import benchmark
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's attnkit
 
-from attnkit.cache import KVCache
-from attnkit.nn import GPT, TransformerConfig
+import torch.nn.functional as F
+
+from attnkit.cache import KVCache, StaticLayerCache
+from attnkit.nn import GPT, AttentionConfig, MultiHeadAttention, TransformerConfig
 
 
 def fill(cache: KVCache, context: int, heads: int, head_dim: int) -> None:
     for layer in cache:
         k = torch.randn(1, heads, context, head_dim)
         layer.update(k, torch.randn_like(k))
+
+
+def mha_section(args) -> dict:
+    """One decode step of one attention layer (GPT-2-small widths) over a static cache holding
+    ``--context`` tokens: attnkit's layer vs the hand-written layer, interleaved, 1 and 2 threads."""
+    torch.manual_seed(0)
+    E, H, C = 768, 12, args.context
+    D = E // H
+    layer = MultiHeadAttention(AttentionConfig(embed_dim=E, num_heads=H)).eval()
+    cache = StaticLayerCache(C + 1)
+    k = torch.randn(1, H, C, D)
+    cache.update(k, torch.randn_like(k))
+    kbuf, vbuf = torch.zeros(1, H, C + 1, D), torch.zeros(1, H, C + 1, D)
+    kbuf[:, :, :C], vbuf[:, :, :C] = cache.k[:, :, :C], cache.v[:, :, :C]
+    x = torch.randn(1, 1, E)
+    qkv_proj, out_proj = layer.qkv_proj, layer.out_proj
+
+    def by_hand(x):
+        q, k, v = qkv_proj(x).view(1, 1, 3 * H, D).transpose(1, 2).split(H, dim=1)  # (1, H, 1, D) each
+        kbuf[:, :, C:C + 1].copy_(k)
+        vbuf[:, :, C:C + 1].copy_(v)
+        o = F.scaled_dot_product_attention(q, kbuf[:, :, :C + 1], vbuf[:, :, :C + 1])
+        return out_proj(o.transpose(1, 2).reshape(1, 1, E))
+
+    with torch.no_grad():  # the two compute the same thing
+        ours = layer(x, cache=cache)
+        cache.crop(C)
+        assert torch.allclose(ours, by_hand(x), atol=1e-5)
+    samples: dict[str, list[float]] = {}
+    timers = {}
+    for threads in (1, 2):
+        g = {"layer": layer, "x": x, "c": cache, "n": C, "by_hand": by_hand}
+        timers[f"attnkit MHA, {threads} thread(s)"] = benchmark.Timer(
+            "layer(x, cache=c); c.crop(n)", globals=g, num_threads=threads)
+        timers[f"by hand, {threads} thread(s)"] = benchmark.Timer("by_hand(x)", globals=g, num_threads=threads)
+    with torch.no_grad():
+        for t in timers.values():
+            t.timeit(20)  # warm-up
+        for _ in range(args.rounds):
+            for name, t in timers.items():
+                samples.setdefault(name, []).append(t.timeit(200).median)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    print(f"\none MHA decode step over a static cache, context {C}, E={E}, H={H}, fp32 ({args.rounds} rounds)")
+    print(f"{'threads':>8}{'attnkit us':>12}{'by hand us':>12}{'ratio':>8}")
+    result = {}
+    for threads in (1, 2):
+        a, b = med[f"attnkit MHA, {threads} thread(s)"], med[f"by hand, {threads} thread(s)"]
+        print(f"{threads:>8}{a * 1e6:>12.1f}{b * 1e6:>12.1f}{a / b:>7.2f}x")
+        result[threads] = {"attnkit_s": a, "by_hand_s": b, "ratio": a / b}
+    return {"context": C, "median_s": med, "samples_s": samples, "by_threads": result}
+
+
+def padded_section(args) -> dict:
+    """Greedy ``generate()`` over a left-padded batch vs HF ``generate()`` on the same weights."""
+    import transformers
+    from bench_hf import hf_vs_attnkit
+
+    from attnkit.generation import generate
+    from attnkit.interop import gpt2_from_hf
+
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=args.layers)).eval()
+    ours = gpt2_from_hf(hf).eval()
+    lengths = [int(n) for n in args.prompt_lengths.split(",")]
+    if len(lengths) == 2:  # a range: 8 prompts spread over it
+        lengths = [round(lengths[0] + i * (lengths[1] - lengths[0]) / 7) for i in range(8)]
+    P, n = max(lengths), args.new_tokens
+    ids = torch.zeros(len(lengths), P, dtype=torch.long)
+    mask = torch.zeros(len(lengths), P, dtype=torch.long)
+    for row, L in enumerate(lengths):  # left padding, as HF expects for generation
+        ids[row, P - L:] = torch.randint(1, hf.config.vocab_size, (L,))
+        mask[row, P - L:] = 1
+
+    def run_hf():
+        return hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)
+
+    def run_ours():
+        return generate(ours, ids, n, attention_mask=mask, temperature=0.0, cache="static")
+
+    times, same = hf_vs_attnkit(run_hf, lambda: run_ours()[:, -ids.shape[1] - n:], args.rounds)
+    tps = {k: len(lengths) * n / statistics.median(v) for k, v in times.items()}
+    print(f"\npadded-batch generate(): {len(lengths)} prompts of {lengths} tokens, {n} new tokens each, "
+          f"{args.layers} layers ({args.rounds} rounds, {torch.get_num_threads()} thread(s))")
+    print(f"  HF generate()      {tps['hf']:8.1f} tokens/s")
+    print(f"  attnkit generate() {tps['attnkit']:8.1f} tokens/s  ({tps['attnkit'] / tps['hf']:.2f}x HF)"
+          f"  same tokens: {same}")
+    return {"lengths": lengths, "new_tokens": n, "tokens_per_s": tps, "ratio": tps["attnkit"] / tps["hf"],
+            "same_tokens": bool(same), "runs_s": times}
 
 
 def main() -> None:
@@ -49,8 +149,24 @@ def main() -> None:
     parser.add_argument("--contexts", default="256,1024,4096", help="contexts for the sliding-window sweep")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--out", default="bench-results/decode.json")
+    parser.add_argument("--sections", default="decode,mha,padded", help="any of decode, mha, padded")
+    parser.add_argument("--new-tokens", type=int, default=128, help="padded section: tokens per prompt")
+    parser.add_argument("--prompt-lengths", default="64,512",
+                        help="padded section: 'lo,hi' (8 prompts spread over it) or 8+ explicit lengths")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    sections = set(args.sections.split(","))
+    extra = {}
+    if "mha" in sections:
+        extra["mha"] = mha_section(args)
+    if "padded" in sections:
+        extra["padded"] = padded_section(args)
+    if "decode" not in sections:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), **extra}, f, indent=2)
+        print(f"\nwrote {args.out}")
+        return
     torch.manual_seed(0)
     contexts = [int(c) for c in args.contexts.split(",")]
     config = TransformerConfig(vocab_size=50257, max_len=max(contexts + [args.context]) + 1024, embed_dim=768,
@@ -126,7 +242,7 @@ def main() -> None:
           f"dynamic {growth['dynamic']:.2f}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "median_s": med, "samples_s": samples}, f, indent=2)
+        json.dump({"args": vars(args), "median_s": med, "samples_s": samples, **extra}, f, indent=2)
     print(f"\nwrote {args.out}")
 
 

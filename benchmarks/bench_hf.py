@@ -28,6 +28,25 @@ import torch
 from attnkit.interop import gpt2_from_hf, load_bert
 
 
+def hf_vs_attnkit(run_hf, run_ours, repeats: int) -> tuple[dict[str, list[float]], bool]:
+    """Seconds per run of each, interleaved (HF, attnkit, HF, ...) after one warm-up each, and
+    whether attnkit's output equalled HF's every time (both return token ids of one shape)."""
+    times: dict[str, list[float]] = {"hf": [], "attnkit": []}
+    same = True
+    with torch.inference_mode():
+        run_hf(), run_ours()  # warm-up
+        for _ in range(repeats):
+            for name, fn in (("hf", run_hf), ("attnkit", run_ours)):
+                start = time.perf_counter()
+                out = fn()
+                times[name].append(time.perf_counter() - start)
+                if name == "hf":
+                    ref = out
+                else:
+                    same &= torch.equal(out, ref)
+    return times, same
+
+
 def decode_figure(args) -> dict:
     import transformers
 
@@ -43,19 +62,7 @@ def decode_figure(args) -> dict:
     def run_ours():
         return ours.generate(prompt, n, temperature=0.0, cache="static")
 
-    times = {"hf": [], "attnkit": []}
-    same = True
-    with torch.inference_mode():
-        run_hf(), run_ours()  # warm-up
-        for _ in range(args.repeats):
-            for name, fn in (("hf", run_hf), ("attnkit", run_ours)):
-                start = time.perf_counter()
-                out = fn()
-                times[name].append(time.perf_counter() - start)
-                if name == "hf":
-                    ref = out
-                else:
-                    same &= torch.equal(out, ref)
+    times, same = hf_vs_attnkit(run_hf, run_ours, args.repeats)
     tps = {k: n / statistics.median(v) for k, v in times.items()}
     return {"figure": f"greedy decode, GPT-2 small (124M), prompt {args.prompt}, generate {n}", "unit": "tokens/s",
             "hf": tps["hf"], "attnkit": tps["attnkit"], "ratio": tps["attnkit"] / tps["hf"],

@@ -124,4 +124,4 @@ def test_readme_serving_example_runs(capsys):
 
     run_readme_example("### Serving many prompts")
     printed = capsys.readouterr().out
-    assert "[13, 48, 20, 11]" in printed and "[6, 6]" in printed and "decode kernel" in printed
+    assert "[13, 48, 20, 11]" in printed and "[6, 6]" in printed and "read in place by decode" in printed

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from attnkit import Causal, KeyPadding
+from attnkit import Causal, KeyPadding, attention
 from attnkit.backends.decode import DecodeOptions, decode_attention, paged_decode_attention
 from attnkit.cache import PagedKVCache, dequantize_int8, quantize_int8
 
@@ -163,15 +163,24 @@ def test_paged_kernel_equals_contiguous_kernel_with_shuffled_blocks(quantize):
 
 
 def test_explain_names_the_path():
-    model = _model()
-    cache = _paged(model, quantize="int8")
+    """The dispatcher sees the cache handle: decode reads it in place, anything else reads the
+    declared dense conversion, and explain() says which and why."""
+    import attnkit
+
+    cache = PagedKVCache(1, num_blocks=8, block_size=4, quantize="int8")
     cache.select([cache.add_sequence()])
-    layer = cache[0]
+    cache[0].update(torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8))
+    h, _, _ = cache[0].update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
     q = torch.randn(1, 4, 1, 8)
-    assert "read directly by the decode kernel" in layer.explain(q)
-    named = layer.explain(q, backend="naive")
-    assert "gather fallback" in named and "'naive' was named" in named
-    assert "Tq=100" in layer.explain(torch.randn(1, 4, 100, 8))
+    e = attnkit.explain(q, h, h)
+    assert e.chosen == "decode" and "read in place by decode" in e.kv
+    named = attnkit.explain(q, h, h, backend="naive")
+    assert named.chosen == "naive" and "converted to contiguous" in named.kv
+    capped = attnkit.explain(q, h, h, score_mod=attnkit.score_mods.SoftCap(5.0))
+    assert capped.chosen != "decode" and "score_mod" in capped.kv and "converted" in capped.kv
+    long_q = attnkit.explain(torch.randn(1, 4, 7, 8), h, h)
+    assert "Tq=7" not in long_q.kv  # 7 queries: still a decode read
+    assert attnkit.dispatch.select(attnkit.AttentionInputs.create(q, h, h)).name == "decode"
 
 
 def test_paged_cache_errors():
@@ -208,18 +217,34 @@ def test_paged_cache_errors():
         cache[0].reset()
 
 
-def test_int8_paged_refuses_non_finite_values_and_alibi():
-    model = _model()
-    cache = _paged(model, quantize="int8")
-    cache.select([cache.add_sequence()])
-    k = torch.randn(1, 2, 1, 8)
-    with pytest.raises(ValueError, match="NaN or Inf"):
-        cache[0].attend(torch.randn(1, 4, 1, 8), k.clone().fill_(float("nan")), k)
-    alibi = _model(position="alibi")
-    cache = _paged(alibi)
-    cache.select([cache.add_sequence()])
-    with pytest.raises(ValueError, match="ALiBi"):
-        alibi(torch.randint(0, 50, (1, 3)), cache=cache)
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_non_finite_tokens_are_stored_and_read_through_the_dense_policy(quantize):
+    """A NaN key is stored (not refused mid-model): the cache reports kv_finite=False, decode declines to read it in
+    place, and the dense path's NaN/Inf policy keeps rows that cannot see it exact."""
+    import attnkit
+
+    g = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(1, num_blocks=16, block_size=3, quantize=quantize)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.select([a, b])
+    k, v = torch.randn(2, 1, 5, 6, generator=g), torch.randn(2, 1, 5, 6, generator=g)
+    k[1, 0, 2] = float("nan")  # row 1 only
+    cache[0].update(k, v)
+    q = torch.randn(2, 3, 1, 6, generator=g)
+    kn, vn = torch.randn(2, 1, 1, 6, generator=g), torch.randn(2, 1, 1, 6, generator=g)
+    h, _, _ = cache[0].update(kn, vn)
+    assert not h.finite and not cache[0].finite
+    e = attnkit.explain(q, h, h, mask=Causal())
+    assert e.chosen != "decode" and "NaN/Inf" in e.kv
+    out = attention(q, h, h, mask=Causal())
+    k_all, v_all = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
+    if quantize:
+        k_all, v_all = h.dense(torch.float32)
+    ref = attention(q[:1], k_all[:1], v_all[:1], mask=Causal(), backend="naive")
+    assert torch.allclose(out[:1], ref, atol=1e-5)
+    assert torch.isnan(out[1]).all()
+    cache.reset()
+    assert cache[0].finite  # an emptied pool holds no NaN: every block is zeroed when taken
 
 
 def test_memory_follows_the_tokens_held():
@@ -248,7 +273,8 @@ def test_key_padding_mask_in_a_ragged_batch():
     q = torch.randn(2, 4, 1, 8, generator=g)
     k, v = torch.randn(2, 2, 1, 8, generator=g), torch.randn(2, 2, 1, 8, generator=g)
     mask = Causal() & KeyPadding([4, 1])  # row 0 sees keys 0..3, row 1 only key 0 (its own)
-    out = layer.attend(q, k, v, mask=mask)
+    h, _, _ = layer.update(k, v)
+    out = attention(q, h, h, mask=mask)
     ref0 = decode_attention(q[:1], torch.cat([k0, k[:1]], 2), torch.cat([k0, v[:1]], 2))
     ref1 = decode_attention(q[1:], k[1:], v[1:])
     assert torch.allclose(out[:1], ref0, atol=1e-6) and torch.allclose(out[1:], ref1, atol=1e-6)
@@ -280,7 +306,8 @@ def test_random_ragged_batches_match_the_reference_per_row(seed):
     cache.select(seqs)
     q = torch.randn(B, Hkv * G, Tq, D, generator=g)
     k_new, v_new = torch.randn(B, Hkv, Tq, D, generator=g), torch.randn(B, Hkv, Tq, D, generator=g)
-    out = cache[0].attend(q, k_new, v_new, mask=mask)
+    h, _, _ = cache[0].update(k_new, v_new)
+    out = attention(q, h, h, mask=mask)
     for b, (k, v) in enumerate(history):
         k_all, v_all = torch.cat([k, k_new[b:b + 1]], 2), torch.cat([v, v_new[b:b + 1]], 2)
         if quantize:
@@ -296,10 +323,6 @@ def test_grad_mode_takes_the_gather_fallback_and_stores_detached_keys():
     cache.select([cache.add_sequence()])
     x = torch.randint(0, 50, (1, 6))
     model(x[:, :5], cache=cache)  # grad mode: parameters require grad
-    q = torch.randn(1, 4, 1, 8, requires_grad=True)
-    assert "require grad" in cache[0].explain(q)
-    with torch.no_grad():
-        assert "read directly" in cache[0].explain(q)
     out = model(x[:, 5:], cache=cache)
     out.sum().backward()  # gradients reach the parameters through the new queries
     assert model.layers[0].self_attn.qkv_proj.weight.grad is not None

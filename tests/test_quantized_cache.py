@@ -45,8 +45,8 @@ def test_int8_error_on_real_weights():
             q, k, v = layer.self_attn.project(hidden[i])  # real queries, keys, values
             ref = attention(q[:, :, -4:], k, v, mask=Causal(), backend="naive")
             cache = QuantizedLayerCache()
-            cache.attend(q[:, :, :1], k[:, :, :-4], v[:, :, :-4], mask=Causal())  # stored as int8
-            out = cache.attend(q[:, :, -4:], k[:, :, -4:], v[:, :, -4:], mask=Causal())
+            cache.update(k[:, :, :-4], v[:, :, :-4])  # stored as int8
+            out = attention(q[:, :, -4:], *cache.update(k[:, :, -4:], v[:, :, -4:])[:2], mask=Causal())
             errors.append(((out - ref).abs().max() / ref.abs().max()).item())
     assert max(errors) <= REAL_WEIGHTS_BOUND, errors
     assert max(errors) > 0  # the cache really is quantized
@@ -83,7 +83,7 @@ def test_dynamic_int8_grows_and_static_refuses_overflow():
     dyn = QuantizedLayerCache()
     for s in range(0, 40, 7):
         dyn.update(k[:, :, s: s + 7], k[:, :, s: s + 7])
-    got, _, _ = dyn.update(k[:, :, :1], k[:, :, :1])
+    got, _ = dyn.update(k[:, :, :1], k[:, :, :1])[0].dense()
     assert got.shape == (1, 2, 41, 8) and torch.allclose(got[:, :, :40], k, atol=k.abs().max().item() / 250)
     static = QuantizedLayerCache(max_len=4)
     static.update(k[:, :, :4], k[:, :, :4])

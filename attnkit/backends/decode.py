@@ -22,10 +22,11 @@ and differs only in how the keys are read:
 Every segment is one batched matmul over ``(batch, K/V head)`` pairs, so PyTorch's intra-op
 threads run the split across cores. Accumulation is in float32 (float64 for float64 inputs).
 
-The registered backend ``decode`` runs the contiguous case through :func:`attnkit.attention`
-(``backend="decode"``; ``auto`` does not pick it, SDPA comes first); the caches call
-:func:`decode_attention` / :func:`paged_decode_attention` directly. Its naive twin is the
-``naive`` backend (tests compare both against the float64 oracle).
+The registered backend ``decode`` runs contiguous K/V (``backend="decode"``; for plain tensors
+``auto`` picks SDPA first) and declares the KV cache formats it reads in place (``kv_formats``:
+int8 and paged handles from :mod:`attnkit.cache`, see :mod:`attnkit.kv_handle`), so ``auto``
+picks it for a cache handle whenever it can run the call. Its naive twin is the ``naive``
+backend over the handle's dense conversion (tests compare both against the float64 oracle).
 """
 
 from __future__ import annotations
@@ -234,14 +235,15 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, *, keep: Tensor | None = N
 
 
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, *,
-                           keep: Tensor | None = None, scale: float | None = None, k_scale: Tensor | None = None,
+                           keep: Tensor | None = None, bias: Tensor | None = None, scale: float | None = None, k_scale: Tensor | None = None,
                            v_scale: Tensor | None = None, options: DecodeOptions | None = None,
                            return_lse: bool = False, keys_finite: bool = False):
     """Attention of ``q (B, Hq, Tq, D)`` over a paged cache: pools ``k_pool (Hkv, N, bs, D)``,
     ``v_pool (Hkv, N, bs, Dv)`` (int8 with scales ``(Hkv, N, bs)``), and ``block_table (B, nb)``
     listing each row's blocks in order (key ``j`` of row ``b`` is slot ``j % bs`` of block
     ``block_table[b, j // bs]``). ``keep`` broadcastable to ``(B, Hq, Tq, nb·bs)`` must hide the
-    slots past each row's length. Pages are gathered one bounded segment at a time.
+    slots past each row's length; ``bias`` (additive scores) broadcastable to the same shape.
+    Pages are gathered one bounded segment at a time.
     ``keys_finite=True`` skips zeroing hidden slots (the pools hold finite values only)."""
     B, Hq, Tq, D = q.shape
     Hkv, _, bs, _ = k_pool.shape
@@ -253,7 +255,7 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tabl
     per_token = B * Hkv * (k_pool.shape[-1] + v_pool.shape[-1]) * bytes_acc
     seg = _segment_tokens(options, per_token, B * Hq * Tq * bytes_acc, converts=True, total=nb * bs)
     seg_blocks = max(1, -(-seg // bs))
-    keep5 = _grouped(keep, Hkv, G, True)
+    keep5, bias5 = _grouped(keep, Hkv, G, True), _grouped(bias, Hkv, G, True)
     pages: dict[str, Tensor] = {}  # reused gather buffers
 
     def gather(name: str, pool: Tensor | None, cols: Tensor) -> Tensor | None:
@@ -272,7 +274,8 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tabl
             cols = block_table[:, j0:j0 + seg_blocks]
             t0, t1 = j0 * bs, (j0 + cols.shape[1]) * bs
             yield _Segment(gather("k", k_pool, cols), gather("v", v_pool, cols), gather("ks", k_scale, cols),
-                           gather("vs", v_scale, cols), None if keep5 is None else keep5[..., t0:t1], None)
+                           gather("vs", v_scale, cols), None if keep5 is None else keep5[..., t0:t1],
+                           None if bias5 is None else bias5[..., t0:t1])
 
     qg = q.reshape(B, Hkv, G * Tq, D).transpose(0, 1)  # (Hkv, B, G·Tq, D), like the pool
     out, lse = _merge_segments(qg, segments(), G, scale, acc, _split(options), keys_finite)
@@ -292,6 +295,20 @@ class Decode(Backend):
     supports_bias = True
     supports_lse = True
     Options = DecodeOptions
+    #: KV caches read in place (:mod:`attnkit.kv_handle`): int8 values with their scales, pages
+    #: through the block table, one bounded segment at a time.
+    kv_formats = frozenset({"dense", "int8", "paged", "paged-int8"})
+
+    @classmethod
+    def extra_reasons(cls, inp: AttentionInputs):
+        if inp.kv_format == "dense":
+            return
+        if inp.Tq > MAX_QUERIES:
+            yield f"reads a cache in place for up to {MAX_QUERIES} queries, got Tq={inp.Tq} (a prefill: dense is faster)"
+        if inp.requires_grad:
+            yield "reads a cache in place for inference only (the inputs require grad)"
+        if inp.kv_finite is not True:
+            yield "reads a cache in place only while it holds finite values (NaN/Inf were written)"
 
     @classmethod
     def describe(cls, inp: AttentionInputs) -> str:
@@ -300,7 +317,30 @@ class Decode(Backend):
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: DecodeOptions | None):
+        if inp.kv_format != "dense":
+            return _read_cache(inp, options)
         # K/V reach this backend finite (attnkit.backends.nonfinite zeroes NaN/Inf keys first), so
         # hidden keys need no zeroing per segment.
         return decode_attention(inp.q, inp.k, inp.v, keep=inp.materialize_mask(), bias=inp.bias, scale=inp.scale,
                                 options=options, return_lse=inp.return_lse, keys_finite=True)
+
+
+def _read_cache(inp: AttentionInputs, options: DecodeOptions | None):
+    """A KV handle read in place. Its keys are finite (``extra_reasons``), so hidden slots need no
+    zeroing; the mask and bias widen to the slots the storage spans (slots past ``Tk`` hidden)."""
+    h = inp.k
+    keep, bias, slots = inp.materialize_mask(), inp.bias, h.slots
+    if slots > inp.Tk:
+        if keep is None:
+            keep = torch.ones(1, 1, 1, inp.Tk, dtype=torch.bool, device=inp.device)
+        keep = torch.nn.functional.pad(keep, (0, slots - inp.Tk), value=False)
+        if bias is not None:
+            bias = torch.nn.functional.pad(bias, (0, slots - inp.Tk))
+    if h.paged:
+        result = paged_decode_attention(inp.q, h.k, h.v, h.block_table, keep=keep, bias=bias, scale=inp.scale,
+                                        k_scale=h.k_scale, v_scale=h.v_scale, options=options, return_lse=True,
+                                        keys_finite=True)
+    else:
+        result = decode_attention(inp.q, h.k, h.v, keep=keep, bias=bias, scale=inp.scale, k_scale=h.k_scale,
+                                  v_scale=h.v_scale, options=options, return_lse=True, keys_finite=True)
+    return result if inp.return_lse else result[0]

@@ -21,6 +21,8 @@ class KVCache:
         if not layers or not all(isinstance(layer, LayerCache) for layer in layers):
             raise TypeError("layers: expected a non-empty sequence of LayerCache (DynamicLayerCache(), ...).")
         self.layers = layers
+        for layer in layers:  # a step that fails in one layer rolls the others back (all or nothing)
+            layer.siblings = layers
 
     @classmethod
     def dynamic(cls, num_layers: int) -> KVCache:

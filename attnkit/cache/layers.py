@@ -33,6 +33,7 @@ Layer caches:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -78,14 +79,62 @@ def _check_index(index: Tensor, batch_size: int | None) -> Tensor:
     return index
 
 
+def all_finite(k: Tensor, v: Tensor) -> bool:
+    """Whether the new tokens are finite: one sum over them only (never the whole cache) and one
+    host sync. NaN/Inf make the sum non-finite; finite values so large that it overflows read as
+    non-finite too, which only costs the NaN/Inf policy its scan (never a wrong result)."""
+    return bool(torch.isfinite(k.sum(dtype=torch.float32) + v.sum(dtype=torch.float32)))
+
+
+def atomic(update):
+    """A layer's ``update`` as one step of an all-or-nothing model update: when it raises, the
+    layers of the same :class:`~attnkit.cache.KVCache` that already appended this step's tokens
+    are rolled back to this layer's length, so every layer keeps the same tokens."""
+
+    @functools.wraps(update)
+    def wrapper(self, k, v):
+        try:
+            return update(self, k, v)
+        except Exception:
+            self.rollback_siblings()
+            raise
+
+    return wrapper
+
+
 class LayerCache:
     """Base class: one layer's cache. ``seq_len`` counts the tokens seen so far (= the absolute
     position of the next token). ``cross_kv`` memoizes a cross-attention layer's projected memory
-    ``(k, v)`` (filled on the first decode step; reordered and reset with the rest)."""
+    ``(k, v)`` (filled on the first decode step; reordered and reset with the rest).
+
+    ``finite`` is True while every token written since the last reset was finite (each update
+    checks only its new tokens); attention is told so (``kv_finite=``) and skips its NaN/Inf scan.
+    ``siblings`` are the layer caches of the same :class:`~attnkit.cache.KVCache` (set by it)."""
 
     def __init__(self) -> None:
         self.seq_len = 0
         self.cross_kv: tuple[Tensor, Tensor] | None = None
+        self.finite = True
+        self.siblings: list[LayerCache] = [self]
+
+    def next_positions(self, length: int, device=None) -> Tensor:
+        """Absolute positions of the next ``length`` tokens: ``(length,)`` (``(B, length)`` for
+        caches whose rows hold different lengths)."""
+        return torch.arange(self.seq_len, self.seq_len + length, device=device)
+
+    def note_written(self, k: Tensor, v: Tensor) -> None:
+        """Record whether the tokens just written are finite."""
+        if self.finite and not all_finite(k, v):
+            self.finite = False
+
+    def rollback_siblings(self) -> None:
+        """Crop every sibling that holds more tokens than this layer back to this layer's length."""
+        for layer in self.siblings:
+            if layer is not self and layer.seq_len > self.seq_len:
+                try:
+                    layer.crop(self.seq_len)
+                except (TypeError, ValueError):  # a ring or recurrent state cannot go back
+                    pass
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
         """Append ``k (B, Hkv, Tnew, D)``, ``v (B, Hkv, Tnew, Dv)``; return ``(k_all, v_all, kv_offset)``."""
@@ -95,6 +144,7 @@ class LayerCache:
         """Forget everything (start a new sequence)."""
         self.seq_len = 0
         self.cross_kv = None
+        self.finite = True
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` tokens (e.g. to reject speculative tokens)."""
@@ -125,6 +175,7 @@ class DynamicLayerCache(LayerCache):
         self.k: Tensor | None = None
         self.v: Tensor | None = None
 
+    @atomic
     def update(self, k, v):
         _check_kv(k, v)
         if self.k is None:
@@ -133,6 +184,7 @@ class DynamicLayerCache(LayerCache):
             _check_same_layout(self.k, self.v, k, v)
             self.k = torch.cat([self.k, k], dim=2)  # (B, Hkv, L + Tnew, D)
             self.v = torch.cat([self.v, v], dim=2)
+        self.note_written(k, v)
         self.seq_len += k.shape[2]
         return self.k, self.v, 0
 
@@ -172,6 +224,7 @@ class StaticLayerCache(LayerCache):
         self.k = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(*shape, value_dim or head_dim, dtype=dtype, device=device)
 
+    @atomic
     def update(self, k, v):
         _check_kv(k, v)
         if self.k is None:
@@ -186,6 +239,7 @@ class StaticLayerCache(LayerCache):
             )
         self.k[:, :, start:stop].copy_(k)  # in place: no reallocation while decoding
         self.v[:, :, start:stop].copy_(v)
+        self.note_written(k, v)
         self.seq_len = stop
         return self.k[:, :, :stop], self.v[:, :, :stop], 0
 
@@ -239,7 +293,7 @@ class SlidingWindowLayerCache(LayerCache):
         return (torch.cat([self.k[:, :, s:], self.k[:, :, :s]], dim=2),
                 torch.cat([self.v[:, :, s:], self.v[:, :, :s]], dim=2))
 
-    def update(self, k, v):
+    def update(self, k, v):  # a ring cannot roll back: every layer refuses the same bad input first
         _check_kv(k, v)
         W, L, T = self.window, self.seq_len, k.shape[2]
         if self.k is None:
@@ -262,6 +316,7 @@ class SlidingWindowLayerCache(LayerCache):
         self.k.index_copy_(2, slots, k[:, :, T - n :])
         self.v.index_copy_(2, slots, v[:, :, T - n :])
         self._positions.index_copy_(0, slots, new_positions)
+        self.note_written(k, v)
         self.seq_len = L + T
         return k_all, v_all, kv_offset
 

@@ -22,8 +22,10 @@ and frees accordingly.
 
 The rows of a batch may hold different lengths (continuous batching in
 :func:`attnkit.generation.generate`): positions and masks are per row. Attention reads the pages
-directly through the decode kernel, one bounded segment of pages at a time; otherwise (a named
-backend, gradients, a long prefill) the gather fallback copies them (see :mod:`.direct`).
+through a :class:`~attnkit.kv_handle.KVHandle` (format ``"paged"`` or ``"paged-int8"``): the decode
+kernel reads the pages in place, one bounded segment at a time; other backends read a gathered copy
+(see :mod:`.direct`). A block is zeroed when a sequence takes it, so no slot holds another
+sequence's data.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..backends.decode import paged_decode_attention
-from .direct import DirectLayerCache, _check_finite, nbytes
+from ..kv_handle import KVHandle
+from .direct import DirectLayerCache, nbytes
 from .kv import KVCache
-from .layers import _check_kv
-from .quantized import check_quantize, dequantize_int8, quantize_int8
+from .layers import _check_kv, all_finite
+from .quantized import check_quantize, quantize_int8
 
 __all__ = ["PagedKVCache", "PagedLayerCache", "BlockPool"]
 
@@ -89,6 +91,8 @@ class BlockPool:
         table = self.tables[seq]
         while len(table) <= j:
             table.append(self.take())
+            for layer in self.layers:  # a fresh block holds zeros, never a freed sequence's keys
+                layer.zero_block(table[-1])
         block = table[j]
         if self.refcount[block] > 1:
             fresh = self.take()
@@ -120,6 +124,16 @@ class PagedLayerCache(DirectLayerCache):
         self.lengths: dict[int, int] = {}
         self.k = self.v = self.k_scale = self.v_scale = None  # (Hkv, N, bs, ·) pools
         self.dtype: torch.dtype | None = None
+        self.finite = True  # every token written since the pool was last emptied was finite
+        self.siblings = [self]
+
+    def rollback_siblings(self) -> None:
+        """The layers that appended this step go back to this layer's lengths (the pages they wrote
+        past them are never read)."""
+        for layer in self.pool.layers:
+            for seq in self.pool.active:
+                if layer.lengths.get(seq, 0) > self.lengths.get(seq, 0):
+                    layer.lengths[seq] = self.lengths.get(seq, 0)
 
     @property
     def seq_len(self) -> int:
@@ -144,6 +158,14 @@ class PagedLayerCache(DirectLayerCache):
             self.v_scale = torch.ones(H, N, bs, device=k.device)
         self.dtype = k.dtype
 
+    def zero_block(self, block: int) -> None:
+        for pool in (self.k, self.v):
+            if pool is not None:
+                pool[:, block].zero_()
+        for pool in (self.k_scale, self.v_scale):
+            if pool is not None:
+                pool[:, block].fill_(1.0)
+
     def copy_block(self, src: int, dst: int) -> None:
         for pool in (self.k, self.v, self.k_scale, self.v_scale):
             if pool is not None:
@@ -166,6 +188,8 @@ class PagedLayerCache(DirectLayerCache):
                 f"{(k.shape[1], k.shape[3], v.shape[3])} in {k.dtype}/{v.dtype}. Fix: one cache per model."
             )
         T, bs = k.shape[2], self.pool.block_size
+        if T == 0:
+            raise ValueError("k: expected at least one new token (Tnew >= 1), got 0.")
         before = self.row_lengths()
         blocks, slots = [], []
         for seq, L in zip(active, before):
@@ -176,9 +200,10 @@ class PagedLayerCache(DirectLayerCache):
         slots_t = torch.tensor(slots, device=k.device)
         k_rows = k.transpose(0, 1).reshape(k.shape[1], -1, k.shape[3])  # (Hkv, B*T, D), row-major tokens
         v_rows = v.transpose(0, 1).reshape(v.shape[1], -1, v.shape[3])
-        _check_finite(k, v, "a paged cache")  # pages are shared and reused: no NaN may stay behind
+        finite = all_finite(k, v)
+        self.finite = self.finite and finite
         if self.quantize:
-            (k_rows, ks), (v_rows, vs) = quantize_int8(k_rows), quantize_int8(v_rows)
+            (k_rows, ks), (v_rows, vs) = quantize_int8(k_rows, finite), quantize_int8(v_rows, finite)
             self.k_scale[:, blocks_t, slots_t] = ks
             self.v_scale[:, blocks_t, slots_t] = vs
         self.k[:, blocks_t, slots_t] = k_rows
@@ -195,30 +220,9 @@ class PagedLayerCache(DirectLayerCache):
         rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
         return self.pool.memo(key, lambda: torch.tensor(rows, dtype=torch.long, device=self.k.device))
 
-    def _key_slots(self):
-        return self.block_table().shape[1] * self.pool.block_size
-
-    def keep_mask(self, mask, Tq, before, slots, device):
-        # Masks are immutable values: the same object gives the same keep (held in the value, so
-        # its id cannot be reused while the entry lives).
-        key = ("keep", id(mask), Tq, tuple(before), slots, device)
-        compute = lambda: (mask, super(PagedLayerCache, self).keep_mask(mask, Tq, before, slots, device))  # noqa: E731
-        return self.pool.memo(key, compute)[1]
-
-    def _kernel(self, q, keep, scale, options):
-        return paged_decode_attention(q, self.k, self.v, self.block_table(), keep=keep, scale=scale,
-                                      k_scale=self.k_scale, v_scale=self.v_scale, options=options, keys_finite=True)
-
-    def _gather(self, dtype):
-        table = self.block_table()
-        Hkv, B = self.k.shape[0], table.shape[0]
-
-        def pages(pool, scales):
-            x = pool[:, table]  # (Hkv, B, nb, bs, D)
-            x = x if scales is None else dequantize_int8(x, scales[:, table], dtype)
-            return x.reshape(Hkv, B, -1, pool.shape[-1]).transpose(0, 1).to(dtype)  # (B, Hkv, nb*bs, D)
-
-        return pages(self.k, self.k_scale), pages(self.v, self.v_scale)
+    def handle(self) -> KVHandle:
+        return KVHandle("paged-int8" if self.quantize else "paged", self.k, self.v, tuple(self.row_lengths()),
+                        self.dtype, self.finite, self.k_scale, self.v_scale, self.block_table(), self.pool.memo)
 
     def memory_bytes(self) -> int:
         """Bytes of this layer's pools (all blocks, used or free)."""
@@ -308,6 +312,8 @@ class PagedKVCache(KVCache):
     def reset(self) -> None:
         for seq in list(self.pool.tables):
             self.free(seq)
+        for layer in self.layers:  # every block is free again (and zeroed when taken)
+            layer.finite = True
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens of every selected sequence (blocks past them are released)."""

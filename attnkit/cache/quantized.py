@@ -5,9 +5,10 @@ with its own float32 scale ``s = max|x| / 127``, so the error of every element i
 ``s / 2 = max|x| / 254`` (0.4% of that vector's largest entry) and the cache holds
 ``D + 4`` bytes per token and head instead of ``4 D`` (float32) or ``2 D`` (bf16).
 
-The decode kernel reads the int8 values segment by segment and folds the scales into the scores
-and the probabilities (:mod:`attnkit.backends.decode`); no full-precision copy of the cache is
-made. The first call over an empty cache (the prefill) attends its own keys in full precision;
+``update`` returns a :class:`~attnkit.kv_handle.KVHandle` (format ``"int8"``); the decode kernel
+reads the int8 values segment by segment and folds the scales into the scores and the
+probabilities (:mod:`attnkit.backends.decode`); no full-precision copy of the cache is made.
+Other backends read the handle's dequantized copy. The first call over an empty cache (the prefill) attends its own keys in full precision;
 every later token reads the int8 cache (the error is measured on real weights in the tests:
 ``tests/test_quantized_cache.py``).
 
@@ -21,9 +22,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..backends.decode import decode_attention
-from .direct import DirectLayerCache, _check_finite, nbytes
-from .layers import _check_kv
+from ..kv_handle import KVHandle, dequantize_int8
+from .direct import DirectLayerCache, nbytes
+from .layers import _check_kv, all_finite
 
 __all__ = ["quantize_int8", "dequantize_int8", "QuantizedLayerCache", "QUANTIZE_KINDS"]
 
@@ -36,25 +37,29 @@ def check_quantize(quantize) -> str | None:
     return quantize
 
 
-def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_int8(x: Tensor, finite: bool = True) -> tuple[Tensor, Tensor]:
     """``x (..., D)`` float -> ``(values (..., D) int8, scales (...) float32)`` with
-    ``x ≈ values * scales[..., None]`` (symmetric, one scale per vector; an all-zero vector gets scale 1)."""
+    ``x ≈ values * scales[..., None]`` (symmetric, one scale per vector; an all-zero vector gets scale 1).
+    A vector holding NaN or Inf (``finite=False`` says there may be one) is stored as zeros with
+    scale NaN: it reads back as NaN (int8 has no Inf)."""
     xf = x.float()
     scale = xf.abs().amax(dim=-1) / 127.0
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    if not finite:
+        bad = ~torch.isfinite(xf).all(-1)
+        scale = scale.masked_fill(bad, 1.0)
+        xf = xf.masked_fill(bad.unsqueeze(-1), 0.0)
     values = torch.round(xf / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    if not finite:
+        scale = scale.masked_fill(bad, float("nan"))
     return values, scale
-
-
-def dequantize_int8(values: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The inverse of :func:`quantize_int8`, in ``dtype``."""
-    return (values.float() * scale.unsqueeze(-1)).to(dtype)
 
 
 class QuantizedLayerCache(DirectLayerCache):
     """Contiguous int8 cache of one layer: ``(B, Hkv, capacity, D)`` int8 plus ``(B, Hkv, capacity)``
     float32 scales, for K and for V. With ``max_len`` the buffers are preallocated once (static);
-    without, the capacity doubles as needed (dynamic). Keys and values must be finite."""
+    without, the capacity doubles as needed (dynamic). ``update`` returns a
+    :class:`~attnkit.kv_handle.KVHandle` of format ``"int8"``."""
 
     def __init__(self, max_len: int | None = None) -> None:
         super().__init__()
@@ -103,27 +108,19 @@ class QuantizedLayerCache(DirectLayerCache):
                     f"{k.shape[2]}). Fix: build the cache with max_len >= prompt length + max_new_tokens."
                 )
             self._allocate(k, v, max(stop, 2 * self.k.shape[2]))
-        _check_finite(k, v, "an int8 cache")
-        kq, ks = quantize_int8(k)
-        vq, vs = quantize_int8(v)
+        finite = all_finite(k, v)
+        self.finite = self.finite and finite
+        kq, ks = quantize_int8(k, finite)
+        vq, vs = quantize_int8(v, finite)
         self.k[:, :, start:stop], self.k_scale[:, :, start:stop] = kq, ks
         self.v[:, :, start:stop], self.v_scale[:, :, start:stop] = vq, vs
         self.seq_len = stop
         return [start] * k.shape[0]
 
-    def _key_slots(self):
-        return self.seq_len
-
-    def _kernel(self, q, keep, scale, options):
+    def handle(self) -> KVHandle:
         n = self.seq_len
-        return decode_attention(q, self.k[:, :, :n], self.v[:, :, :n], keep=keep, scale=scale,
-                                k_scale=self.k_scale[:, :, :n], v_scale=self.v_scale[:, :, :n], options=options,
-                                keys_finite=True)
-
-    def _gather(self, dtype):
-        n = self.seq_len
-        return (dequantize_int8(self.k[:, :, :n], self.k_scale[:, :, :n], dtype),
-                dequantize_int8(self.v[:, :, :n], self.v_scale[:, :, :n], dtype))
+        return KVHandle("int8", self.k[:, :, :n], self.v[:, :, :n], (n,) * self.k.shape[0], self.dtype, self.finite,
+                        self.k_scale[:, :, :n], self.v_scale[:, :, :n])
 
     def memory_bytes(self) -> int:
         """Bytes held by the buffers (int8 values and float32 scales)."""

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from .._validate import check_bool, finite_float, positive_int
 from ..functional import attention
-from ..cache import DirectLayerCache, LayerCache, StateCache
+from ..cache import LayerCache, StateCache
 from ..masks import Causal, Mask, as_mask
 from ..registry import get_backend
 from ..score_mods import ALiBi, RelativeBias, SoftCap
@@ -153,9 +153,10 @@ class MultiHeadAttention(nn.Module):
     ):
         """Attend ``x (B, Tq, embed_dim)`` to itself (or to ``memory (B, Tk, kv_dim)``).
 
-        ``cache``: a layer cache (:mod:`attnkit.cache`). Self-attention reads ``q_offset =
-        cache.seq_len`` before ``cache.update(k, v)`` and attends over everything cached with both
-        offsets, so decoding equals the full forward; cross-attention memoizes the projected memory
+        ``cache``: a layer cache (:mod:`attnkit.cache`). Self-attention writes the new keys with
+        ``cache.update(k, v)`` and attends over what it returns (K/V views, or an int8/paged
+        handle) with the queries at the last positions of each row, so decoding equals the full
+        forward with every cache, bias, score modifier and sinks; cross-attention memoizes the projected memory
         in ``cache.cross_kv``. ``positions``: absolute positions ``(Tq,)`` or ``(B, Tq)`` used by
         RoPE (default ``q_offset + arange(Tq)``; left-padded batches pass per-row positions).
         ALiBi uses the absolute key/query positions of the call."""
@@ -178,19 +179,19 @@ class MultiHeadAttention(nn.Module):
             return self._finish(q, k, v, mask, bias, q_offset, kv_offset, need_weights)
         q, k, v = self.project(x, memory)
         Tq = q.shape[2]
-        if isinstance(cache, DirectLayerCache):  # int8 / paged: the cache attends over its own storage
-            return self._attend_direct(x, q, k, v, cache, mask, bias, q_offset, need_weights, positions)
+        kv_finite = None
         if cache is not None:
             if q_offset is not None:
-                raise ValueError("q_offset: with cache= the cache sets q_offset (= cache.seq_len); pass q_offset=None.")
-            q_offset = cache.seq_len
+                raise ValueError("q_offset: with cache= the cache sets the positions (its length); pass q_offset=None.")
+            if self.rotary is not None and positions is None:
+                positions = cache.next_positions(Tq, device=x.device)  # (Tq,), or (B, Tq) for ragged rows
         elif q_offset is None:
             q_offset = kv_offset  # self-attention: Tq == Tk, so the bottom-right default is kv_offset
         if self.rotary is not None:
             if positions is None:
                 positions = torch.arange(q_offset, q_offset + Tq, device=x.device)
             q, k = self.rotary(q, positions), self.rotary(k, positions)
-        if isinstance(cache, StateCache):
+        if isinstance(cache, StateCache):  # a recurrent state, not keys: it computes attention itself
             if mask is not None and not as_mask(mask).is_causal():
                 raise ValueError(
                     f"mask: a recurrent StateCache computes causal attention only, got {mask!r}. "
@@ -199,26 +200,11 @@ class MultiHeadAttention(nn.Module):
             out = cache.step(q, k, v)  # (B, Hq, Tq, Dv)
             return self.out_proj(out.transpose(1, 2).reshape(x.shape[0], Tq, -1))
         if cache is not None:
+            # Every KV cache: what update() returns (views, or an int8/paged handle) is what attention
+            # reads; the queries are the last Tq positions of each row (bottom-right).
             k, v, kv_offset = cache.update(k, v)
-        return self._finish(q, k, v, mask, bias, q_offset, kv_offset, need_weights)
-
-    def _attend_direct(self, x, q, k, v, cache, mask, bias, q_offset, need_weights, positions):
-        cfg = self.config
-        if q_offset is not None:
-            raise ValueError("q_offset: with cache= the cache sets the positions; pass q_offset=None.")
-        if bias is not None or self.score_mod() is not None or self.sinks is not None or need_weights:
-            raise ValueError(
-                f"cache: a {type(cache).__name__} runs its own attention, without bias, score modifiers (ALiBi, T5 "
-                "biases, soft-capping), sinks or need_weights. Fix: use a static or dynamic cache for this layer."
-            )
-        if self.rotary is not None:
-            if positions is None:
-                positions = cache.positions(q.shape[2], device=x.device)
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
-        if self.training and cfg.dropout > 0:
-            raise ValueError("cache: attention dropout while decoding; call model.eval() first.")
-        out = cache.attend(q, k, v, mask=mask, backend=cfg.backend, options=cfg.backend_options)
-        return self.out_proj(out.transpose(1, 2).reshape(x.shape[0], q.shape[2], -1))  # (B, Tq, Hq*hd) -> E
+            kv_finite = cache.finite
+        return self._finish(q, k, v, mask, bias, q_offset, kv_offset, need_weights, kv_finite)
 
     def project_queries(self, x: Tensor) -> Tensor:
         """Queries ``(B, Hq, Tq, hd)`` of a cross-attention layer (the memory's K/V come from a cache)."""
@@ -228,7 +214,18 @@ class MultiHeadAttention(nn.Module):
 
     def score_mod(self):
         """The layer's score modifiers in the order they apply (positions, then soft-capping), or
-        None: ALiBi and T5 biases are functions of absolute positions, never (Tq, Tk) tensors."""
+        None: ALiBi and T5 biases are functions of absolute positions, never (Tq, Tk) tensors.
+        Built once and reused while the tensors they read stay the same (moved or cast: rebuilt)."""
+        key = tuple((id(t), t.data_ptr(), t.dtype, t.device) for t in (self.alibi_slopes, self.relative_bias)
+                    if t is not None)
+        cached = self.__dict__.get("_score_mod_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        mods = self._build_score_mod()
+        self.__dict__["_score_mod_cache"] = (key, mods)
+        return mods
+
+    def _build_score_mod(self):
         cfg, mods = self.config, []
         if self.alibi_slopes is not None:
             mods.append(ALiBi(self.alibi_slopes))
@@ -239,14 +236,16 @@ class MultiHeadAttention(nn.Module):
             mods.append(SoftCap(cfg.softcap))
         return mods or None
 
-    def _finish(self, q, k, v, mask, bias, q_offset, kv_offset, need_weights):
+    def _finish(self, q, k, v, mask, bias, q_offset, kv_offset, need_weights, kv_finite=None):
         out, weights = self.attend(q, k, v, mask=mask, bias=bias, q_offset=q_offset, kv_offset=kv_offset,
-                                   need_weights=need_weights)
+                                   need_weights=need_weights, kv_finite=kv_finite)
         return (out, weights) if need_weights else out
 
-    def attend(self, q, k, v, *, mask=None, bias=None, q_offset=None, kv_offset=0, need_weights=False):
+    def attend(self, q, k, v, *, mask=None, bias=None, q_offset=None, kv_offset=0, need_weights=False,
+               kv_finite=None):
         """Attention over projected heads and the output projection: ``(B, Tq, embed_dim)`` and the
-        weights (or None). Subclasses and caches call this after adjusting ``k``/``v``."""
+        weights (or None). ``k``/``v`` are tensors or a KV cache's handle (what ``update`` returned).
+        Subclasses and caches call this after adjusting ``k``/``v``."""
         cfg = self.config
         dropout_p = cfg.dropout if self.training else 0.0
         backend, options = cfg.backend, cfg.backend_options
@@ -256,11 +255,11 @@ class MultiHeadAttention(nn.Module):
 
             out, weights = attention(q, k, v, mask=mask, bias=bias, dropout_p=dropout_p, q_offset=q_offset,
                                      kv_offset=kv_offset, backend="naive", options=NaiveOptions(return_weights=True),
-                                     score_mod=self.score_mod(), sinks=self.sinks)
+                                     score_mod=self.score_mod(), sinks=self.sinks, kv_finite=kv_finite)
         else:
             out = attention(q, k, v, mask=mask, bias=bias, dropout_p=dropout_p, q_offset=q_offset,
                             kv_offset=kv_offset, backend=backend, options=options, score_mod=self.score_mod(),
-                            sinks=self.sinks)
+                            sinks=self.sinks, kv_finite=kv_finite)
         B, _, Tq, _ = out.shape
         out = out.transpose(1, 2).reshape(B, Tq, -1)  # (B, Tq, Hq*hd)
         return self.out_proj(out), weights
