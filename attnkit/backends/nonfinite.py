@@ -61,7 +61,7 @@ def host_may_branch(inp: AttentionInputs) -> bool:
     """True when reading one value on the host is free: CPU tensors, eager, outside ``torch.func``."""
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     return (inp.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not (wrapped(inp.q) or wrapped(inp.k) or wrapped(inp.v)))
+            and not any(isinstance(x, Tensor) and wrapped(x) for x in (inp.q, inp.k, inp.v)))
 
 
 def all_finite(inp: AttentionInputs) -> bool:
