@@ -59,7 +59,8 @@ class ContextParallelSelfAttention(MultiHeadAttention):
         new.group, new.layout, new.strategy = group, layout, strategy
         return new
 
-    def attend(self, q, k, v, *, mask=None, bias=None, q_offset=None, kv_offset=0, need_weights=False):
+    def attend(self, q, k, v, *, mask=None, bias=None, q_offset=None, kv_offset=0, need_weights=False,
+               kv_finite=None):  # no cache here: K/V are the layer's own projections
         cfg = self.config
         if bias is not None or need_weights:
             raise ValueError("context-parallel attention takes no bias= and cannot return weights (need_weights).")
