@@ -145,7 +145,8 @@ def test_compiled_strides_never_recompile_and_the_limit_is_loud(monkeypatch):
     import torch._dynamo
 
     monkeypatch.setitem(flex._STATE, "compiled", {})
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    limit = torch._dynamo.config.patch(recompile_limit=1)  # config.patch restores it (setattr/undo would not)
+    limit.__enter__()
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(5)
     wide = torch.randn(2, 3, 61, 40, generator=g)
@@ -166,4 +167,5 @@ def test_compiled_strides_never_recompile_and_the_limit_is_loud(monkeypatch):
         with pytest.raises(RuntimeError, match="recompile_limit"):  # a new mask kind needs a second compile
             attnkit.attention(x, x, x, mask=SlidingWindow(9, 2), backend="flex")
     finally:
+        limit.__exit__(None, None, None)
         torch._dynamo.reset()

@@ -62,10 +62,7 @@ def test_compiled_gradients_equal_eager(name):
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5, msg=f"{name}: d{what} compiled != eager")
 
 
-SYNCS = pytest.mark.xfail(strict=True, reason="zeroing dead keys reads a flag on the host")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=SYNCS) if n == "naive" else n for n in MASKS])
+@pytest.mark.parametrize("name", list(MASKS))
 def test_backend_path_has_no_graph_break(name):
     q, k, v = _inputs(grad=False)
     attnkit.attention(q, k, v, mask=MASKS[name], backend=name)  # registry loaded outside the trace

@@ -146,10 +146,14 @@ def _any_seen(inp: AttentionInputs, q_idx: Tensor, k_idx: Tensor, flagged: Tenso
     mask = inp.mask
     b, h = mask.batch_head_index(inp.B, inp.Hq, device=inp.device)
     kv_pos = (k_idx + inp.kv_offset).view(1, 1, 1, -1)
-    step = max(1, _CHUNK_ELEMENTS // max(1, inp.B * inp.Hq * k_idx.numel()))
+    if torch.compiler.is_compiling():  # one piece: a loop over a traced length would specialize the graph on it
+        chunks = [q_idx]
+    else:
+        step = max(1, _CHUNK_ELEMENTS // max(1, inp.B * inp.Hq * k_idx.numel()))
+        chunks = [q_idx[i:i + step] for i in range(0, q_idx.numel(), step)]
     parts = []
-    for i in range(0, q_idx.numel(), step):
-        q_pos = (q_idx[i:i + step] + inp.q_offset).view(1, 1, -1, 1)
+    for chunk in chunks:
+        q_pos = (chunk + inp.q_offset).view(1, 1, -1, 1)
         keep = mask.mask_mod(b, h, q_pos, kv_pos, q_offset=inp.q_offset, kv_offset=inp.kv_offset)
         keep = keep.expand(*keep.shape[:2], q_pos.shape[2], kv_pos.shape[3])  # (B|1, Hq|1, n, m)
         if flagged is not None:
