@@ -306,19 +306,23 @@ def _constants_problem(c) -> str | None:
     return None if all(_positive_number(x) for x in numbers) else "a constant is not a positive number"
 
 
-#: The reference problem each backend is timed on by the probe (forward, float32), per mask class:
-#: its time, less the per-call overhead, gives the backend's achieved rate on this machine.
-REFERENCE_SHAPE = {"B": 1, "H": 2, "T": 256, "D": 64}
+#: Queries per call up to which an input counts as decoding (its time is reading K/V, not GEMMs).
+DECODE_QUERIES = 16
 
 
-def reference_masks() -> dict:
-    """The probe's mask per class: ``"causal"`` (also stands for no mask), ``"band"`` (a general mask
-    that needs evaluating: windows, padding, documents) and ``"layout"`` (a BlockSparse layout)."""
+def reference_problems() -> dict:
+    """The probe's reference problem per mask class, ``class -> ((B, H, Tq, Tk, D), mask)``; each
+    backend's time on it, less its per-call overhead, gives its achieved rate on this machine.
+    ``"causal"`` also stands for no mask; ``"band"`` for every mask that needs evaluating (windows,
+    padding, documents); ``"layout"`` for a BlockSparse layout; ``"decode"`` for a few queries over
+    a cache (at most :data:`DECODE_QUERIES`)."""
     from .masks import BlockSparse, Causal, SlidingWindow
 
-    T = REFERENCE_SHAPE["T"]
-    return {"causal": Causal(), "band": Causal() & SlidingWindow(T // 4, 0),
-            "layout": BlockSparse.bigbird(T // 32, 32, window=1, global_blocks=1, random_blocks=0)}
+    T = 256
+    square = (1, 2, T, T, 64)
+    return {"causal": (square, Causal()), "band": (square, Causal() & SlidingWindow(T // 4, 0)),
+            "layout": (square, BlockSparse.bigbird(T // 32, 32, window=1, global_blocks=1, random_blocks=0)),
+            "decode": ((1, 8, 1, 512, 64), Causal())}
 
 
 def probe_constants() -> dict:
@@ -332,8 +336,7 @@ def probe_constants() -> dict:
     tiny = torch.randn(1, 1, 32, 16)
     tiny_masks = [None, Causal() & SlidingWindow(8, 0), BlockSparse.bigbird(2, 16, window=1, global_blocks=1,
                                                                              random_blocks=0)]
-    s = REFERENCE_SHAPE
-    ref = torch.randn(s["B"], s["H"], s["T"], s["D"])
+    problems = {cls: (_random(shape), mask) for cls, (shape, mask) in reference_problems().items()}
     overhead, reference = {}, {}
     with torch.no_grad():
         for name, impl in list_backends().items():
@@ -345,8 +348,8 @@ def probe_constants() -> dict:
                 if inp is None:
                     continue
                 overhead[name] = hardware.best_seconds(lambda: impl.forward(inp, None), 5)
-                for cls, mask in reference_masks().items():
-                    inp = AttentionInputs.create(ref, ref, ref, mask=mask)
+                for cls, ((q, k), mask) in problems.items():
+                    inp = AttentionInputs.create(q, k, k, mask=mask)
                     if impl.can_run(inp):
                         reference.setdefault(name, {})[cls] = hardware.best_seconds(lambda: impl.forward(inp, None), 3)
             except Exception:  # a backend that fails here is not ranked by cost; its reasons decide
@@ -354,3 +357,8 @@ def probe_constants() -> dict:
     constants["backend_seconds"] = overhead
     constants["reference_seconds"] = reference
     return constants
+
+
+def _random(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, Tq, Tk, D = shape
+    return torch.randn(B, H, Tq, D), torch.randn(B, H, Tk, D)

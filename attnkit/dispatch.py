@@ -111,6 +111,8 @@ def kept_fraction(inp: AttentionInputs, tile: tuple[int, int]) -> float:
 
 
 def _mask_class(inp: AttentionInputs) -> str:
+    if inp.Tq <= calibration.DECODE_QUERIES:
+        return "decode"
     mask = inp.mask
     if mask is None or mask.is_causal():
         return "causal"
@@ -137,9 +139,11 @@ def _work_terms(name: str, impl: type[Backend], inp: AttentionInputs) -> tuple[f
 
 @functools.lru_cache(maxsize=4)
 def _reference_inputs(generation: int) -> dict[str, AttentionInputs]:
-    s = calibration.REFERENCE_SHAPE
-    x = torch.empty(s["B"], s["H"], s["T"], s["D"], device="meta")
-    return {cls: AttentionInputs.create(x, x, x, mask=m) for cls, m in calibration.reference_masks().items()}
+    inputs = {}
+    for cls, ((B, H, Tq, Tk, D), mask) in calibration.reference_problems().items():
+        q, k = torch.empty(B, H, Tq, D, device="meta"), torch.empty(B, H, Tk, D, device="meta")
+        inputs[cls] = AttentionInputs.create(q, k, k, mask=mask)
+    return inputs
 
 
 def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float | None:
@@ -218,14 +222,14 @@ def _memory_guard(order: tuple[str, ...], inp: AttentionInputs) -> tuple[str, ..
 
 _PRIORITY_CACHE: dict = {}
 _PRIORITY_CACHE_SIZE = 1024
+_CACHE_STATE: list = [None]  # (calibration generation, registered names) the cache was filled under
 
 
 def _shape_class(inp: AttentionInputs) -> tuple:
     """Everything :func:`priority` reads. Offsets are in it: which tiles a mask keeps, and whether
     SDPA needs a mask at all, depend on the exact positions."""
-    return (inp.device.type, inp.dtype, inp.B, inp.Hq, inp.Tq, inp.Tk, inp.D, inp.Dv, inp.mask, inp.q_offset,
-            inp.kv_offset, inp.requires_grad, calibration.generation(), registered_names(),
-            torch.compiler.is_compiling())
+    return (inp.q.shape, inp.k.shape, inp.v.shape, inp.q.dtype, inp.q.device, inp.mask, inp.q_offset, inp.kv_offset,
+            inp.requires_grad, torch.compiler.is_compiling())
 
 
 def priority(inp: AttentionInputs) -> tuple[str, ...]:
@@ -242,6 +246,10 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
 
     The order is cached per shape class (:func:`_shape_class`): a decode loop pays a dict lookup.
     Each backend's reasons are still checked on every call."""
+    state = (calibration.generation(), registered_names())
+    if _CACHE_STATE[0] != state:  # a new table, new constants or a new backend: decide afresh
+        _PRIORITY_CACHE.clear()
+        _CACHE_STATE[0] = state
     key = _shape_class(inp)
     try:
         return _PRIORITY_CACHE[key]
