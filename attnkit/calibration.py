@@ -158,10 +158,12 @@ def _table() -> _Table | None:
     return _CACHE[0]
 
 
-def reload() -> None:
-    """Forget the loaded table and constants (after writing a new calibration, or in tests)."""
+def reload(*, constants: bool = False) -> None:
+    """Forget the loaded table (after writing a new calibration, or in tests), and with
+    ``constants=True`` the machine constants too (read again, or probed, on next use)."""
     _CACHE[0] = _UNLOADED
-    _CONSTANTS[0] = None
+    if constants:
+        _CONSTANTS[0] = None
     _GENERATION[0] += 1
 
 
