@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import threading
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from .inputs import AttentionInputs
 from .registry import Backend, get_backend, list_backends, registered_names
 
 __all__ = ["NoBackendError", "select", "explain", "use_backend", "priority", "Explanation", "Work", "WORK",
-           "estimated_seconds", "kept_fraction"]
+           "estimated_seconds", "kept_fraction", "autotune"]
 
 _SCOPED: ContextVar[tuple[str, ...] | None] = ContextVar("attnkit_backend", default=None)
 
@@ -295,6 +297,10 @@ def select(inp: AttentionInputs, backend: str = "auto") -> type[Backend]:
     """The backend that will run ``inp``; ``NoBackendError`` with every reason if none can."""
     known = list_backends()
     if backend == "auto" and _SCOPED.get() is None:  # the common case, kept lean: per layer per token
+        if _AUTOTUNE[0] and not torch.compiler.is_compiling():
+            tuned = _autotuned(inp, known)
+            if tuned is not None:
+                return known[tuned]
         for name in priority(inp):
             impl = known[name]
             if impl.exact and impl.can_run(inp):
@@ -305,6 +311,97 @@ def select(inp: AttentionInputs, backend: str = "auto") -> type[Backend]:
         if known[name].can_run(inp):
             return known[name]
     raise NoBackendError(_no_backend_message(inp, names))
+
+
+# -- autotuning (opt-in, as torch.backends.cudnn.benchmark) ---------------------------------------
+
+_AUTOTUNE = [os.environ.get("ATTNKIT_AUTOTUNE", "").strip().lower() in ("1", "true", "yes", "on")]
+_TUNED: dict = {}  # (shape class, candidates) -> (winner, {name: seconds})
+_TUNE_LOCK = threading.Lock()
+#: How many of the leading candidates the first call of a shape class times, and its time bound.
+AUTOTUNE_CANDIDATES = 3
+AUTOTUNE_BUDGET_S = 1.0
+
+
+class autotune:
+    """Turn autotuning on (``attnkit.autotune()``) or off (``attnkit.autotune(False)``) for the
+    process; as a context manager (``with attnkit.autotune():``) it restores the previous setting
+    on exit. ``ATTNKIT_AUTOTUNE=1`` turns it on at import.
+
+    While on, the first ``auto`` call of each shape class (shapes, dtype, mask, offsets, pass,
+    and the backends that can run it) times the :data:`AUTOTUNE_CANDIDATES` leading candidates of
+    :func:`priority` (forward, without gradients, at most about :data:`AUTOTUNE_BUDGET_S` seconds)
+    and remembers the fastest; later calls of the class take it. Thread-safe; never inside
+    ``torch.compile`` tracing; inputs with dropout are not tuned (timing would draw random numbers).
+    ``explain()`` quotes the measured times."""
+
+    def __init__(self, enabled: bool = True):
+        if not isinstance(enabled, bool):
+            raise TypeError(f"autotune: expected True or False, got {enabled!r}. Fix: attnkit.autotune(True).")
+        self._previous = _AUTOTUNE[0]
+        _AUTOTUNE[0] = enabled
+
+    def __enter__(self) -> autotune:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _AUTOTUNE[0] = self._previous
+
+
+def _tune_key(inp: AttentionInputs, known: dict) -> tuple[tuple, list[str]]:
+    candidates = [n for n in priority(inp) if known[n].exact and known[n].can_run(inp)][:AUTOTUNE_CANDIDATES]
+    return (_shape_class(inp), tuple(candidates)), candidates
+
+
+def _autotuned(inp: AttentionInputs, known: dict) -> str | None:
+    """The measured winner for ``inp``'s shape class (timing the candidates on the first call)."""
+    if inp.dropout_p > 0:
+        return None
+    try:
+        key, candidates = _tune_key(inp, known)
+        hash(key)
+    except TypeError:
+        return None
+    if len(candidates) < 2:
+        return None
+    found = _TUNED.get(key)
+    if found is None:
+        with _TUNE_LOCK:
+            found = _TUNED.get(key)
+            if found is None:
+                found = _TUNED[key] = _time_candidates(inp, candidates, known)
+    return found[0]
+
+
+def _time_candidates(inp: AttentionInputs, candidates: list[str], known: dict) -> tuple[str, dict[str, float]]:
+    import time
+
+    deadline = time.perf_counter() + AUTOTUNE_BUDGET_S
+    times: dict[str, float] = {}
+    with torch.no_grad():
+        for name in candidates:
+            runs = []
+            for _ in range(3):  # a warm-up call, then the best of two (fewer when over budget)
+                start = time.perf_counter()
+                known[name].forward(inp, None)
+                runs.append(time.perf_counter() - start)
+                if time.perf_counter() > deadline:
+                    break
+            times[name] = min(runs[1:] or runs)
+            if time.perf_counter() > deadline:
+                break
+    return min(times, key=times.get), times
+
+
+def _tuned_description(inp: AttentionInputs) -> str:
+    try:
+        found = _TUNED.get(_tune_key(inp, list_backends())[0])
+    except TypeError:
+        return ""
+    if found is None:
+        return ""
+    figures = ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in sorted(found[1].items(), key=lambda x: x[1]))
+    return f"autotuned on this machine (first call of this shape class, forward): {figures}"
 
 
 def _describe(inp: AttentionInputs) -> str:
@@ -370,8 +467,16 @@ def explain(q, k, v, *, backend: str = "auto", **kwargs) -> Explanation:
         reasons[name] = why
     order = order + [name for name in known if name not in order]
     chosen = next((name for name in (names if named else priority(inp)) if not reasons[name]), None)
-    plan = known[chosen].describe(inp) if chosen else ""
     measured = "" if named else calibration.describe(inp)
+    if not named and _AUTOTUNE[0] and inp.dropout_p == 0:
+        tuned = _tuned_description(inp)
+        if tuned:
+            try:
+                chosen = _TUNED[_tune_key(inp, known)[0]][0]
+            except (KeyError, TypeError):
+                pass
+            measured = f"{tuned}; {measured}"
+    plan = known[chosen].describe(inp) if chosen else ""
     return Explanation(chosen, reasons, order, _describe(inp), plan, measured)
 
 

@@ -318,3 +318,53 @@ def test_a_tie_within_noise_is_not_applied(tmp_path, monkeypatch):
     x = torch.randn(1, 2, 32, 8)
     e = attnkit.explain(x, x, x)
     assert e.chosen == "sdpa" and "within noise" in e.measured
+
+
+# --- autotuning: opt-in, once per shape class, thread-safe, explained -----------------------------
+
+def test_autotune_times_once_per_shape_class_and_explain_quotes_it(monkeypatch):
+    from attnkit import dispatch
+
+    monkeypatch.setattr(dispatch, "_TUNED", {})
+    timed = []
+
+    def fake(inp, candidates, known):  # injected measurements: the last candidate is fastest
+        timed.append(tuple(candidates))
+        return candidates[-1], {n: 1e-3 * (len(candidates) - i) for i, n in enumerate(candidates)}
+
+    monkeypatch.setattr(dispatch, "_time_candidates", fake)
+    x = torch.randn(1, 3, 41, 12)
+    inp = AttentionInputs.create(x, x, x, mask=SlidingWindow(5, 0))
+    untuned = select(inp).name
+    with attnkit.autotune():
+        threads = [threading.Thread(target=select, args=(inp,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winner = select(inp).name
+        assert len(timed) == 1 and len(timed[0]) >= 2 and winner == timed[0][-1] != untuned
+        e = attnkit.explain(x, x, x, mask=SlidingWindow(5, 0))
+        assert e.chosen == winner and "autotuned" in e.measured and f"{winner} 1 ms" in e.measured
+        select(AttentionInputs.create(x[:, :, :40], x[:, :, :40], x[:, :, :40], mask=SlidingWindow(5, 0)))
+        assert len(timed) == 2  # another shape class
+        torch.testing.assert_close(attnkit.attention(x, x, x, mask=SlidingWindow(5, 0)),
+                                   attnkit.attention(x, x, x, mask=SlidingWindow(5, 0), backend="naive"),
+                                   atol=1e-5, rtol=1e-5)
+    assert select(inp).name == untuned  # off again after the block
+
+
+def test_autotune_real_timing_picks_a_candidate_and_skips_dropout(monkeypatch):
+    from attnkit import dispatch
+
+    monkeypatch.setattr(dispatch, "_TUNED", {})
+    x = torch.randn(1, 2, 24, 8)
+    with attnkit.autotune():
+        inp = AttentionInputs.create(x, x, x, mask=Causal() & KeyPadding([20]))
+        chosen = select(inp).name
+        ((key, (winner, times)),) = dispatch._TUNED.items()
+        assert chosen == winner and set(times) <= set(key[1]) and all(t > 0 for t in times.values())
+        select(AttentionInputs.create(x, x, x, mask=Causal(), dropout_p=0.5))
+        assert len(dispatch._TUNED) == 1
+    with pytest.raises(TypeError, match="autotune"):
+        attnkit.autotune("yes")
