@@ -325,3 +325,30 @@ def test_markdown_table_escapes_pipes_in_reasons():
     md = terminal_table({"results": [_row(), row]}, markdown=True).splitlines()
     skipped = md[-1]
     assert skipped.count(" | ") == 5 and "band \\| GlobalTokens" in skipped  # six cells, the pipe escaped
+
+
+def test_recommendations_say_what_to_use_and_whether_calibrated(tmp_path, monkeypatch):
+    from attnkit.bench.report import calibration_status, recommendation, recommendations
+
+    good = {"n": 300, "mask": "window", "dtype": "bfloat16", "passes": "train", "best": "native",
+            "auto_chose": "native", "auto_over_best": 1.0}
+    slow = dict(good, best="sliding_window", auto_over_best=1.7)
+    assert "use backend='auto'" in recommendation(good) and "window n=300 bfloat16 train" in recommendation(good)
+    line = recommendation(slow)
+    assert "backend='sliding_window'" in line and "1.70x" in line and "--calibrate" in line
+    assert "not calibrated" in calibration_status()
+    text = recommendations({"auto_verification": [good, slow], "results": []})
+    assert len(text.splitlines()) == 3
+    monkeypatch.setenv("ATTNKIT_CALIBRATION", str(tmp_path / "cal.json"))
+    key = calibration.entry_key("cpu", "float32", "none", "forward", heads=2, head_dim=8)
+    calibration.save({"entries": {key: [{"n": 8, "order": ["sdpa"], "times": {"sdpa": 1e-4}}]}})
+    assert "is calibrated" in calibration_status() and str(tmp_path) in calibration_status()
+
+
+def test_calibrate_estimate_is_said_before_it_starts():
+    from attnkit.cli.bench import estimate_line
+
+    config = BenchConfig(backends=["naive", "sdpa"], lengths=[16, 32, 64], masks=["none"], dtypes=["float32"],
+                         passes=["forward"], min_run_time=0.5, time_budget_s=1.0)
+    line = estimate_line(config)
+    assert "6 cases" in line and "min" in line and "progress" in line

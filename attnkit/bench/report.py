@@ -162,6 +162,34 @@ def auto_table(results: dict, markdown: bool = False) -> str:
     return format_table(rows, ["dtype", "pass", "mask", "n", "best", "auto chose", "auto/best"], markdown, right=frozenset({3, 6}))
 
 
+#: auto within this factor of the best measured backend counts as "use auto".
+AUTO_GOOD_ENOUGH = 1.05
+
+
+def recommendation(row: dict) -> str:
+    """One line per (mask, length, dtype, pass) of :func:`auto_ratios`: what to use."""
+    where = f"{row['mask']} n={row['n']} {row['dtype']} {row['passes']}"
+    if row["auto_over_best"] <= AUTO_GOOD_ENOUGH or row["auto_chose"] == row["best"]:
+        return f"{where}: use backend='auto' (it picks {row['auto_chose']}, within {AUTO_GOOD_ENOUGH:.2f}x of the best)"
+    return (f"{where}: backend='{row['best']}' was {row['auto_over_best']:.2f}x faster than auto's "
+            f"{row['auto_chose']}; calibrate (`python -m attnkit bench --calibrate`) or name it")
+
+
+def calibration_status() -> str:
+    """Whether ``auto`` on this machine follows a measured table, in one line."""
+    from .. import calibration
+
+    data = calibration.load()
+    if data is None:
+        return (f"this machine is not calibrated ({calibration.calibration_path()}): auto follows its cost model; "
+                "`python -m attnkit bench --calibrate` measures it")
+    return f"this machine is calibrated: {calibration.calibration_path()} ({len(data['entries'])} entries)"
+
+
+def recommendations(results: dict) -> str:
+    return "\n".join([calibration_status(), *(recommendation(r) for r in auto_ratios(results))])
+
+
 def write_json(results: dict, path: Path) -> Path:
     path.write_text(json.dumps(results, indent=1, default=str))
     return path
@@ -195,6 +223,10 @@ def write_markdown(results: dict, out_dir: Path, plots: list[Path], claims: str 
         "## auto vs the best backend",
         "",
         auto_table(results, markdown=True) if auto_ratios(results) else "(auto was not measured in this run)",
+        "",
+        "## What to use",
+        "",
+        *(f"* {line}" for line in recommendations(results).split("\n")),
         "",
     ]
     if plots:

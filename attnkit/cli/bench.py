@@ -32,6 +32,7 @@ from ..bench.report import (
     command_line,
     crossover_table,
     crossovers,
+    recommendations,
     skip_hint,
     terminal_table,
     write_json,
@@ -116,6 +117,18 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
+def estimate_line(config: BenchConfig) -> str:
+    """How long a sweep takes at most, said before it starts: each case is timed for at least
+    ``min_run_time`` after a warm-up call, and none runs past the time budget per call."""
+    backends = len(config.backends or list_backends()) + (config.backends is None)
+    cases = backends * len(config.lengths) * len(config.masks) * len(config.dtypes) * len(config.passes)
+    low = cases * config.min_run_time
+    high = cases * (config.min_run_time + 2 * config.time_budget_s)
+    return (f"calibrate: {cases} cases; estimated {low / 60:.0f}-{high / 60:.0f} min (each timed >= "
+            f"{config.min_run_time:g} s, cases predicted over {config.time_budget_s:g} s per call skipped); "
+            "progress below")
+
+
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if not args.no_plots and missing_extra():
@@ -124,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out}: exists and is not a directory; "
                          "name a directory (it is created if missing)")
     command = command_line(f"{getattr(args, '_prog', 'attnkit')} bench", getattr(args, "_argv", None) or [])
+    if args.calibrate:
+        print(estimate_line(config), file=sys.stderr)
     results = run_sweep(config, progress=_progress(args.no_progress))  # checks the backend names first
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -143,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
     if any(r["backend"] == "auto" for r in results["results"]) or args.calibrate:
         print()
         print(auto_table(results))
+        print()
+        print(recommendations(results))
     claims_md = None
     if not args.no_claims:
         results["claims"] = {
