@@ -43,8 +43,14 @@ from ..registry import list_backends
 from .options import device, int_list, name_list
 
 # A calibration needs more points than the quick default sweep: the lengths where crossovers happen.
-CALIBRATE_LENGTHS = [256, 512, 1024, 2048, 4096]
-CALIBRATE_DTYPES = ["float32", "bfloat16"]
+CALIBRATE_LENGTHS = [256, 512, 1024, 2048, 4096, 8192]
+
+
+def calibrate_dtypes() -> list[str]:
+    """float32, and bfloat16 where this CPU multiplies it at least as fast (measured)."""
+    from ..hardware import half_matmul_is_fast
+
+    return ["float32", "bfloat16"] if half_matmul_is_fast(torch.bfloat16) else ["float32"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--masks", type=name_list(MASK_SPECS), default=d.masks,
                         help=f"some of {','.join(MASK_SPECS)} (default {','.join(d.masks)})")
     parser.add_argument("--dtypes", type=name_list(DTYPES), default=None,
-                        help="default float32 (with --calibrate float32,bfloat16); float16 on CPU is ~100x slower")
+                        help="default float32 (with --calibrate also bfloat16 where this CPU has fast bfloat16 "
+                             "matmuls); float16 on CPU is often ~100x slower")
     parser.add_argument("--passes", type=name_list(PASSES), default=d.passes,
                         help="forward and/or train (forward+backward); default both")
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
@@ -102,7 +109,7 @@ def _progress(disabled: bool):
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The sweep the flags describe; every value is checked here (``ValueError`` naming the flag)."""
     lengths = args.lengths or (CALIBRATE_LENGTHS if args.calibrate else BenchConfig().lengths)
-    dtypes = args.dtypes or (CALIBRATE_DTYPES if args.calibrate else ["float32"])
+    dtypes = args.dtypes or (calibrate_dtypes() if args.calibrate else ["float32"])
     registry = list_backends()
     backends = args.backends
     if backends is None and args.calibrate:
