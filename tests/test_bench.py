@@ -274,7 +274,8 @@ def test_skipped_reasons_are_never_cut_and_hint_names_the_flag():
     rows += [{**_row(n=4096 * i), "status": "skipped", "reason": "predicted 3 s per call > budget 0.25 s",
               "group": "predicted time over budget", "predicted_s": 3.0} for i in (2, 3, 4)]
     results = {"results": rows, "config": {"time_budget_s": 0.25, "memory_budget_bytes": 4 * 2**30}}
-    assert reason in terminal_table(results, group_skips=True)
+    table = terminal_table(results, group_skips=True)  # wrapped to the terminal, never cut
+    assert reason.replace(" ", "") in "".join(table.split())
     hint = skip_hint(results)
     assert hint and "4 of 5 cases were skipped" in hint and "--time-budget 3" in hint
     assert skip_hint({**results, "results": rows[:1]}) is None  # nothing skipped: no hint
@@ -352,3 +353,14 @@ def test_calibrate_estimate_is_said_before_it_starts():
                          passes=["forward"], min_run_time=0.5, time_budget_s=1.0)
     line = estimate_line(config)
     assert "6 cases" in line and "min" in line and "progress" in line
+
+
+def test_plain_tables_wrap_to_the_width():
+    from attnkit.bench.report import format_table
+
+    rows = [["sliding_window", "a reason that is far too long to fit on one narrow terminal line at all", "1.23"]]
+    text = format_table(rows, ["backend", "why", "ms"], right=frozenset({2}), width=50)
+    assert max(len(line) for line in text.splitlines()) <= 50
+    assert len(text.splitlines()) > 3 and "1.23" in text and "terminal" in text
+    wide = format_table(rows, ["backend", "why", "ms"], right=frozenset({2}), width=500)
+    assert len(wide.splitlines()) == 3
