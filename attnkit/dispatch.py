@@ -404,6 +404,16 @@ def _tuned_description(inp: AttentionInputs) -> str:
     return f"autotuned on this machine (first call of this shape class, forward): {figures}"
 
 
+def _estimates(inp: AttentionInputs, runnable: list[str]) -> str:
+    """The cost model's figures for the leading runnable backends (for ``explain``)."""
+    if torch.compiler.is_compiling() and not calibration.constants_loaded():
+        return ""
+    constants = calibration.machine_constants()
+    figures = [(n, estimated_seconds(n, inp, constants)) for n in runnable[:AUTOTUNE_CANDIDATES]]
+    figures = [f"{n} {t * 1e3:.3g} ms" for n, t in figures if t is not None]
+    return f"; estimated from the probed constants: {', '.join(figures)}" if figures else ""
+
+
 def _describe(inp: AttentionInputs) -> str:
     mask = "no mask" if inp.mask is None else repr(inp.mask)
     return (
@@ -468,6 +478,8 @@ def explain(q, k, v, *, backend: str = "auto", **kwargs) -> Explanation:
     order = order + [name for name in known if name not in order]
     chosen = next((name for name in (names if named else priority(inp)) if not reasons[name]), None)
     measured = "" if named else calibration.describe(inp)
+    if not named and calibration.preferred(inp) is None:
+        measured += _estimates(inp, [n for n in order if not reasons[n]])
     if not named and _AUTOTUNE[0] and inp.dropout_p == 0:
         tuned = _tuned_description(inp)
         if tuned:

@@ -229,6 +229,8 @@ def test_close_estimates_keep_the_built_in_order(monkeypatch):
     _with_constants(monkeypatch, _faster("decode", 2.0))  # beyond it: the measurement wins
     order = priority(inp)
     assert order.index("decode") < order.index("sdpa")
+    x = torch.randn(2, 5, 97, 24)
+    assert "estimated from the probed constants: " in attnkit.explain(x, x, x).measured
 
 
 def test_kept_fraction_reads_the_mask_structure():
