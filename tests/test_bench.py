@@ -364,3 +364,14 @@ def test_plain_tables_wrap_to_the_width():
     assert len(text.splitlines()) > 3 and "1.23" in text and "terminal" in text
     wide = format_table(rows, ["backend", "why", "ms"], right=frozenset({2}), width=500)
     assert len(wide.splitlines()) == 3
+
+
+def test_auto_vs_best_plot_has_one_panel_per_pass(tmp_path):
+    pytest.importorskip("matplotlib")
+    from attnkit.bench.plots import _auto_over_best
+
+    rows = [{"n": n, "mask": m, "dtype": d, "passes": p, "best": "sdpa", "auto_chose": "sdpa", "auto_over_best": 1.0 + n / 1e4}
+            for n in (256, 1024) for m in ("causal", "window") for d in ("float32", "bfloat16") for p in ("forward", "train")]
+    path = _auto_over_best({"auto_verification": rows, "results": []}, tmp_path / "auto.png")
+    assert path is not None and path.stat().st_size > 1000
+    assert _auto_over_best({"results": []}, tmp_path / "none.png") is None
