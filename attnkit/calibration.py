@@ -32,6 +32,7 @@ import bisect
 import json
 import math
 import os
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -256,6 +257,7 @@ def describe(inp: AttentionInputs) -> str:
 CONSTANTS_VERSION = 1
 _CONSTANTS: list = [None]
 _GENERATION = [0]
+_PROBE_LOCK = threading.Lock()
 
 
 def constants_path() -> Path:
@@ -271,7 +273,9 @@ def machine_constants() -> dict:
     (written atomically; an unreadable or corrupt file is probed again and replaced, an unwritable
     directory only costs the probe in each process)."""
     if _CONSTANTS[0] is None:
-        _CONSTANTS[0] = _load_or_probe()
+        with _PROBE_LOCK:  # threads starting together probe once
+            if _CONSTANTS[0] is None:
+                _CONSTANTS[0] = _load_or_probe()
     return _CONSTANTS[0]
 
 
