@@ -19,7 +19,7 @@ Tour::
 """
 
 from .approximation import approximation_error
-from .dispatch import NoBackendError, explain, use_backend
+from .dispatch import NoBackendError, autotune, explain, use_backend
 from .functional import attention, attention_weights
 from .varlen import varlen_attention
 from .inputs import AttentionInputs
@@ -58,6 +58,7 @@ __all__ = [
     "attention_weights",
     "explain",
     "use_backend",
+    "autotune",
     "NoBackendError",
     "AttentionInputs",
     "KVHandle",

@@ -1,16 +1,26 @@
-"""The per-machine table of measured crossovers that ``auto`` dispatch reads.
+"""The per-machine measurements that ``auto`` dispatch reads: the probed machine constants and the
+table of measured rankings.
 
-``python -m attnkit bench --calibrate`` times every exact backend per (device, dtype, mask kind,
-pass) over a range of lengths and stores, for each measured length, the backends ranked by median
-time. :func:`attnkit.dispatch.priority` asks :func:`preferred` for that ranking; without a table the
-built-in rules apply. The file lives at ``$ATTNKIT_CALIBRATION`` if set, else
-``$XDG_CACHE_HOME/attnkit/calibration.json`` (``~/.cache/attnkit/calibration.json``).
+**Machine constants** (:func:`machine_constants`): GEMM rate per dtype, memory bandwidth, the cost
+of one PyTorch op and each backend's per-call overhead, probed once on first use (well under a
+second) and cached in ``machine.json`` beside the table, per machine and torch version. The cost
+model in :mod:`attnkit.dispatch` reads them; nothing there is a figure from one machine.
+
+**The table** (``python -m attnkit bench``, or ``--calibrate``): every exact backend timed per
+(device, dtype, mask kind, pass, heads, head dim) over a range of lengths; for each measured length,
+the backends ranked by median time. A ranking is stored only where the difference is beyond the
+measured noise; where two backends are within noise the point says so and the cost model decides.
+:func:`attnkit.dispatch.priority` asks :func:`preferred` for that ranking. The file lives at
+``$ATTNKIT_CALIBRATION`` if set, else ``$XDG_CACHE_HOME/attnkit/calibration.json``
+(``~/.cache/attnkit/calibration.json``). A table measured on another machine or torch version is
+ignored with one warning; a corrupt one is refused, and no call ever fails because of it.
 
 File format (JSON)::
 
-    {"version": 1, "machine": {...}, "command": "...",
-     "entries": {"cpu|float32|SlidingWindow|forward":
-                   [{"n": 1024, "order": ["sdpa", "tiled", "naive"], "times": {"sdpa": 0.0012, ...}}, ...]}}
+    {"version": 2, "machine_id": {"cpu": ..., "capability": ..., "threads": ..., "torch": ...},
+     "command": "...",
+     "entries": {"cpu|float32|SlidingWindow|forward|H8|D64":
+                   [{"n": 1024, "order": ["native", "sdpa"], "times": {"native": 0.0012, ...}}, ...]}}
 
 A lookup takes the measured length nearest to the input's ``n = sqrt(Tq * Tk)`` on a log scale
 (so a one-token decode step over 4096 keys counts as n = 64: its work is Tq * Tk).
@@ -22,15 +32,21 @@ import bisect
 import json
 import math
 import os
+import threading
+import time
 import warnings
 from pathlib import Path
 
+import torch
+
+from . import hardware
 from .inputs import AttentionInputs
 from .masks import Mask
 
-__all__ = ["calibration_path", "load", "reload", "save", "preferred", "describe", "entry_key", "mask_kind"]
+__all__ = ["calibration_path", "load", "reload", "save", "preferred", "describe", "entry_key", "mask_kind",
+           "machine_constants", "constants_path", "generation"]
 
-VERSION = 1
+VERSION = 2
 
 # key -> (boundaries, points): points sorted by n; boundaries[i] = geometric midpoint between
 # points[i] and points[i + 1], so bisect_right(boundaries, n) is the nearest point on a log scale.
@@ -54,9 +70,11 @@ def mask_kind(mask: Mask | None) -> str:
     return "none" if mask is None else mask.structure_key()
 
 
-def entry_key(device: str, dtype: str, kind: str, passes: str) -> str:
-    """``"cpu|float32|Causal|forward"``; ``passes`` is ``"forward"`` or ``"train"`` (forward+backward)."""
-    return f"{device}|{dtype}|{kind}|{passes}"
+def entry_key(device: str, dtype: str, kind: str, passes: str, *, heads: int, head_dim: int) -> str:
+    """``"cpu|float32|Causal|forward|H8|D64"``; ``passes`` is ``"forward"`` or ``"train"``
+    (forward+backward). Heads and head dim are part of the key: a ranking measured at 4 heads says
+    nothing certain about 8."""
+    return f"{device}|{dtype}|{kind}|{passes}|H{heads}|D{head_dim}"
 
 
 def load() -> dict | None:
@@ -65,7 +83,8 @@ def load() -> dict | None:
     A file that cannot be used as it is (unreadable, not JSON, another version, or any entry that
     is not a non-empty list of ``{"n": positive number, "order": [names], "times": {name: seconds}}``)
     is ignored as a whole with one ``RuntimeWarning`` naming the file and the fix: ``attention()``
-    then uses the built-in rules, it never fails because of this file."""
+    then uses the built-in rules, it never fails because of this file. So is a table measured on
+    another machine or torch version (one line saying which)."""
     path = calibration_path()
     try:
         text = path.read_text()
@@ -78,7 +97,14 @@ def load() -> dict | None:
     except ValueError as exc:
         return _ignored(path, f"not valid JSON ({exc})")
     problem = _problem(data)
-    return _ignored(path, problem) if problem else data
+    if problem:
+        return _ignored(path, problem)
+    here = hardware.machine_id()
+    if data.get("machine_id") != here:
+        theirs = data.get("machine_id") or {}
+        diff = ", ".join(f"{k} {theirs.get(k)!r} here {v!r}" for k, v in here.items() if theirs.get(k) != v)
+        return _ignored(path, f"measured on another machine or torch version ({diff})")
+    return data
 
 
 def _ignored(path: Path, problem: str) -> None:
@@ -102,8 +128,8 @@ def _problem(data) -> str | None:
     if not isinstance(entries, dict):
         return "'entries' is missing or not an object"
     for key, points in entries.items():
-        if not isinstance(key, str) or len(key.split("|")) < 4:
-            return f"entry key {key!r} is not 'device|dtype|mask kind|pass'"
+        if not isinstance(key, str) or len(key.split("|")) != 6:
+            return f"entry key {key!r} is not 'device|dtype|mask kind|pass|H<heads>|D<head dim>'"
         if not isinstance(points, list) or not points:
             return f"entry {key!r} has no points"
         for p in points:
@@ -133,9 +159,19 @@ def _table() -> _Table | None:
     return _CACHE[0]
 
 
-def reload() -> None:
-    """Forget the loaded table (after writing a new calibration, or in tests)."""
+def reload(*, constants: bool = False) -> None:
+    """Forget the loaded table (after writing a new calibration, or in tests), and with
+    ``constants=True`` the machine constants too (read again, or probed, on next use)."""
     _CACHE[0] = _UNLOADED
+    if constants:
+        _CONSTANTS[0] = None
+    _GENERATION[0] += 1
+
+
+def generation() -> int:
+    """A counter that changes whenever the table or constants are reloaded (a key for caches of
+    decisions taken from them)."""
+    return _GENERATION[0]
 
 
 def save(data: dict) -> Path:
@@ -144,17 +180,21 @@ def save(data: dict) -> Path:
     Written atomically (a temporary file beside it, then ``os.replace``): a crash mid-write leaves the
     previous file, never half of one; a symbolic link at the path is replaced, not written through.
     A table that :func:`load` would ignore is refused with a ``ValueError``."""
-    data = {"version": VERSION, **data}
+    data = {"version": VERSION, "machine_id": hardware.machine_id(), **data}
     problem = _problem(data)
     if problem:
         raise ValueError(f"calibration: not saving an unusable table: {problem}.")
-    from .train.files import atomic_write_text  # only `bench --calibrate` writes: not on the import path
-
     path = calibration_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(data, indent=1))
+    _write(path, json.dumps(data, indent=1))
     reload()
     return path
+
+
+def _write(path: Path, text: str) -> None:
+    from .train.files import atomic_write_text  # only writers need it: not on the import path
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, text)
 
 
 _DTYPE_NAMES: dict = {}
@@ -167,7 +207,8 @@ def _point(inp: AttentionInputs) -> tuple[str, dict] | None:
     dtype = _DTYPE_NAMES.get(inp.dtype)
     if dtype is None:
         dtype = _DTYPE_NAMES.setdefault(inp.dtype, str(inp.dtype).removeprefix("torch."))
-    key = entry_key(inp.device.type, dtype, mask_kind(inp.mask), "train" if inp.requires_grad else "forward")
+    key = entry_key(inp.device.type, dtype, mask_kind(inp.mask), "train" if inp.requires_grad else "forward",
+                    heads=inp.Hq, head_dim=inp.D)
     entry = table.get(key)
     if entry is None:
         return None
@@ -177,9 +218,13 @@ def _point(inp: AttentionInputs) -> tuple[str, dict] | None:
 
 def preferred(inp: AttentionInputs) -> tuple[str, ...] | None:
     """The measured ranking of exact backends for this input, fastest first; None without a table
-    entry for its device, dtype, mask kind and pass. Pure Python on shapes and types: no tensor reads."""
+    entry for its device, dtype, mask kind, pass, heads and head dim, or where the measured leaders
+    were within noise of each other (``"tie"`` in the point: the cost model decides between them).
+    Pure Python on shapes and types: no tensor reads."""
     found = _point(inp)
-    return None if found is None else tuple(found[1]["order"])
+    if found is None or found[1].get("tie"):
+        return None
+    return tuple(found[1]["order"])
 
 
 def describe(inp: AttentionInputs) -> str:
@@ -188,16 +233,138 @@ def describe(inp: AttentionInputs) -> str:
     if found is None:
         where = calibration_path()
         if _table() is None:
-            return f"no calibration on this machine ({where}): built-in defaults apply; run `python -m attnkit bench --calibrate`"
-        return "calibration has no entry for this device/dtype/mask kind/pass: built-in defaults apply"
+            return (f"no calibration on this machine ({where}): the cost model from probed machine constants "
+                    "decides; run `python -m attnkit bench --calibrate` to measure")
+        return "calibration has no entry for this device/dtype/mask kind/pass/heads/head dim: the cost model decides"
     key, point = found
-    device, dtype, kind, passes = key.split("|")
+    device, dtype, kind, passes, heads, dim = key.split("|")
     order, times = point["order"], point["times"]
+    if point.get("tie"):
+        return (f"measured on this machine: {' and '.join(order[:2])} within noise of each other at n={point['n']} "
+                f"for {kind} {dtype} {passes}: the cost model decides")
     if len(order) < 2:
         return f"measured on this machine: only {order[0]} ran at n={point['n']} for {kind} {dtype} {passes}"
     best, second = order[0], order[1]
     return (
         f"measured on this machine: {best} {times[second] / times[best]:.2f}x faster than {second} at "
-        f"n={point['n']} for {kind} {dtype} {passes} on {device} ({best} {times[best] * 1e3:.3g} ms, "
+        f"n={point['n']} for {kind} {dtype} {passes} {heads} {dim} on {device} ({best} {times[best] * 1e3:.3g} ms, "
         f"{second} {times[second] * 1e3:.3g} ms)"
     )
+
+
+# -- probed machine constants ---------------------------------------------------------------------
+
+CONSTANTS_VERSION = 1
+_CONSTANTS: list = [None]
+_GENERATION = [0]
+_PROBE_LOCK = threading.Lock()
+
+
+def constants_path() -> Path:
+    """Where the probed constants are cached: ``machine.json`` beside the calibration table."""
+    return calibration_path().with_name("machine.json")
+
+
+def machine_constants() -> dict:
+    """This machine's constants for the cost model (see :func:`attnkit.hardware.probe_rates`) plus
+    ``backend_seconds``: each exact backend's time for a tiny call (its per-call overhead).
+
+    Probed once on first use and cached per machine and torch version in :func:`constants_path`
+    (written atomically; an unreadable or corrupt file is probed again and replaced, an unwritable
+    directory only costs the probe in each process)."""
+    if _CONSTANTS[0] is None:
+        with _PROBE_LOCK:  # threads starting together probe once
+            if _CONSTANTS[0] is None:
+                _CONSTANTS[0] = _load_or_probe()
+    return _CONSTANTS[0]
+
+
+def constants_loaded() -> bool:
+    """True once :func:`machine_constants` has its answer in this process (no probe will run)."""
+    return _CONSTANTS[0] is not None
+
+
+def _load_or_probe() -> dict:
+    fingerprint = json.dumps(hardware.machine_id(), sort_keys=True)
+    path = constants_path()
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("version") == CONSTANTS_VERSION and cached.get("machine") == fingerprint:
+            constants = cached["constants"]
+            if _constants_problem(constants) is None:
+                return constants
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        pass
+    constants = probe_constants()
+    try:
+        _write(path, json.dumps({"version": CONSTANTS_VERSION, "machine": fingerprint, "constants": constants}))
+    except OSError:
+        pass
+    return constants
+
+
+def _constants_problem(c) -> str | None:
+    try:
+        numbers = [*c["gemm_gflops"].values(), c["tile_gflops"], c["bandwidth_gbs"], c["op_seconds"],
+                   *c["backend_seconds"].values(), *(t for r in c["reference_seconds"].values() for t in r.values())]
+    except (TypeError, KeyError, AttributeError):
+        return "missing fields"
+    return None if all(_positive_number(x) for x in numbers) else "a constant is not a positive number"
+
+
+#: Queries per call up to which an input counts as decoding (its time is reading K/V, not GEMMs).
+DECODE_QUERIES = 16
+
+
+def reference_problems() -> dict:
+    """The probe's reference problem per mask class, ``class -> ((B, H, Tq, Tk, D), mask)``; each
+    backend's time on it, less its per-call overhead, gives its achieved rate on this machine.
+    ``"causal"`` also stands for no mask; ``"band"`` for every mask that needs evaluating (windows,
+    padding, documents); ``"layout"`` for a BlockSparse layout; ``"decode"`` for a few queries over
+    a cache (at most :data:`DECODE_QUERIES`)."""
+    from .masks import BlockSparse, Causal, SlidingWindow
+
+    T = 256
+    square = (1, 2, T, T, 64)
+    return {"causal": (square, Causal()), "band": (square, Causal() & SlidingWindow(T // 4, 0)),
+            "layout": (square, BlockSparse.bigbird(T // 32, 32, window=1, global_blocks=1, random_blocks=0)),
+            "decode": ((1, 8, 1, 512, 64), Causal())}
+
+
+def probe_constants() -> dict:
+    """Measure the constants now (well under a second): the machine's rates, then each exact,
+    available backend on a tiny input (``backend_seconds``: its per-call overhead) and on the
+    reference problem of each mask class it can run (``reference_seconds[backend][class]``)."""
+    from .masks import BlockSparse, Causal, SlidingWindow
+    from .registry import list_backends
+
+    constants = hardware.probe_rates()
+    tiny = torch.randn(1, 1, 32, 16)
+    tiny_masks = [None, Causal() & SlidingWindow(8, 0), BlockSparse.bigbird(2, 16, window=1, global_blocks=1,
+                                                                             random_blocks=0)]
+    problems = {cls: (_random(shape), mask) for cls, (shape, mask) in reference_problems().items()}
+    overhead, reference = {}, {}
+    with torch.no_grad():
+        for name, impl in list_backends().items():
+            if not impl.exact or getattr(impl, "compiles", False):
+                continue
+            try:
+                inp = next((i for m in tiny_masks if impl.can_run(i := AttentionInputs.create(tiny, tiny, tiny, mask=m))),
+                           None)
+                if inp is None:
+                    continue
+                overhead[name] = hardware.best_seconds(lambda: impl.forward(inp, None), 5)
+                for cls, ((q, k), mask) in problems.items():
+                    inp = AttentionInputs.create(q, k, k, mask=mask)
+                    if impl.can_run(inp):
+                        reference.setdefault(name, {})[cls] = hardware.best_seconds(lambda: impl.forward(inp, None), 3)
+            except Exception:  # a backend that fails here is not ranked by cost; its reasons decide
+                continue
+    constants["backend_seconds"] = overhead
+    constants["reference_seconds"] = reference
+    return constants
+
+
+def _random(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, Tq, Tk, D = shape
+    return torch.randn(B, H, Tq, D), torch.randn(B, H, Tk, D)

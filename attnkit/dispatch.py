@@ -13,70 +13,264 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import threading
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
+
+import torch
 
 from . import calibration
 from .inputs import AttentionInputs
 from .registry import Backend, get_backend, list_backends, registered_names
 
-__all__ = ["NoBackendError", "select", "resolve", "explain", "use_backend", "priority", "Explanation"]
+__all__ = ["NoBackendError", "select", "resolve", "explain", "use_backend", "priority", "Explanation", "Work", "WORK",
+           "estimated_seconds", "kept_fraction", "autotune"]
 
 _SCOPED: ContextVar[tuple[str, ...] | None] = ContextVar("attnkit_backend", default=None)
 
 # Above this many materialized mask elements per call (B*H*Tq*Tk), a backend that builds the
-# whole (Tq, Tk) mask costs more memory than a tiled one: 2**26 bool elements = 64 MiB.
-# A measured calibration table (attnkit.calibration) takes precedence over these defaults.
+# whole (Tq, Tk) mask costs more memory than one that reads the mask's structure: 2**26 bool
+# elements = 64 MiB. A memory bound, not a speed crossover: such backends go last.
 MATERIALIZE_LIMIT = 2**26
-# Structured backends (tried in this order) and the score count per head (Tq * Tk) from which
-# they beat SDPA's materialized-mask path when no calibration exists. Measured forward, fp32 and
-# bf16, B=1, H=4, D=64 (window 256, BigBird blocks of 64) by `attnkit bench` on a 2-core CPU:
-# sliding_window wins from n = 2048, block_sparse from n = 4096 (docs/bench/report.md).
-STRUCTURED_MIN_SCORES = {"sliding_window": 2048**2, "block_sparse": 4096**2}
-# The fused C++ kernel (backends/native.py, when built) skips masked tiles without materializing
-# anything: measured faster than SDPA with a materialized mask from n = 512, forward and training
-# (Causal&KeyPadding, SlidingWindow(256); B=1, H=8, D=64, 2-core CPU). Tried after the structured
-# backends (not yet measured against them) and before SDPA and tiled.
-NATIVE_MIN_SCORES = 512**2
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a backend computes and how: its structure, not its speed on any machine.
+
+    ``skips``: which (query, key) pairs it never computes: ``"nothing"``; ``"tiles"``: the
+    ``tile``-sized tiles the mask leaves empty (``tile=(1, 1)``: every masked pair); ``"layout"``:
+    the blocks outside a BlockSparse layout. ``half``: float16/bfloat16 inputs run half-precision
+    GEMMs (``"always"``, ``"when_fast"``) or are upcast to float32 (``"never"``). ``materializes``:
+    builds the whole (B, Hq, Tq, Tk) mask whenever there is a mask (SDPA says itself when it does,
+    through ``dense_mask_elements``). ``loop_ops``: PyTorch ops a Python loop issues per tile
+    (0: one fused kernel, or ops over whole tensors)."""
+
+    skips: str
+    tile: tuple[int, int] = (1, 1)
+    half: str = "never"
+    materializes: bool = False
+    loop_ops: int = 0
+
+
+#: The built-in order, from what each backend skips and fuses: PyTorch's fused SDPA kernels and the
+#: fused C++ kernel first, then the backends that loop PyTorch ops over the same tiles (band,
+#: layout, any mask), then the ones that materialize everything. The cost model reorders it from
+#: measured machine constants; ties keep this order.
+WORK = {
+    "sdpa": Work("tiles", (1, 1), half="always"),  # is_causal skips the upper triangle; a dense mask skips nothing
+    "native": Work("tiles", (128, 256)),
+    "sliding_window": Work("tiles", (64, 64)),
+    "block_sparse": Work("layout"),
+    "tiled": Work("tiles", (256, 512), half="when_fast", loop_ops=12),
+    "decode": Work("nothing", half="always", materializes=True),
+    "naive": Work("nothing", half="always", materializes=True),
+}
+BUILTIN_ORDER = tuple(WORK)
+#: Bytes moved per materialized mask element: the bool mask written and read, then the float bias
+#: made from it written and read by the kernel.
+_MASK_BYTES = 1 + 1 + 4 + 4
+#: How much faster the cost model must estimate a backend before it passes one earlier in
+#: :data:`BUILTIN_ORDER` (its estimates are within this factor of measurements; closer calls are
+#: left to the built-in order, autotuning and calibration).
+MODEL_MARGIN = 1.3
+_TRAIN_FLOPS = 3.0  # forward + backward (the backward recomputes the scores and runs two more products)
 
 
 class NoBackendError(ValueError):
     """No backend can run the input; the message lists every backend with its reasons."""
 
 
+def kept_fraction(inp: AttentionInputs, tile: tuple[int, int]) -> float:
+    """The fraction of ``tile``-sized (query, key) tiles that hold a kept pair, from the mask's
+    structure: its band bounds (``Causal``, ``SlidingWindow``) and its BlockSparse layout. Other
+    masks (padding, documents, dense) count as keeping everything (a safe over-estimate)."""
+    mask = inp.mask
+    if mask is None:
+        return 1.0
+    Tq, Tk, qo, ko = inp.Tq, inp.Tk, inp.q_offset, inp.kv_offset
+    layout = mask.block_layout()
+    if layout is not None and not torch.compiler.is_compiling():
+        fraction = layout.density(Tq, Tk, q_offset=qo, kv_offset=ko, rows=min(Tq, 64))
+    else:
+        fraction = 1.0
+    band = mask.band()
+    if band.left is None and band.right is None:
+        return fraction
+    bq, bk = tile
+    nq, nk = -(-Tq // bq), -(-Tk // bk)
+    step = max(1, nq // 64)  # sample at most 64 query tiles: O(1) at any length
+    kept = total = 0
+    for i in range(0, nq, step):
+        lo, hi = qo + i * bq, qo + min(Tq, (i + 1) * bq) - 1  # positions of the tile's first and last query
+        first = ko if band.left is None else max(ko, lo - band.left)
+        last = ko + Tk - 1 if band.right is None else min(ko + Tk - 1, hi + band.right)
+        kept += 0 if last < first else (last - ko) // bk - (first - ko) // bk + 1
+        total += nk
+    return min(fraction, kept / total) if total else 0.0
+
+
+def _mask_class(inp: AttentionInputs) -> str:
+    if inp.Tq <= calibration.DECODE_QUERIES:
+        return "decode"
+    mask = inp.mask
+    if mask is None or mask.is_causal():
+        return "causal"
+    return "layout" if mask.block_layout() is not None else "band"
+
+
+def _work_terms(name: str, impl: type[Backend], inp: AttentionInputs) -> tuple[float, float, float]:
+    """(GEMM FLOPs, materialized mask elements, loop ops) of one forward call of ``impl`` on ``inp``."""
+    work = WORK[name]
+    materialized = impl.dense_mask_elements(inp)
+    if work.materializes and inp.mask is not None:
+        materialized = max(materialized, inp.B * inp.Hq * inp.Tq * inp.Tk)
+    if work.skips == "nothing" or materialized:
+        fraction = 1.0
+    elif work.skips == "layout":
+        layout = None if inp.mask is None else inp.mask.block_layout()
+        fraction = kept_fraction(inp, (layout.block_size,) * 2) if layout is not None else 1.0
+    else:
+        fraction = kept_fraction(inp, work.tile)
+    scores = fraction * inp.Tq * inp.Tk * inp.B * inp.Hq
+    tiles = scores / (work.tile[0] * work.tile[1]) if work.loop_ops else 0.0
+    return 2.0 * scores * (inp.D + inp.Dv), float(materialized), tiles * work.loop_ops
+
+
+@functools.lru_cache(maxsize=4)
+def _reference_inputs(generation: int) -> dict[str, AttentionInputs]:
+    inputs = {}
+    for cls, ((B, H, Tq, Tk, D), mask) in calibration.reference_problems().items():
+        q, k = torch.empty(B, H, Tq, D, device="meta"), torch.empty(B, H, Tk, D, device="meta")
+        inputs[cls] = AttentionInputs.create(q, k, k, mask=mask)
+    return inputs
+
+
+def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float | None:
+    """The cost model: seconds ``name`` would take on ``inp`` on this machine, or None when it has
+    no :data:`WORK` entry or no probe.
+
+    ``overhead + flops / rate + mask bytes / bandwidth + loop ops * op cost``, where ``rate`` is the
+    backend's own rate on the probe's reference problem of the same mask class (measured time less
+    the other terms), scaled by the machine's half/float32 GEMM ratio for backends that compute in
+    half precision, and tripled flops for training."""
+    impl = list_backends().get(name)
+    overhead = constants["backend_seconds"].get(name)
+    measured = constants["reference_seconds"].get(name, {})
+    if name not in WORK or impl is None or overhead is None or not measured:
+        return None
+    bandwidth, op = constants["bandwidth_gbs"] * 1e9, constants["op_seconds"]
+    cls = _mask_class(inp)
+    if cls not in measured:  # a class the backend cannot run at the reference: its slowest measured rate
+        cls = max(measured, key=measured.get)
+    ref = _reference_inputs(calibration.generation())[cls]
+    flops_ref, mat_ref, loops_ref = _work_terms(name, impl, ref)
+    compute_ref = max(measured[cls] - overhead - mat_ref * _MASK_BYTES / bandwidth - loops_ref * op,
+                      0.1 * measured[cls])
+    rate = flops_ref / compute_ref
+    work = WORK[name]
+    dtype = str(inp.dtype).removeprefix("torch.")
+    if dtype != "float32" and work.half != "never":
+        gemm = constants["gemm_gflops"]
+        ratio = gemm.get(dtype, gemm["float32"]) / gemm["float32"]
+        rate *= max(ratio, 1.0) if work.half == "when_fast" else ratio
+    flops, materialized, loops = _work_terms(name, impl, inp)
+    passes = _TRAIN_FLOPS if inp.requires_grad else 1.0
+    return overhead + passes * (flops / rate + loops * op) + materialized * _MASK_BYTES / bandwidth
+
+
+def _cost_order(inp: AttentionInputs, registered: tuple[str, ...]) -> tuple[str, ...]:
+    """The built-in order, stably sorted by :func:`estimated_seconds` (unmodelled backends after
+    the modelled ones, in registration order)."""
+    if torch.compiler.is_compiling() and not calibration.constants_loaded():
+        constants = None  # never probe inside a trace: the built-in order
+    else:
+        constants = calibration.machine_constants()
+    modelled = [n for n in BUILTIN_ORDER if n in registered and n != "naive"]
+    if constants is None:
+        return tuple(modelled)
+    known = list_backends()
+    costs = {n: estimated_seconds(n, inp, constants) for n in modelled if known[n].exact}
+    inf = float("inf")
+    order: list[str] = []
+    for name in sorted(modelled, key=lambda n: inf if costs.get(n) is None else costs[n]):
+        # The model's uncertainty: a backend passes one earlier in the built-in order only when
+        # estimated more than MODEL_MARGIN times faster (autotuning and calibration settle the rest).
+        at = len(order)
+        while at > 0 and BUILTIN_ORDER.index(order[at - 1]) > BUILTIN_ORDER.index(name) and (
+                costs.get(name) or inf) <= MODEL_MARGIN * (costs.get(order[at - 1]) or inf):
+            at -= 1
+        order.insert(at, name)
+    return tuple(order)
+
+
+def _memory_guard(order: tuple[str, ...], inp: AttentionInputs) -> tuple[str, ...]:
+    """Backends that would materialize more than MATERIALIZE_LIMIT mask elements go last."""
+    known = list_backends()
+    heavy = set()
+    for name in order:
+        impl = known.get(name)
+        if impl is None:
+            continue
+        elements = impl.dense_mask_elements(inp)
+        if name in WORK and WORK[name].materializes and inp.mask is not None:
+            elements = max(elements, inp.B * inp.Hq * inp.Tq * inp.Tk)
+        if elements > MATERIALIZE_LIMIT:
+            heavy.add(name)
+    return tuple(n for n in order if n not in heavy) + tuple(n for n in order if n in heavy)
+
+
+_PRIORITY_CACHE: dict = {}
+_PRIORITY_CACHE_SIZE = 1024
+_CACHE_STATE: list = [None]  # (calibration generation, registered names) the cache was filled under
+
+
+def _shape_class(inp: AttentionInputs) -> tuple:
+    """Everything :func:`priority` reads. Offsets are in it: which tiles a mask keeps, and whether
+    SDPA needs a mask at all, depend on the exact positions."""
+    return (inp.q.shape, inp.k.shape, inp.v.shape, inp.q.dtype, inp.q.device, inp.mask, inp.q_offset, inp.kv_offset,
+            inp.requires_grad, torch.compiler.is_compiling())
+
+
 def priority(inp: AttentionInputs) -> tuple[str, ...]:
     """The order in which ``auto`` tries backends for this input (the whole policy).
 
-    1. SDPA first: PyTorch's fused kernels are the fastest exact path for dense and causal masks.
-    2. When SDPA would have to materialize the mask (its ``dense_mask_elements`` hint is not 0):
-       a structured sparse mask (a finite band, a BlockSparse layout) over at least
-       STRUCTURED_MIN_SCORES[backend] scores per head goes to the backend that skips its
-       masked-out work (each declines, with a reason, masks it cannot use); from
-       NATIVE_MIN_SCORES the fused C++ kernel ``native`` (when it is built) comes next; and over
-       MATERIALIZE_LIMIT mask elements ``tiled`` comes before SDPA: it evaluates the mask per tile
-       (skipping EMPTY tiles) in O(Tq + Tk) memory.
-    3. ``naive`` last: it runs everything (LSE, bias, dropout), but in O(Tq * Tk) memory.
-    Backends registered later and not named here are tried before ``naive``.
+    1. A measured table (``python -m attnkit bench``, see :mod:`attnkit.calibration`) with an entry
+       for this device, dtype, mask kind, pass, heads and head dim: its ranking at the nearest
+       measured length, where the leaders differ beyond the measured noise.
+    2. Otherwise the built-in order (:data:`WORK`: fused kernels before loops of PyTorch ops over the
+       same tiles) sorted by the cost model (:func:`estimated_seconds`), whose constants are
+       probed on this machine on first use (:func:`attnkit.calibration.machine_constants`).
+    3. Backends that would materialize more than MATERIALIZE_LIMIT mask elements go after the
+       others; backends registered later and not modelled come next; ``naive`` last.
 
-    A measured table (``python -m attnkit bench --calibrate``, see :mod:`attnkit.calibration`)
-    replaces rules 1-2: when it has an entry for this device/dtype/mask kind/pass, its ranking of
-    backends at the nearest measured length comes first (a cached dict + bisect lookup, no tensor reads).
-    """
+    The order is cached per shape class (:func:`_shape_class`): a decode loop pays a dict lookup.
+    Each backend's reasons are still checked on every call."""
+    state = (calibration.generation(), registered_names())
+    if _CACHE_STATE[0] != state:  # a new table, new constants or a new backend: decide afresh
+        _PRIORITY_CACHE.clear()
+        _CACHE_STATE[0] = state
+    key = _shape_class(inp)
+    try:
+        return _PRIORITY_CACHE[key]
+    except TypeError:  # an unhashable mask or score part: decide without the cache
+        return _priority(inp)
+    except KeyError:
+        pass
+    order = _priority(inp)
+    if len(_PRIORITY_CACHE) >= _PRIORITY_CACHE_SIZE:
+        _PRIORITY_CACHE.clear()
+    _PRIORITY_CACHE[key] = order
+    return order
+
+
+def _priority(inp: AttentionInputs) -> tuple[str, ...]:
     registered = registered_names()
     measured = calibration.preferred(inp)
-    if measured is not None:
-        return _order(measured, registered)
-    sdpa = list_backends().get("sdpa")
-    dense = sdpa.dense_mask_elements(inp) if sdpa is not None else 0
-    if not dense:
-        return _order(("sdpa", "tiled"), registered)
-    preferred = ("tiled", "sdpa") if dense > MATERIALIZE_LIMIT else ("sdpa", "tiled")
-    scores = inp.Tq * inp.Tk
-    if scores >= NATIVE_MIN_SCORES:
-        preferred = ("native",) + preferred
-    preferred = tuple(name for name, n in STRUCTURED_MIN_SCORES.items() if scores >= n) + preferred
-    return _order(preferred, registered)
+    preferred = measured if measured is not None else _cost_order(inp, registered)
+    return _order(_memory_guard(tuple(preferred), inp), registered)
 
 
 @functools.lru_cache(maxsize=64)
@@ -129,6 +323,10 @@ def select(inp: AttentionInputs, backend: str = "auto") -> type[Backend]:
         return resolve(inp, backend)[0]
     known = list_backends()
     if backend == "auto" and _SCOPED.get() is None:  # the common case, kept lean: per layer per token
+        if _AUTOTUNE[0] and not torch.compiler.is_compiling():
+            tuned = _autotuned(inp, known)
+            if tuned is not None:
+                return known[tuned]
         for name in priority(inp):
             impl = known[name]
             if impl.exact and impl.can_run(inp):
@@ -139,6 +337,107 @@ def select(inp: AttentionInputs, backend: str = "auto") -> type[Backend]:
         if known[name].can_run(inp):
             return known[name]
     raise NoBackendError(_no_backend_message(inp, names))
+
+
+# -- autotuning (opt-in, as torch.backends.cudnn.benchmark) ---------------------------------------
+
+_AUTOTUNE = [os.environ.get("ATTNKIT_AUTOTUNE", "").strip().lower() in ("1", "true", "yes", "on")]
+_TUNED: dict = {}  # (shape class, candidates) -> (winner, {name: seconds})
+_TUNE_LOCK = threading.Lock()
+#: How many of the leading candidates the first call of a shape class times, and its time bound.
+AUTOTUNE_CANDIDATES = 3
+AUTOTUNE_BUDGET_S = 1.0
+
+
+class autotune:
+    """Turn autotuning on (``attnkit.autotune()``) or off (``attnkit.autotune(False)``) for the
+    process; as a context manager (``with attnkit.autotune():``) it restores the previous setting
+    on exit. ``ATTNKIT_AUTOTUNE=1`` turns it on at import.
+
+    While on, the first ``auto`` call of each shape class (shapes, dtype, mask, offsets, pass,
+    and the backends that can run it) times the :data:`AUTOTUNE_CANDIDATES` leading candidates of
+    :func:`priority` (forward, without gradients, at most about :data:`AUTOTUNE_BUDGET_S` seconds)
+    and remembers the fastest; later calls of the class take it. Thread-safe; never inside
+    ``torch.compile`` tracing; inputs with dropout are not tuned (timing would draw random numbers).
+    ``explain()`` quotes the measured times."""
+
+    def __init__(self, enabled: bool = True):
+        if not isinstance(enabled, bool):
+            raise TypeError(f"autotune: expected True or False, got {enabled!r}. Fix: attnkit.autotune(True).")
+        self._previous = _AUTOTUNE[0]
+        _AUTOTUNE[0] = enabled
+
+    def __enter__(self) -> autotune:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _AUTOTUNE[0] = self._previous
+
+
+def _tune_key(inp: AttentionInputs, known: dict) -> tuple[tuple, list[str]]:
+    candidates = [n for n in priority(inp) if known[n].exact and known[n].can_run(inp)][:AUTOTUNE_CANDIDATES]
+    return (_shape_class(inp), tuple(candidates)), candidates
+
+
+def _autotuned(inp: AttentionInputs, known: dict) -> str | None:
+    """The measured winner for ``inp``'s shape class (timing the candidates on the first call)."""
+    if inp.dropout_p > 0:
+        return None
+    try:
+        key, candidates = _tune_key(inp, known)
+        hash(key)
+    except TypeError:
+        return None
+    if len(candidates) < 2:
+        return None
+    found = _TUNED.get(key)
+    if found is None:
+        with _TUNE_LOCK:
+            found = _TUNED.get(key)
+            if found is None:
+                found = _TUNED[key] = _time_candidates(inp, candidates, known)
+    return found[0]
+
+
+def _time_candidates(inp: AttentionInputs, candidates: list[str], known: dict) -> tuple[str, dict[str, float]]:
+    import time
+
+    deadline = time.perf_counter() + AUTOTUNE_BUDGET_S
+    times: dict[str, float] = {}
+    with torch.no_grad():
+        for name in candidates:
+            runs = []
+            for _ in range(3):  # a warm-up call, then the best of two (fewer when over budget)
+                start = time.perf_counter()
+                known[name].forward(inp, None)
+                runs.append(time.perf_counter() - start)
+                if time.perf_counter() > deadline:
+                    break
+            times[name] = min(runs[1:] or runs)
+            if time.perf_counter() > deadline:
+                break
+    return min(times, key=times.get), times
+
+
+def _tuned_description(inp: AttentionInputs) -> str:
+    try:
+        found = _TUNED.get(_tune_key(inp, list_backends())[0])
+    except TypeError:
+        return ""
+    if found is None:
+        return ""
+    figures = ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in sorted(found[1].items(), key=lambda x: x[1]))
+    return f"autotuned on this machine (first call of this shape class, forward): {figures}"
+
+
+def _estimates(inp: AttentionInputs, runnable: list[str]) -> str:
+    """The cost model's figures for the leading runnable backends (for ``explain``)."""
+    if torch.compiler.is_compiling() and not calibration.constants_loaded():
+        return ""
+    constants = calibration.machine_constants()
+    figures = [(n, estimated_seconds(n, inp, constants)) for n in runnable[:AUTOTUNE_CANDIDATES]]
+    figures = [f"{n} {t * 1e3:.3g} ms" for n, t in figures if t is not None]
+    return f"; estimated from the probed constants: {', '.join(figures)}" if figures else ""
 
 
 def _describe(inp: AttentionInputs) -> str:
@@ -233,8 +532,18 @@ def _explain(inp: AttentionInputs, backend: str, kv: str) -> Explanation:
         reasons[name] = why
     order = order + [name for name in known if name not in order]
     chosen = next((name for name in (names if named else priority(inp)) if not reasons[name]), None)
-    plan = known[chosen].describe(inp) if chosen else ""
     measured = "" if named else calibration.describe(inp)
+    if not named and calibration.preferred(inp) is None:
+        measured += _estimates(inp, [n for n in order if not reasons[n]])
+    if not named and _AUTOTUNE[0] and inp.dropout_p == 0:
+        tuned = _tuned_description(inp)
+        if tuned:
+            try:
+                chosen = _TUNED[_tune_key(inp, known)[0]][0]
+            except (KeyError, TypeError):
+                pass
+            measured = f"{tuned}; {measured}"
+    plan = known[chosen].describe(inp) if chosen else ""
     return Explanation(chosen, reasons, order, _describe(inp), plan, measured, tuple(names) if named else (), kv)
 
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 import time
 
 import torch
 
 from ._compat import assume_constant_result
 
-__all__ = ["half_matmul_is_fast", "matmul_rate"]
+__all__ = ["half_matmul_is_fast", "matmul_rate", "machine_id", "probe_rates", "best_seconds"]
 
 _SIZE = 256  # a 256^3 product: about 3 ms at the slowest rate seen, microseconds at the fastest
 
@@ -48,3 +49,53 @@ def half_matmul_is_fast(dtype: torch.dtype) -> bool:
         raise ValueError(f"ATTNKIT_HALF_MATMUL={forced!r}: expected 'fast', 'slow' or unset (measure).")
     with torch.inference_mode():
         return matmul_rate(dtype) >= matmul_rate(torch.float32)
+
+
+def machine_id() -> dict:
+    """What makes measurements on this machine comparable: CPU model and features, thread count and
+    the torch version (a table or a probe from another machine or torch build does not apply here)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def best_seconds(fn, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` after one warm-up call."""
+    fn()  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def probe_rates() -> dict:
+    """This machine's constants for a cost model, measured in well under a second:
+
+    * ``gemm_gflops[dtype]``: GFLOP/s of a large matrix product (float32, bfloat16, float16);
+    * ``tile_gflops``: GFLOP/s of one 64-cubed float32 product issued as its own op (a PyTorch
+      loop's tile: small-GEMM efficiency and the op's overhead together);
+    * ``bandwidth_gbs``: GB/s of a 32 MiB copy (read + write);
+    * ``op_seconds``: the overhead of one tiny PyTorch op (what a Python loop pays per op)."""
+    with torch.inference_mode():
+        gemm = {"float32": matmul_rate(torch.float32, 256)}
+        for dtype in (torch.bfloat16, torch.float16):
+            gemm[str(dtype).removeprefix("torch.")] = matmul_rate(dtype, 128, repeats=2)
+        a, b = torch.randn(64, 64), torch.randn(64, 64)
+        tile = 2 * 64**3 / best_seconds(lambda: torch.matmul(a, b), 20) / 1e9
+        src, dst = torch.ones(2**23), torch.empty(2**23)  # 32 MiB each, preallocated: no page faults timed
+        bandwidth = 2 * src.numel() * 4 / best_seconds(lambda: dst.copy_(src), 3) / 1e9
+        x = torch.zeros(1)
+        ops = 200
+        op = best_seconds(lambda: [torch.add(x, x) for _ in range(ops)], 3) / ops
+    return {"gemm_gflops": gemm, "tile_gflops": tile, "bandwidth_gbs": bandwidth, "op_seconds": op}

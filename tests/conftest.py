@@ -16,8 +16,21 @@ def _no_user_calibration(tmp_path_factory, monkeypatch):
     `attnkit bench --calibrate` (tests that need one point ATTNKIT_CALIBRATION at a temp file)."""
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(tmp_path_factory.getbasetemp() / "no-calibration.json"))
     calibration.reload()
+    monkeypatch.setattr(calibration, "_CONSTANTS", [uniform_constants()])
     yield
     calibration.reload()
+
+
+def uniform_constants(overhead: float = 1e-4, reference: float = 1e-3) -> dict:
+    """Machine constants under which every backend has the same per-call overhead and the same time
+    on each reference problem: ``auto``'s order then follows from structure alone, the same on every
+    machine (tests of the cost model inject their own measurements)."""
+    from attnkit import list_backends
+
+    names = [name for name, impl in list_backends().items() if impl.exact]
+    return {"gemm_gflops": {"float32": 100.0, "bfloat16": 100.0, "float16": 100.0}, "tile_gflops": 50.0,
+            "bandwidth_gbs": 10.0, "op_seconds": 1e-6, "backend_seconds": {n: overhead for n in names},
+            "reference_seconds": {n: {c: reference for c in ("causal", "band", "layout", "decode")} for n in names}}
 
 
 def pytest_report_header(config):

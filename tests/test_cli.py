@@ -41,7 +41,8 @@ def test_info_table_lists_backends_and_version(capsys):
 def test_info_explains_choice(capsys):
     assert main(["info", "--shape", "1,8,1024,64", "--mask", "causal"]) == 0
     out = capsys.readouterr().out
-    assert "chosen: sdpa" in out and "naive" in out
+    chosen = out.split("chosen: ")[1].split()[0]
+    assert chosen in ("sdpa", "native") and "naive" in out  # a fused kernel; which one the cost model says
     assert out.count("policy") == 1  # the policy is said once
 
 
@@ -76,8 +77,8 @@ def test_info_accepts_every_bench_mask(kind, capsys):
     assert parse_mask(kind).build(1, 256) is not None or kind == "none"
     assert main(["info", "--shape", "1,2,4096,16", "--mask", kind]) == 0
     out = capsys.readouterr().out
-    if kind == "bigbird":
-        assert "chosen: block_sparse" in out
+    if kind == "bigbird":  # a backend that skips the layout's empty blocks, not a dense path
+        assert out.split("chosen: ")[1].split()[0] in ("block_sparse", "native")
 
 
 def test_info_mask_parameters():

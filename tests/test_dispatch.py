@@ -167,3 +167,206 @@ def test_can_run_agrees_with_the_reasons_and_select_with_explain():
         assert attnkit.explain(qq, kk, vv, **kw).chosen == chosen, inp
         if chosen is not None:
             assert known[chosen].can_run(inp)
+
+
+# --- the cost model follows the measurements it is given (injected: no machine's figures) ---------
+
+from attnkit import BlockSparse, calibration  # noqa: E402
+from attnkit.dispatch import kept_fraction  # noqa: E402
+
+from .conftest import uniform_constants  # noqa: E402
+
+
+def _meta_inputs(B, H, T, D, mask, dtype=torch.float32, Tk=None, **kw):
+    x = torch.empty(B, H, T, D, dtype=dtype, device="meta")
+    y = torch.empty(B, H, Tk or T, D, dtype=dtype, device="meta")
+    return AttentionInputs.create(x, y, y, mask=mask, **kw)
+
+
+def _with_constants(monkeypatch, constants):
+    monkeypatch.setattr(calibration, "_CONSTANTS", [constants])
+    calibration._GENERATION[0] += 1  # a new shape-class cache generation
+
+
+def _faster(name, factor):
+    """Constants of a machine where every backend runs its own modelled work at 10 GFLOP/s, except
+    ``name`` at ``factor`` times that."""
+    from attnkit import dispatch
+
+    constants = uniform_constants(overhead=1e-5)
+    known = attnkit.list_backends()
+    for backend, classes in constants["reference_seconds"].items():
+        if backend not in dispatch.WORK:
+            continue
+        for cls, inp in dispatch._reference_inputs(calibration.generation()).items():
+            flops, _, _ = dispatch._work_terms(backend, known[backend], inp)
+            classes[cls] = 1e-5 + flops / 1e10 / (factor if backend == name else 1.0)
+    return constants
+
+
+@pytest.mark.parametrize("mask, T, rival", [
+    (Causal() & SlidingWindow(200, 0), 6000, "sliding_window"),
+    (BlockSparse.bigbird(90, 48, window=1, global_blocks=1, random_blocks=2, seed=3), 90 * 48, "block_sparse"),
+])
+def test_cost_model_follows_the_measured_rates(monkeypatch, mask, T, rival):
+    inp = _meta_inputs(1, 3, T, 40, mask)
+    order = lambda: [n for n in priority(inp) if n in ("native", rival, "sdpa")]  # noqa: E731
+    if "native" in attnkit.list_backends():
+        _with_constants(monkeypatch, _faster("native", 4.0))
+        assert order()[0] == "native"
+        _with_constants(monkeypatch, _faster(rival, 20.0))
+        assert order()[0] == rival
+    # Whatever the rates, a long structured mask never goes to SDPA's materialized path.
+    _with_constants(monkeypatch, _faster("sdpa", 1.2))
+    assert order()[0] != "sdpa"
+
+
+def test_close_estimates_keep_the_built_in_order(monkeypatch):
+    inp = _meta_inputs(2, 5, 97, 24, None)
+    _with_constants(monkeypatch, _faster("decode", 1.1))  # within the model's margin: no reordering
+    order = priority(inp)
+    assert order.index("sdpa") < order.index("decode")
+    _with_constants(monkeypatch, _faster("decode", 2.0))  # beyond it: the measurement wins
+    order = priority(inp)
+    assert order.index("decode") < order.index("sdpa")
+    x = torch.randn(2, 5, 97, 24)
+    assert "estimated from the probed constants: " in attnkit.explain(x, x, x).measured
+
+
+def test_kept_fraction_reads_the_mask_structure():
+    inp = _meta_inputs(1, 1, 1000, 8, Causal())
+    assert abs(kept_fraction(inp, (1, 1)) - 0.5) < 0.02
+    window = _meta_inputs(1, 1, 3000, 8, Causal() & SlidingWindow(99, 0))
+    assert abs(kept_fraction(window, (1, 1)) - 100 / 3000) < 0.01
+    assert kept_fraction(window, (100, 100)) > kept_fraction(window, (1, 1))  # partial tiles count whole
+    layout = BlockSparse.bigbird(20, 16, window=1, global_blocks=1, random_blocks=1, seed=1)
+    sparse = _meta_inputs(1, 1, 320, 8, layout)
+    assert abs(kept_fraction(sparse, (16, 16)) - layout.density(320, 320)) < 0.03  # from 64 sampled rows
+    assert kept_fraction(_meta_inputs(1, 1, 50, 8, KeyPadding([20])), (8, 8)) == 1.0  # unknown: all
+
+
+def test_priority_is_cached_per_shape_class_with_exact_offsets(monkeypatch):
+    from attnkit import dispatch
+
+    calls = []
+    real = dispatch._priority
+    monkeypatch.setattr(dispatch, "_priority", lambda inp: calls.append(1) or real(inp))
+    monkeypatch.setattr(dispatch, "_PRIORITY_CACHE", {})
+    a = _meta_inputs(1, 2, 1, 16, Causal(), Tk=300)
+    for _ in range(3):
+        priority(a)
+    assert len(calls) == 1
+    priority(_meta_inputs(1, 2, 1, 16, Causal(), Tk=300, q_offset=5))  # other positions: decided again
+    assert len(calls) == 2
+
+
+def test_machine_constants_are_probed_once_and_cached_per_machine(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("ATTNKIT_CALIBRATION", str(tmp_path / "cal.json"))
+    calibration.reload(constants=True)
+    probes = []
+    fake = uniform_constants(overhead=3e-5)
+    monkeypatch.setattr(calibration, "probe_constants", lambda: probes.append(1) or json.loads(json.dumps(fake)))
+    assert calibration.machine_constants()["backend_seconds"] == fake["backend_seconds"]
+    calibration.reload(constants=True)
+    assert calibration.machine_constants() == fake and len(probes) == 1  # read back, not probed again
+    stored = json.loads(calibration.constants_path().read_text())
+    stored["machine"] = stored["machine"].replace('"torch": "', '"torch": "0.0-other-')
+    calibration.constants_path().write_text(json.dumps(stored))
+    calibration.reload(constants=True)
+    calibration.machine_constants()
+    assert len(probes) == 2  # another torch version: probed again
+    calibration.constants_path().write_text("{ not json")
+    calibration.reload(constants=True)
+    assert calibration.machine_constants() == fake and len(probes) == 3  # corrupt: probed, replaced
+
+
+def test_the_real_probe_measures_every_exact_backend(tmp_path, monkeypatch):
+    constants = calibration.probe_constants()
+    assert calibration._constants_problem(constants) is None
+    for name in ("sdpa", "naive"):
+        assert constants["backend_seconds"][name] > 0 and constants["reference_seconds"][name]
+
+
+def test_calibration_from_another_machine_is_ignored_with_one_warning(tmp_path, monkeypatch):
+    import json
+    import warnings
+
+    path = tmp_path / "cal.json"
+    monkeypatch.setenv("ATTNKIT_CALIBRATION", str(path))
+    key = calibration.entry_key("cpu", "float32", "none", "forward", heads=2, head_dim=8)
+    calibration.save({"entries": {key: [{"n": 32, "order": ["naive", "sdpa"], "times": {"naive": 1e-4, "sdpa": 1e-3}}]}})
+    x = torch.randn(1, 2, 32, 8)
+    assert attnkit.explain(x, x, x).chosen == "naive"
+    assert attnkit.explain(torch.randn(1, 3, 32, 8), torch.randn(1, 3, 32, 8), torch.randn(1, 3, 32, 8)).chosen != "naive"
+    data = json.loads(path.read_text())
+    data["machine_id"]["cpu"] = "Another CPU 9000"
+    path.write_text(json.dumps(data))
+    calibration.reload()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chosen = [attnkit.explain(x, x, x).chosen for _ in range(3)]
+    msgs = [str(w.message) for w in caught if "calibration" in str(w.message)]
+    assert len(msgs) == 1 and "another machine" in msgs[0] and "Another CPU 9000" in msgs[0]
+    assert chosen == ["sdpa"] * 3
+
+
+def test_a_tie_within_noise_is_not_applied(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNKIT_CALIBRATION", str(tmp_path / "cal.json"))
+    key = calibration.entry_key("cpu", "float32", "none", "forward", heads=2, head_dim=8)
+    calibration.save({"entries": {key: [{"n": 32, "order": ["naive", "sdpa"], "times": {"naive": 1e-4, "sdpa": 1.01e-4},
+                                         "tie": True}]}})
+    x = torch.randn(1, 2, 32, 8)
+    e = attnkit.explain(x, x, x)
+    assert e.chosen == "sdpa" and "within noise" in e.measured
+
+
+# --- autotuning: opt-in, once per shape class, thread-safe, explained -----------------------------
+
+def test_autotune_times_once_per_shape_class_and_explain_quotes_it(monkeypatch):
+    from attnkit import dispatch
+
+    monkeypatch.setattr(dispatch, "_TUNED", {})
+    timed = []
+
+    def fake(inp, candidates, known):  # injected measurements: the last candidate is fastest
+        timed.append(tuple(candidates))
+        return candidates[-1], {n: 1e-3 * (len(candidates) - i) for i, n in enumerate(candidates)}
+
+    monkeypatch.setattr(dispatch, "_time_candidates", fake)
+    x = torch.randn(1, 3, 41, 12)
+    inp = AttentionInputs.create(x, x, x, mask=SlidingWindow(5, 0))
+    untuned = select(inp).name
+    with attnkit.autotune():
+        threads = [threading.Thread(target=select, args=(inp,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winner = select(inp).name
+        assert len(timed) == 1 and len(timed[0]) >= 2 and winner == timed[0][-1] != untuned
+        e = attnkit.explain(x, x, x, mask=SlidingWindow(5, 0))
+        assert e.chosen == winner and "autotuned" in e.measured and f"{winner} 1 ms" in e.measured
+        select(AttentionInputs.create(x[:, :, :40], x[:, :, :40], x[:, :, :40], mask=SlidingWindow(5, 0)))
+        assert len(timed) == 2  # another shape class
+        torch.testing.assert_close(attnkit.attention(x, x, x, mask=SlidingWindow(5, 0)),
+                                   attnkit.attention(x, x, x, mask=SlidingWindow(5, 0), backend="naive"),
+                                   atol=1e-5, rtol=1e-5)
+    assert select(inp).name == untuned  # off again after the block
+
+
+def test_autotune_real_timing_picks_a_candidate_and_skips_dropout(monkeypatch):
+    from attnkit import dispatch
+
+    monkeypatch.setattr(dispatch, "_TUNED", {})
+    x = torch.randn(1, 2, 24, 8)
+    with attnkit.autotune():
+        inp = AttentionInputs.create(x, x, x, mask=Causal() & KeyPadding([20]))
+        chosen = select(inp).name
+        ((key, (winner, times)),) = dispatch._TUNED.items()
+        assert chosen == winner and set(times) <= set(key[1]) and all(t > 0 for t in times.values())
+        select(AttentionInputs.create(x, x, x, mask=Causal(), dropout_p=0.5))
+        assert len(dispatch._TUNED) == 1
+    with pytest.raises(TypeError, match="autotune"):
+        attnkit.autotune("yes")

@@ -40,3 +40,14 @@ def test_bad_override_is_refused(monkeypatch):
             hardware.half_matmul_is_fast(torch.float16)
     finally:
         hardware.half_matmul_is_fast.cache_clear()
+
+
+def test_machine_id_and_probed_rates_are_plain_positive_figures():
+    import json
+
+    ident = hardware.machine_id()
+    assert set(ident) == {"cpu", "capability", "threads", "torch"} and ident["torch"] == torch.__version__
+    json.dumps(ident)
+    rates = hardware.probe_rates()
+    figures = [*rates["gemm_gflops"].values(), rates["tile_gflops"], rates["bandwidth_gbs"], rates["op_seconds"]]
+    assert set(rates["gemm_gflops"]) == {"float32", "bfloat16", "float16"} and all(x > 0 for x in figures)

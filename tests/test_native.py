@@ -148,12 +148,12 @@ def test_bfloat16_runs_in_float32_and_casts_back():
 
 
 @needs_build
-def test_auto_prefers_native_only_where_measured():
+def test_auto_ranks_native_by_the_cost_model():
+    # Which fused kernel wins is measured per machine (tests/test_dispatch.py injects figures);
+    # for a long window, a backend that skips the masked tiles, never a materialized mask.
     big = torch.randn(1, 2, 1024, 16)
-    assert attnkit.explain(big, big, big, mask=SlidingWindow(64, 0)).chosen == "native"
-    assert attnkit.explain(big, big, big).chosen == "sdpa"  # no mask: SDPA's kernel is faster
-    small = torch.randn(1, 2, 64, 16)
-    assert attnkit.explain(small, small, small, mask=SlidingWindow(8, 0)).chosen != "native"
+    assert attnkit.explain(big, big, big, mask=SlidingWindow(64, 0)).chosen in ("native", "sliding_window")
+    assert attnkit.explain(big, big, big).chosen in ("sdpa", "native")
 
 
 GRID_MASKS = {

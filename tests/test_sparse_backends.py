@@ -93,17 +93,16 @@ def test_reasons_for_masks_they_cannot_use():
 
 
 def test_dispatch_sends_structured_masks_to_their_backend():
-    # explain() reads shapes only: empty tensors at the measured crossovers cost nothing.
+    # explain() reads shapes only. Which skipping backend wins is the cost model's call on each
+    # machine (tests/test_dispatch.py injects measurements); a long structured mask never goes to
+    # a path that materializes the whole mask.
     q = torch.empty(1, 2, 4096, 8)
-    assert attnkit.explain(q, q, q, mask=longformer(64, [0])).chosen == "sliding_window"
-    assert attnkit.explain(q, q, q, mask=BlockSparse.bigbird(64, 64)).chosen == "block_sparse"
-    mid = torch.empty(1, 2, 2048, 8)  # sliding_window's crossover, below block_sparse's
-    assert attnkit.explain(mid, mid, mid, mask=SlidingWindow(64, 64)).chosen == "sliding_window"
-    assert attnkit.explain(mid, mid, mid, mask=BlockSparse.bigbird(32, 64)).chosen != "block_sparse"
-    assert attnkit.explain(q, q, q, mask=Causal()).chosen == "sdpa"
-    assert attnkit.explain(q, q, q).chosen == "sdpa"
-    small = torch.randn(1, 2, 64, 8)
-    assert attnkit.explain(small, small, small, mask=SlidingWindow(4, 0)).chosen == "sdpa"
+    dense = ("sdpa", "naive", "decode")
+    for mask in (longformer(64, [0]), BlockSparse.bigbird(64, 64), SlidingWindow(64, 64)):
+        assert attnkit.explain(q, q, q, mask=mask).chosen not in dense, mask
+    assert attnkit.explain(q, q, q, mask=BlockSparse.bigbird(64, 64)).chosen in ("block_sparse", "native")
+    assert attnkit.explain(q, q, q, mask=Causal()).chosen in ("sdpa", "native")  # fused kernels
+    assert attnkit.explain(q, q, q).chosen in ("sdpa", "native")
 
 
 def test_info_cli_explains_a_longformer_mask():
@@ -112,7 +111,7 @@ def test_info_cli_explains_a_longformer_mask():
     mask = parse_mask("longformer:256,64").build(1, 4096)  # the BlockSparse layout `bench` measures
     q = torch.empty(1, 2, 4096, 8)
     explanation = attnkit.explain(q, q, q, mask=mask)
-    assert explanation.chosen == "block_sparse" and "needs banded" in str(explanation)
+    assert explanation.chosen in ("block_sparse", "native") and "needs banded" in str(explanation)
 
 
 @pytest.mark.parametrize("Tq,Tk,q_offset,kv_offset", [(29, 19, None, 0), (23, 40, 5, 20), (31, 12, 40, 46)])

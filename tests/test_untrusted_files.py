@@ -273,21 +273,21 @@ def test_from_pretrained_reads_run_directories_and_checks_the_class(run):
 # -- calibration files ----------------------------------------------------------------------------
 
 GOOD_POINT = {"n": 64, "order": ["sdpa", "naive"], "times": {"sdpa": 1e-4, "naive": 2e-4}}
-KEY = "cpu|float32|Causal|forward"
+KEY = "cpu|float32|Causal|forward|H2|D16"
 
 
 @pytest.mark.parametrize("content", [
     "", "{", "[]", json.dumps({"version": 1}), json.dumps({"version": 2, "entries": {}}),
-    json.dumps({"version": 1, "entries": {KEY: []}}),
-    json.dumps({"version": 1, "entries": {KEY: [{"order": ["sdpa"], "times": {"sdpa": 1}}]}}),
-    json.dumps({"version": 1, "entries": {KEY: [dict(GOOD_POINT, n=-4)]}}),
-    json.dumps({"version": 1, "entries": {KEY: [dict(GOOD_POINT, n="64")]}}),
-    json.dumps({"version": 1, "entries": {KEY: [dict(GOOD_POINT, order=[])]}}),
-    json.dumps({"version": 1, "entries": {KEY: [dict(GOOD_POINT, times={})]}}),
-    json.dumps({"version": 1, "entries": {KEY: [dict(GOOD_POINT, order="sdpa")]}}),
-    json.dumps({"version": 1, "entries": {"cpu|Causal": [GOOD_POINT]}}),
-    json.dumps({"version": 1, "entries": {KEY: "x"}}),
-    json.dumps({"version": 1, "entries": {KEY: [None]}}),
+    json.dumps({"version": 2, "entries": {KEY: []}}),
+    json.dumps({"version": 2, "entries": {KEY: [{"order": ["sdpa"], "times": {"sdpa": 1}}]}}),
+    json.dumps({"version": 2, "entries": {KEY: [dict(GOOD_POINT, n=-4)]}}),
+    json.dumps({"version": 2, "entries": {KEY: [dict(GOOD_POINT, n="64")]}}),
+    json.dumps({"version": 2, "entries": {KEY: [dict(GOOD_POINT, order=[])]}}),
+    json.dumps({"version": 2, "entries": {KEY: [dict(GOOD_POINT, times={})]}}),
+    json.dumps({"version": 2, "entries": {KEY: [dict(GOOD_POINT, order="sdpa")]}}),
+    json.dumps({"version": 2, "entries": {"cpu|Causal": [GOOD_POINT]}}),
+    json.dumps({"version": 2, "entries": {KEY: "x"}}),
+    json.dumps({"version": 2, "entries": {KEY: [None]}}),
 ])
 def test_a_malformed_calibration_is_ignored_with_one_warning(tmp_path, monkeypatch, content):
     path = tmp_path / "calibration.json"

@@ -152,8 +152,45 @@ def _error_vs_speed(results: dict, path: Path) -> Path | None:
     return path
 
 
+def _auto_over_best(results: dict, path: Path) -> Path | None:
+    """Is ``auto`` the fastest? auto's time over the best measured backend's against length, one
+    panel per pass, one line per mask (solid float32, dashed other dtypes), 1.0 and 1.05 marked."""
+    from .report import AUTO_GOOD_ENOUGH, auto_ratios
+
+    rows = auto_ratios(results)
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    passes = sorted({r["passes"] for r in rows})
+    fig, axes = plt.subplots(1, len(passes), figsize=(5.5 * len(passes), 4), squeeze=False, sharey=True)
+    colours = dict(zip(dict.fromkeys(r["mask"] for r in rows), plt.get_cmap("tab10").colors))
+    for ax, passes_name in zip(axes[0], passes):
+        for (mask, dtype) in dict.fromkeys((r["mask"], r["dtype"]) for r in rows if r["passes"] == passes_name):
+            pts = sorted((r["n"], r["auto_over_best"]) for r in rows
+                         if (r["mask"], r["dtype"], r["passes"]) == (mask, dtype, passes_name))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colours[mask],
+                    linestyle="-" if dtype == "float32" else "--", label=f"{mask_spec(mask).label} {dtype}")
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.axhline(AUTO_GOOD_ENOUGH, color="gray", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length n")
+        ax.set_title(passes_name, fontsize=10)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("auto time / best backend time")
+    axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle("Does auto pick the fastest backend? (1.0 = yes; dotted line: 5% slower)", fontsize=10)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def write_plots(results: dict, out_dir: Path) -> list[Path]:
-    """Time vs length (log-log) per backend and mask, peak memory vs length, error vs speed."""
+    """Time vs length (log-log) per backend and mask, peak memory vs length, error vs speed, and
+    auto over the best backend."""
     method = results["memory_method"].split(" (")[0]
     made = [
         _grid(results, "median_s", 1e3, "median time per call (ms)", "Time per call vs sequence length",
@@ -161,5 +198,6 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
         _grid(results, "peak_bytes", 2**-20, "peak memory (MiB)", f"Peak memory vs sequence length ({method})",
               out_dir / "memory_vs_length.png"),
         _error_vs_speed(results, out_dir / "error_vs_speed.png"),
+        _auto_over_best(results, out_dir / "auto_vs_best.png"),
     ]
     return [p for p in made if p is not None]

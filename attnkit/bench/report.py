@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
+import textwrap
 from pathlib import Path
 
 from .cases import describe_bytes, mask_spec
@@ -27,20 +29,36 @@ def command_line(head: str, argv: list[str]) -> str:
 
 
 def format_table(rows: list[list[str]], header: list[str], markdown: bool = False,
-           right: frozenset[int] = frozenset()) -> str:
-    """A plain or Markdown table; the columns in ``right`` (numbers) are right-aligned."""
+           right: frozenset[int] = frozenset(), width: int | None = None) -> str:
+    """A plain or Markdown table; the columns in ``right`` (numbers) are right-aligned. A plain
+    table fits ``width`` columns (default: the terminal's), its text cells wrapped as needed."""
     if markdown:
         rule = "|" + "".join("---:|" if i in right else "---|" for i in range(len(header)))
         lines = ["| " + " | ".join(header) + " |", rule]
         cell = lambda c: str(c).replace("|", "\\|")  # noqa: E731  (a reason may quote `a | b`)
         return "\n".join(lines + ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows])
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    limit = width or shutil.get_terminal_size((100, 24)).columns
+    # Too wide for the terminal: narrow the widest text columns (never below 12 characters or the
+    # header), and wrap their cells onto continuation lines.
+    while sum(widths) + 2 * (len(widths) - 1) > limit:
+        text = [i for i in range(len(widths)) if i not in right and widths[i] > max(12, len(header[i]))]
+        if not text:
+            break
+        widest = max(text, key=lambda i: widths[i])
+        widths[widest] -= 1
 
-    def line(r):
-        cells = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
-        return "  ".join(cells).rstrip()
+    def lines(r):
+        parts = [textwrap.wrap(str(c), w) or [""] if len(str(c)) > w else [str(c)] for c, w in zip(r, widths)]
+        out = []
+        for k in range(max(len(p) for p in parts)):
+            cells = [(p[k] if k < len(p) else "") for p in parts]
+            cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+            out.append("  ".join(cells).rstrip())
+        return out
 
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+    body = [text for r in rows for text in lines(r)]
+    return "\n".join(lines(header) + lines(["-" * w for w in widths]) + body)
 
 
 def _ms(seconds: float) -> str:
@@ -162,6 +180,34 @@ def auto_table(results: dict, markdown: bool = False) -> str:
     return format_table(rows, ["dtype", "pass", "mask", "n", "best", "auto chose", "auto/best"], markdown, right=frozenset({3, 6}))
 
 
+#: auto within this factor of the best measured backend counts as "use auto".
+AUTO_GOOD_ENOUGH = 1.05
+
+
+def recommendation(row: dict) -> str:
+    """One line per (mask, length, dtype, pass) of :func:`auto_ratios`: what to use."""
+    where = f"{row['mask']} n={row['n']} {row['dtype']} {row['passes']}"
+    if row["auto_over_best"] <= AUTO_GOOD_ENOUGH or row["auto_chose"] == row["best"]:
+        return f"{where}: use backend='auto' (it picks {row['auto_chose']}, within {AUTO_GOOD_ENOUGH:.2f}x of the best)"
+    return (f"{where}: backend='{row['best']}' was {row['auto_over_best']:.2f}x faster than auto's "
+            f"{row['auto_chose']}; calibrate (`python -m attnkit bench --calibrate`) or name it")
+
+
+def calibration_status() -> str:
+    """Whether ``auto`` on this machine follows a measured table, in one line."""
+    from .. import calibration
+
+    data = calibration.load()
+    if data is None:
+        return (f"this machine is not calibrated ({calibration.calibration_path()}): auto follows its cost model; "
+                "`python -m attnkit bench --calibrate` measures it")
+    return f"this machine is calibrated: {calibration.calibration_path()} ({len(data['entries'])} entries)"
+
+
+def recommendations(results: dict) -> str:
+    return "\n".join([calibration_status(), *(recommendation(r) for r in auto_ratios(results))])
+
+
 def write_json(results: dict, path: Path) -> Path:
     path.write_text(json.dumps(results, indent=1, default=str))
     return path
@@ -195,6 +241,10 @@ def write_markdown(results: dict, out_dir: Path, plots: list[Path], claims: str 
         "## auto vs the best backend",
         "",
         auto_table(results, markdown=True) if auto_ratios(results) else "(auto was not measured in this run)",
+        "",
+        "## What to use",
+        "",
+        *(f"* {line}" for line in recommendations(results).split("\n")),
         "",
     ]
     if plots:

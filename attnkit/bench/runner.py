@@ -7,6 +7,7 @@ one (length, mask, dtype, pass) point are timed back to back, so they share the 
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -36,7 +37,7 @@ from .cases import (
 )
 from .memory import PeakMemory
 
-__all__ = ["run_sweep", "machine_description", "matmul_peak", "build_calibration", "verify_auto"]
+__all__ = ["run_sweep", "machine_description", "matmul_peak", "build_calibration", "verify_auto", "confidence_interval"]
 
 
 def machine_description(device: str) -> dict:
@@ -250,27 +251,44 @@ def ok_rows(results: dict) -> list[dict]:
     return [r for r in results["results"] if r["status"] == "ok"]
 
 
+def confidence_interval(median: float, iqr: float, runs: int) -> tuple[float, float]:
+    """An approximate 95% confidence interval of a median from its interquartile range and run
+    count (the notched box plot's ``median ± 1.57 · IQR / sqrt(runs)``, McGill et al. 1978)."""
+    half = 1.57 * iqr / math.sqrt(max(runs, 1))
+    return median - half, median + half
+
+
 def build_calibration(results: dict) -> dict:
-    """Rank the exact backends per (device, dtype, mask kind, pass) and length from a sweep.
+    """Rank the exact backends per (device, dtype, mask kind, pass, heads, head dim) and length.
 
     Mask specs of one kind (BigBird and Longformer are both ``BlockSparse``) are pooled: a
-    backend's time is the sum over the specs, counted only for backends that ran all of them."""
+    backend's time is the sum over the specs, counted only for backends that ran all of them.
+    A point whose two fastest backends have overlapping confidence intervals (see
+    :func:`confidence_interval`) is stored with ``"tie": true``: noise is not a crossover, and
+    ``auto`` leaves such points to its cost model."""
     config = results["config"]
     registry = list_backends()
     cfg = BenchConfig(**config)
-    grouped: dict[tuple[str, int], dict[str, dict[str, float]]] = {}
+    grouped: dict[tuple[str, int], dict[str, dict[str, tuple[float, float]]]] = {}
     for r in ok_rows(results):
         if r["backend"] == "auto" or not registry.get(r["backend"]) or not registry[r["backend"]].exact:
             continue
         kind = calibration.mask_kind(mask_spec(r["mask"]).build(r["n"], cfg))
-        key = calibration.entry_key(torch.device(config["device"]).type, r["dtype"], kind, r["passes"])
-        grouped.setdefault((key, r["n"]), {}).setdefault(r["mask"], {})[r["backend"]] = r["median_s"]
+        key = calibration.entry_key(torch.device(config["device"]).type, r["dtype"], kind, r["passes"],
+                                    heads=cfg.heads, head_dim=cfg.head_dim)
+        low, high = confidence_interval(r["median_s"], r.get("iqr_s", 0.0), r.get("runs", 1))
+        grouped.setdefault((key, r["n"]), {}).setdefault(r["mask"], {})[r["backend"]] = (
+            r["median_s"], max(r["median_s"] - low, high - r["median_s"]))
     entries: dict[str, list[dict]] = {}
     for (key, n), per_mask in sorted(grouped.items()):
         common = set.intersection(*(set(t) for t in per_mask.values()))
-        times = {b: sum(t[b] for t in per_mask.values()) for b in common}
+        times = {b: sum(t[b][0] for t in per_mask.values()) for b in common}
+        spread = {b: sum(t[b][1] for t in per_mask.values()) for b in common}
         order = sorted(times, key=times.get)
-        entries.setdefault(key, []).append({"n": n, "order": order, "times": times})
+        point = {"n": n, "order": order, "times": times}
+        if len(order) > 1 and times[order[0]] + spread[order[0]] >= times[order[1]] - spread[order[1]]:
+            point["tie"] = True
+        entries.setdefault(key, []).append(point)
     return {"machine": results["machine"], "entries": entries}
 
 

@@ -32,6 +32,7 @@ from ..bench.report import (
     command_line,
     crossover_table,
     crossovers,
+    recommendations,
     skip_hint,
     terminal_table,
     write_json,
@@ -42,8 +43,14 @@ from ..registry import list_backends
 from .options import device, int_list, name_list
 
 # A calibration needs more points than the quick default sweep: the lengths where crossovers happen.
-CALIBRATE_LENGTHS = [256, 512, 1024, 2048, 4096]
-CALIBRATE_DTYPES = ["float32", "bfloat16"]
+CALIBRATE_LENGTHS = [256, 512, 1024, 2048, 4096, 8192]
+
+
+def calibrate_dtypes() -> list[str]:
+    """float32, and bfloat16 where this CPU multiplies it at least as fast (measured)."""
+    from ..hardware import half_matmul_is_fast
+
+    return ["float32", "bfloat16"] if half_matmul_is_fast(torch.bfloat16) else ["float32"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--masks", type=name_list(MASK_SPECS), default=d.masks,
                         help=f"some of {','.join(MASK_SPECS)} (default {','.join(d.masks)})")
     parser.add_argument("--dtypes", type=name_list(DTYPES), default=None,
-                        help="default float32 (with --calibrate float32,bfloat16); float16 on CPU is ~100x slower")
+                        help="default float32 (with --calibrate also bfloat16 where this CPU has fast bfloat16 "
+                             "matmuls); float16 on CPU is often ~100x slower")
     parser.add_argument("--passes", type=name_list(PASSES), default=d.passes,
                         help="forward and/or train (forward+backward); default both")
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
@@ -101,7 +109,7 @@ def _progress(disabled: bool):
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The sweep the flags describe; every value is checked here (``ValueError`` naming the flag)."""
     lengths = args.lengths or (CALIBRATE_LENGTHS if args.calibrate else BenchConfig().lengths)
-    dtypes = args.dtypes or (CALIBRATE_DTYPES if args.calibrate else ["float32"])
+    dtypes = args.dtypes or (calibrate_dtypes() if args.calibrate else ["float32"])
     registry = list_backends()
     backends = args.backends
     if backends is None and args.calibrate:
@@ -116,6 +124,18 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
+def estimate_line(config: BenchConfig) -> str:
+    """How long a sweep takes at most, said before it starts: each case is timed for at least
+    ``min_run_time`` after a warm-up call, and none runs past the time budget per call."""
+    backends = len(config.backends or list_backends()) + (config.backends is None)
+    cases = backends * len(config.lengths) * len(config.masks) * len(config.dtypes) * len(config.passes)
+    low = cases * config.min_run_time
+    high = cases * (config.min_run_time + 2 * config.time_budget_s)
+    return (f"calibrate: {cases} cases; estimated {low / 60:.0f}-{high / 60:.0f} min (each timed >= "
+            f"{config.min_run_time:g} s, cases predicted over {config.time_budget_s:g} s per call skipped); "
+            "progress below")
+
+
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if not args.no_plots and missing_extra():
@@ -124,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out}: exists and is not a directory; "
                          "name a directory (it is created if missing)")
     command = command_line(f"{getattr(args, '_prog', 'attnkit')} bench", getattr(args, "_argv", None) or [])
+    if args.calibrate:
+        print(estimate_line(config), file=sys.stderr)
     results = run_sweep(config, progress=_progress(args.no_progress))  # checks the backend names first
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -143,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
     if any(r["backend"] == "auto" for r in results["results"]) or args.calibrate:
         print()
         print(auto_table(results))
+        print()
+        print(recommendations(results))
     claims_md = None
     if not args.no_claims:
         results["claims"] = {

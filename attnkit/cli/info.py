@@ -154,13 +154,15 @@ def backend_table() -> str:
 
 
 def policy_line(prog: str = "attnkit") -> str:
-    """Whether ``auto`` follows a measured calibration of this machine or the built-in defaults."""
+    """Whether ``auto`` follows a measured calibration of this machine or the cost model alone."""
     data = calibration.load()
     if data is None:
-        return (f"auto policy: built-in defaults (no calibration at {calibration.calibration_path()}; "
-                f"measure this machine with `{prog} bench --calibrate`)")
-    return (f"auto policy: measured on this machine ({len(data['entries'])} device/dtype/mask/pass entries "
-            f"in {calibration.calibration_path()}, from `{data.get('command', prog + ' bench --calibrate')}`)")
+        return (f"auto policy: not calibrated: the cost model from machine constants probed here "
+                f"({calibration.constants_path()}) decides; no table at {calibration.calibration_path()}. "
+                f"Measure this machine with `{prog} bench`")
+    return (f"auto policy: calibrated on this machine ({len(data['entries'])} device/dtype/mask/pass/heads/head dim "
+            f"entries in {calibration.calibration_path()}, from `{data.get('command', prog + ' bench --calibrate')}`); "
+            "elsewhere the cost model decides")
 
 
 def _memory_bytes() -> int | None:
