@@ -36,7 +36,7 @@ def test_a_named_backend_that_runs_is_not_said_to_be_first_in_priority_order():
 def calibrated(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(tmp_path / "calibration.json"))
     calibration.reload()
-    key = calibration.entry_key("cpu", "float32", "none", "forward")
+    key = calibration.entry_key("cpu", "float32", "none", "forward", heads=2, head_dim=8)
     calibration.save({"entries": {key: [{"n": 24, "order": ["naive", "tiled", "sdpa"],
                                          "times": {"naive": 1e-5, "tiled": 2e-5, "sdpa": 3e-5}}]}})
     yield
