@@ -157,15 +157,17 @@ def plan_for(inp: AttentionInputs, options: NativeOptions) -> _Plan:
 
 class _NativeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, plan):
+    def forward(ctx, q, k, v, scale, plan, flags):
         ext, _ = load_extension()
-        out, lse = ext.forward(q, k, v, scale, plan.q_offset, plan.kv_offset, plan.block_q, plan.block_k, *plan.args)
+        out, lse, seen = ext.forward(q, k, v, scale, plan.q_offset, plan.kv_offset, plan.block_q, plan.block_k,
+                                     *plan.args, flags)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.plan = scale, plan
-        return out, lse
+        ctx.mark_non_differentiable(seen)
+        return out, lse, seen
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse, dseen):
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
         # delta_i = sum_j p_ij dp_ij = rowsum(dout * out); the LSE's own gradient enters as -dlse.
@@ -176,7 +178,7 @@ class _NativeFunction(torch.autograd.Function):
         ext, _ = load_extension()
         dq, dk, dv = ext.backward(q, k, v, dout, lse, delta.contiguous(), ctx.scale, plan.q_offset, plan.kv_offset,
                                   plan.block_q, plan.block_k, *plan.args)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 @register_backend
@@ -214,24 +216,23 @@ class Native(Backend):
                 side = layout.block_size * -(-32 // layout.block_size)
                 options = NativeOptions(side, side)
         plan = plan_for(inp, options)
-        # NaN/Inf contract, row by row: flagged keys are zeroed and V gets one more column, 1 on them;
-        # a row's weight on that column is > 0 exactly when it attends a flagged key. (A CPU-only
-        # kernel: asking the host whether any key is flagged costs no device stall.)
+        # NaN/Inf contract, row by row: flagged keys are zeroed (a copy only on that rare path) and the
+        # kernel marks the rows that keep one. GEMM shapes never depend on the data, so every other row
+        # is bitwise what it is without the flag. (A CPU-only kernel: asking the host costs no stall.)
         bad = nonfinite_keys(inp)
         if bad is not None and not bool(bad.any()):
             bad = None
         q, k, v = inp.q, inp.k, inp.v
         if bad is not None:
             k, v = zero_keys(k, v, bad)
-            v = torch.cat([v, bad[..., None].to(v.dtype)], dim=-1)
         if inp.dtype in (torch.float16, torch.bfloat16):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
-        out, lse = _NativeFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan)
+        flags = _EMPTY_BYTE if bad is None else bad.to(torch.uint8).contiguous()
+        out, lse, seen = _NativeFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan, flags)
         # a NaN/Inf query makes its own row NaN (a row with no allowed key stays 0), whatever the kernel skips
         hit = nonfinite_queries(inp.q) & (lse != float("-inf"))
         if bad is not None:
-            hit = hit | (out[..., -1] > 0)
-            out = out[..., :-1]
+            hit = hit | seen.bool()
         out, lse = poison_rows(out, lse, hit)
         out = out.to(inp.dtype)
         return (out, lse) if inp.return_lse else out
