@@ -144,15 +144,21 @@ _MAX_PLANS = 32
 
 
 def plan_for(inp: AttentionInputs, options: NativeOptions) -> _Plan:
-    """The cached plan for ``inp`` (a model's layers share one mask: built once per forward)."""
-    key = (inp.mask, inp.B, inp.Hq, inp.Tq, inp.Tk, inp.q_offset, inp.kv_offset, options.block_q, options.block_k)
-    plan = _PLANS.get(key)
-    if plan is None:
+    """The cached plan for ``inp`` (a model's layers share one mask object: built once per forward).
+
+    Keyed on the mask object's identity (it is held with the plan, so its id cannot be reused), never
+    on mask equality: two ``Custom`` masks with one function that reads changing state compare equal
+    but must each get their own plan."""
+    mask = inp.mask
+    key = (id(mask), None if mask is None else mask.structure_key(), inp.B, inp.Hq, inp.Tq, inp.Tk, inp.q_offset,
+           inp.kv_offset, options.block_q, options.block_k)
+    entry = _PLANS.get(key)
+    if entry is None or entry[0] is not mask:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
-        plan = _PLANS[key] = _build_plan(inp.mask, inp.B, inp.Hq, inp.Tq, inp.Tk, inp.q_offset, inp.kv_offset,
-                                         options.block_q, options.block_k)
-    return plan
+        entry = _PLANS[key] = (mask, _build_plan(mask, inp.B, inp.Hq, inp.Tq, inp.Tk, inp.q_offset, inp.kv_offset,
+                                                 options.block_q, options.block_k))
+    return entry[1]
 
 
 class _NativeFunction(torch.autograd.Function):
