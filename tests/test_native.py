@@ -238,3 +238,31 @@ def test_flagged_key_changes_no_bit_of_rows_that_cannot_see_it(value):
     assert torch.equal(out[untouched], clean[untouched])
     if value != value:
         assert torch.isnan(out[0, 2:4][:, seen]).any(-1).all()
+
+
+def test_copied_build_declines_on_a_cpu_lacking_its_flags(monkeypatch, tmp_path):
+    from attnkit.csrc import build
+
+    monkeypatch.setattr(build, "STAMP", tmp_path / "stamp.json")
+    monkeypatch.setattr(build, "library_path", lambda: tmp_path / "attnkit_native.so")
+    (tmp_path / "attnkit_native.so").write_bytes(b"")
+    build.STAMP.write_text('{"torch": "%s", "cpu_flags": ["sse2", "made_up_isa"]}' % torch.__version__)
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"sse2", "avx2"})
+    native.load_extension.cache_clear()
+    try:
+        reason = native.load_extension()[1]
+        assert reason is not None and "made_up_isa" in reason and "rebuild" in reason
+    finally:
+        monkeypatch.undo()
+        native.load_extension.cache_clear()
+
+
+def test_build_failure_exits_non_zero_with_the_error(monkeypatch, capsys):
+    from attnkit.csrc import build
+
+    def fail(verbose=False):
+        raise RuntimeError("attention.cpp:12: error: something the compiler said")
+
+    monkeypatch.setattr(build, "build", fail)
+    assert build.main() == 1
+    assert "something the compiler said" in capsys.readouterr().err

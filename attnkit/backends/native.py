@@ -63,6 +63,10 @@ def load_extension():
     if stamp.get("torch") != torch.__version__:
         return None, (f"native extension not built for this torch: built against {stamp.get('torch')}, running "
                       f"{torch.__version__}; rebuild with `python -m attnkit.csrc.build`")
+    missing = set(stamp.get("cpu_flags", ())) - csrc_build.cpu_flags()
+    if missing and csrc_build.cpu_flags():
+        return None, (f"native extension built for another CPU: this one lacks {', '.join(sorted(missing)[:6])}; "
+                      "rebuild here with `python -m attnkit.csrc.build`")
     try:
         torch.ops.load_library(str(path))
         return getattr(torch.ops, csrc_build.NAME), None
