@@ -217,3 +217,72 @@ def test_not_built_declines_with_reason(monkeypatch, tmp_path):
 def test_options_are_validated():
     with pytest.raises(ValueError, match="block_q"):
         native.NativeOptions(block_q=0)
+
+
+@needs_build
+def test_equal_custom_masks_get_their_own_plan():
+    """Two Custom masks built on one function compare equal; when the function reads state that
+    changed between them, the second call must see the new state (no plan reused by equality)."""
+    state = {"cut": 20}
+    fn = lambda b, h, q, k: k < state["cut"]  # noqa: E731
+    q, k, v = (torch.randn(1, 3, 45, 12, dtype=torch.float64) for _ in range(3))
+    first = Custom(fn)
+    out1 = attnkit.attention(q, k, v, mask=first, backend="native", options=native.NativeOptions(16, 16))
+    state["cut"] = 33
+    second = Custom(fn)
+    assert second == first
+    out2 = attnkit.attention(q, k, v, mask=second, backend="native", options=native.NativeOptions(16, 16))
+    ref1, _ = reference_attention(q, k, v, mask=Custom(lambda b, h, q, k: k < 20))
+    ref2, _ = reference_attention(q, k, v, mask=Custom(lambda b, h, q, k: k < 33))
+    assert max_error(out1, ref1) < 1e-10 and max_error(out2, ref2) < 1e-10
+
+
+@needs_build
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_flagged_key_changes_no_bit_of_rows_that_cannot_see_it(value):
+    """Odd lengths and head dims, float32, several tiles: rows before the bad key are bitwise equal
+    to the clean call's (the kernel runs the same GEMM shapes), rows that see a NaN key are NaN."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 6, 97, 59, generator=g)
+    k = torch.randn(1, 3, 97, 59, generator=g)
+    v = torch.randn(1, 3, 97, 21, generator=g)
+    mask = Causal() & SlidingWindow(40, 0)
+    opts = native.NativeOptions(16, 32)
+    clean = attnkit.attention(q, k, v, mask=mask, backend="native", options=opts)
+    bad_v = v.clone()
+    bad_v[0, 1, 61, 5] = value
+    out = attnkit.attention(q, k, bad_v, mask=mask, backend="native", options=opts)
+    seen = mask.materialize(97, 97)[0, 0][:, 61]  # (Tq,): rows 61..97 within the window
+    untouched = torch.ones(out.shape[:3], dtype=torch.bool)
+    untouched[0, 2:4, seen] = False  # kv head 1 serves query heads 2 and 3
+    assert torch.equal(out[untouched], clean[untouched])
+    if value != value:
+        assert torch.isnan(out[0, 2:4][:, seen]).any(-1).all()
+
+
+def test_copied_build_declines_on_a_cpu_lacking_its_flags(monkeypatch, tmp_path):
+    from attnkit.csrc import build
+
+    monkeypatch.setattr(build, "STAMP", tmp_path / "stamp.json")
+    monkeypatch.setattr(build, "library_path", lambda: tmp_path / "attnkit_native.so")
+    (tmp_path / "attnkit_native.so").write_bytes(b"")
+    build.STAMP.write_text('{"torch": "%s", "cpu_flags": ["sse2", "made_up_isa"]}' % torch.__version__)
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"sse2", "avx2"})
+    native.load_extension.cache_clear()
+    try:
+        reason = native.load_extension()[1]
+        assert reason is not None and "made_up_isa" in reason and "rebuild" in reason
+    finally:
+        monkeypatch.undo()
+        native.load_extension.cache_clear()
+
+
+def test_build_failure_exits_non_zero_with_the_error(monkeypatch, capsys):
+    from attnkit.csrc import build
+
+    def fail(verbose=False):
+        raise RuntimeError("attention.cpp:12: error: something the compiler said")
+
+    monkeypatch.setattr(build, "build", fail)
+    assert build.main() == 1
+    assert "something the compiler said" in capsys.readouterr().err

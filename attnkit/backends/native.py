@@ -63,6 +63,10 @@ def load_extension():
     if stamp.get("torch") != torch.__version__:
         return None, (f"native extension not built for this torch: built against {stamp.get('torch')}, running "
                       f"{torch.__version__}; rebuild with `python -m attnkit.csrc.build`")
+    missing = set(stamp.get("cpu_flags", ())) - csrc_build.cpu_flags()
+    if missing and csrc_build.cpu_flags():
+        return None, (f"native extension built for another CPU: this one lacks {', '.join(sorted(missing)[:6])}; "
+                      "rebuild here with `python -m attnkit.csrc.build`")
     try:
         torch.ops.load_library(str(path))
         return getattr(torch.ops, csrc_build.NAME), None
@@ -144,28 +148,36 @@ _MAX_PLANS = 32
 
 
 def plan_for(inp: AttentionInputs, options: NativeOptions) -> _Plan:
-    """The cached plan for ``inp`` (a model's layers share one mask: built once per forward)."""
-    key = (inp.mask, inp.B, inp.Hq, inp.Tq, inp.Tk, inp.q_offset, inp.kv_offset, options.block_q, options.block_k)
-    plan = _PLANS.get(key)
-    if plan is None:
+    """The cached plan for ``inp`` (a model's layers share one mask object: built once per forward).
+
+    Keyed on the mask object's identity (it is held with the plan, so its id cannot be reused), never
+    on mask equality: two ``Custom`` masks with one function that reads changing state compare equal
+    but must each get their own plan."""
+    mask = inp.mask
+    key = (id(mask), None if mask is None else mask.structure_key(), inp.B, inp.Hq, inp.Tq, inp.Tk, inp.q_offset,
+           inp.kv_offset, options.block_q, options.block_k)
+    entry = _PLANS.get(key)
+    if entry is None or entry[0] is not mask:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
-        plan = _PLANS[key] = _build_plan(inp.mask, inp.B, inp.Hq, inp.Tq, inp.Tk, inp.q_offset, inp.kv_offset,
-                                         options.block_q, options.block_k)
-    return plan
+        entry = _PLANS[key] = (mask, _build_plan(mask, inp.B, inp.Hq, inp.Tq, inp.Tk, inp.q_offset, inp.kv_offset,
+                                                 options.block_q, options.block_k))
+    return entry[1]
 
 
 class _NativeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, plan):
+    def forward(ctx, q, k, v, scale, plan, flags):
         ext, _ = load_extension()
-        out, lse = ext.forward(q, k, v, scale, plan.q_offset, plan.kv_offset, plan.block_q, plan.block_k, *plan.args)
+        out, lse, seen = ext.forward(q, k, v, scale, plan.q_offset, plan.kv_offset, plan.block_q, plan.block_k,
+                                     *plan.args, flags)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.plan = scale, plan
-        return out, lse
+        ctx.mark_non_differentiable(seen)
+        return out, lse, seen
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse, dseen):
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
         # delta_i = sum_j p_ij dp_ij = rowsum(dout * out); the LSE's own gradient enters as -dlse.
@@ -176,7 +188,7 @@ class _NativeFunction(torch.autograd.Function):
         ext, _ = load_extension()
         dq, dk, dv = ext.backward(q, k, v, dout, lse, delta.contiguous(), ctx.scale, plan.q_offset, plan.kv_offset,
                                   plan.block_q, plan.block_k, *plan.args)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 @register_backend
@@ -214,24 +226,23 @@ class Native(Backend):
                 side = layout.block_size * -(-32 // layout.block_size)
                 options = NativeOptions(side, side)
         plan = plan_for(inp, options)
-        # NaN/Inf contract, row by row: flagged keys are zeroed and V gets one more column, 1 on them;
-        # a row's weight on that column is > 0 exactly when it attends a flagged key. (A CPU-only
-        # kernel: asking the host whether any key is flagged costs no device stall.)
+        # NaN/Inf contract, row by row: flagged keys are zeroed (a copy only on that rare path) and the
+        # kernel marks the rows that keep one. GEMM shapes never depend on the data, so every other row
+        # is bitwise what it is without the flag. (A CPU-only kernel: asking the host costs no stall.)
         bad = nonfinite_keys(inp)
         if bad is not None and not bool(bad.any()):
             bad = None
         q, k, v = inp.q, inp.k, inp.v
         if bad is not None:
             k, v = zero_keys(k, v, bad)
-            v = torch.cat([v, bad[..., None].to(v.dtype)], dim=-1)
         if inp.dtype in (torch.float16, torch.bfloat16):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
-        out, lse = _NativeFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan)
+        flags = _EMPTY_BYTE if bad is None else bad.to(torch.uint8).contiguous()
+        out, lse, seen = _NativeFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan, flags)
         # a NaN/Inf query makes its own row NaN (a row with no allowed key stays 0), whatever the kernel skips
         hit = nonfinite_queries(inp.q) & (lse != float("-inf"))
         if bad is not None:
-            hit = hit | (out[..., -1] > 0)
-            out = out[..., :-1]
+            hit = hit | seen.bool()
         out, lse = poison_rows(out, lse, hit)
         out = out.to(inp.dtype)
         return (out, lse) if inp.return_lse else out

@@ -8,10 +8,14 @@
 // index vectors (band bounds, key lengths, key validity, document ids, a block layout) plus, for any
 // other mask, a byte keep tile computed by the caller. Positions are absolute (index + offset).
 // A query row that sees no key gets output 0 and LSE -inf; its gradients are 0.
+// NaN/Inf keys arrive zeroed with a per-key flag (B, Hkv, Tk); the forward returns a per-row flag
+// marking the rows that keep a flagged key (the caller makes them NaN). GEMM shapes never depend
+// on the data, so a row that cannot see a flagged key is bitwise what it is without the flag.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
@@ -219,11 +223,14 @@ void tile_scores(const MaskSpec& m, const Tile& t, int64_t qpos0, int64_t kpos0,
 
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-                  double scale_d, int64_t qpos0, int64_t kpos0, int64_t block_q, int64_t block_k, const MaskSpec& m) {
+                  const at::Tensor& bad, at::Tensor& hit, double scale_d, int64_t qpos0, int64_t kpos0, int64_t block_q,
+                  int64_t block_k, const MaskSpec& m) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Tk = k.size(2), Dv = v.size(3), G = Hq / Hkv;
   const int64_t nQ = (Tq + block_q - 1) / block_q, nK = (Tk + block_k - 1) / block_k;
   const T scale = static_cast<T>(scale_d);
+  const uint8_t* badp = bad.numel() ? bad.data_ptr<uint8_t>() : nullptr;  // (B, Hkv, Tk) or none
+  uint8_t* hitp = badp ? hit.data_ptr<uint8_t>() : nullptr;                // (B, Hq, Tq)
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
@@ -248,6 +255,16 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         const int64_t k0 = kt * block_k, nk = std::min(block_k, Tk - k0);
         tile_scores<T>(m, {b, h, qt, kt, q0, nq, k0, nk}, qpos0, kpos0, block_q, block_k, scale, qb, kh + k0 * D, D,
                        s.data(), keep.data());
+        // Flagged keys (zeroed by the caller, so their scores are finite): mark the rows that keep one
+        // (score not -inf). Tiles without a flagged key cost one byte scan.
+        const uint8_t* bk = badp ? badp + (b * Hkv + hk) * Tk + k0 : nullptr;
+        if (bk && std::memchr(bk, 1, nk)) {
+          uint8_t* hb = hitp + (b * Hq + h) * Tq + q0;
+          for (int64_t i = 0; i < nq; ++i) {
+            const T* row = s.data() + i * block_k;
+            for (int64_t j = 0; j < nk && !hb[i]; ++j) hb[i] = bk[j] && row[j] != ninf;
+          }
+        }
         for (int64_t i = 0; i < nq; ++i) {
           T* row = s.data() + i * block_k;
           const T mx = row_max(row, nk, mrow[i]);
@@ -346,15 +363,19 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
                                 int64_t q_offset, int64_t kv_offset, int64_t block_q, int64_t block_k,
                                 const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
                                 const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout,
-                                int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra) {
-  for (auto* t : {&q, &k, &v, &grid}) check(*t, "q, k, v and the tile grid");
+                                int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra,
+                                const at::Tensor& bad) {
+  for (auto* t : {&q, &k, &v, &grid, &bad}) check(*t, "q, k, v, the tile grid and the key flags");
+  TORCH_CHECK(bad.numel() == 0 || (bad.scalar_type() == at::kByte && bad.numel() == k.size(0) * k.size(1) * k.size(2)),
+              "key flags: expected an empty or a uint8 (B, Hkv, Tk) tensor");
   auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  auto hit = bad.numel() ? at::zeros({q.size(0), q.size(1), q.size(2)}, bad.options()) : at::empty({0}, bad.options());
   MaskSpec m = make_spec(grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_forward", [&] {
-    forward_impl<scalar_t>(q, k, v, out, lse, scale, q_offset, kv_offset, block_q, block_k, m);
+    forward_impl<scalar_t>(q, k, v, out, lse, bad, hit, scale, q_offset, kv_offset, block_q, block_k, m);
   });
-  return {out, lse};
+  return {out, lse, hit};
 }
 
 std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -378,7 +399,7 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
 TORCH_LIBRARY(attnkit_native, m) {
   m.def("forward(Tensor q, Tensor k, Tensor v, float scale, int q_offset, int kv_offset, int block_q, int block_k, "
         "Tensor grid, int[] band, Tensor lengths, Tensor valid, Tensor doc, Tensor layout, int layout_bs, "
-        "Tensor extra_index, Tensor extra) -> Tensor[]");
+        "Tensor extra_index, Tensor extra, Tensor bad) -> Tensor[]");
   m.def("backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, float scale, int q_offset, "
         "int kv_offset, int block_q, int block_k, Tensor grid, int[] band, Tensor lengths, Tensor valid, Tensor doc, "
         "Tensor layout, int layout_bs, Tensor extra_index, Tensor extra) -> Tensor[]");

@@ -2,9 +2,11 @@
 
 ``make install`` runs this step. It compiles ``attention.cpp`` with ``torch.utils.cpp_extension``
 and the machine's C++ compiler (``-O3 -march=native``: the kernel is built for the CPU it runs on)
-into ``attnkit/csrc/_build/``, and writes a stamp naming the torch version it was built against.
-Without a compiler (or on any build error) it prints why and exits 0: attnkit still installs,
-and the ``native`` backend declines with the reason "native extension not built: ...".
+into ``attnkit/csrc/_build/``, and writes a stamp naming the torch version and the CPU's instruction
+set flags it was built for; a copy on a CPU lacking any of those flags declines instead of dying
+with SIGILL. OpenMP pragmas are compiled but no OpenMP runtime is linked: the parallel loops run
+on torch's own. On a build error it prints the compiler's message and exits 1 (the ``native``
+backend then declines with the reason "native extension not built: ...").
 """
 
 from __future__ import annotations
@@ -28,6 +30,17 @@ def library_path() -> Path:
     return BUILD_DIR / f"{NAME}.so"
 
 
+def cpu_flags() -> set[str]:
+    """The instruction-set flags of this CPU (Linux: ``/proc/cpuinfo``; elsewhere empty: not checked)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def build(verbose: bool = False) -> float:
     """Compile the extension; returns the build time in seconds (raises on failure)."""
     import torch
@@ -36,21 +49,21 @@ def build(verbose: bool = False) -> float:
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     load(name=NAME, sources=[str(s) for s in SOURCES], build_directory=str(BUILD_DIR), extra_cflags=CFLAGS,
-         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
+         is_python_module=False, verbose=verbose)
     seconds = time.perf_counter() - start
-    STAMP.write_text(json.dumps({"torch": torch.__version__, "build_seconds": round(seconds, 1)}))
+    STAMP.write_text(json.dumps({"torch": torch.__version__, "cpu_flags": sorted(cpu_flags()),
+                                 "build_seconds": round(seconds, 1)}))
     return seconds
 
 
 def main() -> int:
     try:
         seconds = build(verbose="-v" in sys.argv)
-    except Exception as exc:  # no compiler, missing headers, ...: install anyway, say why
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"attnkit: native kernel not built ({type(exc).__name__}: {first}); the 'native' backend will "
-              "decline and the pure-PyTorch backends run instead. Fix: install a C++ compiler (g++) and rerun "
-              "`python -m attnkit.csrc.build`.")
-        return 0
+    except Exception as exc:  # no compiler, missing headers, a compile error: say which, exit non-zero
+        print(f"attnkit: native kernel not built ({type(exc).__name__}):\n{str(exc).strip()}\nThe 'native' backend "
+              "will decline and the pure-PyTorch backends run instead. Fix the error above (no compiler: install "
+              "g++) and rerun `python -m attnkit.csrc.build`.", file=sys.stderr)
+        return 1
     print(f"attnkit: native kernel built in {seconds:.1f} s ({library_path()})")
     return 0
 
