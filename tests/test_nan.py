@@ -177,9 +177,11 @@ def test_host_reads_only_the_finiteness_sums(monkeypatch, host):
                 count["n"] = 0
                 attnkit.attention(q, k, v, backend=backend, kv_finite=kv_finite, **kw)
                 assert count["n"] == (reads if host else 0), (backend, kw, kv_finite)
+    inp = AttentionInputs.create(q, k, v, mask=Causal())
+    attnkit.dispatch.select(inp)  # the first use probes the machine once (CPU-side reference problems)
     count["n"] = 0
-    attnkit.attention(q, k, v, mask=Causal())  # auto: selection reads no tensor either
-    assert count["n"] == (3 if host else 0)
+    attnkit.dispatch.select(inp)  # auto: selection reads no tensor either
+    assert count["n"] == 0
 
 
 @pytest.mark.parametrize("Tq,Tk,q_offset", [(5, 9, 0), (9, 5, 0), (7, 7, None), (3, 11, None), (1, 20, None),

@@ -221,8 +221,8 @@ def test_options_are_validated():
 
 @needs_build
 def test_equal_custom_masks_get_their_own_plan():
-    """Two Custom masks built on one function compare equal; when the function reads state that
-    changed between them, the second call must see the new state (no plan reused by equality)."""
+    """Two Custom masks built on one function: when the function reads state that changed between
+    them, the second call must see the new state (no plan reused across mask values)."""
     state = {"cut": 20}
     fn = lambda b, h, q, k: k < state["cut"]  # noqa: E731
     q, k, v = (torch.randn(1, 3, 45, 12, dtype=torch.float64) for _ in range(3))
@@ -230,7 +230,6 @@ def test_equal_custom_masks_get_their_own_plan():
     out1 = attnkit.attention(q, k, v, mask=first, backend="native", options=native.NativeOptions(16, 16))
     state["cut"] = 33
     second = Custom(fn)
-    assert second == first
     out2 = attnkit.attention(q, k, v, mask=second, backend="native", options=native.NativeOptions(16, 16))
     ref1, _ = reference_attention(q, k, v, mask=Custom(lambda b, h, q, k: k < 20))
     ref2, _ = reference_attention(q, k, v, mask=Custom(lambda b, h, q, k: k < 33))

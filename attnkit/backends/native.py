@@ -32,6 +32,7 @@ from ..csrc import build as csrc_build
 from ..inputs import AttentionInputs
 from ..masks import And, BlockSparse, Causal, Document, KeyPadding, Mask, Padding, SlidingWindow
 from ._common import nonfinite_keys, nonfinite_queries, poison_rows, zero_keys
+from .nonfinite import all_finite
 from ..registry import Backend, register_backend
 from ._tiles import PARTIAL, tile_grid
 
@@ -197,6 +198,7 @@ class Native(Backend):
     summary = "fused C++ online-softmax kernel (CPU): fwd+bwd, skips masked tiles, masks evaluated in the kernel"
     devices = frozenset({"cpu"})
     supports_lse = True
+    nonfinite = "self"  # flagged keys are marked per row in the kernel (same GEMM shapes either way)
     Options = NativeOptions
 
     @classmethod
@@ -229,7 +231,8 @@ class Native(Backend):
         # NaN/Inf contract, row by row: flagged keys are zeroed (a copy only on that rare path) and the
         # kernel marks the rows that keep one. GEMM shapes never depend on the data, so every other row
         # is bitwise what it is without the flag. (A CPU-only kernel: asking the host costs no stall.)
-        bad = nonfinite_keys(inp)
+        clean = all_finite(inp)  # the policy's one cheap check (a CPU kernel: the host may branch)
+        bad = None if clean else nonfinite_keys(inp)
         if bad is not None and not bool(bad.any()):
             bad = None
         q, k, v = inp.q, inp.k, inp.v
@@ -240,9 +243,11 @@ class Native(Backend):
         flags = _EMPTY_BYTE if bad is None else bad.to(torch.uint8).contiguous()
         out, lse, seen = _NativeFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan, flags)
         # a NaN/Inf query makes its own row NaN (a row with no allowed key stays 0), whatever the kernel skips
-        hit = nonfinite_queries(inp.q) & (lse != float("-inf"))
-        if bad is not None:
-            hit = hit | seen.bool()
+        hit = None
+        if not clean:
+            hit = nonfinite_queries(inp.q) & (lse != float("-inf"))
+            if bad is not None:
+                hit = hit | seen.bool()
         out, lse = poison_rows(out, lse, hit)
         out = out.to(inp.dtype)
         return (out, lse) if inp.return_lse else out
