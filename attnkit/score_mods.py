@@ -262,10 +262,10 @@ class CustomScoreMod(ScoreMod):
     def apply(self, score, b, h, q_idx, kv_idx):
         out = self.fn(score, b, h, q_idx, kv_idx)
         if not isinstance(out, Tensor) or not out.is_floating_point():
-            raise TypeError(f"CustomScoreMod({self.name}): fn returned {type(out).__name__}; expected a float tensor.")
+            raise TypeError(f"score_mod: CustomScoreMod({self.name}) returned {type(out).__name__}; expected a float tensor.")
         if out.shape != score.shape:  # a broadcast would silently grow the output (or fail deep in a kernel)
             raise ValueError(
-                f"CustomScoreMod({self.name}): fn returned shape {tuple(out.shape)} for scores of shape "
+                f"score_mod: CustomScoreMod({self.name}) returned shape {tuple(out.shape)} for scores of shape "
                 f"{tuple(score.shape)}; expected the scores' shape (one new score per score). Fix: compute "
                 "elementwise from score and the index tensors, e.g. `score - (q_idx - kv_idx).abs()`, without "
                 "reducing, indexing or adding dimensions."

@@ -355,5 +355,5 @@ def test_a_modifier_returning_the_wrong_shape_is_refused_on_every_backend(backen
     }[wrong]
     q = torch.randn(2, 4, 19, 8)
     k = torch.randn(2, 2, 19, 8)
-    with pytest.raises(ValueError, match=r"fn returned shape .* for scores of shape"):
+    with pytest.raises(ValueError, match=r"score_mod: .* returned shape .* for scores of shape"):
         attnkit.attention(q, k, k, mask=MASKS[backend], score_mod=fn, backend=backend, options=OPTIONS.get(backend))
