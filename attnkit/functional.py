@@ -122,14 +122,18 @@ def attention_weights(
     scale: float | None = None,
     q_offset: int | None = None,
     kv_offset: int = 0,
+    score_mod=None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """The attention probabilities ``(B, Hq, Tq, Tk)`` (rows sum to 1, fully masked rows are 0),
-    computed by the naive backend in float32 (float64 for float64 inputs). Same arguments as
-    :func:`attention`, without ``v``."""
+    """The attention probabilities ``(B, Hq, Tq, Tk)`` (rows sum to 1, fully masked rows are 0;
+    with ``sinks`` a row sums to ``1 - p(sink)`` < 1, as gpt-oss's eager weights), computed by the
+    naive backend in float32 (float64 for float64 inputs). Same arguments as :func:`attention`,
+    without ``v``."""
     from .backends.naive import probabilities
 
     v = k[..., :1]  # a stand-in: the weights do not depend on v
-    inp = AttentionInputs.create(q, k, v, mask=mask, bias=bias, scale=scale, q_offset=q_offset, kv_offset=kv_offset)
+    inp = AttentionInputs.create(q, k, v, mask=mask, bias=bias, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
+                                 score_mod=score_mod, sinks=sinks)
     from .backends._common import poison_rows
 
     probs, _, _, poisoned = probabilities(inp)

@@ -331,3 +331,33 @@ def test_sliding_window_decode_steps_run_on_the_named_sliding_window_backend():
     kw = dict(mask=step.mask, q_offset=step.q_offset, kv_offset=step.kv_offset)
     torch.testing.assert_close(attnkit.attention(q, k, v, backend="sliding_window", **kw),
                                attnkit.attention(q, k, v, backend="naive", **kw))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_output_attentions_weights_include_softcap_and_sinks(family):
+    """The weights HF returns with output_attentions=True are eager's: soft-capped logits (Gemma-2),
+    and the sink's share left out of every row (gpt-oss: rows sum to less than 1)."""
+    model_cls, config = {
+        "gemma2": (transformers.Gemma2ForCausalLM, gemma2_config),
+        "gpt_oss": (transformers.GptOssForCausalLM, gpt_oss_config),
+    }[family]
+    ids, am = batch(T=9, right=False)
+    config = config()
+    if family == "gemma2":
+        config.attn_logit_softcapping = 0.05  # small enough that the cap changes this tiny model's weights
+    weights = {}
+    for impl in ("eager", "attnkit"):
+        torch.manual_seed(0)
+        model = _with_random_sinks(model_cls(config).eval())
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            weights[impl] = model(ids, attention_mask=am, output_attentions=True).attentions
+    assert len(weights["attnkit"]) == 2
+    for ours, eager in zip(weights["attnkit"], weights["eager"]):
+        rows = am.bool()[:, None, :, None].expand_as(ours)  # eager's rows of padding queries are arbitrary
+        torch.testing.assert_close(ours[rows], eager[rows], atol=ATOL, rtol=0)
+        sums = ours.sum(-1)[am.bool()[:, None, :].expand(-1, ours.shape[1], -1)]
+        if family == "gpt_oss":
+            assert bool((sums < 1 - 1e-6).all()) and float(sums.min()) < 0.9  # the sinks keep part of each row's mass
+        else:
+            torch.testing.assert_close(sums, torch.ones_like(sums))

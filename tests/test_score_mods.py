@@ -134,6 +134,21 @@ def test_score_mod_matches_the_formula(backend, mod_name, use_sinks):
         assert (a.double() - b).abs().max() < 1e-4 * max(1.0, b.abs().max().item()), name
 
 
+@pytest.mark.parametrize("mod_name", ["softcap", "chain"])
+def test_attention_weights_apply_score_mods_and_leave_out_the_sinks(mod_name):
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(B, H, T, D, generator=g), torch.randn(B, HKV, T, D, generator=g)
+    params = {"slopes": torch.rand(H, generator=g)}
+    sinks = 2 * torch.randn(H, generator=g)
+    mask = Causal() & KeyPadding([33, 50])
+    probs = attnkit.attention_weights(q, k, mask=mask, score_mod=_mod(mod_name, params), sinks=sinks)
+    eye = torch.eye(T, dtype=torch.float64).expand(B, HKV, T, T)  # p @ I = p
+    keep = mask.materialize(T, T, batch_size=B).expand(B, H, T, T)
+    ref, _ = _reference(q, k, eye, keep, mod_name, params, sinks, D**-0.5)
+    assert (probs.double() - ref).abs().max() < 1e-6
+    assert bool((probs.sum(-1) < 1 - 1e-4).all())  # every row leaves its sink's share out
+
+
 def test_sinks_take_mass_and_a_fully_masked_row_keeps_only_its_sink():
     q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
     sinks = torch.tensor([0.0, 50.0])  # head 1: the sink takes nearly everything

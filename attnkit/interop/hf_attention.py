@@ -186,6 +186,7 @@ def attnkit_attention_forward(
     # Gemma-2/3 soft-cap the scaled logits before the mask; gpt-oss passes its per-head sinks.
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     score_mod = None if softcap is None else SoftCap(float(softcap))
+    sinks = None if sinks is None else sinks.to(query.dtype)
     Tq, Tk = query.shape[2], key.shape[2]
     mask, bias, q_offset, kv_offset = None, position_bias, None, 0
     if isinstance(attention_mask, HFMask):
@@ -218,12 +219,12 @@ def attnkit_attention_forward(
     out = attention(
         query, key, value, mask=mask, bias=bias, scale=scaling, dropout_p=dropout,
         q_offset=q_offset, kv_offset=kv_offset, backend=backend, score_mod=score_mod,
-        sinks=None if sinks is None else sinks.to(query.dtype),
+        sinks=sinks,
     )
     weights = None
     if kwargs.get("output_attentions"):
         weights = attention_weights(query, key, mask=mask, bias=bias, scale=scaling, q_offset=q_offset,
-                                    kv_offset=kv_offset)
+                                    kv_offset=kv_offset, score_mod=score_mod, sinks=sinks)
     return out.transpose(1, 2).contiguous(), weights  # (B, Tq, Hq, Dv)
 
 
