@@ -44,6 +44,8 @@ def attention(
             ``(B, Hq, Tq, Tk)``. A query row with no allowed key yields 0.
         bias: additive float scores broadcastable to ``(B, Hq, Tq, Tk)`` (at least 2-D; ALiBi,
             relative positions). A float32 bias on float16/bfloat16 inputs is used in float32.
+            With a ``score_mod``, its ``-inf`` entries (and those at the dtype's lowest finite value,
+            transformers' "masked" fill) are a mask applied after the modifier, like ``mask=``.
         scale: score scale, a finite float; ``None`` means ``D ** -0.5``.
         dropout_p: dropout on the attention weights (pass 0 at evaluation).
         q_offset, kv_offset: absolute position of the first query and key. The default
@@ -72,7 +74,9 @@ def attention(
         score_mod: a :class:`~attnkit.score_mods.ScoreMod` (``SoftCap(c)``, ``ALiBi(slopes)``,
             ``RelativeBias(table)``, ``CustomScoreMod(fn)``), a list of them applied in order, or a
             callable ``fn(score, b, h, q_idx, kv_idx)`` over absolute positions; applied after
-            ``scale`` and ``bias``, before the mask.
+            ``scale`` and the finite part of ``bias`` (or a float ``attn_mask``), before the mask::
+
+                softmax(where(keep, score_mod(q kᵀ · scale + bias), -inf))
         sinks: ``(Hq,)`` float logits, one per query head (gpt-oss): each joins its rows' softmax
             normaliser and contributes no value, so rows can attend "nothing"; learnable.
         enable_gqa: accepted for SDPA compatibility; grouped K/V heads are always supported.

@@ -275,3 +275,42 @@ def test_alibi_model_passes_no_dense_bias(monkeypatch):
     with torch.no_grad():
         model(torch.randint(0, 40, (1, 9)))
     assert seen and all(b is None for b in seen)
+
+
+def _bias_backends() -> list[str]:
+    from attnkit.registry import list_backends
+
+    return [name for name in MASKS if list_backends()[name].supports_bias]
+
+
+@pytest.mark.parametrize("spelling", ["attn_mask", "bias"])
+@pytest.mark.parametrize("backend", _bias_backends())
+def test_an_additive_mask_masks_after_the_score_mod(backend, spelling):
+    """-inf (or the dtype's lowest value) in a float attn_mask / bias is a mask applied after the
+    modifier; the finite part is a bias applied before it: softmax(mask(cap(s + finite)))."""
+    Tq, Tk, cap = 19, 27, 0.7
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(B, H, Tq, D, generator=g).requires_grad_()
+    k, v = (torch.randn(B, HKV, Tk, D, generator=g) for _ in range(2))
+    keep = torch.rand(B, 1, Tq, Tk, generator=g) > 0.4
+    keep[0, 0, 3] = False  # one fully masked row: 0, as for mask=
+    finite = torch.randn(B, 1, Tq, Tk, generator=g)
+    additive = finite.masked_fill(~keep, float("-inf"))
+    additive[1, 0, :, :2] = torch.finfo(torch.float32).min  # transformers' fill for "masked"
+    keep[1, 0, :, :2] = False
+    kwargs = {spelling: additive}
+    out = attnkit.attention(q, k, v, score_mod=SoftCap(cap), backend=backend, options=OPTIONS.get(backend), **kwargs)
+    kk, vv = (t.double().repeat_interleave(H // HKV, 1) for t in (k, v))
+    s = torch.einsum("bhqd,bhkd->bhqk", q.double(), kk) * D**-0.5 + finite.double()
+    s = (cap * torch.tanh(s / cap)).masked_fill(~keep, float("-inf"))
+    ref = torch.softmax(s, -1).nan_to_num(0.0) @ vv
+    assert (out.double() - ref).abs().max() < 2e-5
+    assert out[0, :, 3].abs().max() == 0
+    grad, = torch.autograd.grad(out.sum(), q)
+    ref_grad, = torch.autograd.grad(ref.sum(), q)
+    assert (grad.double() - ref_grad).abs().max() < 1e-4
+    poisoned = additive.clone()
+    poisoned[0, 0, 5, keep[0, 0, 5].nonzero()[0, 0]] = float("nan")  # NaN where row 5 may look
+    out = attnkit.attention(q.detach(), k, v, score_mod=SoftCap(cap), backend=backend, options=OPTIONS.get(backend),
+                            **{spelling: poisoned})
+    assert torch.isnan(out[0, :, 5]).all() and not torch.isnan(out[0, :, 6]).any()
