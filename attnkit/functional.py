@@ -47,6 +47,8 @@ def attention(
             ``(B, Hq, Tq, Tk)``. A query row with no allowed key yields 0.
         bias: additive float scores broadcastable to ``(B, Hq, Tq, Tk)`` (at least 2-D; ALiBi,
             relative positions). A float32 bias on float16/bfloat16 inputs is used in float32.
+            With a ``score_mod``, its ``-inf`` entries (and those at the dtype's lowest finite value,
+            transformers' "masked" fill) are a mask applied after the modifier, like ``mask=``.
         scale: score scale, a finite float; ``None`` means ``D ** -0.5``.
         dropout_p: dropout on the attention weights (pass 0 at evaluation).
         q_offset, kv_offset: absolute position of the first query and key. The default
@@ -75,7 +77,9 @@ def attention(
         score_mod: a :class:`~attnkit.score_mods.ScoreMod` (``SoftCap(c)``, ``ALiBi(slopes)``,
             ``RelativeBias(table)``, ``CustomScoreMod(fn)``), a list of them applied in order, or a
             callable ``fn(score, b, h, q_idx, kv_idx)`` over absolute positions; applied after
-            ``scale`` and ``bias``, before the mask.
+            ``scale`` and the finite part of ``bias`` (or a float ``attn_mask``), before the mask::
+
+                softmax(where(keep, score_mod(q kᵀ · scale + bias), -inf))
         sinks: ``(Hq,)`` float logits, one per query head (gpt-oss): each joins its rows' softmax
             normaliser and contributes no value, so rows can attend "nothing"; learnable.
         enable_gqa: accepted for SDPA compatibility; grouped K/V heads are always supported.
@@ -169,13 +173,17 @@ def attention_weights(
     scale: float | None = None,
     q_offset: int | None = None,
     kv_offset: int = 0,
+    score_mod=None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """The attention probabilities ``(B, Hq, Tq, Tk)`` (rows sum to 1, fully masked rows are 0),
-    computed by the naive backend in float32 (float64 for float64 inputs). Same arguments as
-    :func:`attention`, without ``v``."""
+    """The attention probabilities ``(B, Hq, Tq, Tk)`` (rows sum to 1, fully masked rows are 0;
+    with ``sinks`` a row sums to ``1 - p(sink)`` < 1, as gpt-oss's eager weights), computed by the
+    naive backend in float32 (float64 for float64 inputs). Same arguments as :func:`attention`,
+    without ``v``."""
     from .backends.naive import NaiveBackend, NaiveOptions
 
     v = k[..., :1]  # a stand-in: the weights do not depend on v
-    inp = AttentionInputs.create(q, k, v, mask=mask, bias=bias, scale=scale, q_offset=q_offset, kv_offset=kv_offset)
+    inp = AttentionInputs.create(q, k, v, mask=mask, bias=bias, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
+                                 score_mod=score_mod, sinks=sinks)
     # Through the NaN/Inf policy like attention(): rows that may attend a NaN/Inf key are NaN.
     return nonfinite.run(NaiveBackend, inp, NaiveOptions(return_weights=True))[-1]

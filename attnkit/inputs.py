@@ -15,7 +15,7 @@ from .kv_handle import KVHandle
 from .masks import Dense, Mask, as_mask
 from .score_mods import ScoreMod, as_score_mod, check_sinks
 
-__all__ = ["AttentionInputs", "FLOAT_DTYPES"]
+__all__ = ["AttentionInputs", "FLOAT_DTYPES", "split_additive_mask"]
 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _INF = float("inf")
@@ -57,6 +57,18 @@ def _sdpa_arguments(attn_mask, is_causal, mask, bias, q_offset, kv_offset):
         return mask, attn_mask, q_offset, kv_offset
     raise TypeError(f"attn_mask: expected dtype torch.bool (True = attend) or a float dtype (added to the scores), "
                     f"got {attn_mask.dtype}.")
+
+
+def split_additive_mask(bias: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """An additive float mask as ``(keep, finite)``: ``keep`` (bool, True = attend) is False where
+    ``bias`` is ``-inf`` or the dtype's lowest finite value (the fill transformers and others use for
+    "masked"), ``finite`` is ``bias`` with those entries 0. Either is None when it would change
+    nothing (everything kept; no nonzero finite entry). ``softmax(s + bias)`` equals
+    ``softmax(s + finite)`` under ``keep``; the split lets a score modifier run between the two,
+    so a masked key stays masked (soft-capping ``-inf`` would give ``-cap``, a finite score)."""
+    keep = ~(bias <= torch.finfo(bias.dtype).min)  # NaN stays in ``finite``: it must still poison its row
+    finite = torch.where(keep, bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
+    return (None if bool(keep.all()) else keep), (finite if bool(finite.any()) else None)
 
 
 def _check_tensor(name: str, x, expected: str) -> None:
@@ -280,6 +292,14 @@ class AttentionInputs:
         if score_mod is not None:
             score_mod = as_score_mod(score_mod)
             score_mod.validate(B, Hq, device)
+            if bias is not None:
+                # Masking comes after the modifier: the bias's -inf entries are a mask, not scores
+                # to modify (SoftCap would turn them into -cap).
+                keep, bias = split_additive_mask(bias)
+                if keep is not None:
+                    extra = as_mask(keep, "bias")
+                    extra.validate(B, Hq, Tq, Tk, q_offset, kv_offset)
+                    mask = extra if mask is None else mask & extra
         if sinks is not None:
             sinks = check_sinks(sinks, Hq, device)
         if kv_finite is not None and kv_finite is not True and kv_finite is not False:

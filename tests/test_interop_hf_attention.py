@@ -339,3 +339,56 @@ def test_sliding_window_decode_steps_run_on_the_named_sliding_window_backend():
     kw = dict(mask=step.mask, q_offset=step.q_offset, kv_offset=step.kv_offset)
     torch.testing.assert_close(attnkit.attention(q, k, v, backend="sliding_window", **kw),
                                attnkit.attention(q, k, v, backend="naive", **kw))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_output_attentions_weights_include_softcap_and_sinks(family):
+    """The weights HF returns with output_attentions=True are eager's: soft-capped logits (Gemma-2),
+    and the sink's share left out of every row (gpt-oss: rows sum to less than 1)."""
+    model_cls, config = {
+        "gemma2": (transformers.Gemma2ForCausalLM, gemma2_config),
+        "gpt_oss": (transformers.GptOssForCausalLM, gpt_oss_config),
+    }[family]
+    ids, am = batch(T=9, right=False)
+    config = config()
+    if family == "gemma2":
+        config.attn_logit_softcapping = 0.05  # small enough that the cap changes this tiny model's weights
+    weights = {}
+    for impl in ("eager", "attnkit"):
+        torch.manual_seed(0)
+        model = _with_random_sinks(model_cls(config).eval())
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            weights[impl] = model(ids, attention_mask=am, output_attentions=True).attentions
+    assert len(weights["attnkit"]) == 2
+    for ours, eager in zip(weights["attnkit"], weights["eager"]):
+        rows = am.bool()[:, None, :, None].expand_as(ours)  # eager's rows of padding queries are arbitrary
+        torch.testing.assert_close(ours[rows], eager[rows], atol=ATOL, rtol=0)
+        sums = ours.sum(-1)[am.bool()[:, None, :].expand(-1, ours.shape[1], -1)]
+        if family == "gpt_oss":
+            assert bool((sums < 1 - 1e-6).all()) and float(sums.min()) < 0.9  # the sinks keep part of each row's mass
+        else:
+            torch.testing.assert_close(sums, torch.ones_like(sums))
+
+
+@pytest.mark.parametrize("fill,finite", [("min", False), ("-inf", True)], ids=["finfo-min", "-inf-and-finite-part"])
+def test_gemma2_with_a_4d_float_mask_soft_caps_before_masking_like_eager(fill, finite):
+    """A 4-D float mask handed to Gemma-2: eager soft-caps the scores, then adds the mask, so a masked
+    key gets weight 0 (not the weight of a score of -cap) and a finite part lands after the cap."""
+    config = gemma2_config()
+    config.attn_logit_softcapping = 0.5  # small: the cap shapes this tiny model's scores
+    B, T = 3, 12
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 100, (B, T), generator=g)
+    keep = torch.ones(B, 1, T, T, dtype=torch.bool).tril()
+    if not finite:
+        keep[1, :, :, :4] = False  # left padding: the first 4 queries of row 1 see nothing
+    keep[2, :, 6:, 2:5] = False  # holes
+    value = torch.finfo(torch.float32).min if fill == "min" else float("-inf")
+    bias = -2 * torch.rand(B, 1, T, T, generator=g) if finite else torch.zeros(B, 1, T, T)
+    mask4d = bias.masked_fill(~keep, value)
+    outs = _outputs(transformers.Gemma2ForCausalLM, config, ("eager", "attnkit"), input_ids=ids, attention_mask=mask4d)
+    rows = keep.any(-1)[:, 0]  # query rows that see a key (eager's fully masked rows are arbitrary)
+    assert rows.sum() < B * T or finite
+    err = (outs["attnkit"] - outs["eager"])[rows].abs().max().item()
+    assert err <= ATOL, f"attnkit vs eager: {err}"

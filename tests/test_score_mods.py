@@ -134,6 +134,21 @@ def test_score_mod_matches_the_formula(backend, mod_name, use_sinks):
         assert (a.double() - b).abs().max() < 1e-4 * max(1.0, b.abs().max().item()), name
 
 
+@pytest.mark.parametrize("mod_name", ["softcap", "chain"])
+def test_attention_weights_apply_score_mods_and_leave_out_the_sinks(mod_name):
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(B, H, T, D, generator=g), torch.randn(B, HKV, T, D, generator=g)
+    params = {"slopes": torch.rand(H, generator=g)}
+    sinks = 2 * torch.randn(H, generator=g)
+    mask = Causal() & KeyPadding([33, 50])
+    probs = attnkit.attention_weights(q, k, mask=mask, score_mod=_mod(mod_name, params), sinks=sinks)
+    eye = torch.eye(T, dtype=torch.float64).expand(B, HKV, T, T)  # p @ I = p
+    keep = mask.materialize(T, T, batch_size=B).expand(B, H, T, T)
+    ref, _ = _reference(q, k, eye, keep, mod_name, params, sinks, D**-0.5)
+    assert (probs.double() - ref).abs().max() < 1e-6
+    assert bool((probs.sum(-1) < 1 - 1e-4).all())  # every row leaves its sink's share out
+
+
 def test_sinks_take_mass_and_a_fully_masked_row_keeps_only_its_sink():
     q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
     sinks = torch.tensor([0.0, 50.0])  # head 1: the sink takes nearly everything
@@ -357,3 +372,42 @@ def test_a_modifier_returning_the_wrong_shape_is_refused_on_every_backend(backen
     k = torch.randn(2, 2, 19, 8)
     with pytest.raises(ValueError, match=r"score_mod: .* returned shape .* for scores of shape"):
         attnkit.attention(q, k, k, mask=MASKS[backend], score_mod=fn, backend=backend, options=OPTIONS.get(backend))
+
+
+def _bias_backends() -> list[str]:
+    from attnkit.registry import list_backends
+
+    return [name for name in MASKS if list_backends()[name].supports_bias]
+
+
+@pytest.mark.parametrize("spelling", ["attn_mask", "bias"])
+@pytest.mark.parametrize("backend", _bias_backends())
+def test_an_additive_mask_masks_after_the_score_mod(backend, spelling):
+    """-inf (or the dtype's lowest value) in a float attn_mask / bias is a mask applied after the
+    modifier; the finite part is a bias applied before it: softmax(mask(cap(s + finite)))."""
+    Tq, Tk, cap = 19, 27, 0.7
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(B, H, Tq, D, generator=g).requires_grad_()
+    k, v = (torch.randn(B, HKV, Tk, D, generator=g) for _ in range(2))
+    keep = torch.rand(B, 1, Tq, Tk, generator=g) > 0.4
+    keep[0, 0, 3] = False  # one fully masked row: 0, as for mask=
+    finite = torch.randn(B, 1, Tq, Tk, generator=g)
+    additive = finite.masked_fill(~keep, float("-inf"))
+    additive[1, 0, :, :2] = torch.finfo(torch.float32).min  # transformers' fill for "masked"
+    keep[1, 0, :, :2] = False
+    kwargs = {spelling: additive}
+    out = attnkit.attention(q, k, v, score_mod=SoftCap(cap), backend=backend, options=OPTIONS.get(backend), **kwargs)
+    kk, vv = (t.double().repeat_interleave(H // HKV, 1) for t in (k, v))
+    s = torch.einsum("bhqd,bhkd->bhqk", q.double(), kk) * D**-0.5 + finite.double()
+    s = (cap * torch.tanh(s / cap)).masked_fill(~keep, float("-inf"))
+    ref = torch.softmax(s, -1).nan_to_num(0.0) @ vv
+    assert (out.double() - ref).abs().max() < 2e-5
+    assert out[0, :, 3].abs().max() == 0
+    grad, = torch.autograd.grad(out.sum(), q)
+    ref_grad, = torch.autograd.grad(ref.sum(), q)
+    assert (grad.double() - ref_grad).abs().max() < 1e-4
+    poisoned = additive.clone()
+    poisoned[0, 0, 5, keep[0, 0, 5].nonzero()[0, 0]] = float("nan")  # NaN where row 5 may look
+    out = attnkit.attention(q.detach(), k, v, score_mod=SoftCap(cap), backend=backend, options=OPTIONS.get(backend),
+                            **{spelling: poisoned})
+    assert torch.isnan(out[0, :, 5]).all() and not torch.isnan(out[0, :, 6]).any()

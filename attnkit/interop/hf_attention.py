@@ -34,8 +34,9 @@ import torch
 from torch import Tensor
 
 from ..functional import attention, attention_weights
+from ..inputs import split_additive_mask
 from ..masks import And, Causal, Dense, Document, KeyPadding, Mask, Padding, SlidingWindow
-from ..score_mods import SoftCap
+from ..score_mods import CustomScoreMod, SoftCap
 from ._deps import require
 
 __all__ = ["HFMask", "attnkit_mask", "attnkit_attention_forward", "register_hf_attention", "NAME"]
@@ -191,6 +192,19 @@ def attnkit_mask(
     return HFMask(mask, q_offset, kv_offset, shape)
 
 
+def _added(scores: Tensor, q_offset: int, kv_offset: int) -> CustomScoreMod:
+    """A score modifier adding ``scores (B|1, H|1, Tq, Tk)``, indexed relative to the call."""
+    Tq, Tk = scores.shape[-2:]
+
+    def add(score, b, h, q_idx, kv_idx):
+        b = b if scores.shape[0] > 1 else b * 0
+        h = h if scores.shape[1] > 1 else h * 0
+        i, j = (q_idx - q_offset).clamp(0, Tq - 1), (kv_idx - kv_offset).clamp(0, Tk - 1)
+        return score + scores[b, h, i, j].to(score.dtype)
+
+    return CustomScoreMod(add, name="float attention_mask")
+
+
 def attnkit_attention_forward(
     module: torch.nn.Module,
     query: Tensor,
@@ -214,6 +228,7 @@ def attnkit_attention_forward(
     # Gemma-2/3 soft-cap the scaled logits before the mask; gpt-oss passes its per-head sinks.
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     score_mod = None if softcap is None else SoftCap(float(softcap))
+    sinks = None if sinks is None else sinks.to(query.dtype)
     Tq, Tk = query.shape[2], key.shape[2]
     mask, bias, q_offset, kv_offset = None, position_bias, None, 0
     if isinstance(attention_mask, HFMask):
@@ -227,8 +242,16 @@ def attnkit_attention_forward(
     elif isinstance(attention_mask, Tensor):
         if attention_mask.dtype == torch.bool:
             mask = Dense(attention_mask[..., :Tk])
-        else:  # an additive float mask (HF's eager convention): a bias
+        elif score_mod is None:  # an additive float mask (HF's eager convention): a bias
             bias = attention_mask[..., :Tk] if bias is None else bias + attention_mask[..., :Tk]
+        else:
+            # Eager soft-caps the scores, then adds the float mask: its -inf part is a mask (after
+            # the cap), and its finite part is added after the cap too.
+            keep, added = split_additive_mask(attention_mask[..., :Tk])
+            mask = None if keep is None else Dense(keep)
+            if added is not None:
+                q_offset = Tk - Tq
+                score_mod = score_mod >> _added(added, q_offset, kv_offset)
     elif attention_mask is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         if causal and Tq > 1:
@@ -246,12 +269,12 @@ def attnkit_attention_forward(
     out = attention(
         query, key, value, mask=mask, bias=bias, scale=scaling, dropout_p=dropout,
         q_offset=q_offset, kv_offset=kv_offset, backend=backend, score_mod=score_mod,
-        sinks=None if sinks is None else sinks.to(query.dtype),
+        sinks=sinks,
     )
     weights = None
     if kwargs.get("output_attentions"):
         weights = attention_weights(query, key, mask=mask, bias=bias, scale=scaling, q_offset=q_offset,
-                                    kv_offset=kv_offset)
+                                    kv_offset=kv_offset, score_mod=score_mod, sinks=sinks)
     return out.transpose(1, 2).contiguous(), weights  # (B, Tq, Hq, Dv)
 
 
