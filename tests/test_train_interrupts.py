@@ -123,6 +123,13 @@ def _next_argv(text, out, steps):
     return _resume_argv(out)
 
 
+def _pid_alive(name: str) -> bool:
+    from attnkit.train.files import _TEMP, _alive
+
+    match = _TEMP.match(name)
+    return match is not None and _alive(int(match.group(1)))
+
+
 @pytest.mark.slow
 def test_sigkill_at_random_moments_always_resumes_with_resume_run_and_equals_the_straight_run(tmp_path, text):
     steps, rng = 80, random.Random(20)
@@ -151,7 +158,9 @@ def test_sigkill_at_random_moments_always_resumes_with_resume_run_and_equals_the
     assert kills >= 20
     assert _wait(_fork_cli(_next_argv(text, out, steps), log)) == 0, open(log).read()
     assert _losses(out) == want  # bitwise: each step's loss is the straight run's
-    assert [n for n in os.listdir(out) if n.startswith(".")] == []
+    # no debris, except a killed writer's temporary whose pid a live process has taken since
+    # (the cleaner cannot tell it from a save in progress, and rightly keeps it)
+    assert [n for n in os.listdir(out) if n.startswith(".") and not _pid_alive(n)] == []
 
 
 def test_a_kill_between_the_step_rename_and_latest_resumes_the_newer_step(tmp_path):
