@@ -32,7 +32,8 @@ from ..csrc import build as csrc_build
 from ..inputs import AttentionInputs
 from ..masks import And, BlockSparse, Causal, Document, KeyPadding, Mask, Padding, SlidingWindow
 from ._common import nonfinite_keys, nonfinite_queries, poison_rows, zero_keys
-from .nonfinite import all_finite
+from . import native_ops
+from .nonfinite import all_finite, host_may_branch
 from ..registry import Backend, register_backend
 from ._tiles import PARTIAL, tile_grid
 
@@ -70,9 +71,17 @@ def load_extension():
                       "rebuild here with `python -m attnkit.csrc.build`")
     try:
         torch.ops.load_library(str(path))
+        native_ops.register()  # fake kernels and autograd: traceable by torch.compile
         return getattr(torch.ops, csrc_build.NAME), None
     except (ImportError, OSError, RuntimeError) as exc:
         return None, f"native extension not built: it fails to load ({exc})"
+
+
+@torch.compiler.assume_constant_result
+def unavailable_reason() -> str:
+    """Why the extension cannot run (``""`` when it can): a constant to ``torch.compile``, which
+    then neither traces the file checks nor breaks the graph on them."""
+    return load_extension()[1] or ""
 
 
 _EMPTY_LONG = torch.empty(0, dtype=torch.long)
@@ -155,6 +164,9 @@ def plan_for(inp: AttentionInputs, options: NativeOptions) -> _Plan:
     on mask equality: two ``Custom`` masks with one function that reads changing state compare equal
     but must each get their own plan."""
     mask = inp.mask
+    if torch.compiler.is_compiling():  # traced once per graph: no Python-side cache (as masks' own caches)
+        return _build_plan(mask, inp.B, inp.Hq, inp.Tq, inp.Tk, inp.q_offset, inp.kv_offset, options.block_q,
+                           options.block_k)
     key = (id(mask), None if mask is None else mask.structure_key(), inp.B, inp.Hq, inp.Tq, inp.Tk, inp.q_offset,
            inp.kv_offset, options.block_q, options.block_k)
     entry = _PLANS.get(key)
@@ -164,32 +176,6 @@ def plan_for(inp: AttentionInputs, options: NativeOptions) -> _Plan:
         entry = _PLANS[key] = (mask, _build_plan(mask, inp.B, inp.Hq, inp.Tq, inp.Tk, inp.q_offset, inp.kv_offset,
                                                  options.block_q, options.block_k))
     return entry[1]
-
-
-class _NativeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, scale, plan, flags):
-        ext, _ = load_extension()
-        out, lse, seen = ext.forward(q, k, v, scale, plan.q_offset, plan.kv_offset, plan.block_q, plan.block_k,
-                                     *plan.args, flags)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.plan = scale, plan
-        ctx.mark_non_differentiable(seen)
-        return out, lse, seen
-
-    @staticmethod
-    def backward(ctx, dout, dlse, dseen):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan = ctx.plan
-        # delta_i = sum_j p_ij dp_ij = rowsum(dout * out); the LSE's own gradient enters as -dlse.
-        dout = dout.contiguous()
-        delta = (dout * out).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse
-        ext, _ = load_extension()
-        dq, dk, dv = ext.backward(q, k, v, dout, lse, delta.contiguous(), ctx.scale, plan.q_offset, plan.kv_offset,
-                                  plan.block_q, plan.block_k, *plan.args)
-        return dq, dk, dv, None, None, None
 
 
 @register_backend
@@ -203,11 +189,11 @@ class Native(Backend):
 
     @classmethod
     def available(cls) -> bool:
-        return load_extension()[0] is not None
+        return not unavailable_reason()
 
     @classmethod
     def extra_reasons(cls, inp: AttentionInputs):
-        reason = load_extension()[1]
+        reason = unavailable_reason()
         if reason:
             yield reason
 
@@ -230,10 +216,13 @@ class Native(Backend):
         plan = plan_for(inp, options)
         # NaN/Inf contract, row by row: flagged keys are zeroed (a copy only on that rare path) and the
         # kernel marks the rows that keep one. GEMM shapes never depend on the data, so every other row
-        # is bitwise what it is without the flag. (A CPU-only kernel: asking the host costs no stall.)
-        clean = all_finite(inp)  # the policy's one cheap check (a CPU kernel: the host may branch)
+        # is bitwise what it is without the flag. Eager, the host branches on the policy's one cheap
+        # check (a CPU kernel: asking costs no stall); traced (torch.compile, torch.func) nothing is read
+        # on the host: keys are flagged and rows marked unconditionally, which changes no finite result.
+        host = host_may_branch(inp)
+        clean = host and all_finite(inp)
         bad = None if clean else nonfinite_keys(inp)
-        if bad is not None and not bool(bad.any()):
+        if host and bad is not None and not bool(bad.any()):
             bad = None
         q, k, v = inp.q, inp.k, inp.v
         if bad is not None:
@@ -241,7 +230,9 @@ class Native(Backend):
         if inp.dtype in (torch.float16, torch.bfloat16):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
         flags = _EMPTY_BYTE if bad is None else bad.to(torch.uint8).contiguous()
-        out, lse, seen = _NativeFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan, flags)
+        out, lse, seen = torch.ops.attnkit_native.forward(
+            q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan.q_offset, plan.kv_offset, plan.block_q,
+            plan.block_k, *plan.args, flags)
         # a NaN/Inf query makes its own row NaN (a row with no allowed key stays 0), whatever the kernel skips
         hit = None
         if not clean:
