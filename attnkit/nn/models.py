@@ -139,7 +139,9 @@ class Encoder(PretrainedModel, nn.Module):
         full_mask = _and(None, mask)
         if attention_mask is not None:
             valid = _check_attention_mask(attention_mask, B, T, "T")
-            if not bool(valid.all()):  # no padding, no mask: backends keep their unmasked fast path (as HF)
+            # no padding, no mask: backends keep their unmasked fast path (as HF); traced, the host does
+            # not look (a Padding that keeps every key is the same attention)
+            if torch.compiler.is_compiling() or not bool(valid.all()):
                 full_mask = _and(full_mask, Padding(valid))
         x = self.embed(input_ids, positions=positions, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids)
         hidden = [x]
