@@ -25,7 +25,7 @@ from .functional import attention
 from .masks import UNBOUNDED, Causal, Custom, Document, Mask, as_mask
 from .score_mods import CustomScoreMod, as_score_mod
 
-__all__ = ["varlen_attention", "seq_ids"]
+__all__ = ["varlen_attention", "seq_ids", "check_packed_offsets"]
 
 
 def seq_ids(cu_seqlens: Tensor, total: int) -> Tensor:
@@ -41,11 +41,20 @@ def _check_cu(cu: Tensor, total: int, name: str) -> None:
                         f"got {getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}.")
     if cu.device.type != "cpu" or torch.compiler.is_compiling():
         return  # values are read on the host only where that costs no device stall and no graph break
+    check_packed_offsets(cu, total, name)
+
+
+def check_packed_offsets(cu: Tensor, total: int, name: str = "cu_seqlens") -> list[int]:
+    """The sequence lengths of offsets ``cu`` over ``total`` packed tokens, read on the host, or a
+    ``TypeError``/``ValueError`` naming ``name`` that says what is wrong and how to build them."""
+    if not isinstance(cu, Tensor) or cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or cu.numel() < 2:
+        _check_cu(cu, total, name)  # raises
     values = cu.tolist()
     if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
         raise ValueError(f"{name}: expected non-decreasing offsets from 0 to the packed length {total}, got "
                          f"{values[:8]}{' ...' if len(values) > 8 else ''}. Fix: cu_seqlens = "
                          "torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).")
+    return [b - a for a, b in zip(values, values[1:])]
 
 
 def _check_packed(x: Tensor, name: str) -> None:

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..kv_handle import KVHandle
+from ..kv_handle import KVHandle, dequantize_int8
 from .direct import DirectLayerCache, nbytes
 from .kv import KVCache
 from .layers import _check_kv, all_finite
@@ -179,6 +179,18 @@ class PagedLayerCache(DirectLayerCache):
                 f"k: batch size {k.shape[0]} but {len(active)} sequences are selected ({active}). "
                 "Fix: cache.select(seq_ids) with one id per batch row before the forward."
             )
+        self._check_held(k, v)
+        T = k.shape[2]
+        if T == 0:
+            raise ValueError("k: expected at least one new token (Tnew >= 1), got 0.")
+        before = self.row_lengths()
+        k_rows = k.transpose(0, 1).reshape(k.shape[1], -1, k.shape[3])  # (Hkv, B*T, D), row-major tokens
+        v_rows = v.transpose(0, 1).reshape(v.shape[1], -1, v.shape[3])
+        self._write(k_rows, v_rows, [T] * len(active))
+        return before
+
+    def _check_held(self, k: Tensor, v: Tensor) -> None:
+        """Allocate the pools for ``(B, Hkv, T, ·)`` keys and values, or check that they match them."""
         if self.k is None:
             self._allocate(k, v)
         held = (self.k.shape[0], self.k.shape[3], self.v.shape[3])
@@ -187,20 +199,28 @@ class PagedLayerCache(DirectLayerCache):
                 f"k, v: this paged cache holds (Hkv, D, Dv) = {held} from {self.dtype} keys, got "
                 f"{(k.shape[1], k.shape[3], v.shape[3])} in {k.dtype}/{v.dtype}. Fix: one cache per model."
             )
-        T, bs = k.shape[2], self.pool.block_size
-        if T == 0:
-            raise ValueError("k: expected at least one new token (Tnew >= 1), got 0.")
-        before = self.row_lengths()
+
+    def _slots(self, spans: list[tuple[int, int, int]], writable: bool) -> tuple[Tensor, Tensor]:
+        """Block and slot ids ``(N,)`` of the positions ``start .. stop-1`` of each ``(seq, start, stop)``,
+        in order; ``writable`` allocates (and copies shared blocks on write) first."""
+        bs = self.pool.block_size
         blocks, slots = [], []
-        for seq, L in zip(active, before):
-            ids = {j: self.pool.writable(seq, j) for j in range(L // bs, (L + T - 1) // bs + 1)}  # one per block
-            blocks += [ids[p // bs] for p in range(L, L + T)]
-            slots += [p % bs for p in range(L, L + T)]
-        blocks_t = torch.tensor(blocks, device=k.device)
-        slots_t = torch.tensor(slots, device=k.device)
-        k_rows = k.transpose(0, 1).reshape(k.shape[1], -1, k.shape[3])  # (Hkv, B*T, D), row-major tokens
-        v_rows = v.transpose(0, 1).reshape(v.shape[1], -1, v.shape[3])
-        finite = all_finite(k, v)
+        for seq, start, stop in spans:
+            if writable:  # one call per block
+                ids = {j: self.pool.writable(seq, j) for j in range(start // bs, (stop - 1) // bs + 1)}
+            else:
+                ids = self.pool.tables[seq]
+            blocks += [ids[p // bs] for p in range(start, stop)]
+            slots += [p % bs for p in range(start, stop)]
+        return torch.tensor(blocks, device=self.k.device), torch.tensor(slots, device=self.k.device)
+
+    def _write(self, k_rows: Tensor, v_rows: Tensor, counts: list[int]) -> None:
+        """Append ``counts[i]`` tokens to the i-th selected sequence from ``k_rows (Hkv, sum(counts), D)``
+        (token-major, sequence after sequence) and ``v_rows``."""
+        before = self.row_lengths()
+        blocks_t, slots_t = self._slots([(seq, L, L + n) for seq, L, n in zip(self.pool.active, before, counts)],
+                                        writable=True)
+        finite = all_finite(k_rows, v_rows)
         self.finite = self.finite and finite
         if self.quantize:
             (k_rows, ks), (v_rows, vs) = quantize_int8(k_rows, finite), quantize_int8(v_rows, finite)
@@ -208,9 +228,57 @@ class PagedLayerCache(DirectLayerCache):
             self.v_scale[:, blocks_t, slots_t] = vs
         self.k[:, blocks_t, slots_t] = k_rows
         self.v[:, blocks_t, slots_t] = v_rows
-        for seq, L in zip(active, before):
-            self.lengths[seq] = L + T
-        return before
+        for seq, L, n in zip(self.pool.active, before, counts):
+            self.lengths[seq] = L + n
+
+    def update_packed(self, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Append a packed batch in one call: ``k (total_new, Hkv, D)``, ``v (total_new, Hkv, Dv)`` hold
+        the new tokens of the selected sequences one after another (flash-attn's varlen layout), the
+        i-th selected sequence's at rows ``cu_seqlens[i] .. cu_seqlens[i+1]-1``. Returns
+        ``(k_all, v_all, cu_seqlens_k)``: every token each selected sequence now holds, packed the
+        same way, for :func:`attnkit.varlen_attention` with ``causal=True`` (each prompt attends only
+        its own tokens, bottom-right aligned, so a prompt appended to a held prefix continues it)::
+
+            cache.select(seqs)
+            k_all, v_all, cu_k = layer.update_packed(k, v, cu)
+            out = attnkit.varlen_attention(q, k_all, v_all, cu, cu_k, causal=True)
+
+        Over empty sequences ``k_all, v_all, cu_seqlens_k`` are ``k, v, cu_seqlens`` themselves (full
+        precision, and the same offsets tensor: varlen's fast packed self-attention). Decoding then
+        continues per sequence with :meth:`update` on ``(B, Hkv, 1, D)`` rows."""
+        from ..varlen import check_packed_offsets
+
+        for x, name in ((k, "k"), (v, "v")):
+            if not isinstance(x, Tensor) or x.dim() != 3:
+                raise ValueError(f"{name}: expected packed (total_tokens, Hkv, D) keys/values, got "
+                                 f"{tuple(getattr(x, 'shape', ()))}. Fix: (B, Hkv, T, D) batches go to update().")
+        counts = check_packed_offsets(cu_seqlens, k.shape[0], "cu_seqlens")
+        active = self.pool.active
+        if len(counts) != len(active):
+            raise ValueError(f"cu_seqlens: {len(counts)} packed sequences but {len(active)} are selected ({active}). "
+                             "Fix: cache.select(seq_ids) with one id per packed sequence, in order.")
+        if v.shape[0] != k.shape[0] or any(n == 0 for n in counts):
+            raise ValueError(f"k, v, cu_seqlens: expected >= 1 new token per sequence and as many values as keys, "
+                             f"got lengths {counts}, {k.shape[0]} keys, {v.shape[0]} values.")
+        rows_k, rows_v = k.detach().transpose(0, 1), v.detach().transpose(0, 1)  # (Hkv, total, D)
+        self._check_held(rows_k[None], rows_v[None])
+        before = self.row_lengths()
+        try:
+            self._write(rows_k, rows_v, counts)
+        except Exception:  # all or nothing across the model's layers, as update()
+            self.rollback_siblings()
+            raise
+        if not any(before):  # a prefill over empty sequences: the new keys are all there is
+            return k, v, cu_seqlens
+        held = [L + n for L, n in zip(before, counts)]
+        blocks_t, slots_t = self._slots([(seq, 0, n) for seq, n in zip(active, held)], writable=False)
+        pages = []
+        for pool, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            x = pool[:, blocks_t, slots_t]  # (Hkv, total_held, D)
+            x = x if scales is None else dequantize_int8(x, scales[:, blocks_t, slots_t], self.dtype)
+            pages.append(x.transpose(0, 1))  # (total_held, Hkv, D)
+        cu_k = torch.tensor([0] + held, device=cu_seqlens.device).cumsum(0).to(cu_seqlens.dtype)
+        return pages[0], pages[1], cu_k
 
     def block_table(self) -> Tensor:
         """``(B, nb)`` block ids of the selected rows (padded with block 0, hidden by the mask)."""
