@@ -1,7 +1,9 @@
-"""Packed variable-length attention, forward + backward: varlen vs padding vs one call per sequence.
+"""Packed variable-length attention, forward + backward: varlen vs padding vs one call per sequence;
+recompiles under ``torch.compile(dynamic=True)``; Hugging Face packed vs padded training steps.
 
     python benchmarks/bench_varlen.py                       # 16 sequences of 64..2048 tokens, fp32 and bf16
     python benchmarks/bench_varlen.py --sequences 4 --max-length 256 --repeats 1   # a quick look
+    python benchmarks/bench_varlen.py --sections recompiles,hf                     # the other two figures
 
 Three ways to run the same causal attention over a batch of sequences of different lengths, timed in
 one process with the cases interleaved (``torch.utils.benchmark``, the median of ``--repeats`` rounds):
@@ -12,6 +14,16 @@ one process with the cases interleaved (``torch.utils.benchmark``, the median of
 * ``per sequence``: one ``F.scaled_dot_product_attention(is_causal=True)`` call per sequence.
 
 Prints times and the ratios against varlen, and the load average.
+
+``recompiles``: ``varlen_attention`` (causal, forward + backward) compiled once with
+``torch.compile(dynamic=True)`` (``fullgraph=True`` on ``native`` when it is built), then called on
+``--batches`` random packed batches (2..8 sequences, 1000..1100 tokens in all); prints how many graphs
+were compiled and how many recompiles that took (the aim: at most 1), checking each output against eager.
+``--compile-backend aot_eager`` (default) traces what inductor would without generating code.
+
+``hf``: a tiny random Llama (transformers, ``attn_implementation="attnkit"``) trained one step at a time
+on the same sequences as a padded batch and as a ``DataCollatorWithFlattening`` packed batch: the time
+ratio padded / packed (interleaved, median of ``--repeats``) and the loss difference.
 """
 
 from __future__ import annotations
@@ -61,6 +73,85 @@ def cases(lengths, H, D, dtype):
     return {"varlen": run_varlen, "padded sdpa": run_padded, "per sequence": run_loop}
 
 
+def recompiles(args):
+    from torch._dynamo.utils import counters
+
+    backend = "native" if attnkit.get_backend("native").available() else "auto"
+    H, D = args.heads, args.head_dim
+
+    def step(q, k, v, cu, longest):
+        return attnkit.varlen_attention(q, k, v, cu, cu, longest, longest, causal=True, backend=backend)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, dynamic=True, fullgraph=backend == "native", backend=args.compile_backend)
+    g = torch.Generator().manual_seed(2)
+    worst = 0.0
+    for _ in range(args.batches):
+        n = int(torch.randint(2, 9, (), generator=g))
+        total = int(torch.randint(1000, 1101, (), generator=g))
+        cuts = torch.randperm(total - 1, generator=g)[: n - 1].sort().values + 1
+        cu = F.pad(torch.cat([cuts, torch.tensor([total])]), (1, 0)).to(torch.int32)
+        longest = int((cu[1:] - cu[:-1]).max())
+        q, k, v = (torch.randn(total, H, D, generator=g).requires_grad_() for _ in range(3))
+        out = compiled(q, k, v, cu, longest)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        ref = step(q, k, v, cu, longest)
+        ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+        worst = max([worst, float((out - ref).abs().max())] + [float((a - b).abs().max()) for a, b in zip(grads, ref_grads)])
+    graphs = counters["stats"]["unique_graphs"]
+    print(f"\nrecompiles: {args.batches} random batches (1000..1100 tokens, 2..8 sequences), backend={backend}, "
+          f"torch.compile(dynamic=True, backend={args.compile_backend!r}): {graphs} graph(s) compiled, "
+          f"{max(0, graphs - 1)} recompile(s); max |compiled - eager| over outputs and grads {worst:.2e}")
+
+
+def hf_packed(args):
+    try:
+        import transformers
+        from transformers import DataCollatorWithFlattening
+    except ImportError:
+        print("\nhf: skipped (pip install transformers)")
+        return
+    from attnkit.interop import register_hf_attention
+
+    register_hf_attention()
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.set_attn_implementation("attnkit")
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(args.min_length, args.max_length + 1, (args.sequences,), generator=g).tolist()
+    seqs = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in lengths]
+    T = max(lengths)
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    am = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], am[i, : len(s)] = torch.tensor(s), 1
+    padded = dict(input_ids=ids, attention_mask=am, labels=ids.masked_fill(am == 0, -100))
+    flat = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": s} for s in seqs])
+    packed = dict(input_ids=flat["input_ids"], position_ids=flat["position_ids"], labels=flat["labels"],
+                  use_cache=False)
+
+    def train_step(batch):
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach()
+
+    losses = {"padded": train_step(padded), "packed": train_step(packed)}  # warm-up, and the losses
+    times = {"padded": [], "packed": []}
+    for _ in range(args.repeats):  # interleaved rounds
+        for name, batch in (("padded", padded), ("packed", packed)):
+            times[name].append(benchmark.Timer("fn()", globals={"fn": lambda: train_step(batch)}).timeit(1).median)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    print(f"\nhf: tiny Llama (2 layers, hidden 128), {len(seqs)} sequences, {sum(lengths)} tokens (padded to "
+          f"{len(seqs)} x {T}), one training step (fwd+bwd):")
+    print(f"  padded {med['padded'] * 1e3:9.1f} ms   packed {med['packed'] * 1e3:9.1f} ms   "
+          f"padded/packed {med['padded'] / med['packed']:5.2f}x   |loss difference| "
+          f"{abs(float(losses['padded'] - losses['packed'])):.2e}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sequences", type=int, default=16)
@@ -71,8 +162,22 @@ def main():
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--sections", default="attention,recompiles,hf",
+                        help="comma-separated: attention (the timings), recompiles, hf")
+    parser.add_argument("--batches", type=int, default=20, help="random batches of the recompiles section")
+    parser.add_argument("--compile-backend", default="aot_eager", help="torch.compile backend of the recompiles section")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    sections = set(args.sections.split(","))
+    if "attention" in sections:
+        attention_times(args)
+    if "recompiles" in sections:
+        recompiles(args)
+    if "hf" in sections:
+        hf_packed(args)
+
+
+def attention_times(args):
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(args.min_length, args.max_length + 1, (args.sequences,), generator=g).tolist()
     print(f"{args.sequences} sequences, {sum(lengths)} tokens (longest {max(lengths)}), H={args.heads}, "

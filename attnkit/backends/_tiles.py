@@ -47,11 +47,12 @@ def _band_grid(left, right, q: tuple[Tensor, Tensor], k: tuple[Tensor, Tensor]) 
 
 def _per_tile(values: Tensor, start: int, length: int, block: int, fill) -> Tensor:
     """``values[:, start:start+length]`` as ``(rows, tiles, block)``, the ragged end padded with ``fill``."""
-    chunk = values[:, start : start + length]
-    pad = -length % block
-    if pad:
-        chunk = torch.cat([chunk, chunk.new_full((chunk.shape[0], pad), fill)], dim=1)
-    return chunk.view(chunk.shape[0], -1, block)
+    tiles = -(-length // block)
+    # One filled buffer, no branch on the padding: a traced length (torch.compile, dynamic shapes)
+    # then needs no guard on it (a 0- or 1-wide padding piece would specialize the graph).
+    out = values.new_full((values.shape[0], tiles * block), fill)
+    out[:, :length] = values[:, start : start + length]
+    return out.view(values.shape[0], tiles, block)
 
 
 def _key_grid(valid: Tensor, nq: int, kv_offset: int, Tk: int, block_k: int) -> Tensor:
