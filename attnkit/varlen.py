@@ -25,7 +25,7 @@ from .functional import attention
 from .masks import UNBOUNDED, Causal, Custom, Document, Mask, as_mask
 from .score_mods import CustomScoreMod, as_score_mod
 
-__all__ = ["varlen_attention", "seq_ids", "check_packed_offsets"]
+__all__ = ["varlen_attention", "seq_ids", "check_packed_offsets", "packed_positions"]
 
 
 def seq_ids(cu_seqlens: Tensor, total: int) -> Tensor:
@@ -33,6 +33,14 @@ def seq_ids(cu_seqlens: Tensor, total: int) -> Tensor:
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths,
                                    output_size=total)
+
+
+def packed_positions(cu_seqlens: Tensor, total: int, start: Tensor | None = None) -> Tensor:
+    """``(total,)`` long: each packed token's position in its own sequence, plus ``start[i]`` (the
+    tokens sequence ``i`` already holds, e.g. in a KV cache) when given."""
+    sq = seq_ids(cu_seqlens, total)
+    pos = torch.arange(total, device=cu_seqlens.device) - cu_seqlens[:-1].long()[sq]
+    return pos if start is None else pos + start.to(pos.device)[sq]
 
 
 def _check_cu(cu: Tensor, total: int, name: str) -> None:

@@ -69,3 +69,31 @@ def test_packed_prefill_refuses_a_mismatched_batch():
     with pytest.raises(ValueError, match=">= 1 new token"):
         cache[0].update_packed(k, k, _cu([7, 0]))
     assert cache.lengths() == [0, 0]  # nothing was written
+
+
+@pytest.mark.parametrize("position", ["rope", "learned"])
+def test_gpt_packed_prefill_into_pages_then_decode_equals_each_prompt_alone(position):
+    from attnkit.nn.layers import TransformerConfig
+    from attnkit.nn.models import GPT
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=50, max_len=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                            position=position)
+    model = GPT(cfg).eval()
+    prompts = [torch.randint(0, 50, (n,)) for n in (5, 1, 12)]
+    steps = torch.randint(0, 50, (3, len(prompts)))  # one decoded token per sequence per step
+    cache = model.make_cache("paged", num_blocks=32, block_size=4)
+    seqs = [cache.add_sequence() for _ in prompts]
+    cache.select(seqs)
+    cu = _cu([len(p) for p in prompts])
+    with torch.no_grad():
+        logits = model(torch.cat(prompts)[None], cache=cache, cu_seqlens=cu)[0]  # (total, vocab)
+        for i, p in enumerate(prompts):
+            torch.testing.assert_close(logits[cu[i]:cu[i + 1]], model(p[None])[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(model(torch.cat(prompts)[None], cu_seqlens=cu)[0][cu[i]:cu[i + 1]],
+                                       model(p[None])[0], rtol=1e-4, atol=1e-5)  # packed, no cache
+        for t in range(steps.shape[0]):
+            step = model(steps[t][:, None], cache=cache)[:, -1]  # (B, vocab), rows of different lengths
+            for i, p in enumerate(prompts):
+                full = model(torch.cat([p, steps[: t + 1, i]])[None])[0, -1]
+                torch.testing.assert_close(step[i], full, rtol=1e-4, atol=1e-5)

@@ -13,6 +13,7 @@ from ..cache import LayerCache, StateCache
 from ..masks import Causal, Mask, as_mask
 from ..registry import get_backend
 from ..score_mods import ALiBi, RelativeBias, SoftCap
+from ..varlen import packed_positions, varlen_attention
 from .positional import RotaryEmbedding
 
 __all__ = ["AttentionConfig", "MultiHeadAttention"]
@@ -150,8 +151,14 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         cache: LayerCache | None = None,
         positions: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
     ):
         """Attend ``x (B, Tq, embed_dim)`` to itself (or to ``memory (B, Tk, kv_dim)``).
+
+        ``cu_seqlens``: ``x (1, total, embed_dim)`` holds packed sequences at these offsets
+        (:func:`attnkit.varlen_attention`): each attends only its own tokens under ``mask`` (band
+        masks, in its own positions); with a paged ``cache`` each is appended to the selected sequence
+        of the same index in one call (``update_packed``) and attends all that sequence holds.
 
         ``cache``: a layer cache (:mod:`attnkit.cache`). Self-attention writes the new keys with
         ``cache.update(k, v)`` and attends over what it returns (K/V views, or an int8/paged
@@ -169,6 +176,8 @@ class MultiHeadAttention(nn.Module):
         if cache is not None and not isinstance(cache, LayerCache):
             raise TypeError(f"cache: expected a layer cache (e.g. kv_cache[i]), got {type(cache).__name__}.")
         if cfg.cross_attention:
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens: packed sequences are for self-attention; this layer is cross-attention.")
             if cache is not None and cache.cross_kv is not None:
                 q = self.project_queries(x)
                 k, v = cache.cross_kv
@@ -183,14 +192,19 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             if q_offset is not None:
                 raise ValueError("q_offset: with cache= the cache sets the positions (its length); pass q_offset=None.")
-            if self.rotary is not None and positions is None:
+            if self.rotary is not None and positions is None and cu_seqlens is None:
                 positions = cache.next_positions(Tq, device=x.device)  # (Tq,), or (B, Tq) for ragged rows
         elif q_offset is None:
             q_offset = kv_offset  # self-attention: Tq == Tk, so the bottom-right default is kv_offset
         if self.rotary is not None:
-            if positions is None:
+            if positions is None and cu_seqlens is not None:  # each packed sequence's own positions
+                start = None if cache is None else torch.tensor(cache.row_lengths(), device=x.device)
+                positions = packed_positions(cu_seqlens, Tq, start)
+            elif positions is None:
                 positions = torch.arange(q_offset, q_offset + Tq, device=x.device)
             q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if cu_seqlens is not None:
+            return self._packed(q, k, v, mask, cu_seqlens, cache, need_weights or bias is not None)
         if isinstance(cache, StateCache):  # a recurrent state, not keys: it computes attention itself
             if mask is not None and not as_mask(mask).is_causal():
                 raise ValueError(
@@ -205,6 +219,25 @@ class MultiHeadAttention(nn.Module):
             k, v, kv_offset = cache.update(k, v)
             kv_finite = cache.finite
         return self._finish(q, k, v, mask, bias, q_offset, kv_offset, need_weights, kv_finite)
+
+    def _packed(self, q, k, v, mask, cu_seqlens, cache, unsupported: bool):
+        """Packed sequences ``(1, H, total, hd)`` through :func:`attnkit.varlen_attention`."""
+        if q.shape[0] != 1 or unsupported:
+            raise ValueError(f"cu_seqlens: packed sequences need x of shape (1, total, embed_dim) (got batch "
+                             f"{q.shape[0]}), no bias and need_weights=False. Fix: concatenate the sequences "
+                             "along the token axis, or pad them into a batch without cu_seqlens.")
+        q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))  # (total, H, hd)
+        cu_k = cu_seqlens
+        if cache is not None:
+            if not hasattr(cache, "update_packed"):
+                raise TypeError(f"cache: packed sequences (cu_seqlens) are written into a paged cache "
+                                f"(PagedKVCache), got {type(cache).__name__}. Fix: model.make_cache('paged', ...).")
+            k, v, cu_k = cache.update_packed(k, v, cu_seqlens)
+        cfg = self.config
+        out = varlen_attention(q, k, v, cu_seqlens, cu_k, mask=mask, dropout_p=cfg.dropout if self.training else 0.0,
+                               score_mod=self.score_mod(), sinks=self.sinks, backend=cfg.backend,
+                               options=cfg.backend_options)
+        return self.out_proj(out.reshape(1, q.shape[0], -1))  # (1, total, Hq*hd)
 
     def project_queries(self, x: Tensor) -> Tensor:
         """Queries ``(B, Hq, Tq, hd)`` of a cross-attention layer (the memory's K/V come from a cache)."""

@@ -204,10 +204,10 @@ class DecoderLayer(_ResidualLayer):
 
     def forward(self, x: Tensor, memory: Tensor | None = None, *, mask: Mask | Tensor | None = None,
                 memory_mask: Mask | Tensor | None = None, positions: Tensor | None = None, cache=None,
-                bias: Tensor | None = None) -> Tensor:
+                bias: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
         mask = self.default_mask if mask is None else mask
-        x = self.residual(x, self.norm1,
-                          lambda h: self.self_attn(h, mask=mask, bias=bias, positions=positions, cache=cache))
+        x = self.residual(x, self.norm1, lambda h: self.self_attn(h, mask=mask, bias=bias, positions=positions,
+                                                                  cache=cache, cu_seqlens=cu_seqlens))
         if self.cross_attn is not None:
             if memory is None and (cache is None or cache.cross_kv is None):
                 raise ValueError(

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from ..cache import KVCache, PagedKVCache, SlidingWindowLayerCache
 from ..generation import GenerationMixin
 from ..masks import Mask, Padding, as_mask
+from ..varlen import packed_positions
 from .layers import DecoderLayer, EncoderLayer, TransformerConfig, make_norm
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding, sinusoidal_2d
 from .pretrained import PretrainedModel
@@ -180,11 +181,22 @@ class _CausalStack(PretrainedModel, nn.Module):
     """Shared forward of GPT and Decoder: embeddings, causal layers with a cache, final norm."""
 
     def _run(self, input_ids, *, memory=None, memory_mask=None, cache=None, attention_mask=None, positions=None,
-             inputs_embeds=None, output_hidden_states=False):
+             inputs_embeds=None, output_hidden_states=False, cu_seqlens=None):
         config = self.config
         _check_cache(cache, config)
         B, T, device = _input_shape(input_ids, inputs_embeds)
         mask = config.causal_mask()
+        if cu_seqlens is not None:
+            if B != 1 or attention_mask is not None:
+                raise ValueError(f"cu_seqlens: packed sequences are one row (1, total) without attention_mask, got "
+                                 f"batch {B}{' and an attention_mask' if attention_mask is not None else ''}. Fix: "
+                                 "concatenate the sequences along the token axis.")
+            if cache is not None and not isinstance(cache, PagedKVCache):
+                raise TypeError(f"cache: packed sequences (cu_seqlens) are written into a PagedKVCache, got "
+                                f"{type(cache).__name__}. Fix: model.make_cache('paged', num_blocks=...).")
+            if positions is None:  # each sequence's own positions, after what the cache holds for it
+                start = None if cache is None else torch.tensor(cache.lengths(), device=device)
+                positions = packed_positions(cu_seqlens, T, start)[None]  # (1, total)
         if attention_mask is not None:
             past = cache.seq_len if cache is not None else 0
             valid = _check_attention_mask(attention_mask, B, past + T, "past + T")
@@ -197,7 +209,7 @@ class _CausalStack(PretrainedModel, nn.Module):
         hidden = [x]
         for i, layer in enumerate(self.layers):
             x = layer(x, memory, mask=mask, memory_mask=memory_mask, positions=positions,
-                      cache=None if cache is None else cache[i])
+                      cache=None if cache is None else cache[i], cu_seqlens=cu_seqlens)
             hidden.append(x)
         x = self.final_norm(x)
         hidden[-1] = x
@@ -225,11 +237,17 @@ class GPT(_CausalStack, GenerationMixin):
 
     def forward(self, input_ids: Tensor | None = None, *, cache: KVCache | None = None,
                 attention_mask: Tensor | None = None, positions: Tensor | None = None,
-                inputs_embeds: Tensor | None = None, output_hidden_states: bool = False, logits_to_keep: int = 0):
+                inputs_embeds: Tensor | None = None, output_hidden_states: bool = False, logits_to_keep: int = 0,
+                cu_seqlens: Tensor | None = None):
         """``logits_to_keep=n > 0`` computes logits for the last ``n`` positions only (decoding
-        needs one; the LM head over a whole prompt costs ``T * E * vocab``)."""
+        needs one; the LM head over a whole prompt costs ``T * E * vocab``).
+
+        ``cu_seqlens``: ``input_ids (1, total)`` are packed sequences at these offsets (packed training,
+        or prefilling many prompts at once); each attends only its own tokens, at its own positions.
+        With a paged cache (``make_cache("paged", ...)``, one selected sequence per packed sequence) the
+        prompts are written into their sequences in one call per layer; decoding then goes on per row."""
         x, hidden = self._run(input_ids, cache=cache, attention_mask=attention_mask, positions=positions,
-                              inputs_embeds=inputs_embeds)
+                              inputs_embeds=inputs_embeds, cu_seqlens=cu_seqlens)
         if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep: expected an int >= 0 (0 = every position), got {logits_to_keep!r}.")
         logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
