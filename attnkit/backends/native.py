@@ -16,7 +16,9 @@ tile per PARTIAL tile computed here with ``mask.evaluate``.
 
 float16/bfloat16 inputs run in float32 (their tiles upcast; the output is cast back). The
 extension is built by ``python -m attnkit.csrc.build`` (``make install``); without it the backend
-declines with the reason "native extension not built: ...".
+declines with the reason "native extension not built: ...". Its operators carry fake kernels and
+autograd (:mod:`.native_ops`), so ``torch.compile(fullgraph=True)`` traces the backend, forward and
+backward; traced, nothing is read on the host (the NaN/Inf flags are computed unconditionally).
 """
 
 from __future__ import annotations

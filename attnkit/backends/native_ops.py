@@ -24,10 +24,10 @@ FORWARD = "attnkit_native::forward"
 BACKWARD = "attnkit_native::backward"
 _REGISTERED: list[bool] = []
 
-# The forward's arguments after (q, k, v): scale, q_offset, kv_offset, block_q, block_k, grid, band,
-# lengths, valid, doc, layout, layout_bs, extra_index, extra, bad. The backward takes the same mask
-# arguments without ``bad``.
-_MASK_ARGS = slice(3, 17)  # scale .. extra, as the backward wants them after (q, k, v, dout, lse, delta)
+# The forward's arguments after (q, k, v) are the kernel's settings (scale, offsets, tile sizes, the
+# mask's structure as data) and last the key flags ``bad``; the backward takes the same settings, in the
+# same order, after (q, k, v, dout, lse, delta). A new setting is one more argument in both schemas.
+_SETTINGS = slice(3, -1)
 
 
 def forward_outputs(q: Tensor, k: Tensor, v: Tensor, bad: Tensor) -> list[Tensor]:
@@ -41,12 +41,11 @@ def forward_outputs(q: Tensor, k: Tensor, v: Tensor, bad: Tensor) -> list[Tensor
             bad.new_empty(hit_shape)]
 
 
-def _forward_fake(q, k, v, scale, q_offset, kv_offset, block_q, block_k, grid, band, lengths, valid, doc, layout,
-                  layout_bs, extra_index, extra, bad):
-    return forward_outputs(q, k, v, bad)
+def _forward_fake(q, k, v, *settings_and_flags):
+    return forward_outputs(q, k, v, settings_and_flags[-1])
 
 
-def _backward_fake(q, k, v, dout, lse, delta, *mask_args):
+def _backward_fake(q, k, v, dout, lse, delta, *settings):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
 
 
@@ -54,9 +53,8 @@ def _setup_context(ctx, inputs, output):
     q, k, v = inputs[:3]
     out, lse, _ = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.mask_args = inputs[_MASK_ARGS]
+    ctx.settings = inputs[_SETTINGS]
     ctx.num_inputs = len(inputs)
-    # (the mask's tensors are never differentiated; holding them costs no copy)
 
 
 def _backward(ctx, grads):
@@ -69,7 +67,7 @@ def _backward(ctx, grads):
     delta = (dout * out).sum(-1)
     if dlse is not None:
         delta = delta - dlse
-    dq, dk, dv = torch.ops.attnkit_native.backward(q, k, v, dout, lse, delta.contiguous(), *ctx.mask_args)
+    dq, dk, dv = torch.ops.attnkit_native.backward(q, k, v, dout, lse, delta.contiguous(), *ctx.settings)
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
