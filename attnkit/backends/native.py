@@ -79,11 +79,15 @@ def load_extension():
         return None, f"native extension not built: it fails to load ({exc})"
 
 
-@torch.compiler.assume_constant_result
 def unavailable_reason() -> str:
     """Why the extension cannot run (``""`` when it can): a constant to ``torch.compile``, which
     then neither traces the file checks nor breaks the graph on them."""
     return load_extension()[1] or ""
+
+
+# What ``torch.compiler.assume_constant_result`` sets, without importing torch._dynamo (seconds)
+# at ``import attnkit``; the fullgraph compile tests fail if a torch release changes the marker.
+unavailable_reason._dynamo_marked_constant = True
 
 
 _EMPTY_LONG = torch.empty(0, dtype=torch.long)
