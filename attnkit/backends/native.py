@@ -33,7 +33,7 @@ from ..inputs import AttentionInputs
 from ..masks import And, BlockSparse, Causal, Document, KeyPadding, Mask, Padding, SlidingWindow
 from ._common import nonfinite_keys, nonfinite_queries, poison_rows, zero_keys
 from .nonfinite import all_finite
-from ..registry import Backend, register_backend
+from ..registry import Backend, Work, register_backend
 from ._tiles import PARTIAL, tile_grid
 
 
@@ -195,6 +195,7 @@ class _NativeFunction(torch.autograd.Function):
 @register_backend
 class Native(Backend):
     name = "native"
+    work = Work("tiles", (128, 256), fused=True)
     summary = "fused C++ online-softmax kernel (CPU): fwd+bwd, skips masked tiles, masks evaluated in the kernel"
     devices = frozenset({"cpu"})
     supports_lse = True
