@@ -20,12 +20,14 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from . import calibration
 from .inputs import AttentionInputs
+from .masks import Mask
 from .registry import Backend, Work, get_backend, list_backends, registered_names
 
-__all__ = ["NoBackendError", "select", "resolve", "explain", "use_backend", "priority", "Explanation", "Work",
+__all__ = ["NoBackendError", "select", "resolve", "resolve_call", "explain", "use_backend", "priority", "Explanation", "Work",
            "builtin_order", "estimated_seconds", "kept_fraction", "autotune"]
 
 _SCOPED: ContextVar[tuple[str, ...] | None] = ContextVar("attnkit_backend", default=None)
@@ -282,6 +284,78 @@ def resolve(inp: AttentionInputs, backend: str = "auto") -> tuple[type[Backend],
             return reader, inp
         inp = inp.dense()
     return select(inp, backend), inp
+
+
+# -- the per-call cache of attention()'s hot path -------------------------------------------------
+
+_CALLS: dict = {}  # call key -> (backend, AttentionInputs fields without q, k, v)
+_CALLS_SIZE = 512
+_CALLS_STATE: list = [None]  # (calibration generation, registered names) the cache was filled under
+_CONTEXT_VARS: list = [()]  # the registered backends' reason_contexts, read with the state above
+_VALUE_HASHED: dict = {}  # mask type -> whether it hashes by value (no tensor held alive by a key)
+
+
+def _value_keyed(mask) -> bool:
+    """True when every leaf of ``mask`` compares and hashes by value (``Causal``, ``SlidingWindow``),
+    so a cache keyed on it holds no tensor alive; masks that hold tensors (padding lengths, layouts,
+    dense bools) hash by identity and take the validating path."""
+    for leaf in mask.leaves():
+        kind = type(leaf)
+        known = _VALUE_HASHED.get(kind)
+        if known is None:
+            known = _VALUE_HASHED[kind] = kind.__hash__ is not object.__hash__
+        if not known:
+            return False
+    return True
+
+
+def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite,
+                 backend: str) -> tuple[type[Backend], AttentionInputs]:
+    """``attention()``'s common call (dense tensors, no bias, score modifier or sinks): the backend
+    and validated inputs, cached per call class: shapes, dtypes, devices, mask, offsets, scale,
+    dropout, LSE, ``kv_finite``, whether gradients are needed, the backend asked for and the scope
+    (``use_backend``, autotuning, each backend's ``reason_contexts``). A hit skips validation and
+    selection, both pure functions of that key; the cache is emptied when the calibration, the
+    machine constants or the registry change. Anything else goes through
+    :meth:`AttentionInputs.create` and :func:`resolve` as before."""
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or torch.compiler.is_compiling():
+        return _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
+    names = registered_names()
+    state = (calibration.generation(), names)
+    if _CALLS_STATE[0] != state:
+        _CALLS.clear()
+        _CALLS_STATE[0] = state
+        known = list_backends()
+        _CONTEXT_VARS[0] = tuple(var for name in names for var in known[name].reason_contexts)
+    contexts = _CONTEXT_VARS[0]
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, mask, scale,
+           dropout_p, q_offset, kv_offset, return_lse, kv_finite, grad, backend, _SCOPED.get(), _AUTOTUNE[0],
+           contexts and tuple(var.get() for var in contexts),
+           # 1 == True == 1.0 as keys: the types too, so a call validation would refuse never hits
+           type(scale), type(dropout_p), type(q_offset), type(kv_offset), type(return_lse), type(kv_finite))
+    try:
+        hit = _CALLS.get(key)
+    except (TypeError, RuntimeError):  # an unhashable or tensor-valued argument (a scale tensor): no cache
+        return _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
+    if hit is not None:
+        return hit[0], AttentionInputs.trusted(hit[1], q, k, v)
+    impl, inp = _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
+    if mask is not None and not (isinstance(mask, Mask) and _value_keyed(mask)):
+        return impl, inp  # not stored: an entry would keep the mask's tensors alive (and equals no other mask)
+    if len(_CALLS) >= _CALLS_SIZE:
+        _CALLS.clear()
+    fields = dict(inp.__dict__)
+    for name in ("q", "k", "v"):
+        del fields[name]
+    _CALLS[key] = (impl, fields)
+    return impl, inp
+
+
+def _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend):
+    inp = AttentionInputs.create(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, q_offset=q_offset,
+                                 kv_offset=kv_offset, return_lse=return_lse, kv_finite=kv_finite)
+    return resolve(inp, backend)
 
 
 def _reader(inp: AttentionInputs, backend: str) -> type[Backend] | None:

@@ -98,6 +98,9 @@ class Backend:
     Options: ClassVar[type | None] = None
     #: One line for ``attnkit info``.
     summary: ClassVar[str] = ""
+    #: ContextVars its reasons read besides the inputs (e.g. a scope that allows it): the dispatcher
+    #: keys its cached choices on their values, so a choice never outlives the scope it was made in.
+    reason_contexts: ClassVar[tuple] = ()
     #: What it skips, fuses and materializes (:class:`Work`), read by the dispatcher's built-in order
     #: and cost model. The default (computes every pair with PyTorch ops) is a safe over-estimate:
     #: a new backend is ranked by its measured speed with no dispatcher edit.

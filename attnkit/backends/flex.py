@@ -168,6 +168,7 @@ def _score_mod(bias: torch.Tensor):
 class Flex(Backend):
     name = "flex"
     work = Work("tiles", (128, 128), half="always", fused=True)
+    reason_contexts = (_CPU_ALLOWED,)
     summary = "torch FlexAttention, compiled (dynamic shapes): any mask via mask_mod + a BlockMask from attnkit's structure"
     devices = frozenset({"cpu", "cuda"})
     supports_bias = True
