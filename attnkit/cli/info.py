@@ -161,7 +161,7 @@ def policy_line(prog: str = "attnkit") -> str:
                 f"({calibration.constants_path()}) decides; no table at {calibration.calibration_path()}. "
                 f"Measure this machine with `{prog} bench`")
     return (f"auto policy: calibrated on this machine ({len(data['entries'])} device/dtype/mask/pass/heads/head dim "
-            f"entries in {calibration.calibration_path()}, from `{data.get('command', prog + ' bench --calibrate')}`); "
+            f"entries in {calibration.calibration_path()}, from `{data.get('command', prog + ' bench')}`); "
             "elsewhere the cost model decides")
 
 
