@@ -51,13 +51,21 @@ def format_table(rows: list[list[str]], header: list[str], markdown: bool = Fals
                                     for i, (c, w) in enumerate(zip(r, widths))).rstrip()
         return "\n".join([align(header), align(["-" * w for w in widths])] + [align(r) for r in rows])
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="")
+    # Too wide: narrow the widest text column first (never below 12 characters or its header), so
+    # short cells stay on one line and only long text (reasons, lists) wraps; no column is dropped.
+    widths = [max([len(name)] + [len(str(r[i])) for r in rows]) for i, name in enumerate(header)]
+    while sum(widths) + 3 * (len(widths) - 1) > width:
+        text = [i for i in range(len(widths)) if i not in right and widths[i] > max(12, len(header[i]))]
+        if not text:
+            break
+        widths[max(text, key=lambda i: widths[i])] -= 1
     for i, name in enumerate(header):
-        # short text stays on one line; only long text (reasons, lists) wraps, at word boundaries
-        longest = max([len(name)] + [len(str(r[i])) for r in rows])
         table.add_column(name, justify="right" if i in right else "left", no_wrap=i in right, overflow="fold",
-                         min_width=min(longest, 16))
+                         width=widths[i])
     for r in rows:
         table.add_row(*(str(c) for c in r))
+    # numbers and headers are never squeezed: a table of many number columns may run wider
+    width = max(width, sum(widths) + 3 * (len(widths) - 1))
     console = Console(width=width, color_system=None, force_terminal=False, record=True, file=io.StringIO())
     console.print(table)
     return "\n".join(line.rstrip() for line in console.export_text().splitlines() if line.strip())
