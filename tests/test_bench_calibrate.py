@@ -117,3 +117,18 @@ def test_explain_and_info_after_calibration_name_each_backend_once(table_path, c
     assert explained and len(explained) == len(set(explained)), explained
     assert "chosen: naive" in out and "None" not in out.split("chosen:")[1]
     assert max(len(line) for line in out.splitlines()) <= 200
+
+
+def test_the_core_never_imports_rich():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, torch, attnkit\n"
+            "x = torch.randn(1, 2, 8, 4)\n"
+            "attnkit.attention(x, x, x, backend='naive'); str(attnkit.explain(x, x, x, backend='sdpa'))\n"
+            "print('rich' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    assert out.stdout.strip() == "False", (out.stdout, out.stderr)
