@@ -205,6 +205,8 @@ def _memory_guard(order: tuple[str, ...], inp: AttentionInputs) -> tuple[str, ..
 
 _PRIORITY_CACHE: dict = {}
 _PRIORITY_CACHE_SIZE = 1024
+_IDENTITY_CACHE: dict = {}
+_IDENTITY_CACHE_SIZE = 8
 _CACHE_STATE: list = [None]  # (calibration generation, registered names) the cache was filled under
 
 
@@ -232,18 +234,23 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
     state = (calibration.generation(), registered_names())
     if _CACHE_STATE[0] != state:  # a new table, new constants or a new backend: decide afresh
         _PRIORITY_CACHE.clear()
+        _IDENTITY_CACHE.clear()
         _CACHE_STATE[0] = state
     key = _shape_class(inp)
+    # A mask holding tensors (padding lengths, a layout, a dense bool) hashes by identity: such
+    # entries go to a small cache (a forward's layers share one mask), so few of them stay alive.
+    cache, size = ((_PRIORITY_CACHE, _PRIORITY_CACHE_SIZE) if inp.mask is None or _value_keyed(inp.mask)
+                   else (_IDENTITY_CACHE, _IDENTITY_CACHE_SIZE))
     try:
-        return _PRIORITY_CACHE[key]
+        return cache[key]
     except TypeError:  # an unhashable mask or score part: decide without the cache
         return _priority(inp)
     except KeyError:
         pass
     order = _priority(inp)
-    if len(_PRIORITY_CACHE) >= _PRIORITY_CACHE_SIZE:
-        _PRIORITY_CACHE.clear()
-    _PRIORITY_CACHE[key] = order
+    if len(cache) >= size:
+        cache.clear()
+    cache[key] = order
     return order
 
 

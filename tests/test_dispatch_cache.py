@@ -9,12 +9,13 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import Causal, KeyPadding, SlidingWindow, calibration, dispatch, registry
+from attnkit import Causal, KeyPadding, SlidingWindow, calibration, dispatch
 from attnkit.backends import nonfinite
 from attnkit.inputs import AttentionInputs
 from attnkit.registry import Backend, register_backend
 
 from .conftest import uniform_constants
+from .test_dispatch_work import scratch_registry  # noqa: F401  (a fixture)
 
 q = torch.randn(1, 2, 5, 8)
 kv = torch.randn(1, 2, 24, 8)
@@ -28,15 +29,6 @@ def ran(monkeypatch):
     monkeypatch.setattr(nonfinite, "run", lambda impl, inp, options: names.append(impl.name) or real(impl, inp, options))
     monkeypatch.setattr(dispatch, "_CALLS", {})
     return names
-
-
-@pytest.fixture
-def scratch_registry(monkeypatch):
-    attnkit.list_backends()
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    monkeypatch.setattr(registry, "_NAMES", [tuple(registry._REGISTRY)])
-    yield
-    dispatch.builtin_order.cache_clear()
 
 
 def test_a_repeated_call_is_validated_and_selected_once(ran, monkeypatch):
@@ -95,7 +87,8 @@ def test_new_machine_constants_change_the_next_call(ran, monkeypatch):
     assert first != "tiled" and ran[-1] == "tiled"
 
 
-def test_a_newly_registered_backend_is_seen_by_the_next_call(ran, scratch_registry, monkeypatch):
+@pytest.mark.usefixtures("scratch_registry")
+def test_a_newly_registered_backend_is_seen_by_the_next_call(ran, monkeypatch):
     naive = attnkit.list_backends()["naive"]
     attnkit.attention(q, kv, kv)
     assert ran[-1] == "sdpa"
@@ -109,7 +102,8 @@ def test_a_newly_registered_backend_is_seen_by_the_next_call(ran, scratch_regist
     assert ran[-1] == "quick"
 
 
-def test_scopes_and_reason_contexts_are_part_of_the_key(ran, scratch_registry, monkeypatch):
+@pytest.mark.usefixtures("scratch_registry")
+def test_scopes_and_reason_contexts_are_part_of_the_key(ran, monkeypatch):
     allowed = contextvars.ContextVar("test_allowed", default=False)
     naive = attnkit.list_backends()["naive"]
 
