@@ -338,7 +338,7 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, mask, scale,
            dropout_p, q_offset, kv_offset, return_lse, kv_finite, grad, backend, _SCOPED.get(), _AUTOTUNE[0],
-           contexts and tuple(var.get() for var in contexts),
+           contexts and tuple([var.get() for var in contexts]),
            # 1 == True == 1.0 as keys: the types too, so a call validation would refuse never hits
            type(scale), type(dropout_p), type(q_offset), type(kv_offset), type(return_lse), type(kv_finite))
     try:
