@@ -49,6 +49,16 @@ def test_the_default_run_writes_the_table_and_reports_auto_before_and_after(tabl
     assert not {r["backend"] for r in results["results"]} - exact - {"auto"}  # approximate ones only when named
 
 
+def test_verification_past_its_budget_takes_the_sweeps_times(table_path):
+    from attnkit.bench.runner import verify_auto
+
+    config = BenchConfig(heads=2, head_dim=8, lengths=[16], masks=["none"], passes=["forward"], min_run_time=0.001)
+    rows = [{"status": "ok", "backend": b, "exact": True, "n": 16, "mask": "none", "dtype": "float32",
+             "passes": "forward", "median_s": t} for b, t in (("tiled", 1.0), ("sdpa", 2.0))]
+    (point,) = verify_auto({"results": rows}, config, budget_s=0.0)  # auto picks sdpa here: 2x the best
+    assert point["auto_chose"] == "sdpa" and point["auto_over_best"] == 2.0 and not point["timed"]
+
+
 def test_measuring_only_leaves_the_table_alone(table_path, tmp_path, capsys):
     assert main(["bench", *TINY, "--no-calibrate", "--out", str(tmp_path)]) == 0
     assert not table_path.exists()

@@ -362,20 +362,26 @@ def build_calibration(results: dict) -> dict:
     return {"machine": results["machine"], "entries": entries}
 
 
-def verify_auto(results: dict, config: BenchConfig, rounds: int = 3) -> list[dict]:
+def verify_auto(results: dict, config: BenchConfig, rounds: int = 3, budget_s: float | None = None) -> list[dict]:
     """After calibrating: at every point, the backend ``auto`` now picks and its time over the
     measured best backend's. Where auto picks the best itself the ratio is 1 by construction (one
     backend timed against itself only measures noise); elsewhere both are timed interleaved
-    (``rounds`` alternations) and the median ratio is reported."""
+    (``rounds`` alternations) and the median ratio is reported (``"timed": true``). Once
+    ``budget_s`` is spent, the remaining points take the sweep's own times of the two backends
+    (back to back, ``"timed": false``); a point whose pick the sweep skipped is left out."""
     best: dict[tuple, dict] = {}
+    swept: dict[tuple, dict[str, float]] = {}
     for r in ok_rows(results):
         if r["backend"] == "auto" or not r["exact"]:
             continue
         key = (r["n"], r["mask"], r["dtype"], r["passes"])
+        swept.setdefault(key, {})[r["backend"]] = r["median_s"]
         if key not in best or r["median_s"] < best[key]["median_s"]:
             best[key] = r
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
     out = []
-    for (n, mask_name, dtype_name, passes), row in sorted(best.items()):
+    for key, row in sorted(best.items()):
+        n, mask_name, dtype_name, passes = key
         mask = mask_spec(mask_name).build(n, config)
         grad = passes == "train"
         q, k, v = _inputs(config, n, getattr(torch, dtype_name), grad, config.seed + n)
@@ -384,6 +390,10 @@ def verify_auto(results: dict, config: BenchConfig, rounds: int = 3) -> list[dic
                  "auto_chose": chosen}
         if chosen == row["backend"]:
             out.append({**point, "auto_over_best": 1.0, "timed": False})
+            continue
+        if deadline is not None and time.perf_counter() > deadline:
+            if chosen in swept[key]:
+                out.append({**point, "auto_over_best": swept[key][chosen] / row["median_s"], "timed": False})
             continue
         g = torch.randn_like(q) if grad else None
         fa, fb = _call(q, k, v, mask, "auto", g), _call(q, k, v, mask, row["backend"], g)

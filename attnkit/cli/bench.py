@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
             ties = sum(bool(p.get("tie")) for v in table["entries"].values() for p in v)
             print(f"\ncalibration: {sum(len(v) for v in table['entries'].values())} points ({ties} within noise: left "
                   f"to the cost model) in {len(table['entries'])} entries written to {path}")
-            results["auto_verification"] = verify_auto(results, config)
+            budget = None if config.run_budget_s is None else max(30.0, config.run_budget_s / 4)
+            results["auto_verification"] = verify_auto(results, config, budget_s=budget)
         else:
             print("\ncalibration: nothing measured, no table written")
     if any(r["backend"] == "auto" for r in results["results"]) or results.get("auto_verification"):
