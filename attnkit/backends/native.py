@@ -33,8 +33,9 @@ from ..inputs import AttentionInputs
 from ..masks import And, BlockSparse, Causal, Document, KeyPadding, Mask, Padding, SlidingWindow
 from ._common import nonfinite_keys, nonfinite_queries, poison_rows, zero_keys
 from .nonfinite import all_finite
-from ..registry import Backend, Work, register_backend
+from ..registry import Backend, register_backend
 from ._tiles import PARTIAL, tile_grid
+from ..registry import Work
 
 
 @dataclass(frozen=True)
