@@ -6,7 +6,7 @@ of one PyTorch op and each backend's per-call overhead, probed once on first use
 second) and cached in ``machine.json`` beside the table, per machine and torch version. The cost
 model in :mod:`attnkit.dispatch` reads them; nothing there is a figure from one machine.
 
-**The table** (``python -m attnkit bench``, or ``--calibrate``): every exact backend timed per
+**The table** (written by ``python -m attnkit bench``): every exact backend timed per
 (device, dtype, mask kind, pass, heads, head dim) over a range of lengths; for each measured length,
 the backends ranked by median time. A ranking is stored only where the difference is beyond the
 measured noise; where two backends are within noise the point says so and the cost model decides.
@@ -109,7 +109,7 @@ def load() -> dict | None:
 
 def _ignored(path: Path, problem: str) -> None:
     warnings.warn(f"calibration: ignoring {path}: {problem}; built-in dispatch rules apply. Fix: run "
-                  f"`python -m attnkit bench --calibrate` to write a new one, or delete the file.",
+                  f"`python -m attnkit bench` to write a new one, or delete the file.",
                   RuntimeWarning, stacklevel=3)
     return None
 
@@ -174,13 +174,21 @@ def generation() -> int:
     return _GENERATION[0]
 
 
-def save(data: dict) -> Path:
+def save(data: dict, *, merge: bool = False) -> Path:
     """Write a calibration (see the module docstring for the format) and reload it.
+
+    ``merge=True`` keeps the entries of the table already there (when it is usable and from this
+    machine and torch version) whose keys ``data`` does not measure, so a sweep at other heads or
+    head dims adds to the table; a corrupt or foreign table is replaced.
 
     Written atomically (a temporary file beside it, then ``os.replace``): a crash mid-write leaves the
     previous file, never half of one; a symbolic link at the path is replaced, not written through.
     A table that :func:`load` would ignore is refused with a ``ValueError``."""
     data = {"version": VERSION, "machine_id": hardware.machine_id(), **data}
+    if merge:
+        old = _existing(data["machine_id"])
+        if old is not None:
+            data["entries"] = {**old["entries"], **data.get("entries", {})}
     problem = _problem(data)
     if problem:
         raise ValueError(f"calibration: not saving an unusable table: {problem}.")
@@ -188,6 +196,16 @@ def save(data: dict) -> Path:
     _write(path, json.dumps(data, indent=1))
     reload()
     return path
+
+
+def _existing(machine: dict) -> dict | None:
+    """The table at :func:`calibration_path` if it is usable and from ``machine``, else None (no
+    warning: it is about to be replaced)."""
+    try:
+        data = json.loads(calibration_path().read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return data if _problem(data) is None and data.get("machine_id") == machine else None
 
 
 def _write(path: Path, text: str) -> None:
@@ -234,7 +252,7 @@ def describe(inp: AttentionInputs) -> str:
         where = calibration_path()
         if _table() is None:
             return (f"no calibration on this machine ({where}): the cost model from probed machine constants "
-                    "decides; run `python -m attnkit bench --calibrate` to measure")
+                    "decides; run `python -m attnkit bench` to measure")
         return "calibration has no entry for this device/dtype/mask kind/pass/heads/head dim: the cost model decides"
     key, point = found
     device, dtype, kind, passes, heads, dim = key.split("|")

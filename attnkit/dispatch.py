@@ -20,13 +20,15 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from . import calibration
 from .inputs import AttentionInputs
-from .registry import Backend, get_backend, list_backends, registered_names
+from .masks import Mask
+from .registry import Backend, Work, get_backend, list_backends, registered_names
 
-__all__ = ["NoBackendError", "select", "resolve", "explain", "use_backend", "priority", "Explanation", "Work", "WORK",
-           "estimated_seconds", "kept_fraction", "autotune"]
+__all__ = ["NoBackendError", "select", "resolve", "resolve_call", "explain", "use_backend", "priority", "Explanation", "Work",
+           "builtin_order", "estimated_seconds", "kept_fraction", "autotune"]
 
 _SCOPED: ContextVar[tuple[str, ...] | None] = ContextVar("attnkit_backend", default=None)
 
@@ -36,44 +38,23 @@ _SCOPED: ContextVar[tuple[str, ...] | None] = ContextVar("attnkit_backend", defa
 MATERIALIZE_LIMIT = 2**26
 
 
-@dataclass(frozen=True)
-class Work:
-    """What a backend computes and how: its structure, not its speed on any machine.
-
-    ``skips``: which (query, key) pairs it never computes: ``"nothing"``; ``"tiles"``: the
-    ``tile``-sized tiles the mask leaves empty (``tile=(1, 1)``: every masked pair); ``"layout"``:
-    the blocks outside a BlockSparse layout. ``half``: float16/bfloat16 inputs run half-precision
-    GEMMs (``"always"``, ``"when_fast"``) or are upcast to float32 (``"never"``). ``materializes``:
-    builds the whole (B, Hq, Tq, Tk) mask whenever there is a mask (SDPA says itself when it does,
-    through ``dense_mask_elements``). ``loop_ops``: PyTorch ops a Python loop issues per tile
-    (0: one fused kernel, or ops over whole tensors)."""
-
-    skips: str
-    tile: tuple[int, int] = (1, 1)
-    half: str = "never"
-    materializes: bool = False
-    loop_ops: int = 0
+@functools.lru_cache(maxsize=16)
+def builtin_order(registered: tuple[str, ...]) -> tuple[str, ...]:
+    """The exact registered backends in the built-in order, from what each declares it skips and
+    fuses (:class:`~attnkit.registry.Work`, ``Backend.work``): fused kernels first, then PyTorch
+    ops over whole tensors, then Python loops over tiles, then the backends that materialize the
+    mask; registration order breaks ties. The cost model reorders it from measured machine
+    constants; close estimates keep this order."""
+    known = list_backends()
+    exact = [(known[n].work.rank(), i, n) for i, n in enumerate(registered) if known[n].exact]
+    return tuple(n for _, _, n in sorted(exact))
 
 
-#: The built-in order, from what each backend skips and fuses: PyTorch's fused SDPA kernels and the
-#: fused C++ kernel first, then the backends that loop PyTorch ops over the same tiles (band,
-#: layout, any mask), then the ones that materialize everything. The cost model reorders it from
-#: measured machine constants; ties keep this order.
-WORK = {
-    "sdpa": Work("tiles", (1, 1), half="always"),  # is_causal skips the upper triangle; a dense mask skips nothing
-    "native": Work("tiles", (128, 256)),
-    "sliding_window": Work("tiles", (64, 64)),
-    "block_sparse": Work("layout"),
-    "tiled": Work("tiles", (256, 512), half="when_fast", loop_ops=12),
-    "decode": Work("nothing", half="always", materializes=True),
-    "naive": Work("nothing", half="always", materializes=True),
-}
-BUILTIN_ORDER = tuple(WORK)
 #: Bytes moved per materialized mask element: the bool mask written and read, then the float bias
 #: made from it written and read by the kernel.
 _MASK_BYTES = 1 + 1 + 4 + 4
 #: How much faster the cost model must estimate a backend before it passes one earlier in
-#: :data:`BUILTIN_ORDER` (its estimates are within this factor of measurements; closer calls are
+#: :func:`builtin_order` (its estimates are within this factor of measurements; closer calls are
 #: left to the built-in order, autotuning and calibration).
 MODEL_MARGIN = 1.3
 _TRAIN_FLOPS = 3.0  # forward + backward (the backward recomputes the scores and runs two more products)
@@ -123,7 +104,7 @@ def _mask_class(inp: AttentionInputs) -> str:
 
 def _work_terms(name: str, impl: type[Backend], inp: AttentionInputs) -> tuple[float, float, float]:
     """(GEMM FLOPs, materialized mask elements, loop ops) of one forward call of ``impl`` on ``inp``."""
-    work = WORK[name]
+    work = impl.work
     materialized = impl.dense_mask_elements(inp)
     if work.materializes and inp.mask is not None:
         materialized = max(materialized, inp.B * inp.Hq * inp.Tq * inp.Tk)
@@ -149,8 +130,8 @@ def _reference_inputs(generation: int) -> dict[str, AttentionInputs]:
 
 
 def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float | None:
-    """The cost model: seconds ``name`` would take on ``inp`` on this machine, or None when it has
-    no :data:`WORK` entry or no probe.
+    """The cost model: seconds ``name`` would take on ``inp`` on this machine (from its declared
+    ``work``), or None when the probe did not measure it.
 
     ``overhead + flops / rate + mask bytes / bandwidth + loop ops * op cost``, where ``rate`` is the
     backend's own rate on the probe's reference problem of the same mask class (measured time less
@@ -159,7 +140,7 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     impl = list_backends().get(name)
     overhead = constants["backend_seconds"].get(name)
     measured = constants["reference_seconds"].get(name, {})
-    if name not in WORK or impl is None or overhead is None or not measured:
+    if impl is None or overhead is None or not measured:
         return None
     bandwidth, op = constants["bandwidth_gbs"] * 1e9, constants["op_seconds"]
     cls = _mask_class(inp)
@@ -170,7 +151,7 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     compute_ref = max(measured[cls] - overhead - mat_ref * _MASK_BYTES / bandwidth - loops_ref * op,
                       0.1 * measured[cls])
     rate = flops_ref / compute_ref
-    work = WORK[name]
+    work = impl.work
     dtype = str(inp.dtype).removeprefix("torch.")
     if dtype != "float32" and work.half != "never":
         gemm = constants["gemm_gflops"]
@@ -188,18 +169,18 @@ def _cost_order(inp: AttentionInputs, registered: tuple[str, ...]) -> tuple[str,
         constants = None  # never probe inside a trace: the built-in order
     else:
         constants = calibration.machine_constants()
-    modelled = [n for n in BUILTIN_ORDER if n in registered and n != "naive"]
+    builtin = builtin_order(registered)
+    modelled = [n for n in builtin if n != "naive"]
     if constants is None:
         return tuple(modelled)
-    known = list_backends()
-    costs = {n: estimated_seconds(n, inp, constants) for n in modelled if known[n].exact}
+    costs = {n: estimated_seconds(n, inp, constants) for n in modelled}
     inf = float("inf")
     order: list[str] = []
     for name in sorted(modelled, key=lambda n: inf if costs.get(n) is None else costs[n]):
         # The model's uncertainty: a backend passes one earlier in the built-in order only when
         # estimated more than MODEL_MARGIN times faster (autotuning and calibration settle the rest).
         at = len(order)
-        while at > 0 and BUILTIN_ORDER.index(order[at - 1]) > BUILTIN_ORDER.index(name) and (
+        while at > 0 and builtin.index(order[at - 1]) > builtin.index(name) and (
                 costs.get(name) or inf) <= MODEL_MARGIN * (costs.get(order[at - 1]) or inf):
             at -= 1
         order.insert(at, name)
@@ -215,7 +196,7 @@ def _memory_guard(order: tuple[str, ...], inp: AttentionInputs) -> tuple[str, ..
         if impl is None:
             continue
         elements = impl.dense_mask_elements(inp)
-        if name in WORK and WORK[name].materializes and inp.mask is not None:
+        if impl.work.materializes and inp.mask is not None:
             elements = max(elements, inp.B * inp.Hq * inp.Tq * inp.Tk)
         if elements > MATERIALIZE_LIMIT:
             heavy.add(name)
@@ -224,6 +205,8 @@ def _memory_guard(order: tuple[str, ...], inp: AttentionInputs) -> tuple[str, ..
 
 _PRIORITY_CACHE: dict = {}
 _PRIORITY_CACHE_SIZE = 1024
+_IDENTITY_CACHE: dict = {}
+_IDENTITY_CACHE_SIZE = 8
 _CACHE_STATE: list = [None]  # (calibration generation, registered names) the cache was filled under
 
 
@@ -240,8 +223,8 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
     1. A measured table (``python -m attnkit bench``, see :mod:`attnkit.calibration`) with an entry
        for this device, dtype, mask kind, pass, heads and head dim: its ranking at the nearest
        measured length, where the leaders differ beyond the measured noise.
-    2. Otherwise the built-in order (:data:`WORK`: fused kernels before loops of PyTorch ops over the
-       same tiles) sorted by the cost model (:func:`estimated_seconds`), whose constants are
+    2. Otherwise the built-in order (:func:`builtin_order`, from each backend's declared ``work``:
+       fused kernels before loops of PyTorch ops over the same tiles) sorted by the cost model (:func:`estimated_seconds`), whose constants are
        probed on this machine on first use (:func:`attnkit.calibration.machine_constants`).
     3. Backends that would materialize more than MATERIALIZE_LIMIT mask elements go after the
        others; backends registered later and not modelled come next; ``naive`` last.
@@ -251,18 +234,23 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
     state = (calibration.generation(), registered_names())
     if _CACHE_STATE[0] != state:  # a new table, new constants or a new backend: decide afresh
         _PRIORITY_CACHE.clear()
+        _IDENTITY_CACHE.clear()
         _CACHE_STATE[0] = state
     key = _shape_class(inp)
+    # A mask holding tensors (padding lengths, a layout, a dense bool) hashes by identity: such
+    # entries go to a small cache (a forward's layers share one mask), so few of them stay alive.
+    cache, size = ((_PRIORITY_CACHE, _PRIORITY_CACHE_SIZE) if inp.mask is None or _value_keyed(inp.mask)
+                   else (_IDENTITY_CACHE, _IDENTITY_CACHE_SIZE))
     try:
-        return _PRIORITY_CACHE[key]
+        return cache[key]
     except TypeError:  # an unhashable mask or score part: decide without the cache
         return _priority(inp)
     except KeyError:
         pass
     order = _priority(inp)
-    if len(_PRIORITY_CACHE) >= _PRIORITY_CACHE_SIZE:
-        _PRIORITY_CACHE.clear()
-    _PRIORITY_CACHE[key] = order
+    if len(cache) >= size:
+        cache.clear()
+    cache[key] = order
     return order
 
 
@@ -303,6 +291,78 @@ def resolve(inp: AttentionInputs, backend: str = "auto") -> tuple[type[Backend],
             return reader, inp
         inp = inp.dense()
     return select(inp, backend), inp
+
+
+# -- the per-call cache of attention()'s hot path -------------------------------------------------
+
+_CALLS: dict = {}  # call key -> (backend, AttentionInputs fields without q, k, v)
+_CALLS_SIZE = 512
+_CALLS_STATE: list = [None]  # (calibration generation, registered names) the cache was filled under
+_CONTEXT_VARS: list = [()]  # the registered backends' reason_contexts, read with the state above
+_VALUE_HASHED: dict = {}  # mask type -> whether it hashes by value (no tensor held alive by a key)
+
+
+def _value_keyed(mask) -> bool:
+    """True when every leaf of ``mask`` compares and hashes by value (``Causal``, ``SlidingWindow``),
+    so a cache keyed on it holds no tensor alive; masks that hold tensors (padding lengths, layouts,
+    dense bools) hash by identity and take the validating path."""
+    for leaf in mask.leaves():
+        kind = type(leaf)
+        known = _VALUE_HASHED.get(kind)
+        if known is None:
+            known = _VALUE_HASHED[kind] = kind.__hash__ is not object.__hash__
+        if not known:
+            return False
+    return True
+
+
+def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite,
+                 backend: str) -> tuple[type[Backend], AttentionInputs]:
+    """``attention()``'s common call (dense tensors, no bias, score modifier or sinks): the backend
+    and validated inputs, cached per call class: shapes, dtypes, devices, mask, offsets, scale,
+    dropout, LSE, ``kv_finite``, whether gradients are needed, the backend asked for and the scope
+    (``use_backend``, autotuning, each backend's ``reason_contexts``). A hit skips validation and
+    selection, both pure functions of that key; the cache is emptied when the calibration, the
+    machine constants or the registry change. Anything else goes through
+    :meth:`AttentionInputs.create` and :func:`resolve` as before."""
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or torch.compiler.is_compiling():
+        return _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
+    names = registered_names()
+    state = (calibration.generation(), names)
+    if _CALLS_STATE[0] != state:
+        _CALLS.clear()
+        _CALLS_STATE[0] = state
+        known = list_backends()
+        _CONTEXT_VARS[0] = tuple(var for name in names for var in known[name].reason_contexts)
+    contexts = _CONTEXT_VARS[0]
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, mask, scale,
+           dropout_p, q_offset, kv_offset, return_lse, kv_finite, grad, backend, _SCOPED.get(), _AUTOTUNE[0],
+           contexts and tuple([var.get() for var in contexts]),
+           # 1 == True == 1.0 as keys: the types too, so a call validation would refuse never hits
+           type(scale), type(dropout_p), type(q_offset), type(kv_offset), type(return_lse), type(kv_finite))
+    try:
+        hit = _CALLS.get(key)
+    except (TypeError, RuntimeError):  # an unhashable or tensor-valued argument (a scale tensor): no cache
+        return _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
+    if hit is not None:
+        return hit[0], AttentionInputs.trusted(hit[1], q, k, v)
+    impl, inp = _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
+    if mask is not None and not (isinstance(mask, Mask) and _value_keyed(mask)):
+        return impl, inp  # not stored: an entry would keep the mask's tensors alive (and equals no other mask)
+    if len(_CALLS) >= _CALLS_SIZE:
+        _CALLS.clear()
+    fields = dict(inp.__dict__)
+    for name in ("q", "k", "v"):
+        del fields[name]
+    _CALLS[key] = (impl, fields)
+    return impl, inp
+
+
+def _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend):
+    inp = AttentionInputs.create(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, q_offset=q_offset,
+                                 kv_offset=kv_offset, return_lse=return_lse, kv_finite=kv_finite)
+    return resolve(inp, backend)
 
 
 def _reader(inp: AttentionInputs, backend: str) -> type[Backend] | None:

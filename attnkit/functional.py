@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .backends import nonfinite
-from .dispatch import resolve
+from .dispatch import resolve, resolve_call
 from .inputs import AttentionInputs
 from .kv_handle import KVHandle
 from .masks import Mask
@@ -126,12 +126,16 @@ def attention(
         return _ragged_rows(q, k, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, backend=backend,
                             options=options, return_lse=return_lse, score_mod=score_mod, sinks=sinks,
                             kv_finite=kv_finite)
-    inp = AttentionInputs.create(
-        q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, q_offset=q_offset,
-        kv_offset=kv_offset, return_lse=return_lse, attn_mask=attn_mask, is_causal=is_causal,
-        score_mod=score_mod, sinks=sinks, kv_finite=kv_finite,
-    )
-    impl, inp = resolve(inp, backend)
+    if attn_mask is None and is_causal is False and bias is None and score_mod is None and sinks is None:
+        # the common call: validation and selection cached per call class (dispatch.resolve_call)
+        impl, inp = resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
+    else:
+        inp = AttentionInputs.create(
+            q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, q_offset=q_offset,
+            kv_offset=kv_offset, return_lse=return_lse, attn_mask=attn_mask, is_causal=is_causal,
+            score_mod=score_mod, sinks=sinks, kv_finite=kv_finite,
+        )
+        impl, inp = resolve(inp, backend)
     if options is not None:
         options = impl.check_options(options)
     return nonfinite.run(impl, inp, options)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Iterable, Iterator
-from dataclasses import fields, is_dataclass
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import ClassVar
 
 import torch
@@ -20,13 +20,52 @@ from torch import Tensor
 from .inputs import FLOAT_DTYPES, AttentionInputs
 from .masks import MaskSupport
 
-__all__ = ["Backend", "register_backend", "get_backend", "list_backends", "ALL_DEVICES"]
+__all__ = ["Backend", "Work", "register_backend", "get_backend", "list_backends", "ALL_DEVICES"]
 
 ALL_DEVICES = frozenset({"cpu", "cuda", "mps", "xpu"})
 
 _REGISTRY: dict[str, type[Backend]] = {}
 _NAMES: list[tuple[str, ...]] = [()]  # registered names, kept in step with _REGISTRY (hashable, for caches)
 _BUILTINS_LOADED = False
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a backend computes and how: its structure, not its speed on any machine (the cost model
+    of :mod:`attnkit.dispatch` counts the work from it and prices it with measured constants).
+
+    ``skips``: which (query, key) pairs it never computes: ``"nothing"``; ``"tiles"``: the
+    ``tile``-sized tiles the mask leaves empty (``tile=(1, 1)``: every masked pair); ``"layout"``:
+    the blocks outside a BlockSparse layout. ``half``: float16/bfloat16 inputs run half-precision
+    GEMMs (``"always"``, ``"when_fast"``) or are upcast to float32 (``"never"``). ``materializes``:
+    builds the whole (B, Hq, Tq, Tk) mask whenever there is a mask (a backend that decides per call
+    says so through :meth:`Backend.dense_mask_elements` instead). ``fused``: one kernel per call
+    (True) rather than PyTorch ops. ``loop_ops``: PyTorch ops a Python loop issues per tile (0: one
+    fused kernel, or ops over whole tensors).
+
+    The built-in order of ``auto`` comes from it: fused kernels, then PyTorch ops over whole tensors,
+    then Python loops over tiles, then backends that materialize the mask (registration order breaks
+    ties)."""
+
+    skips: str = "nothing"
+    tile: tuple[int, int] = (1, 1)
+    half: str = "never"
+    materializes: bool = False
+    fused: bool = False
+    loop_ops: int = 0
+
+    def __post_init__(self):
+        if self.skips not in ("nothing", "tiles", "layout"):
+            raise ValueError(f"Work.skips: expected 'nothing', 'tiles' or 'layout', got {self.skips!r}.")
+        if self.half not in ("always", "when_fast", "never"):
+            raise ValueError(f"Work.half: expected 'always', 'when_fast' or 'never', got {self.half!r}.")
+        if len(self.tile) != 2 or min(self.tile) < 1 or self.loop_ops < 0:
+            raise ValueError(f"Work: expected a tile of two positive sizes and loop_ops >= 0, got {self!r}.")
+
+    def rank(self) -> tuple[bool, bool, bool]:
+        """The built-in order's key (smaller first): materializing last, loops after whole-tensor
+        ops, fused kernels first."""
+        return (self.materializes, self.loop_ops > 0, not self.fused)
 
 
 class Backend:
@@ -59,6 +98,13 @@ class Backend:
     Options: ClassVar[type | None] = None
     #: One line for ``attnkit info``.
     summary: ClassVar[str] = ""
+    #: ContextVars its reasons read besides the inputs (e.g. a scope that allows it): the dispatcher
+    #: keys its cached choices on their values, so a choice never outlives the scope it was made in.
+    reason_contexts: ClassVar[tuple] = ()
+    #: What it skips, fuses and materializes (:class:`Work`), read by the dispatcher's built-in order
+    #: and cost model. The default (computes every pair with PyTorch ops) is a safe over-estimate:
+    #: a new backend is ranked by its measured speed with no dispatcher edit.
+    work: ClassVar[Work] = Work()
 
     @classmethod
     def available(cls) -> bool:
@@ -177,6 +223,7 @@ class Backend:
             "sinks": cls.supports_sinks,
             "nonfinite": cls.nonfinite,
             "kv_formats": sorted(cls.kv_formats),
+            "work": asdict(cls.work),
             "summary": cls.summary,
         }
 
@@ -200,6 +247,8 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
         raise TypeError(f"register_backend: {cls.__name__}.mask_support must be a MaskSupport, got {cls.mask_support!r}.")
     if cls.nonfinite not in ("policy", "self"):
         raise TypeError(f"register_backend: {cls.__name__}.nonfinite must be 'policy' or 'self', got {cls.nonfinite!r}.")
+    if not isinstance(cls.work, Work):
+        raise TypeError(f"register_backend: {cls.__name__}.work must be a Work, got {cls.work!r}.")
     if cls.Options is not None and not is_dataclass(cls.Options):
         raise TypeError(f"register_backend: {cls.__name__}.Options must be a dataclass, got {cls.Options!r}.")
     _REGISTRY[name] = cls

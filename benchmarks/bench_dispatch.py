@@ -1,13 +1,28 @@
-"""Dispatch overhead at decode: ``attention(backend="auto")`` against a direct call of the backend
-``auto`` chose, at B=1, H=8, Tq=1, Tk=512, D=64, causal, one thread (aim: <= 5 us), plus the
-first-use probe of the machine constants (aim: well under a second).
+"""What ``auto`` costs and whether it picks the fastest backend.
 
-Both calls are timed in interleaved rounds with torch.utils.benchmark (blocked_autorange); the
-overhead is the median of the per-round differences. The direct call is the chosen backend's
-``forward`` on prepared inputs, so the difference is validation + selection.
+1. ``probe``: the first-use probe of the machine constants (aim: well under a second).
+2. ``decode``: per-call dispatch overhead at decode (B=1, H=8, Tq=1, Tk=512, D=64, causal, one
+   thread; aim <= 5 us): ``attention()`` against a direct ``forward`` of the backend ``auto`` chose,
+   with plain tensors (the NaN/Inf policy then reads q, K and V once each: part of the contract) and
+   with ``kv_finite=True`` (what KV caches pass: only q is read). The time of the policy's q sum is
+   printed beside it.
+3. ``window``: ``Causal() & SlidingWindow(256, 0)`` at n=16384, forward, B=1, H=8, D=64 (aim: auto
+   within 1.05x of the fastest backend).
+4. ``bigbird``: ``BlockSparse.bigbird(128, 64, seed=0)`` (blocks of 64: one each side, one global,
+   two random per row; as ``bench_fused.py``) at n=8192, same shape.
 
-    python benchmarks/bench_dispatch.py            # about 20 seconds
-    python benchmarks/bench_dispatch.py --quick    # a smoke run
+Timing: ``torch.utils.benchmark`` (blocked_autorange); the compared calls are interleaved in rounds
+and medians of the rounds are compared. Sections 3 and 4 time every exact backend that can run the
+input without materializing the whole mask (those are memory-bound there by construction), plus
+``auto``; each section stops adding rounds after ``--section-budget`` seconds (default 150).
+
+    python benchmarks/bench_dispatch.py                     # about 5 minutes on 2 cores
+    python benchmarks/bench_dispatch.py --sections decode   # one section
+    python benchmarks/bench_dispatch.py --quick             # a smoke run at small sizes (seconds)
+
+Run it alone on an idle machine; on a shared one the figures mean little. The auto/best figures
+depend on this machine's calibration table (``python -m attnkit bench`` writes it): point
+``XDG_CACHE_HOME`` at an empty directory to measure an uncalibrated machine.
 """
 
 from __future__ import annotations
@@ -21,8 +36,14 @@ import torch.utils.benchmark as tb
 
 import attnkit
 from attnkit import calibration
-from attnkit.dispatch import select
+from attnkit.dispatch import MATERIALIZE_LIMIT, select
 from attnkit.inputs import AttentionInputs
+
+SECTIONS = ("probe", "decode", "window", "bigbird")
+
+
+def _median_time(fn, min_run_time: float) -> float:
+    return tb.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
 
 
 def probe_seconds() -> float:
@@ -31,36 +52,107 @@ def probe_seconds() -> float:
     return time.perf_counter() - start
 
 
-def decode_overhead(rounds: int, min_run_time: float) -> dict:
+def decode_overhead(rounds: int, min_run_time: float, Tk: int = 512) -> dict:
     torch.set_num_threads(1)
     q = torch.randn(1, 8, 1, 64)
-    k, v = torch.randn(1, 8, 512, 64), torch.randn(1, 8, 512, 64)
+    k, v = torch.randn(1, 8, Tk, 64), torch.randn(1, 8, Tk, 64)
     mask = attnkit.Causal()
     inp = AttentionInputs.create(q, k, v, mask=mask)
     impl = select(inp)
-    auto = lambda: attnkit.attention(q, k, v, mask=mask)  # noqa: E731
-    direct = lambda: impl.forward(inp, None)  # noqa: E731
-    times = {"auto": [], "direct": []}
+    calls = {
+        "auto": lambda: attnkit.attention(q, k, v, mask=mask),
+        "auto kv_finite": lambda: attnkit.attention(q, k, v, mask=mask, kv_finite=True),
+        "direct": lambda: impl.forward(inp, None),
+        "q sum": lambda: q.sum().item(),  # what the NaN/Inf policy reads when kv_finite=True
+    }
+    times: dict[str, list[float]] = {name: [] for name in calls}
     with torch.no_grad():
-        auto(), direct()
+        for fn in calls.values():
+            fn()
         for _ in range(rounds):
-            for name, fn in (("auto", auto), ("direct", direct)):
-                m = tb.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time)
-                times[name].append(m.median)
-    diffs = [a - d for a, d in zip(times["auto"], times["direct"])]
-    return {"chosen": impl.name, "auto_us": 1e6 * statistics.median(times["auto"]),
-            "direct_us": 1e6 * statistics.median(times["direct"]), "overhead_us": 1e6 * statistics.median(diffs)}
+            for name, fn in calls.items():
+                times[name].append(_median_time(fn, min_run_time))
+    med = {name: 1e6 * statistics.median(ts) for name, ts in times.items()}
+    over = {name: 1e6 * statistics.median(a - d for a, d in zip(times[name], times["direct"]))
+            for name in ("auto", "auto kv_finite")}
+    return {"chosen": impl.name, "us": med, "overhead_us": over}
+
+
+def long_case(name: str, mask, n: int, rounds: int, min_run_time: float, budget_s: float) -> None:
+    """auto against every exact backend that can run the input, interleaved rounds, forward."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, n, 64, generator=gen) for _ in range(3))
+    inp = AttentionInputs.create(q, k, v, mask=mask)
+    chosen = select(inp).name
+    candidates, left_out = {}, []
+    for backend, impl in attnkit.list_backends().items():
+        if not impl.exact or getattr(impl, "compiles", False) or not impl.can_run(inp):
+            continue
+        elements = impl.dense_mask_elements(inp)
+        if impl.work.materializes:
+            elements = max(elements, inp.B * inp.Hq * inp.Tq * inp.Tk)
+        if elements > MATERIALIZE_LIMIT:
+            left_out.append(f"{backend} (would materialize {elements / 2**20:.0f} Mi mask elements)")
+            continue
+        candidates[backend] = lambda b=backend: attnkit.attention(q, k, v, mask=mask, backend=b)
+    calls = {"auto": lambda: attnkit.attention(q, k, v, mask=mask), **candidates}
+    times: dict[str, list[float]] = {c: [] for c in calls}
+    start = time.perf_counter()
+    with torch.no_grad():
+        for c, fn in list(calls.items()):  # warm up; a backend over a third of the budget per call is dropped
+            t0 = time.perf_counter()
+            fn()
+            if c != "auto" and c != chosen and time.perf_counter() - t0 > budget_s / 3:
+                left_out.append(f"{c} ({time.perf_counter() - t0:.1f} s per call)")
+                del calls[c], times[c]
+        for r in range(rounds):
+            if r >= 2 and time.perf_counter() - start > budget_s:
+                break
+            for c, fn in calls.items():
+                times[c].append(_median_time(fn, min_run_time))
+    med = {c: statistics.median(ts) for c, ts in times.items()}
+    best = min((c for c in med if c != "auto"), key=med.get)
+    print(f"{name} n={n} (B=1 H=8 D=64 float32 forward, {len(times['auto'])} interleaved rounds): auto chose {chosen}; "
+          + ", ".join(f"{c} {med[c] * 1e3:.1f} ms" for c in sorted(med, key=med.get))
+          + f"; auto/best = {med['auto'] / med[best]:.3f} (best {best}; aim <= 1.05)")
+    if left_out:
+        print(f"  not timed: {', '.join(left_out)}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run (seconds)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"some of {','.join(SECTIONS)}")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per section (default 7)")
+    parser.add_argument("--section-budget", type=float, default=150.0,
+                        help="seconds after which a long section stops adding rounds (default 150)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run at small sizes (seconds)")
     args = parser.parse_args()
-    rounds, min_run = (2, 0.01) if args.quick else (10, 0.2)
-    print(f"first-use probe of the machine constants: {probe_seconds():.3f} s")
-    r = decode_overhead(rounds, min_run)
-    print(f"decode B=1 H=8 Tq=1 Tk=512 D=64 causal, 1 thread: auto chose {r['chosen']}; auto {r['auto_us']:.1f} us, "
-          f"direct {r['direct_us']:.1f} us, overhead {r['overhead_us']:.1f} us (aim <= 5 us)")
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"--sections: unknown {','.join(unknown)}; expected some of {','.join(SECTIONS)}")
+    rounds, min_run = (2, 0.01) if args.quick else (args.rounds, 0.2)
+    threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} threads (decode: 1), calibration: "
+          f"{'present' if calibration.load() else 'none'} at {calibration.calibration_path()}")
+    if "probe" in sections:
+        print(f"first-use probe of the machine constants: {probe_seconds():.3f} s")
+    if "decode" in sections:
+        r = decode_overhead(rounds, min_run)
+        us, over = r["us"], r["overhead_us"]
+        print(f"decode B=1 H=8 Tq=1 Tk=512 D=64 causal, 1 thread: auto chose {r['chosen']}; direct {us['direct']:.1f} us")
+        print(f"  plain tensors:  auto {us['auto']:.1f} us, overhead {over['auto']:.1f} us (includes the NaN/Inf "
+              "policy's finiteness sums over q, K and V: part of the contract)")
+        print(f"  kv_finite=True: auto {us['auto kv_finite']:.1f} us, overhead {over['auto kv_finite']:.1f} us "
+              f"(aim <= 5 us; of which the policy's q sum alone: {us['q sum']:.1f} us)")
+        torch.set_num_threads(threads)
+    if "window" in sections:
+        long_case("Causal() & SlidingWindow(256, 0)", attnkit.Causal() & attnkit.SlidingWindow(256, 0),
+                  2048 if args.quick else 16384, rounds, min_run, args.section_budget)
+    if "bigbird" in sections:
+        n = 1024 if args.quick else 8192
+        mask = attnkit.BlockSparse.bigbird(n // 64, 64, seed=0)  # benchmarks/bench_fused.py's BigBird
+        long_case("BigBird", mask, n, rounds, min_run, args.section_budget)
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ def test_build_calibration_pools_block_sparse_patterns():
     }
     results["results"][-1]["exact"] = False
     table = build_calibration(results)["entries"]
-    (point,) = table["cpu|float32|BlockSparse|forward|H4|D64"]
+    (point,) = table["cpu|float32|BlockSparse|forward|H8|D64"]
     assert point["order"] == ["sdpa", "block_sparse"]  # 2.0 s vs 2.5 s summed; approximate ones never ranked
 
 
@@ -336,10 +336,12 @@ def test_recommendations_say_what_to_use_and_whether_calibrated(tmp_path, monkey
     slow = dict(good, best="sliding_window", auto_over_best=1.7)
     assert "use backend='auto'" in recommendation(good) and "window n=300 bfloat16 train" in recommendation(good)
     line = recommendation(slow)
-    assert "backend='sliding_window'" in line and "1.70x" in line and "--calibrate" in line
+    assert "backend='sliding_window'" in line and "1.70x" in line and "python -m attnkit bench" in line
     assert "not calibrated" in calibration_status()
-    text = recommendations({"auto_verification": [good, slow], "results": []})
-    assert len(text.splitlines()) == 3
+    text = recommendations({"auto_verification": [good, slow, dict(good, n=600)], "results": []})
+    assert len(text.splitlines()) == 3  # the status, then one line per mask and length
+    assert "sliding window n=300: backend='auto' elsewhere; bfloat16 train: backend='sliding_window'" in text
+    assert "sliding window n=600: use backend='auto' (it picks native" in text
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(tmp_path / "cal.json"))
     key = calibration.entry_key("cpu", "float32", "none", "forward", heads=2, head_dim=8)
     calibration.save({"entries": {key: [{"n": 8, "order": ["sdpa"], "times": {"sdpa": 1e-4}}]}})
@@ -352,7 +354,7 @@ def test_calibrate_estimate_is_said_before_it_starts():
     config = BenchConfig(backends=["naive", "sdpa"], lengths=[16, 32, 64], masks=["none"], dtypes=["float32"],
                          passes=["forward"], min_run_time=0.5, time_budget_s=1.0)
     line = estimate_line(config)
-    assert "6 cases" in line and "min" in line and "progress" in line
+    assert "6 cases" in line and "estimated" in line and "progress" in line
 
 
 def test_plain_tables_wrap_to_the_width():

@@ -196,8 +196,6 @@ def _faster(name, factor):
     constants = uniform_constants(overhead=1e-5)
     known = attnkit.list_backends()
     for backend, classes in constants["reference_seconds"].items():
-        if backend not in dispatch.WORK:
-            continue
         for cls, inp in dispatch._reference_inputs(calibration.generation()).items():
             flops, _, _ = dispatch._work_terms(backend, known[backend], inp)
             classes[cls] = 1e-5 + flops / 1e10 / (factor if backend == name else 1.0)

@@ -300,7 +300,7 @@ def test_a_malformed_calibration_is_ignored_with_one_warning(tmp_path, monkeypat
         out1 = attention(q, q, q, mask=Causal())
         out2 = attention(q, q, q, mask=Causal())
     relevant = [w for w in caught if "calibration" in str(w.message)]
-    assert len(relevant) == 1 and str(path) in str(relevant[0].message) and "--calibrate" in str(relevant[0].message)
+    assert len(relevant) == 1 and str(path) in str(relevant[0].message) and "attnkit bench" in str(relevant[0].message)
     torch.testing.assert_close(out1, out2)
 
 

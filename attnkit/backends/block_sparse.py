@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .._compat import assume_constant_result
 from ..inputs import AttentionInputs
 from ..masks import MaskSupport
-from ..registry import Backend, register_backend
+from ..registry import Backend, Work, register_backend
 from ._common import (
     connected, grouped, mask_on, modify_gathered, safe, softmax_parts,
     gathered_sink, upcast_on_cpu,
@@ -45,6 +45,7 @@ def _row_groups(pattern, r0: int, r1: int, c0: int, c1: int) -> tuple:
 @register_backend
 class BlockSparseBackend(Backend):
     name = "block_sparse"
+    work = Work("layout")
     summary = "gathers only the active blocks of a BlockSparse layout (BigBird, Longformer, Sparse Transformer)"
     supports_lse = True
     supports_score_mod = True

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from ..inputs import AttentionInputs
-from ..registry import Backend, register_backend
+from ..registry import Backend, Work, register_backend
 
 __all__ = ["DecodeOptions", "decode_attention", "paged_decode_attention", "MAX_QUERIES"]
 
@@ -291,6 +291,7 @@ class Decode(Backend):
     Meant for few queries; gradients flow through the PyTorch ops (correct, not memory-optimized)."""
 
     name = "decode"
+    work = Work("nothing", half="always", materializes=True)
     summary = "decode: few queries over long K/V, split-K with LSE merge, GQA without expanding K/V"
     supports_bias = True
     supports_lse = True

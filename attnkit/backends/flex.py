@@ -27,7 +27,7 @@ import torch
 
 from ..inputs import AttentionInputs
 from ..masks import Band, Causal, Mask, SlidingWindow
-from ..registry import Backend, register_backend
+from ..registry import Backend, Work, register_backend
 from ._tiles import FULL, PARTIAL, empty_batch, tile_grid
 
 _CPU_ALLOWED: ContextVar[bool] = ContextVar("attnkit_flex_cpu", default=False)
@@ -167,6 +167,8 @@ def _score_mod(bias: torch.Tensor):
 @register_backend
 class Flex(Backend):
     name = "flex"
+    work = Work("tiles", (128, 128), half="always", fused=True)
+    reason_contexts = (_CPU_ALLOWED,)
     summary = "torch FlexAttention, compiled (dynamic shapes): any mask via mask_mod + a BlockMask from attnkit's structure"
     devices = frozenset({"cpu", "cuda"})
     supports_bias = True

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .._validate import check_bool
 from ..inputs import AttentionInputs
-from ..registry import Backend, register_backend
+from ..registry import Backend, Work, register_backend
 from ._common import finite_rows, finite_values, poison_rows, safe, softmax_parts
 
 
@@ -62,6 +62,7 @@ def probabilities(inp: AttentionInputs) -> tuple[Tensor, Tensor, Tensor]:
 @register_backend
 class NaiveBackend(Backend):
     name = "naive"
+    work = Work("nothing", half="always", materializes=True)
     summary = "reference: materialized mask, fp32 softmax, supports everything, O(Tq*Tk) memory"
     supports_dropout = True
     supports_bias = True

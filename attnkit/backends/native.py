@@ -38,6 +38,7 @@ from . import native_ops
 from .nonfinite import all_finite, host_may_branch
 from ..registry import Backend, register_backend
 from ._tiles import PARTIAL, tile_grid
+from ..registry import Work
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,7 @@ def plan_for(inp: AttentionInputs, options: NativeOptions) -> _Plan:
 @register_backend
 class Native(Backend):
     name = "native"
+    work = Work("tiles", (128, 256), fused=True)
     summary = "fused C++ online-softmax kernel (CPU): fwd+bwd, skips masked tiles, masks evaluated in the kernel"
     devices = frozenset({"cpu"})
     supports_lse = True

@@ -59,9 +59,12 @@ def run(impl, inp: AttentionInputs, options):
 
 def host_may_branch(inp: AttentionInputs) -> bool:
     """True when reading one value on the host is free: CPU tensors, eager, outside ``torch.func``."""
+    if inp.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    if not torch._C._are_functorch_transforms_active():  # no transform: no wrapped tensor (the hot path)
+        return True
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return (inp.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not any(isinstance(x, Tensor) and wrapped(x) for x in (inp.q, inp.k, inp.v)))
+    return not any(isinstance(x, Tensor) and wrapped(x) for x in (inp.q, inp.k, inp.v))
 
 
 def all_finite(inp: AttentionInputs) -> bool:

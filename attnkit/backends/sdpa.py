@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..inputs import AttentionInputs
 from ..masks import Causal
-from ..registry import Backend, register_backend
+from ..registry import Backend, Work, register_backend
 
 NONE, CAUSAL, DENSE = "none", "causal", "dense"
 
@@ -34,6 +34,7 @@ NONE, CAUSAL, DENSE = "none", "causal", "dense"
 @register_backend
 class SDPABackend(Backend):
     name = "sdpa"
+    work = Work("tiles", (1, 1), half="always", fused=True)  # is_causal skips the upper triangle; a dense mask skips nothing
     summary = "torch.nn.functional.scaled_dot_product_attention (fused flash/efficient/math kernels)"
     supports_dropout = True
     supports_bias = True

@@ -21,7 +21,7 @@ from torch import Tensor
 from .._validate import positive_int
 from ..inputs import AttentionInputs
 from ..masks import Mask, MaskSupport
-from ..registry import Backend, register_backend
+from ..registry import Backend, Work, register_backend
 from ._common import (
     connected, grouped, mask_on, modify_gathered, safe, softmax_parts,
     gathered_sink, upcast_on_cpu,
@@ -132,6 +132,7 @@ def _global_rows(inp: AttentionInputs, glob: Tensor, out: Tensor, lse: Tensor):
 @register_backend
 class SlidingWindowBackend(Backend):
     name = "sliding_window"
+    work = Work("tiles", (64, 64))
     summary = "banded local attention (+ Longformer global tokens): O(n*w) time and memory, fwd+bwd"
     supports_lse = True
     supports_score_mod = True

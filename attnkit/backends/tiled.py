@@ -25,7 +25,7 @@ from ..hardware import half_matmul_is_fast
 from ..inputs import AttentionInputs
 from ..masks import BlockStatus, Mask
 from ..score_mods import ScoreMod
-from ..registry import Backend, register_backend
+from ..registry import Backend, Work, register_backend
 
 NEG_INF = float("-inf")
 
@@ -337,6 +337,7 @@ class _TiledFunction(torch.autograd.Function):
 @register_backend
 class TiledBackend(Backend):
     name = "tiled"
+    work = Work("tiles", (256, 512), half="when_fast", loop_ops=12)
     summary = "flash-style online softmax over tiles in PyTorch: any mask, O(n) memory fwd+bwd, skips empty tiles"
     supports_bias = True
     supports_lse = True

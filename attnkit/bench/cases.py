@@ -36,13 +36,14 @@ class BenchConfig:
     passes: list[str] = field(default_factory=lambda: list(PASSES))
     device: str = "cpu"
     batch: int = 1
-    heads: int = 4
+    heads: int = 8
     head_dim: int = 64
     window: int = 256  # SlidingWindow(window, 0), and the Longformer/BigBird window width
     block: int = 64  # BlockSparse block size for the BigBird/Longformer patterns
     time_budget_s: float = 0.25  # skip a case whose predicted time per call exceeds this
     memory_budget_bytes: int = 4 * 2**30  # skip a case whose predicted peak memory exceeds this
     min_run_time: float = 0.05  # torch.utils.benchmark blocked_autorange per case
+    run_budget_s: float | None = None  # the whole sweep: cases left when it is spent are skipped (None: no limit)
     error_rows: int = 64  # error vs the float64 reference on the last rows (O(rows * n) cost)
     seed: int = 0
 
@@ -54,6 +55,10 @@ class BenchConfig:
             raise ValueError(f"{_flag('lengths')}: expected a non-empty list of lengths, got {self.lengths!r}")
         for n in self.lengths:
             _check_positive_int(n, "lengths")
+        if self.run_budget_s is not None:
+            value = self.run_budget_s
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"--budget: expected a finite number of seconds > 0, got {value!r}")
         for name in ("time_budget_s", "min_run_time"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -81,7 +86,7 @@ class BenchConfig:
 
 
 # BenchConfig field -> the `attnkit bench` flag that sets it (for error messages)
-_FLAGS = {"head_dim": "--head-dim", "time_budget_s": "--time-budget", "memory_budget_bytes": "--memory-budget",
+_FLAGS = {"head_dim": "--head-dim", "time_budget_s": "--time-budget", "run_budget_s": "--budget", "memory_budget_bytes": "--memory-budget",
           "min_run_time": "--min-run-time", "error_rows": "BenchConfig.error_rows", "block": "BenchConfig.block"}
 
 

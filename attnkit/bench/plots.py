@@ -182,7 +182,8 @@ def _auto_over_best(results: dict, path: Path) -> Path | None:
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("auto time / best backend time")
     axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.suptitle("Does auto pick the fastest backend? (1.0 = yes; dotted line: 5% slower)", fontsize=10)
+    when = "after this run's calibration" if results.get("auto_verification") else "as auto stood during the sweep"
+    fig.suptitle(f"Does auto pick the fastest backend, {when}? (1.0 = yes; dotted line: 5% slower)", fontsize=10)
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import json
 import shlex
+import statistics
 import shutil
-import textwrap
 from pathlib import Path
 
+from .cases import MASK_SPECS as _KNOWN_MASKS
 from .cases import describe_bytes, mask_spec
 
 __all__ = ["command_line", "format_table", "terminal_table", "skip_hint", "crossovers", "crossover_table",
-           "write_json", "write_markdown", "auto_ratios"]
+           "write_json", "write_markdown", "auto_ratios", "auto_before", "auto_summary", "auto_table"]
 
 
 def command_line(head: str, argv: list[str]) -> str:
@@ -29,36 +31,44 @@ def command_line(head: str, argv: list[str]) -> str:
 
 
 def format_table(rows: list[list[str]], header: list[str], markdown: bool = False,
-           right: frozenset[int] = frozenset(), width: int | None = None) -> str:
+                 right: frozenset[int] = frozenset(), width: int | None = None) -> str:
     """A plain or Markdown table; the columns in ``right`` (numbers) are right-aligned. A plain
-    table fits ``width`` columns (default: the terminal's), its text cells wrapped as needed."""
+    table is laid out by ``rich`` (the ``bench`` extra) to fit ``width`` columns (default: the
+    terminal's), its text cells wrapped, never cut; without ``rich``, one line per row."""
     if markdown:
         rule = "|" + "".join("---:|" if i in right else "---|" for i in range(len(header)))
         lines = ["| " + " | ".join(header) + " |", rule]
         cell = lambda c: str(c).replace("|", "\\|")  # noqa: E731  (a reason may quote `a | b`)
         return "\n".join(lines + ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows])
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    limit = width or shutil.get_terminal_size((100, 24)).columns
-    # Too wide for the terminal: narrow the widest text columns (never below 12 characters or the
-    # header), and wrap their cells onto continuation lines.
-    while sum(widths) + 2 * (len(widths) - 1) > limit:
+    width = width or shutil.get_terminal_size((100, 24)).columns
+    try:
+        from rich import box
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # the core runs without the bench extra: unwrapped columns
+        widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+        align = lambda r: "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w)  # noqa: E731
+                                    for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        return "\n".join([align(header), align(["-" * w for w in widths])] + [align(r) for r in rows])
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="")
+    # Too wide: narrow the widest text column first (never below 12 characters or its header), so
+    # short cells stay on one line and only long text (reasons, lists) wraps; no column is dropped.
+    widths = [max([len(name)] + [len(str(r[i])) for r in rows]) for i, name in enumerate(header)]
+    while sum(widths) + 3 * (len(widths) - 1) > width:
         text = [i for i in range(len(widths)) if i not in right and widths[i] > max(12, len(header[i]))]
         if not text:
             break
-        widest = max(text, key=lambda i: widths[i])
-        widths[widest] -= 1
-
-    def lines(r):
-        parts = [textwrap.wrap(str(c), w) or [""] if len(str(c)) > w else [str(c)] for c, w in zip(r, widths)]
-        out = []
-        for k in range(max(len(p) for p in parts)):
-            cells = [(p[k] if k < len(p) else "") for p in parts]
-            cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
-            out.append("  ".join(cells).rstrip())
-        return out
-
-    body = [text for r in rows for text in lines(r)]
-    return "\n".join(lines(header) + lines(["-" * w for w in widths]) + body)
+        widths[max(text, key=lambda i: widths[i])] -= 1
+    for i, name in enumerate(header):
+        table.add_column(name, justify="right" if i in right else "left", no_wrap=i in right, overflow="fold",
+                         width=widths[i])
+    for r in rows:
+        table.add_row(*(str(c) for c in r))
+    # numbers and headers are never squeezed: a table of many number columns may run wider
+    width = max(width, sum(widths) + 3 * (len(widths) - 1))
+    console = Console(width=width, color_system=None, force_terminal=False, record=True, file=io.StringIO())
+    console.print(table)
+    return "\n".join(line.rstrip() for line in console.export_text().splitlines() if line.strip())
 
 
 def _ms(seconds: float) -> str:
@@ -151,12 +161,7 @@ def crossover_table(results: dict, markdown: bool = False) -> str:
     return format_table(rows, ["dtype", "pass", "mask", "fastest exact backend per n", "crossovers"], markdown)
 
 
-def auto_ratios(results: dict) -> list[dict]:
-    """From the sweep itself: auto's time over the best exact backend's at each point (auto and
-    the others were timed back to back, not interleaved; ``verify`` in a calibration run is the
-    interleaved measurement)."""
-    if results.get("auto_verification"):
-        return results["auto_verification"]
+def _best_and_auto(results: dict) -> tuple[dict[tuple, dict], dict[tuple, dict]]:
     best: dict[tuple, dict] = {}
     auto: dict[tuple, dict] = {}
     for r in results["results"]:
@@ -167,6 +172,13 @@ def auto_ratios(results: dict) -> list[dict]:
             auto[key] = r
         elif r["exact"] and (key not in best or r["median_s"] < best[key]["median_s"]):
             best[key] = r
+    return best, auto
+
+
+def auto_before(results: dict) -> list[dict]:
+    """From the sweep itself: auto's time over the best exact backend's at each point, as auto
+    stood when the sweep ran (before this run's calibration; timed back to back, not interleaved)."""
+    best, auto = _best_and_auto(results)
     return [
         {"n": k[0], "mask": k[1], "dtype": k[2], "passes": k[3], "best": best[k]["backend"],
          "auto_chose": auto[k]["chosen"], "auto_over_best": auto[k]["median_s"] / best[k]["median_s"]}
@@ -174,10 +186,49 @@ def auto_ratios(results: dict) -> list[dict]:
     ]
 
 
+def auto_ratios(results: dict) -> list[dict]:
+    """auto over the best backend as it stands after the run: after a calibration the verification
+    (:func:`attnkit.bench.runner.verify_auto`), else the sweep's own figures (:func:`auto_before`)."""
+    return results.get("auto_verification") or auto_before(results)
+
+
+def auto_summary(rows: list[dict], limit: float = 1.10) -> str:
+    """``median 1.02, max 1.31 over 80 cells (3 over 1.10)``."""
+    if not rows:
+        return "no cells"
+    ratios = [r["auto_over_best"] for r in rows]
+    over = sum(x > limit for x in ratios)
+    return f"median {statistics.median(ratios):.2f}, max {max(ratios):.2f} over {len(ratios)} cells ({over} over {limit:.2f})"
+
+
 def auto_table(results: dict, markdown: bool = False) -> str:
-    rows = [[r["dtype"], r["passes"], r["mask"], str(r["n"]), r["best"], r["auto_chose"], f"{r['auto_over_best']:.2f}"]
-            for r in auto_ratios(results)]
-    return format_table(rows, ["dtype", "pass", "mask", "n", "best", "auto chose", "auto/best"], markdown, right=frozenset({3, 6}))
+    """Per point: the best measured exact backend, auto's pick and auto/best before this run's
+    calibration (the sweep) and after it (the verification), with a summary line for each."""
+    before = {(r["n"], r["mask"], r["dtype"], r["passes"]): r for r in auto_before(results)}
+    after = {(r["n"], r["mask"], r["dtype"], r["passes"]): r for r in results.get("auto_verification") or []}
+    header = ["dtype", "pass", "mask", "n", "best"]
+    if before:
+        header += ["auto before", "auto/best"]
+    if after:
+        header += ["auto after", "auto/best "]
+    rows = []
+    for key in sorted(set(before) | set(after), key=lambda k: (k[2], k[3], k[1], k[0])):
+        ref = after.get(key) or before[key]
+        row = [key[2], key[3], mask_spec(key[1]).label, str(key[0]), ref["best"]]
+        for found, present in ((before.get(key), before), (after.get(key), after)):
+            if present:
+                row += [found["auto_chose"], f"{found['auto_over_best']:.2f}"] if found else ["-", "-"]
+        rows.append(row)
+    right = frozenset({3} | {i for i, h in enumerate(header) if h.startswith("auto/best")})
+    table = format_table(rows, header, markdown, right=right)
+    lines = []
+    if before:
+        lines.append(f"auto/best before calibration (the sweep, back to back): {auto_summary(list(before.values()))}")
+    if after:
+        lines.append(f"auto/best after calibration (auto's pick timed against the best, interleaved; 1.00 where "
+                     f"it is the best): {auto_summary(list(after.values()))}")
+    sep = "\n\n" if markdown else "\n"
+    return table + sep + sep.join(lines) if lines else table
 
 
 #: auto within this factor of the best measured backend counts as "use auto".
@@ -185,12 +236,36 @@ AUTO_GOOD_ENOUGH = 1.05
 
 
 def recommendation(row: dict) -> str:
-    """One line per (mask, length, dtype, pass) of :func:`auto_ratios`: what to use."""
+    """One line for one (mask, length, dtype, pass) point of :func:`auto_ratios`: what to use."""
     where = f"{row['mask']} n={row['n']} {row['dtype']} {row['passes']}"
+    return f"{where}: {_advice(row)}"
+
+
+def _advice(row: dict) -> str:
     if row["auto_over_best"] <= AUTO_GOOD_ENOUGH or row["auto_chose"] == row["best"]:
-        return f"{where}: use backend='auto' (it picks {row['auto_chose']}, within {AUTO_GOOD_ENOUGH:.2f}x of the best)"
-    return (f"{where}: backend='{row['best']}' was {row['auto_over_best']:.2f}x faster than auto's "
-            f"{row['auto_chose']}; calibrate (`python -m attnkit bench --calibrate`) or name it")
+        return f"use backend='auto' (it picks {row['auto_chose']}, within {AUTO_GOOD_ENOUGH:.2f}x of the best)"
+    return (f"backend='{row['best']}' was {row['auto_over_best']:.2f}x faster than auto's {row['auto_chose']}; "
+            "name it, or calibrate (`python -m attnkit bench`) if this machine is not calibrated")
+
+
+def grouped_recommendations(rows: list[dict]) -> list[str]:
+    """One line per mask and length: ``use backend='auto'`` when it is within
+    :data:`AUTO_GOOD_ENOUGH` of the best for every dtype and pass measured, else what to use where."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["mask"], r["n"]), []).append(r)
+    lines = []
+    for (mask, n), points in sorted(groups.items(), key=lambda g: (g[0][0], g[0][1])):
+        label = mask_spec(mask).label if mask in _KNOWN_MASKS else mask
+        bad = [r for r in points if not (r["auto_over_best"] <= AUTO_GOOD_ENOUGH or r["auto_chose"] == r["best"])]
+        if not bad:
+            picks = ", ".join(sorted({r["auto_chose"] for r in points}))
+            lines.append(f"{label} n={n}: use backend='auto' (it picks {picks}; within {AUTO_GOOD_ENOUGH:.2f}x of the "
+                         "best measured everywhere)")
+        else:
+            where = "; ".join(f"{r['dtype']} {r['passes']}: {_advice(r)}" for r in bad)
+            lines.append(f"{label} n={n}: backend='auto' elsewhere; {where}")
+    return lines
 
 
 def calibration_status() -> str:
@@ -200,12 +275,12 @@ def calibration_status() -> str:
     data = calibration.load()
     if data is None:
         return (f"this machine is not calibrated ({calibration.calibration_path()}): auto follows its cost model; "
-                "`python -m attnkit bench --calibrate` measures it")
+                "`python -m attnkit bench` measures it and writes the table")
     return f"this machine is calibrated: {calibration.calibration_path()} ({len(data['entries'])} entries)"
 
 
 def recommendations(results: dict) -> str:
-    return "\n".join([calibration_status(), *(recommendation(r) for r in auto_ratios(results))])
+    return "\n".join([calibration_status(), *grouped_recommendations(auto_ratios(results))])
 
 
 def write_json(results: dict, path: Path) -> Path:

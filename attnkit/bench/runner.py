@@ -37,7 +37,8 @@ from .cases import (
 )
 from .memory import PeakMemory
 
-__all__ = ["run_sweep", "machine_description", "matmul_peak", "build_calibration", "verify_auto", "confidence_interval"]
+__all__ = ["run_sweep", "machine_description", "matmul_peak", "build_calibration", "verify_auto", "confidence_interval",
+           "estimate_seconds", "noise_floor", "sweep_cases"]
 
 
 def machine_description(device: str) -> dict:
@@ -129,13 +130,9 @@ def _skip(case: Case, reason: str, group: str | None = None, **extra) -> dict:
 def run_sweep(config: BenchConfig, progress: Callable[[Iterable], Iterable] | None = None) -> dict:
     """Measure every case of ``config``; returns the JSON-ready results dict."""
     registry = list_backends()
-    # Backends that compile on first use (flex: minutes per mask kind on a CPU) run only when named.
-    names = list(config.backends) if config.backends is not None else [
-        name for name, impl in registry.items() if not getattr(impl, "compiles", False)] + ["auto"]
-    for name in names:
-        if name != "auto" and name not in registry:
-            raise ValueError(f"--backends: unknown backend {name!r}; expected 'auto' or some of {sorted(registry)}.")
-    specs = [mask_spec(m) for m in config.masks]
+    names = sweep_names(config)
+    for m in config.masks:
+        mask_spec(m)
     dtypes = {name: getattr(torch, name) for name in config.dtypes}
     memory = PeakMemory(config.device)
     start = time.perf_counter()
@@ -143,14 +140,16 @@ def run_sweep(config: BenchConfig, progress: Callable[[Iterable], Iterable] | No
     # "% of peak" divides by the fastest matmul we measured for the case's dtype or float32: CPU
     # kernels often compute low precision in float32 (bf16 SDPA can outrun a slow bf16 torch.mm).
     reference_peak = {name: max(peaks[name], peaks["float32"]) for name in dtypes}
-    cases = [
-        Case(b, n, s.name, dt, p)
-        for dt in config.dtypes for p in config.passes for n in sorted(config.lengths) for s in specs for b in names
-    ]
+    cases = sweep_cases(config, names)
     measured: dict[tuple, dict[int, float]] = {}
     rows = []
     iterator = progress(cases) if progress else cases
+    deadline = None if config.run_budget_s is None else start + config.run_budget_s
     for case in iterator:
+        if deadline is not None and time.perf_counter() > deadline:
+            rows.append(_skip(case, f"the run's time budget (--budget {config.run_budget_s:g} s) was spent",
+                              "run time budget spent"))
+            continue
         rows.append(_run_case(case, config, registry, dtypes[case.dtype], reference_peak[case.dtype], memory, measured))
     return {
         "schema": "attnkit.bench/1",
@@ -165,6 +164,58 @@ def run_sweep(config: BenchConfig, progress: Callable[[Iterable], Iterable] | No
         "elapsed_s": time.perf_counter() - start,
         "results": rows,
     }
+
+
+def sweep_cases(config: BenchConfig, names: list[str]) -> list[Case]:
+    """The cases in the order they run: shortest length first (a spent ``run_budget_s`` cuts the
+    longest lengths), every dtype, pass, mask and backend at one length back to back."""
+    return [Case(b, n, m, dt, p) for n in sorted(config.lengths) for dt in config.dtypes for p in config.passes
+            for m in config.masks for b in names]
+
+
+def sweep_names(config: BenchConfig) -> list[str]:
+    """The backends a sweep measures: the named ones, or every registered backend that does not
+    compile on first use (flex: minutes per mask kind on a CPU), plus ``auto``."""
+    registry = list_backends()
+    if config.backends is not None:
+        for name in config.backends:
+            if name != "auto" and name not in registry:
+                raise ValueError(f"--backends: unknown backend {name!r}; expected 'auto' or some of {sorted(registry)}.")
+        return list(config.backends)
+    return [name for name, impl in registry.items() if not getattr(impl, "compiles", False)] + ["auto"]
+
+
+def estimate_seconds(config: BenchConfig) -> float:
+    """How long :func:`run_sweep` will take on this machine, from the cost model's estimate of each
+    case (:func:`attnkit.dispatch.estimated_seconds` over the probed machine constants): per case a
+    warm-up call, the error check and at least ``min_run_time`` of timing; cases a backend cannot
+    run or predicted over the per-call budget cost nothing. Capped by ``run_budget_s``."""
+    from ..dispatch import estimated_seconds
+
+    constants = calibration.machine_constants()
+    registry = list_backends()
+    total = 0.0
+    for case in sweep_cases(config, sweep_names(config)):
+        mask = mask_spec(case.mask).build(case.n, config)
+        shape = (config.batch, config.heads, case.n, config.head_dim)
+        one = torch.empty(1, 1, 1, 1, device=config.device, dtype=getattr(torch, case.dtype))
+        x = one.requires_grad_(case.passes == "train").expand(shape)  # the shape without the memory
+        inp = AttentionInputs.create(x, x, x, mask=mask)
+        name = case.backend
+        if name == "auto":
+            try:
+                name = select(inp).name
+            except NoBackendError:
+                continue
+        elif not registry[name].can_run(inp):
+            continue
+        call = estimated_seconds(name, inp, constants)
+        if call is None:
+            call = config.time_budget_s / 4  # not probed: a guess inside the budget
+        if call > config.time_budget_s and case.n > min(config.lengths):  # the runner extrapolates, then skips
+            continue
+        total += 0.02 + 2 * call + max(config.min_run_time, call)
+    return total if config.run_budget_s is None else min(total, config.run_budget_s)
 
 
 def _memory_skip(case: Case, config: BenchConfig, estimate: int) -> dict | None:
@@ -258,17 +309,34 @@ def confidence_interval(median: float, iqr: float, runs: int) -> tuple[float, fl
     return median - half, median + half
 
 
+#: Timed runs from which a case's own interquartile range measures its noise.
+MIN_RUNS_FOR_SPREAD = 4
+#: The relative noise assumed when no case of a sweep was timed often enough to measure it.
+DEFAULT_NOISE = 0.05
+
+
+def noise_floor(results: dict) -> float:
+    """The sweep's measured relative noise: the median ``IQR / median`` of its cases timed at least
+    :data:`MIN_RUNS_FOR_SPREAD` times (:data:`DEFAULT_NOISE` when none was). A case timed fewer times
+    is taken to be this uncertain, so one lucky run never makes a crossover."""
+    spreads = [r["iqr_s"] / r["median_s"] for r in ok_rows(results)
+               if r.get("runs", 0) >= MIN_RUNS_FOR_SPREAD and r["median_s"] > 0]
+    return statistics.median(spreads) if spreads else DEFAULT_NOISE
+
+
 def build_calibration(results: dict) -> dict:
     """Rank the exact backends per (device, dtype, mask kind, pass, heads, head dim) and length.
 
     Mask specs of one kind (BigBird and Longformer are both ``BlockSparse``) are pooled: a
     backend's time is the sum over the specs, counted only for backends that ran all of them.
     A point whose two fastest backends have overlapping confidence intervals (see
-    :func:`confidence_interval`) is stored with ``"tie": true``: noise is not a crossover, and
-    ``auto`` leaves such points to its cost model."""
+    :func:`confidence_interval`; for cases timed fewer than :data:`MIN_RUNS_FOR_SPREAD` times, at
+    least the sweep's :func:`noise_floor`) is stored with ``"tie": true``: noise is not a
+    crossover, and ``auto`` leaves such points to its cost model."""
     config = results["config"]
     registry = list_backends()
     cfg = BenchConfig(**config)
+    floor = noise_floor(results)
     grouped: dict[tuple[str, int], dict[str, dict[str, tuple[float, float]]]] = {}
     for r in ok_rows(results):
         if r["backend"] == "auto" or not registry.get(r["backend"]) or not registry[r["backend"]].exact:
@@ -277,8 +345,10 @@ def build_calibration(results: dict) -> dict:
         key = calibration.entry_key(torch.device(config["device"]).type, r["dtype"], kind, r["passes"],
                                     heads=cfg.heads, head_dim=cfg.head_dim)
         low, high = confidence_interval(r["median_s"], r.get("iqr_s", 0.0), r.get("runs", 1))
-        grouped.setdefault((key, r["n"]), {}).setdefault(r["mask"], {})[r["backend"]] = (
-            r["median_s"], max(r["median_s"] - low, high - r["median_s"]))
+        half = max(r["median_s"] - low, high - r["median_s"])
+        if r.get("runs", 1) < MIN_RUNS_FOR_SPREAD:  # too few runs for their own spread: the sweep's
+            half = max(half, floor * r["median_s"])
+        grouped.setdefault((key, r["n"]), {}).setdefault(r["mask"], {})[r["backend"]] = (r["median_s"], half)
     entries: dict[str, list[dict]] = {}
     for (key, n), per_mask in sorted(grouped.items()):
         common = set.intersection(*(set(t) for t in per_mask.values()))
@@ -292,22 +362,39 @@ def build_calibration(results: dict) -> dict:
     return {"machine": results["machine"], "entries": entries}
 
 
-def verify_auto(results: dict, config: BenchConfig, rounds: int = 3) -> list[dict]:
-    """After calibrating: time ``auto`` and the measured best backend interleaved at every point
-    (``rounds`` alternations) and report the median ratio auto / best."""
+def verify_auto(results: dict, config: BenchConfig, rounds: int = 3, budget_s: float | None = None) -> list[dict]:
+    """After calibrating: at every point, the backend ``auto`` now picks and its time over the
+    measured best backend's. Where auto picks the best itself the ratio is 1 by construction (one
+    backend timed against itself only measures noise); elsewhere both are timed interleaved
+    (``rounds`` alternations) and the median ratio is reported (``"timed": true``). Once
+    ``budget_s`` is spent, the remaining points take the sweep's own times of the two backends
+    (back to back, ``"timed": false``); a point whose pick the sweep skipped is left out."""
     best: dict[tuple, dict] = {}
+    swept: dict[tuple, dict[str, float]] = {}
     for r in ok_rows(results):
         if r["backend"] == "auto" or not r["exact"]:
             continue
         key = (r["n"], r["mask"], r["dtype"], r["passes"])
+        swept.setdefault(key, {})[r["backend"]] = r["median_s"]
         if key not in best or r["median_s"] < best[key]["median_s"]:
             best[key] = r
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
     out = []
-    for (n, mask_name, dtype_name, passes), row in sorted(best.items()):
+    for key, row in sorted(best.items()):
+        n, mask_name, dtype_name, passes = key
         mask = mask_spec(mask_name).build(n, config)
         grad = passes == "train"
         q, k, v = _inputs(config, n, getattr(torch, dtype_name), grad, config.seed + n)
         chosen = select(AttentionInputs.create(q, k, v, mask=mask)).name
+        point = {"n": n, "mask": mask_name, "dtype": dtype_name, "passes": passes, "best": row["backend"],
+                 "auto_chose": chosen}
+        if chosen == row["backend"]:
+            out.append({**point, "auto_over_best": 1.0, "timed": False})
+            continue
+        if deadline is not None and time.perf_counter() > deadline:
+            if chosen in swept[key]:
+                out.append({**point, "auto_over_best": swept[key][chosen] / row["median_s"], "timed": False})
+            continue
         g = torch.randn_like(q) if grad else None
         fa, fb = _call(q, k, v, mask, "auto", g), _call(q, k, v, mask, row["backend"], g)
         fa(), fb()  # warm both
@@ -316,6 +403,5 @@ def verify_auto(results: dict, config: BenchConfig, rounds: int = 3) -> list[dic
             ta = _time(fa, config.min_run_time).median
             tb_ = _time(fb, config.min_run_time).median
             ratios.append(ta / tb_)
-        out.append({"n": n, "mask": mask_name, "dtype": dtype_name, "passes": passes, "best": row["backend"],
-                    "auto_chose": chosen, "auto_over_best": statistics.median(ratios)})
+        out.append({**point, "auto_over_best": statistics.median(ratios), "timed": True})
     return out

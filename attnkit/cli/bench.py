@@ -1,17 +1,23 @@
-"""Measure every attention backend on this machine: table, JSON, plots and a Markdown report.
+"""Measure every attention backend on this machine: table, JSON, plots and a Markdown report, and
+(by default) this machine's calibration table for ``auto``.
 
 Sweeps backends x lengths x masks x dtypes x {forward, forward+backward}; per case the median time
 and its spread, peak memory, GFLOP/s and % of this machine's matmul peak, and the error against a
-float64 reference. Cases predicted to exceed the time budget (default 0.25 s per call) or the memory
-budget (default 4 GiB) are skipped with the reason: raise --time-budget to measure long sequences.
-With no arguments it takes about a minute on 2 CPU cores.
+float64 reference. Cases predicted to exceed the time budget per call (default 0.25 s) or the memory
+budget (default 4 GiB) are skipped with the reason; cases left when the run's budget (--budget,
+default a few minutes) is spent are skipped too (the longest lengths come last).
+
+With no --backends, the run measures every exact backend and writes the calibration table that
+``auto`` follows (lengths 256-8192, float32 and, where this CPU multiplies bfloat16 fast, bfloat16),
+then times ``auto`` against the best backend wherever it still picks another one. It estimates its
+duration before it starts and shows progress.
 
 Examples:
-    python -m attnkit bench
+    python -m attnkit bench                      # calibrate this machine (a few minutes on 2 cores)
+    python -m attnkit bench --no-calibrate --lengths 256,1024     # measure only: the table is left alone
     python -m attnkit bench --backends sdpa,tiled,sliding_window --lengths 1024,4096,16384 \\
         --masks causal,window --passes forward --time-budget 10
     python -m attnkit bench --backends sdpa,tiled,auto --passes forward --device cuda
-    python -m attnkit bench --calibrate          # store crossovers for `auto` in the user cache dir
 """
 
 from __future__ import annotations
@@ -38,12 +44,14 @@ from ..bench.report import (
     write_json,
     write_markdown,
 )
-from ..bench.runner import build_calibration, run_sweep, verify_auto
+from ..bench.runner import build_calibration, estimate_seconds, run_sweep, sweep_cases, sweep_names, verify_auto
 from ..registry import list_backends
 from .options import device, int_list, name_list
 
-# A calibration needs more points than the quick default sweep: the lengths where crossovers happen.
-CALIBRATE_LENGTHS = [256, 512, 1024, 2048, 4096, 8192]
+# A calibration's lengths (a lookup takes the nearest on a log scale) and the run's default budget.
+CALIBRATE_LENGTHS = [256, 1024, 4096, 8192]
+DEFAULT_RUN_BUDGET_S = 240.0
+CALIBRATE_TIME_BUDGET_S = 1.0  # per call: long sequences are what a calibration is for
 
 
 def calibrate_dtypes() -> list[str]:
@@ -58,13 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", type=name_list(), default=None,
                         help="comma-separated backend names and/or 'auto' (default: every registered backend + auto)")
     parser.add_argument("--lengths", type=int_list(), default=None,
-                        help=f"sequence lengths (default {','.join(map(str, d.lengths))}; "
-                             f"with --calibrate {','.join(map(str, CALIBRATE_LENGTHS))})")
+                        help=f"sequence lengths (default {','.join(map(str, CALIBRATE_LENGTHS))} when calibrating, "
+                             f"else {','.join(map(str, d.lengths))})")
     parser.add_argument("--masks", type=name_list(MASK_SPECS), default=d.masks,
                         help=f"some of {','.join(MASK_SPECS)} (default {','.join(d.masks)})")
     parser.add_argument("--dtypes", type=name_list(DTYPES), default=None,
-                        help="default float32 (with --calibrate also bfloat16 where this CPU has fast bfloat16 "
-                             "matmuls); float16 on CPU is often ~100x slower")
+                        help="default float32, and when calibrating also bfloat16 where this CPU has fast bfloat16 "
+                             "matmuls; float16 on CPU is often ~100x slower")
     parser.add_argument("--passes", type=name_list(PASSES), default=d.passes,
                         help="forward and/or train (forward+backward); default both")
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
@@ -74,20 +82,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=d.head_dim, help=f"head dim D (default {d.head_dim})")
     parser.add_argument("--window", type=int, default=d.window,
                         help=f"sliding window width, also for Longformer/BigBird (default {d.window})")
-    parser.add_argument("--time-budget", type=float, default=d.time_budget_s,
+    parser.add_argument("--time-budget", type=float, default=None,
                         help=f"skip a case predicted (from the shorter lengths) to take longer than this many seconds "
-                             f"per call (default {d.time_budget_s:g} s); raise it to measure long sequences")
+                             f"per call (default {d.time_budget_s:g} s; {CALIBRATE_TIME_BUDGET_S:g} s when calibrating); "
+                             "raise it to measure long sequences")
     parser.add_argument("--memory-budget", type=float, default=d.memory_budget_bytes / 2**30,
                         help=f"skip a case predicted to need more than this many GiB "
                              f"(default {d.memory_budget_bytes / 2**30:g} GiB)")
+    parser.add_argument("--budget", type=float, default=DEFAULT_RUN_BUDGET_S,
+                        help=f"seconds for the whole sweep (default {DEFAULT_RUN_BUDGET_S:g} s): cases left when it is "
+                             "spent are skipped, the longest lengths first; the estimate is printed before it starts")
     parser.add_argument("--min-run-time", type=float, default=d.min_run_time,
                         help=f"seconds of timing per case (default {d.min_run_time:g} s)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
                         help="output directory (default bench-results)")
-    parser.add_argument("--calibrate", action="store_true",
-                        help="store the measured crossovers for `auto` in the user cache directory "
-                             f"({calibration.calibration_path()}; ATTNKIT_CALIBRATION overrides), then verify auto "
-                             "against the best backend")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--calibrate", action="store_true",
+                       help="write the calibration table even when --backends names only some backends (the default "
+                            f"run writes it: {calibration.calibration_path()}; ATTNKIT_CALIBRATION overrides)")
+    which.add_argument("--no-calibrate", action="store_true",
+                       help="measure only: leave this machine's calibration table as it is")
     parser.add_argument("--no-claims", action="store_true",
                         help="skip measuring the textbook rules of thumb (sqrt(d_k) scaling, score memory, ...)")
     parser.add_argument("--no-plots", action="store_true", help="write no PNG plots (they need the bench extra)")
@@ -106,46 +120,62 @@ def _progress(disabled: bool):
     return lambda cases: tqdm(cases, desc="bench", unit="case", file=sys.stderr, dynamic_ncols=True, disable=None)
 
 
+def calibrating(args: argparse.Namespace) -> bool:
+    """Whether this run writes the calibration table: by default when it measures every backend,
+    with ``--calibrate`` always, with ``--no-calibrate`` never."""
+    return args.calibrate or (not args.no_calibrate and args.backends is None)
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The sweep the flags describe; every value is checked here (``ValueError`` naming the flag)."""
-    lengths = args.lengths or (CALIBRATE_LENGTHS if args.calibrate else BenchConfig().lengths)
-    dtypes = args.dtypes or (calibrate_dtypes() if args.calibrate else ["float32"])
-    registry = list_backends()
-    backends = args.backends
-    if backends is None and args.calibrate:
-        # auto is verified after; backends that compile on first use (flex) are ranked only when named
-        backends = [name for name, impl in registry.items() if impl.exact and not getattr(impl, "compiles", False)]
+    calibrate = calibrating(args)
+    lengths = args.lengths or (CALIBRATE_LENGTHS if calibrate else BenchConfig().lengths)
+    dtypes = args.dtypes or (calibrate_dtypes() if calibrate else ["float32"])
     if not math.isfinite(args.memory_budget) or args.memory_budget <= 0:
         raise ValueError(f"--memory-budget: expected a finite number of GiB > 0, got {args.memory_budget!r}")
+    backends = args.backends
+    if backends is None and calibrate:
+        # the exact backends auto ranks, and auto itself; approximate ones are measured when named or with
+        # --no-calibrate, backends that compile on first use (flex) only when named
+        backends = [name for name, impl in list_backends().items()
+                    if impl.exact and not getattr(impl, "compiles", False)] + ["auto"]
     return BenchConfig(
-        backends=backends, lengths=lengths, masks=args.masks, dtypes=dtypes, passes=args.passes, device=args.device,
-        batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window, time_budget_s=args.time_budget,
-        memory_budget_bytes=max(1, int(args.memory_budget * 2**30)), min_run_time=args.min_run_time,
+        backends=backends, lengths=lengths, masks=args.masks, dtypes=dtypes, passes=args.passes,
+        device=args.device, batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
+        time_budget_s=(CALIBRATE_TIME_BUDGET_S if calibrate else BenchConfig().time_budget_s)
+        if args.time_budget is None else args.time_budget,
+        memory_budget_bytes=max(1, int(args.memory_budget * 2**30)),
+        min_run_time=args.min_run_time, run_budget_s=args.budget,
     )
 
 
-def estimate_line(config: BenchConfig) -> str:
-    """How long a sweep takes at most, said before it starts: each case is timed for at least
-    ``min_run_time`` after a warm-up call, and none runs past the time budget per call."""
-    backends = len(config.backends or list_backends()) + (config.backends is None)
-    cases = backends * len(config.lengths) * len(config.masks) * len(config.dtypes) * len(config.passes)
-    low = cases * config.min_run_time
-    high = cases * (config.min_run_time + 2 * config.time_budget_s)
-    return (f"calibrate: {cases} cases; estimated {low / 60:.0f}-{high / 60:.0f} min (each timed >= "
-            f"{config.min_run_time:g} s, cases predicted over {config.time_budget_s:g} s per call skipped); "
-            "progress below")
+def estimate_line(config: BenchConfig, calibrate: bool = True) -> str:
+    """What the run will do and about how long it takes, said before it starts (from the cost
+    model over this machine's probed constants; capped by ``--budget``)."""
+    cases = len(sweep_cases(config, sweep_names(config)))
+    seconds = estimate_seconds(config)
+    budget = config.run_budget_s
+    capped = f", capped by --budget {budget:g} s" if budget is not None and seconds >= budget else ""
+    what = "calibrate" if calibrate else "bench"
+    return (f"{what}: {cases} cases ({','.join(config.dtypes)}; n = {','.join(map(str, sorted(config.lengths)))}); "
+            f"estimated {_duration(seconds)}{capped}, from this machine's probed constants; progress below")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    calibrate = calibrating(args)
     if not args.no_plots and missing_extra():
         raise ValueError(f"{missing_extra()}, or pass --no-plots")
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out}: exists and is not a directory; "
                          "name a directory (it is created if missing)")
+    sweep_names(config)  # unknown backend names are refused before anything is measured
     command = command_line(f"{getattr(args, '_prog', 'attnkit')} bench", getattr(args, "_argv", None) or [])
-    if args.calibrate:
-        print(estimate_line(config), file=sys.stderr)
+    print(estimate_line(config, calibrate), file=sys.stderr, flush=True)
     results = run_sweep(config, progress=_progress(args.no_progress))  # checks the backend names first
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -156,13 +186,18 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + hint)
     print()
     print(crossover_table(results))
-    if args.calibrate:
+    if calibrate:
         table = build_calibration(results)
-        path = calibration.save({**table, "command": results["command"]})
-        print(f"\ncalibration: {sum(len(v) for v in table['entries'].values())} points in "
-              f"{len(table['entries'])} entries written to {path}")
-        results["auto_verification"] = verify_auto(results, config)
-    if any(r["backend"] == "auto" for r in results["results"]) or args.calibrate:
+        if table["entries"]:
+            path = calibration.save({**table, "command": results["command"]}, merge=True)
+            ties = sum(bool(p.get("tie")) for v in table["entries"].values() for p in v)
+            print(f"\ncalibration: {sum(len(v) for v in table['entries'].values())} points ({ties} within noise: left "
+                  f"to the cost model) in {len(table['entries'])} entries written to {path}")
+            budget = None if config.run_budget_s is None else max(30.0, config.run_budget_s / 4)
+            results["auto_verification"] = verify_auto(results, config, budget_s=budget)
+        else:
+            print("\ncalibration: nothing measured, no table written")
+    if any(r["backend"] == "auto" for r in results["results"]) or results.get("auto_verification"):
         print()
         print(auto_table(results))
         print()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import textwrap
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -21,7 +23,8 @@ from ..bench.cases import MASK_SPECS, BenchConfig
 from ..bench.report import format_table
 from ..dispatch import explain
 from ..masks import Custom, Dense, Document, KeyPadding, Mask, SlidingWindow
-from ..registry import list_backends
+from ..inputs import FLOAT_DTYPES
+from ..registry import ALL_DEVICES, list_backends
 from .options import device, positive_int
 
 MASK_HELP = (
@@ -140,17 +143,32 @@ def _inputs(q, mask):
 
 
 def backend_table() -> str:
-    rows = []
+    rows, missing = [], []
     for row in backend_rows():
         c = row["capabilities"]
         flags = [f for f in ("gqa", "dropout", "bias", "backward", "lse") if c[f]]
-        rows.append(
-            [row["name"], row["avail"], "exact" if c["exact"] else "approx", ",".join(c["devices"]),
-             ",".join(d.replace("float", "f") for d in c["dtypes"]), row["masks"], ",".join(flags)]
-        )
+        avail = row["avail"]
+        if avail != "yes":  # the reason goes under the table: a table cell would wrap it into a column
+            missing.append(f"  {row['name']}: {avail.removeprefix('no: ')}")
+            avail = "no*"
+        devices = "all" if set(c["devices"]) == ALL_DEVICES else ",".join(c["devices"])
+        dtypes = "all" if len(c["dtypes"]) == len(FLOAT_DTYPES) else ",".join(d.replace("float", "f") for d in c["dtypes"])
+        rows.append([row["name"], avail, "exact" if c["exact"] else "approx", devices, dtypes,
+                     row["masks"].replace(",", ", "), ", ".join(flags)])
     legend = (f"masks: those each backend accepts (its own reasons, as explain() reports them, at T={PROBE_LENGTH})"
-              f" among\n  {', '.join(probe_masks())}; 'any' = all of them")
-    return format_table(rows, ["backend", "avail", "kind", "devices", "dtypes", "masks", "features"]) + "\n" + legend
+              f" among {', '.join(probe_masks())}; 'any' = all of them")
+    notes = [legend, f"devices, dtypes: 'all' = {', '.join(sorted(ALL_DEVICES))}; "
+                     f"{', '.join(sorted(str(d).removeprefix('torch.') for d in FLOAT_DTYPES))}"]
+    notes += ["* not available here:"] + missing if missing else []
+    table = format_table(rows, ["backend", "avail", "kind", "devices", "dtypes", "masks", "features"])
+    return table + "\n" + "\n".join(wrap(line) for line in notes)
+
+
+def wrap(text: str) -> str:
+    """``text`` wrapped to the terminal, continuation lines indented under its first word."""
+    width = shutil.get_terminal_size((100, 24)).columns
+    indent = " " * min(len(text) - len(text.lstrip()) + 4, 12)
+    return textwrap.fill(text, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
 
 
 def policy_line(prog: str = "attnkit") -> str:
@@ -161,7 +179,7 @@ def policy_line(prog: str = "attnkit") -> str:
                 f"({calibration.constants_path()}) decides; no table at {calibration.calibration_path()}. "
                 f"Measure this machine with `{prog} bench`")
     return (f"auto policy: calibrated on this machine ({len(data['entries'])} device/dtype/mask/pass/heads/head dim "
-            f"entries in {calibration.calibration_path()}, from `{data.get('command', prog + ' bench --calibrate')}`); "
+            f"entries in {calibration.calibration_path()}, from `{data.get('command', prog + ' bench')}`); "
             "elsewhere the cost model decides")
 
 
@@ -206,8 +224,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     if explanation is None:
         prog = getattr(args, "_prog", "attnkit")
-        print(policy_line(prog))
+        print(wrap(policy_line(prog)))
         print(f"\nFor a choice explained: {prog} info --shape B,H,T,D --mask causal")
         return 0
-    print(explanation)  # it ends with the policy line
+    print("\n".join(wrap(line) for line in str(explanation).splitlines()))  # it ends with the policy line
     return 0

@@ -1,0 +1,144 @@
+"""The main job calibrates: `python -m attnkit bench` writes this machine's table by default (tiny
+grids here: no timing is asserted, and no test depends on which backend wins on this machine)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+import attnkit
+from attnkit import calibration
+from attnkit.bench import BenchConfig, build_calibration
+from attnkit.cli.main import main
+
+TINY = ["--lengths", "16,32", "--heads", "2", "--head-dim", "8", "--window", "8", "--min-run-time", "0.001",
+        "--no-progress", "--no-claims", "--no-plots", "--masks", "none,causal", "--passes", "forward",
+        "--dtypes", "float32"]
+KEY = "cpu|float32|none|forward|H2|D8"
+
+
+@pytest.fixture
+def table_path(tmp_path, monkeypatch):
+    path = tmp_path / "cache" / "calibration.json"
+    monkeypatch.setenv("ATTNKIT_CALIBRATION", str(path))
+    calibration.reload()
+    yield path
+    calibration.reload()
+
+
+def test_the_default_run_writes_the_table_and_reports_auto_before_and_after(table_path, tmp_path, capsys):
+    assert main(["bench", *TINY, "--out", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    assert "cases" in err and "estimated" in err  # said before it starts
+    data = json.loads(table_path.read_text())
+    assert set(data["entries"]) == {KEY, "cpu|float32|Causal|forward|H2|D8"}
+    exact = {n for n, impl in attnkit.list_backends().items() if impl.exact and not getattr(impl, "compiles", False)}
+    for points in data["entries"].values():
+        assert [p["n"] for p in points] == [16, 32]
+        assert all(set(p["order"]) <= exact for p in points)
+    assert f"written to {table_path}" in out
+    assert "auto/best before calibration" in out and "auto/best after calibration" in out
+    assert "this machine is calibrated" in out
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    verified = results["auto_verification"]
+    assert len(verified) == 4
+    for v in verified:  # auto's own pick is never timed against itself
+        assert (v["auto_chose"] == v["best"]) == (not v["timed"]) and (v["timed"] or v["auto_over_best"] == 1.0)
+    assert not {r["backend"] for r in results["results"]} - exact - {"auto"}  # approximate ones only when named
+
+
+def test_verification_past_its_budget_takes_the_sweeps_times(table_path):
+    from attnkit.bench.runner import verify_auto
+
+    config = BenchConfig(heads=2, head_dim=8, lengths=[16], masks=["none"], passes=["forward"], min_run_time=0.001)
+    rows = [{"status": "ok", "backend": b, "exact": True, "n": 16, "mask": "none", "dtype": "float32",
+             "passes": "forward", "median_s": t} for b, t in (("tiled", 1.0), ("sdpa", 2.0))]
+    (point,) = verify_auto({"results": rows}, config, budget_s=0.0)  # auto picks sdpa here: 2x the best
+    assert point["auto_chose"] == "sdpa" and point["auto_over_best"] == 2.0 and not point["timed"]
+
+
+def test_measuring_only_leaves_the_table_alone(table_path, tmp_path, capsys):
+    assert main(["bench", *TINY, "--no-calibrate", "--out", str(tmp_path)]) == 0
+    assert not table_path.exists()
+    assert main(["bench", *TINY, "--backends", "naive,sdpa,auto", "--out", str(tmp_path)]) == 0
+    assert not table_path.exists()  # some backends only: a table from them would rank the rest last
+    assert "written to" not in capsys.readouterr().out
+
+
+def test_a_run_adds_to_this_machines_table_and_replaces_a_foreign_or_corrupt_one(table_path, tmp_path):
+    other = calibration.entry_key("cpu", "float32", "none", "forward", heads=3, head_dim=8)
+    point = {"n": 64, "order": ["sdpa", "naive"], "times": {"sdpa": 1e-4, "naive": 2e-4}}
+    calibration.save({"entries": {other: [point]}})
+    assert main(["bench", *TINY, "--out", str(tmp_path)]) == 0
+    assert set(json.loads(table_path.read_text())["entries"]) == {other, KEY, "cpu|float32|Causal|forward|H2|D8"}
+    for damage in ("{ not json", json.dumps({**json.loads(table_path.read_text()),
+                                             "machine_id": {"cpu": "Another CPU 9000"}})):
+        table_path.write_text(damage)
+        calibration.reload()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main(["bench", *TINY, "--out", str(tmp_path)]) == 0
+        said = [str(w.message) for w in caught if "calibration" in str(w.message)]
+        assert len(said) == 1 and "ignoring" in said[0]  # once, while auto ran before the new table
+        data = calibration.load()
+        assert data is not None and other not in data["entries"] and KEY in data["entries"]
+
+
+def test_the_run_budget_cuts_the_longest_lengths_first(table_path, tmp_path):
+    config = BenchConfig(backends=["naive", "sdpa"], lengths=[32, 16], masks=["none"], passes=["forward"], heads=2,
+                         head_dim=8, min_run_time=0.001, run_budget_s=1e-9)
+    from attnkit.bench import run_sweep
+
+    rows = run_sweep(config)["results"]
+    assert [r["n"] for r in rows] == [16, 16, 32, 32]
+    assert all(r["status"] == "skipped" and "--budget" in r["reason"] for r in rows)
+    with pytest.raises(ValueError, match="--budget"):
+        BenchConfig(run_budget_s=float("nan"))
+
+
+def _results(rows):
+    return {"config": {**BenchConfig(heads=2, head_dim=8).__dict__, "device": "cpu"}, "machine": {},
+            "results": [{"status": "ok", "backend": b, "exact": True, "n": 64, "mask": "none", "dtype": "float32",
+                         "passes": "forward", "median_s": t, "iqr_s": iqr, "runs": runs} for b, t, iqr, runs in rows]}
+
+
+def test_a_crossover_is_stored_only_beyond_the_measured_noise():
+    # a single run each, 3% apart, in a sweep whose well-timed cases spread by 10%: a tie
+    noisy = [("sdpa", 1.0, 0.0, 1), ("naive", 1.03, 0.0, 1), ("tiled", 5.0, 0.5, 20), ("block_sparse", 6.0, 0.6, 20)]
+    (point,) = build_calibration(_results(noisy))["entries"][KEY]
+    assert point["order"][:2] == ["sdpa", "naive"] and point.get("tie")
+    # the same two 30% apart: a crossover
+    (point,) = build_calibration(_results([("sdpa", 1.0, 0.0, 1), ("naive", 1.3, 0.0, 1)] + noisy[2:]))["entries"][KEY]
+    assert point["order"][0] == "sdpa" and not point.get("tie")
+    # well-timed cases use their own confidence intervals
+    (point,) = build_calibration(_results([("sdpa", 1.0, 0.01, 100), ("naive", 1.03, 0.01, 100)]))["entries"][KEY]
+    assert not point.get("tie")
+
+
+def test_explain_and_info_after_calibration_name_each_backend_once(table_path, capsys):
+    calibration.save({"entries": {KEY: [{"n": 32, "order": ["naive", "sdpa"],
+                                         "times": {"naive": 1e-5, "sdpa": 3e-5}}]}})
+    assert main(["info", "--shape", "1,2,32,8"]) == 0
+    out = capsys.readouterr().out
+    explained = [line.split(":")[0].strip() for line in out.split("chosen:")[1].splitlines()[1:]
+                 if line.startswith("  ") and ":" in line]
+    assert explained and len(explained) == len(set(explained)), explained
+    assert "chosen: naive" in out and "None" not in out.split("chosen:")[1]
+    assert max(len(line) for line in out.splitlines()) <= 200
+
+
+def test_the_core_never_imports_rich():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, torch, attnkit\n"
+            "x = torch.randn(1, 2, 8, 4)\n"
+            "attnkit.attention(x, x, x, backend='naive'); str(attnkit.explain(x, x, x, backend='sdpa'))\n"
+            "print('rich' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+                         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    assert out.stdout.strip() == "False", (out.stdout, out.stderr)
