@@ -63,31 +63,25 @@ def ut_transform(k: Tensor, beta: Tensor, kk_gamma: Tensor, rhs: list[Tensor]) -
 
 
 def _to_chunks(x: Tensor, C: int) -> Tensor:
-    """``(B, H, T, ...)`` -> ``(N, B·H, C, ...)``, zero-padded to whole chunks (inert: see
-    ``scan.pad_chunks``) and contiguous, so a chunk and a run of chunks are each one block of memory."""
-    x = pad_chunks(x, C, x.shape[2])  # (B, H, N, C, ...)
-    return x.movedim(2, 0).flatten(1, 2).contiguous()
+    """``(B, H, T, ...)`` -> ``(B·H, N, C, ...)``, zero-padded to whole chunks (inert: see
+    ``scan.pad_chunks``); a view when ``x`` is contiguous and ``T`` a multiple of ``C``."""
+    return pad_chunks(x, C, x.shape[2]).flatten(0, 1)
 
 
 def _from_chunks(x: Tensor, B: int, T: int) -> Tensor:
-    """The inverse of :func:`_to_chunks`: ``(N, B·H, C, ...)`` -> ``(B, H, T, ...)``."""
-    N, BH, C = x.shape[:3]
-    return x.view(N, B, BH // B, C, *x.shape[3:]).movedim(0, 2).flatten(2, 3)[:, :, :T]
+    """The inverse of :func:`_to_chunks`: ``(B·H, N, C, ...)`` -> ``(B, H, T, ...)`` (a view)."""
+    BH, N, C = x.shape[:3]
+    return x.view(B, BH // B, N * C, *x.shape[3:])[:, :, :T]
 
 
 def _gates(G: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """From float64 cumulative gates ``G (n, BH, C)`` (every exponent <= 0): ``Γ (n, BH, C, C)``
-    (0 above the diagonal), ``exp(G)``, ``exp(G_C - G)`` and ``exp(G_C) (n, BH)``."""
+    """From float64 cumulative gates ``G (BH, n, C)`` (every exponent <= 0): ``Γ (BH, n, C, C)``
+    (0 above the diagonal), ``exp(G)``, ``exp(G_C - G)`` and ``exp(G_C) (BH, n)``."""
     C = G.shape[-1]
     lower = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
     gamma = exp_nonpositive(G[..., :, None] - G[..., None, :], lower)
     last = G[..., -1:]
     return gamma.to(dtype), G.exp().to(dtype), (last - G).exp().to(dtype), last[..., 0].exp().to(dtype)
-
-
-def _addmm4(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """``c + a @ b`` for 4-D batches ``(n, BH, ·, ·)`` in one fused call."""
-    return torch.baddbmm(c.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1)).view(c.shape)
 
 
 class _ChunkedGatedDelta(torch.autograd.Function):
@@ -108,25 +102,27 @@ class _ChunkedGatedDelta(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, initial_state, C, seg):
         B, H, T, Dk = k.shape
         Dv = v.shape[-1]
-        qc, kc, vc = (_to_chunks(x, C) for x in (q, k, v))  # (N, BH, C, D)
-        G = _to_chunks(g.to(torch.float64)[..., None], C)[..., 0].cumsum(-1)  # (N, BH, C)
-        bc = _to_chunks(beta[..., None], C)  # (N, BH, C, 1)
-        N, BH = qc.shape[:2]
-        states = qc.new_empty(N, BH, Dk, Dv)  # S_n: the state before chunk n
-        v_new, inv_all, o = qc.new_empty(N, BH, C, Dv), qc.new_empty(N, BH, C, C), qc.new_empty(N, BH, C, Dv)
+        qc, kc, vc = (_to_chunks(x, C) for x in (q, k, v))  # (BH, N, C, D)
+        G = _to_chunks(g.to(torch.float64)[..., None], C)[..., 0].cumsum(-1)  # (BH, N, C)
+        bc = _to_chunks(beta[..., None], C)  # (BH, N, C, 1)
+        BH, N = qc.shape[:2]
+        states = qc.new_empty(BH, N, Dk, Dv)  # S_n: the state before chunk n
+        v_new, inv_all, o = qc.new_empty(BH, N, C, Dv), qc.new_empty(BH, N, C, C), qc.new_empty(BH, N, C, Dv)
         S = qc.new_zeros(BH, Dk, Dv) if initial_state is None else initial_state.reshape(BH, Dk, Dv).to(qc.dtype)
         for a in range(0, N, seg):
             s = slice(a, min(a + seg, N))
-            gamma, e_g, e_rest, decay = _gates(G[s], qc.dtype)
-            q_s, k_s, b_s = qc[s], kc[s], bc[s]
-            inv = inv_all[s] = unit_lower_inverse((k_s @ k_s.transpose(-1, -2)) * gamma * b_s)
-            u, w = inv @ (vc[s] * b_s), inv @ (k_s * (b_s * e_g[..., None]))
-            kd_t = (k_s * e_rest[..., None]).transpose(-1, -2)  # (n, BH, Dk, C)
+            gamma, e_g, e_rest, decay = _gates(G[:, s], qc.dtype)
+            q_s, k_s, b_s = qc[:, s], kc[:, s], bc[:, s]
+            inv = unit_lower_inverse((k_s @ k_s.transpose(-1, -2)) * gamma * b_s)
+            inv_all[:, s] = inv
+            u, w = inv @ (vc[:, s] * b_s), inv @ (k_s * (b_s * e_g[..., None]))
+            kd_t = (k_s * e_rest[..., None]).transpose(-1, -2)  # (BH, n, Dk, C)
             for i in range(s.stop - a):
-                states[a + i] = S
-                vn = v_new[a + i] = torch.baddbmm(u[i], w[i], S, alpha=-1)
-                S = torch.baddbmm(S * decay[i, :, None, None], kd_t[i], vn)
-            o[s] = _addmm4(((q_s @ k_s.transpose(-1, -2)) * gamma) @ v_new[s], q_s * e_g[..., None], states[s])
+                states[:, a + i] = S
+                vn = torch.baddbmm(u[:, i], w[:, i], S, alpha=-1)
+                v_new[:, a + i] = vn
+                S = torch.baddbmm(S * decay[:, i, None, None], kd_t[:, i], vn)
+            o[:, s] = ((q_s @ k_s.transpose(-1, -2)) * gamma) @ v_new[:, s] + (q_s * e_g[..., None]) @ states[:, s]
         ctx.save_for_backward(q, k, v, g, beta, inv_all, states, v_new)
         ctx.C, ctx.seg, ctx.has_state = C, seg, initial_state is not None
         return _from_chunks(o, B, T), S.view(B, H, Dk, Dv)
@@ -141,48 +137,49 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         qc, kc, vc = (_to_chunks(x, C) for x in (q, k, v))
         G = _to_chunks(g.to(torch.float64)[..., None], C)[..., 0].cumsum(-1)
         bc = _to_chunks(beta[..., None], C)
-        N, BH = qc.shape[:2]
+        BH, N = qc.shape[:2]
         d_o = torch.zeros_like(v_new) if d_o is None else _to_chunks(d_o.to(qc.dtype), C)
         dS = qc.new_zeros(BH, Dk, Dv) if d_final is None else d_final.reshape(BH, Dk, Dv).to(qc.dtype)
-        dq, dk, dv = torch.empty_like(qc), torch.empty_like(kc), torch.empty_like(vc)
-        dG, dbeta = qc.new_empty(N, BH, C), qc.new_empty(N, BH, C)
+        dq, dk, dv = (qc.new_empty(BH, N, C, x.shape[-1]) for x in (qc, kc, vc))
+        dG, dbeta = qc.new_empty(BH, N, C), qc.new_empty(BH, N, C)
         for a in reversed(range(0, N, seg)):
             s = slice(a, min(a + seg, N))
-            gamma, e_g, e_rest, decay = _gates(G[s], qc.dtype)
-            q_s, k_s, v_s, b_s, inv, st, vn_s, do_s = qc[s], kc[s], vc[s], bc[s], inv_all[s], states[s], v_new[s], d_o[s]
+            gamma, e_g, e_rest, decay = _gates(G[:, s], qc.dtype)
+            q_s, k_s, v_s, b_s, inv, st, vn_s, do_s = (x[:, s] for x in (qc, kc, vc, bc, inv_all, states, v_new, d_o))
             qg, kd, bk = q_s * e_g[..., None], k_s * e_rest[..., None], k_s * (b_s * e_g[..., None])
             u, w = inv @ (v_s * b_s), inv @ bk
             qk, kk = q_s @ k_s.transpose(-1, -2), k_s @ k_s.transpose(-1, -2)
             # the reverse scan; d_after[i] is the gradient of the state after chunk a + i
             dv_new = (qk * gamma).transpose(-1, -2) @ do_s  # the part from the outputs
-            dS_from_o = qg.transpose(-1, -2) @ do_s  # (n, BH, Dk, Dv)
+            dS_from_o = qg.transpose(-1, -2) @ do_s  # (BH, n, Dk, Dv)
             d_after = torch.empty_like(st)
             for i in reversed(range(s.stop - a)):
-                d_after[i] = dS
-                dvn = dv_new[i] = torch.baddbmm(dv_new[i], kd[i], dS)
-                dS = torch.baddbmm(torch.addcmul(dS_from_o[i], dS, decay[i, :, None, None]), w[i].transpose(-1, -2),
-                                   dvn, alpha=-1)
-            st_t = st.transpose(-1, -2)  # (n, BH, Dv, Dk)
+                d_after[:, i] = dS
+                dvn = torch.baddbmm(dv_new[:, i], kd[:, i], dS)
+                dv_new[:, i] = dvn
+                dS = torch.baddbmm(torch.addcmul(dS_from_o[:, i], dS, decay[:, i, None, None]),
+                                   w[:, i].transpose(-1, -2), dvn, alpha=-1)
+            st_t = st.transpose(-1, -2)  # (BH, n, Dv, Dk)
             dqg = do_s @ st_t
             d_a = (do_s @ vn_s.transpose(-1, -2)) * gamma  # dA ⊙ Γ: zero above the diagonal
-            dkd = vn_s @ d_after.transpose(-1, -2)  # (n, BH, C, Dk)
+            dkd = vn_s @ d_after.transpose(-1, -2)  # (BH, n, C, Dk)
             dw = -(dv_new @ st_t)
             d_decay = (st * d_after).sum((-1, -2)) * decay  # d/dG_C through exp(G_C)
             inv_t = inv.transpose(-1, -2)
             dbv, dbk = inv_t @ dv_new, inv_t @ dw
-            dm = _addmm4(dbv @ u.transpose(-1, -2), dbk, w.transpose(-1, -2)).tril(-1).neg_()
+            dm = (dbv @ u.transpose(-1, -2) + dbk @ w.transpose(-1, -2)).tril(-1).neg_()
             kk_gamma = kk * gamma
             d_kk = dm * b_s * gamma
             d_gamma = d_kk * kk + d_a * qk  # dΓ ⊙ Γ
-            dq[s] = torch.addcmul(d_a @ k_s, dqg, e_g[..., None])
-            dk[s] = d_a.transpose(-1, -2) @ q_s + (d_kk + d_kk.transpose(-1, -2)) @ k_s \
+            dq[:, s] = torch.addcmul(d_a @ k_s, dqg, e_g[..., None])
+            dk[:, s] = d_a.transpose(-1, -2) @ q_s + (d_kk + d_kk.transpose(-1, -2)) @ k_s \
                 + dkd * e_rest[..., None] + dbk * (b_s * e_g[..., None])
-            dv[s] = dbv * b_s
-            dbeta[s] = (dm * kk_gamma).sum(-1) + (dbv * v_s).sum(-1) + (dbk * k_s * e_g[..., None]).sum(-1)
+            dv[:, s] = dbv * b_s
+            dbeta[:, s] = (dm * kk_gamma).sum(-1) + (dbv * v_s).sum(-1) + (dbk * k_s * e_g[..., None]).sum(-1)
             to_rest = (dkd * kd).sum(-1)  # d/d(G_C - G_i)
             dG_s = d_gamma.sum(-1) - d_gamma.sum(-2) + (dqg * qg).sum(-1) + (dbk * bk).sum(-1) - to_rest
             dG_s[..., -1] += to_rest.sum(-1) + d_decay
-            dG[s] = dG_s
+            dG[:, s] = dG_s
         dg = dG.flip(-1).cumsum(-1).flip(-1)  # G = cumsum(g) within each chunk
         unc = lambda x: _from_chunks(x, B, T)  # noqa: E731
         return (unc(dq), unc(dk), unc(dv), unc(dg[..., None])[..., 0].to(g.dtype),
