@@ -242,3 +242,18 @@ def test_bfloat16_gradients_within_three_times_a_bfloat16_recurrence():
         grads[name] = [x.grad.double() for x in xs]
     for ours, lowp, ref in zip(grads["ours"], grads["lowp"], grads["ref"]):
         assert (ours - ref).abs().max() <= 3 * (lowp - ref).abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_chunked_gated_delta_in_segments_matches_float64(grad):
+    """Several segments of chunks, inference (one segment kept) and training (every chunk kept)."""
+    from attnkit.backends.kernelized.gated import chunk_gated_delta_rule
+
+    q, k, v, g, beta = make("gated_delta", 2, 3, 3, 37, 8, 5, seed=31)
+    s0 = torch.randn(2, 3, 8, 5)
+    with torch.set_grad_enabled(grad):
+        o, s = chunk_gated_delta_rule(q.requires_grad_(grad) * 8**-0.5, k, v, g, beta, initial_state=s0,
+                                      chunk_size=4, segment=3)
+    o_ref, s_ref = gated_reference(q, k, v, g, beta, initial_state=s0)
+    assert o.requires_grad == grad
+    assert rel_err(o, o_ref) <= 1e-5 and rel_err(s, s_ref) <= 1e-5

@@ -106,24 +106,30 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         G = _to_chunks(g.to(torch.float64)[..., None], C)[..., 0].cumsum(-1)  # (BH, N, C)
         bc = _to_chunks(beta[..., None], C)  # (BH, N, C, 1)
         BH, N = qc.shape[:2]
-        states = qc.new_empty(BH, N, Dk, Dv)  # S_n: the state before chunk n
-        v_new, inv_all, o = qc.new_empty(BH, N, C, Dv), qc.new_empty(BH, N, C, C), qc.new_empty(BH, N, C, Dv)
+        # What backward needs is kept for every chunk; inference keeps one segment's worth.
+        keep = any(ctx.needs_input_grad)
+        kept = N if keep else min(seg, N)
+        states = qc.new_empty(BH, kept, Dk, Dv)  # S_n: the state before chunk n
+        v_new, inv_all = qc.new_empty(BH, kept, C, Dv), qc.new_empty(BH, kept, C, C)
+        o = qc.new_empty(BH, N, C, Dv)
         S = qc.new_zeros(BH, Dk, Dv) if initial_state is None else initial_state.reshape(BH, Dk, Dv).to(qc.dtype)
         for a in range(0, N, seg):
             s = slice(a, min(a + seg, N))
+            here = s if keep else slice(0, s.stop - a)  # where this segment's kept tensors go
             gamma, e_g, e_rest, decay = _gates(G[:, s], qc.dtype)
             q_s, k_s, b_s = qc[:, s], kc[:, s], bc[:, s]
             inv = unit_lower_inverse((k_s @ k_s.transpose(-1, -2)) * gamma * b_s)
-            inv_all[:, s] = inv
+            inv_all[:, here] = inv
             u, w = inv @ (vc[:, s] * b_s), inv @ (k_s * (b_s * e_g[..., None]))
             kd_t = (k_s * e_rest[..., None]).transpose(-1, -2)  # (BH, n, Dk, C)
             for i in range(s.stop - a):
-                states[:, a + i] = S
+                states[:, here.start + i] = S
                 vn = torch.baddbmm(u[:, i], w[:, i], S, alpha=-1)
-                v_new[:, a + i] = vn
+                v_new[:, here.start + i] = vn
                 S = torch.baddbmm(S * decay[:, i, None, None], kd_t[:, i], vn)
-            o[:, s] = ((q_s @ k_s.transpose(-1, -2)) * gamma) @ v_new[:, s] + (q_s * e_g[..., None]) @ states[:, s]
-        ctx.save_for_backward(q, k, v, g, beta, inv_all, states, v_new)
+            o[:, s] = ((q_s @ k_s.transpose(-1, -2)) * gamma) @ v_new[:, here] + (q_s * e_g[..., None]) @ states[:, here]
+        if keep:
+            ctx.save_for_backward(q, k, v, g, beta, inv_all, states, v_new)
         ctx.C, ctx.seg, ctx.has_state = C, seg, initial_state is not None
         return _from_chunks(o, B, T), S.view(B, H, Dk, Dv)
 
