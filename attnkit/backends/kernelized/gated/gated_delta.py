@@ -118,16 +118,17 @@ class _ChunkedGatedDelta(torch.autograd.Function):
             here = s if keep else slice(0, s.stop - a)  # where this segment's kept tensors go
             gamma, e_g, e_rest, decay = _gates(G[:, s], qc.dtype)
             q_s, k_s, b_s = qc[:, s], kc[:, s], bc[:, s]
-            inv = unit_lower_inverse((k_s @ k_s.transpose(-1, -2)) * gamma * b_s)
+            kk, qk = (torch.cat([k_s, q_s], -2) @ k_s.transpose(-1, -2)).split(C, -2)  # one matmul
+            inv = unit_lower_inverse(kk * gamma * b_s)
             inv_all[:, here] = inv
-            u, w = inv @ (vc[:, s] * b_s), inv @ (k_s * (b_s * e_g[..., None]))
+            u, w = (inv @ torch.cat([vc[:, s] * b_s, k_s * (b_s * e_g[..., None])], -1)).split([Dv, Dk], -1)
             kd_t = (k_s * e_rest[..., None]).transpose(-1, -2)  # (BH, n, Dk, C)
             for i in range(s.stop - a):
                 states[:, here.start + i] = S
                 vn = torch.baddbmm(u[:, i], w[:, i], S, alpha=-1)
                 v_new[:, here.start + i] = vn
                 S = torch.baddbmm(S * decay[:, i, None, None], kd_t[:, i], vn)
-            o[:, s] = ((q_s @ k_s.transpose(-1, -2)) * gamma) @ v_new[:, here] + (q_s * e_g[..., None]) @ states[:, here]
+            o[:, s] = (qk * gamma) @ v_new[:, here] + (q_s * e_g[..., None]) @ states[:, here]
         if keep:
             ctx.save_for_backward(q, k, v, g, beta, inv_all, states, v_new)
         ctx.C, ctx.seg, ctx.has_state = C, seg, initial_state is not None
@@ -153,8 +154,9 @@ class _ChunkedGatedDelta(torch.autograd.Function):
             gamma, e_g, e_rest, decay = _gates(G[:, s], qc.dtype)
             q_s, k_s, v_s, b_s, inv, st, vn_s, do_s = (x[:, s] for x in (qc, kc, vc, bc, inv_all, states, v_new, d_o))
             qg, kd, bk = q_s * e_g[..., None], k_s * e_rest[..., None], k_s * (b_s * e_g[..., None])
-            u, w = inv @ (v_s * b_s), inv @ bk
-            qk, kk = q_s @ k_s.transpose(-1, -2), k_s @ k_s.transpose(-1, -2)
+            uw = inv @ torch.cat([v_s * b_s, bk], -1)  # [u | w]: one matmul
+            w = uw[..., Dv:]
+            kk, qk = (torch.cat([k_s, q_s], -2) @ k_s.transpose(-1, -2)).split(C, -2)
             # the reverse scan; d_after[i] is the gradient of the state after chunk a + i
             dv_new = (qk * gamma).transpose(-1, -2) @ do_s  # the part from the outputs
             dS_from_o = qg.transpose(-1, -2) @ do_s  # (BH, n, Dk, Dv)
@@ -172,8 +174,9 @@ class _ChunkedGatedDelta(torch.autograd.Function):
             dw = -(dv_new @ st_t)
             d_decay = (st * d_after).sum((-1, -2)) * decay  # d/dG_C through exp(G_C)
             inv_t = inv.transpose(-1, -2)
-            dbv, dbk = inv_t @ dv_new, inv_t @ dw
-            dm = (dbv @ u.transpose(-1, -2) + dbk @ w.transpose(-1, -2)).tril(-1).neg_()
+            dbvk = inv_t @ torch.cat([dv_new, dw], -1)  # [d(βV) | d(βK exp(G))]
+            dbv, dbk = dbvk.split([Dv, Dk], -1)
+            dm = (dbvk @ uw.transpose(-1, -2)).tril(-1).neg_()  # du uᵀ + dw wᵀ in one matmul
             kk_gamma = kk * gamma
             d_kk = dm * b_s * gamma
             d_gamma = d_kk * kk + d_a * qk  # dΓ ⊙ Γ
