@@ -11,7 +11,8 @@ Transformers with the Delta Rule over Sequence Length") into::
     w   = (I + A)⁻¹ diag(β) (K ⊙ exp(G))                       what the old state predicts
     A_qk = lower(Q Kᵀ ⊙ Γ)
 
-then ``scan.chunk_scan``. Cumulative gates and their differences are taken in float64 (only
+then one pass over the chunks carries the state (see :class:`_ChunkedGatedDelta`, which also has
+the hand-written backward). Cumulative gates and their differences are taken in float64 (only
 ``(B, H, T)`` and ``(B, H, T, C)`` numbers), so decays near 0 (``g`` of -1e4) next to decays near 1
 lose no precision; every exponent is <= 0.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .scan import exp_nonpositive, pad_chunks
+from .scan import chunk_gates, pad_chunks
 
 __all__ = ["chunk_gated_delta_rule", "ut_transform", "unit_lower_inverse"]
 
@@ -74,16 +75,6 @@ def _from_chunks(x: Tensor, B: int, T: int) -> Tensor:
     return x.view(B, BH // B, N * C, *x.shape[3:])[:, :, :T]
 
 
-def _gates(G: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """From float64 cumulative gates ``G (BH, n, C)`` (every exponent <= 0): ``Γ (BH, n, C, C)``
-    (0 above the diagonal), ``exp(G)``, ``exp(G_C - G)`` and ``exp(G_C) (BH, n)``."""
-    C = G.shape[-1]
-    lower = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
-    gamma = exp_nonpositive(G[..., :, None] - G[..., None, :], lower)
-    last = G[..., -1:]
-    return gamma.to(dtype), G.exp().to(dtype), (last - G).exp().to(dtype), last[..., 0].exp().to(dtype)
-
-
 class _ChunkedGatedDelta(torch.autograd.Function):
     """The chunked gated delta rule with a hand-written backward, in segments of chunks.
 
@@ -116,7 +107,7 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         for a in range(0, N, seg):
             s = slice(a, min(a + seg, N))
             here = s if keep else slice(0, s.stop - a)  # where this segment's kept tensors go
-            gamma, e_g, e_rest, decay = _gates(G[:, s], qc.dtype)
+            gamma, e_g, e_rest, decay = chunk_gates(G[:, s], qc.dtype)
             q_s, k_s, b_s = qc[:, s], kc[:, s], bc[:, s]
             kk, qk = (torch.cat([k_s, q_s], -2) @ k_s.transpose(-1, -2)).split(C, -2)  # one matmul
             inv = unit_lower_inverse(kk * gamma * b_s)
@@ -151,7 +142,7 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         dG, dbeta = qc.new_empty(BH, N, C), qc.new_empty(BH, N, C)
         for a in reversed(range(0, N, seg)):
             s = slice(a, min(a + seg, N))
-            gamma, e_g, e_rest, decay = _gates(G[:, s], qc.dtype)
+            gamma, e_g, e_rest, decay = chunk_gates(G[:, s], qc.dtype)
             q_s, k_s, v_s, b_s, inv, st, vn_s, do_s = (x[:, s] for x in (qc, kc, vc, bc, inv_all, states, v_new, d_o))
             qg, kd, bk = q_s * e_g[..., None], k_s * e_rest[..., None], k_s * (b_s * e_g[..., None])
             uw = inv @ torch.cat([v_s * b_s, bk], -1)  # [u | w]: one matmul
