@@ -24,6 +24,7 @@ The CPU may be shared: read the ratios and repeat. Nothing here asserts a timing
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -154,7 +155,7 @@ def peak_memory(T: int, H: int, D: int, which: str) -> float:
     """Peak resident memory growth (MiB) of one forward+backward, measured in a fresh interpreter
     (``/proc/self/status`` VmHWM after a reset, minus VmRSS before the run)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--measure-peak", f"{T},{H},{D},{which}"]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode:
         raise RuntimeError(f"peak-memory subprocess failed ({which}, T={T}): {out.stderr.strip()[-500:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_growth_mib"]
@@ -192,21 +193,21 @@ def main() -> None:
         cases = {"attnkit": ours, "transformers": transformers_rule()}
         for backward in (False, True):
             key = "fwd_bwd" if backward else "fwd"
-            times = median_interleaved(cases, lambda: inputs(T, H, D, grad=backward), backward, args.rounds)
+            times = median_interleaved(cases, functools.partial(inputs, T, H, D, grad=backward), backward, args.rounds)
             result[f"vs_transformers_{key}"] = {**times, "speedup": times["transformers"] / times["attnkit"]}
             print(f"T={T} {key}: attnkit {times['attnkit'] * 1e3:.1f} ms, transformers "
                   f"{times['transformers'] * 1e3:.1f} ms, speed-up {times['transformers'] / times['attnkit']:.1f}x")
     if args.chunk_sizes:
-        sweep = {f"chunk {c}": (lambda c: lambda q, k, v, g, b: attnkit.gated_linear_attention(
-            q, k, v, g, b, chunk_size=c))(int(c)) for c in args.chunk_sizes.split(",")}
-        times = median_interleaved(sweep, lambda: inputs(T, H, D, grad=True), True, args.rounds)
+        sweep = {f"chunk {c}": functools.partial(attnkit.gated_linear_attention, chunk_size=int(c))
+                 for c in args.chunk_sizes.split(",")}
+        times = median_interleaved(sweep, functools.partial(inputs, T, H, D, grad=True), True, args.rounds)
         result["chunk_sweep_fwd_bwd"] = times
         print(f"T={T} fwd+bwd by chunk size: " + ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in times.items()))
     if "sdpa" in sections:
         result["vs_sdpa_fwd_bwd"] = {}
         for L in lengths:
             cases = {"attnkit": ours} if L > args.sdpa_max else {"attnkit": ours, "sdpa": sdpa}
-            times = median_interleaved(cases, lambda: inputs(L, H, D, grad=True), True, args.rounds)
+            times = median_interleaved(cases, functools.partial(inputs, L, H, D, grad=True), True, args.rounds)
             if "sdpa" in times:
                 times["ratio"] = times["attnkit"] / times["sdpa"]
                 note = f"SDPA {times['sdpa'] * 1e3:.1f} ms, ratio {times['ratio']:.2f}"

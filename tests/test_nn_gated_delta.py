@@ -15,8 +15,8 @@ from .train_helpers import read_losses, tiny_gpt_config, tiny_train_config
 
 def hybrid(pattern="gga", **overrides):
     torch.manual_seed(0)
-    base = dict(vocab_size=50, embed_dim=32, num_layers=4, num_heads=4, num_kv_heads=2, max_len=64,
-                layer_pattern=pattern)
+    base = {"vocab_size": 50, "embed_dim": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "max_len": 64,
+            "layer_pattern": pattern}
     base.update(overrides)
     return GPT(TransformerConfig(**base)).eval()
 

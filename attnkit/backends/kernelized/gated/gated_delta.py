@@ -181,7 +181,9 @@ class _ChunkedGatedDelta(torch.autograd.Function):
             dG_s[..., -1] += to_rest.sum(-1) + d_decay
             dG[:, s] = dG_s
         dg = dG.flip(-1).cumsum(-1).flip(-1)  # G = cumsum(g) within each chunk
-        unc = lambda x: _from_chunks(x, B, T)  # noqa: E731
+        def unc(x: Tensor) -> Tensor:
+            return _from_chunks(x, B, T)
+
         return (unc(dq), unc(dk), unc(dv), unc(dg[..., None])[..., 0].to(g.dtype),
                 unc(dbeta[..., None])[..., 0].to(beta.dtype), dS.view(B, H, Dk, Dv) if ctx.has_state else None,
                 None, None)
