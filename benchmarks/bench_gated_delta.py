@@ -5,10 +5,12 @@ Measured in one process, interleaved (median of ``--rounds`` rounds), B=1, H=8, 
 1. forward and forward+backward at T=4096: ``attnkit.gated_linear_attention`` vs transformers'
    ``torch_chunk_gated_delta_rule`` on the same inputs (its gradients by autograd) -> speed-up;
 2. forward+backward vs causal softmax SDPA on the same q, k, v shapes at each ``--lengths``
-   (4096 by default; add 16384,65536 for the long figures) -> time ratio;
+   (4096 by default; add 16384,65536 for the long figures) -> time ratio (SDPA skipped, with a
+   note, above ``--sdpa-max``);
 3. one decode step (one token, state cached) vs one SDPA decode step over ``--decode-context`` keys;
-4. peak memory (max RSS growth) of forward+backward at each length, each in a fresh subprocess
-   (also with ``recompute_segment=1024``);
+4. peak memory of forward+backward at each length, each in a fresh subprocess: the resident
+   high-water mark (``/proc/self/status`` VmHWM, reset just before the run) minus the resident size
+   with the inputs built (also with ``recompute_segment=1024``; SDPA up to ``--sdpa-max``);
 5. error vs a float64 recurrence (fp32 relative; bf16 vs a bf16 recurrence), at ``--check-length``.
 
 The CPU may be shared: read the ratios and repeat. Nothing here asserts a timing.
@@ -16,11 +18,13 @@ The CPU may be shared: read the ratios and repeat. Nothing here asserts a timing
     python benchmarks/bench_gated_delta.py [--threads 2] [--rounds 3] [--lengths 4096,16384,65536]
         [--out bench-results/gated_delta.json]
     python benchmarks/bench_gated_delta.py --length 256 --lengths 256 --heads 2 --dim 32   # smoke run
+    python benchmarks/bench_gated_delta.py --sections sdpa,memory --lengths 4096,16384,65536  # long figures
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -126,16 +130,35 @@ def errors(T: int, H: int, D: int) -> dict:
     return {"fp32_rel": rel(fp32), "bf16_rel": rel(bf16), "bf16_naive_recurrence_rel": rel(naive_bf16)}
 
 
+def _proc_status(field: str) -> float:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def measure_peak(T: int, H: int, D: int, which: str) -> None:
+    """In this (fresh) process: build the inputs, reset the resident high-water mark, run one
+    forward+backward, print the peak resident MiB above the resident size before the run."""
+    x = inputs(T, H, D, grad=True)
+    before = _proc_status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM to the current RSS (Linux >= 4.0)
+        f.write("5")
+    fn = {"gated_delta": ours, "gated_delta_recompute": ours_recompute, "sdpa": sdpa}[which]
+    fn(*x).sum().backward()
+    print(json.dumps({"peak_growth_mib": _proc_status("VmHWM") - before, "inputs_mib": before}))
+
+
 def peak_memory(T: int, H: int, D: int, which: str) -> float:
-    """Max RSS growth (MiB) of one forward+backward, measured in a fresh interpreter."""
-    code = (f"import sys, resource; sys.argv=['x']; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r});"
-            f"import bench_gated_delta as b; import torch; x = b.inputs({T}, {H}, {D}, grad=True);"
-            "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
-            f"fn = {{'gated_delta': b.ours, 'gated_delta_recompute': b.ours_recompute, 'sdpa': b.sdpa}}[{which!r}];"
-            "fn(*x).sum().backward();"
-            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    """Peak resident memory growth (MiB) of one forward+backward, measured in a fresh interpreter
+    (``/proc/self/status`` VmHWM after a reset, minus VmRSS before the run)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--measure-peak", f"{T},{H},{D},{which}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise RuntimeError(f"peak-memory subprocess failed ({which}, T={T}): {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_growth_mib"]
 
 
 def main() -> None:
@@ -148,32 +171,66 @@ def main() -> None:
     parser.add_argument("--lengths", default="4096", help="T list for the SDPA ratio and peak memory")
     parser.add_argument("--decode-context", type=int, default=512)
     parser.add_argument("--check-length", type=int, default=512)
+    parser.add_argument("--sdpa-max", type=int, default=16384,
+                        help="longest T at which causal SDPA fwd+bwd is timed (its CPU backward is slow)")
+    parser.add_argument("--chunk-sizes", default="", help="also time attnkit fwd+bwd at these chunk sizes")
+    parser.add_argument("--sections", default="transformers,sdpa,memory,decode,error",
+                        help="comma list of sections to run")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--measure-peak", default=None, help=argparse.SUPPRESS)  # T,H,D,which: internal
     args = parser.parse_args()
+    if args.measure_peak:
+        T, H, D, which = args.measure_peak.split(",")
+        torch.set_num_threads(args.threads)
+        measure_peak(int(T), int(H), int(D), which)
+        return
+    sections = set(args.sections.split(","))
     torch.set_num_threads(args.threads)
     H, D, T = args.heads, args.dim, args.length
     result = {"config": vars(args)}
-    cases = {"attnkit": ours, "transformers": transformers_rule()}
-    for backward in (False, True):
-        key = "fwd_bwd" if backward else "fwd"
-        times = median_interleaved(cases, lambda: inputs(T, H, D, grad=backward), backward, args.rounds)
-        result[f"vs_transformers_{key}"] = {**times, "speedup": times["transformers"] / times["attnkit"]}
-        print(f"T={T} {key}: attnkit {times['attnkit'] * 1e3:.1f} ms, transformers "
-              f"{times['transformers'] * 1e3:.1f} ms, speed-up {times['transformers'] / times['attnkit']:.1f}x")
-    result["vs_sdpa_fwd_bwd"] = {}
-    for L in (int(x) for x in args.lengths.split(",")):
-        times = median_interleaved({"attnkit": ours, "sdpa": sdpa}, lambda: inputs(L, H, D, grad=True), True,
-                                   args.rounds)
-        mem = {name: peak_memory(L, H, D, name) for name in ("gated_delta", "gated_delta_recompute", "sdpa")}
-        result["vs_sdpa_fwd_bwd"][L] = {**times, "ratio": times["attnkit"] / times["sdpa"], "peak_mib": mem}
-        print(f"T={L} fwd+bwd: attnkit {times['attnkit'] * 1e3:.1f} ms, SDPA {times['sdpa'] * 1e3:.1f} ms, "
-              f"ratio {times['attnkit'] / times['sdpa']:.2f}; peak MiB attnkit {mem['gated_delta']:.0f} "
-              f"(recompute_segment=1024: {mem['gated_delta_recompute']:.0f}), SDPA {mem['sdpa']:.0f}")
-    result["decode"] = decode_step(H, D, args.decode_context, args.rounds)
-    print(f"decode step: {result['decode']['gated_delta_step_s'] * 1e6:.0f} us vs SDPA at Tk={args.decode_context} "
-          f"{result['decode']['sdpa_step_s'] * 1e6:.0f} us, ratio {result['decode']['ratio']:.2f}")
-    result["error"] = errors(args.check_length, H, D)
-    print("error vs float64 recurrence:", {k: f"{v:.2e}" for k, v in result["error"].items()})
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if "transformers" in sections:
+        cases = {"attnkit": ours, "transformers": transformers_rule()}
+        for backward in (False, True):
+            key = "fwd_bwd" if backward else "fwd"
+            times = median_interleaved(cases, functools.partial(inputs, T, H, D, grad=backward), backward, args.rounds)
+            result[f"vs_transformers_{key}"] = {**times, "speedup": times["transformers"] / times["attnkit"]}
+            print(f"T={T} {key}: attnkit {times['attnkit'] * 1e3:.1f} ms, transformers "
+                  f"{times['transformers'] * 1e3:.1f} ms, speed-up {times['transformers'] / times['attnkit']:.1f}x")
+    if args.chunk_sizes:
+        sweep = {f"chunk {c}": functools.partial(attnkit.gated_linear_attention, chunk_size=int(c))
+                 for c in args.chunk_sizes.split(",")}
+        times = median_interleaved(sweep, functools.partial(inputs, T, H, D, grad=True), True, args.rounds)
+        result["chunk_sweep_fwd_bwd"] = times
+        print(f"T={T} fwd+bwd by chunk size: " + ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in times.items()))
+    if "sdpa" in sections:
+        result["vs_sdpa_fwd_bwd"] = {}
+        for L in lengths:
+            cases = {"attnkit": ours} if L > args.sdpa_max else {"attnkit": ours, "sdpa": sdpa}
+            times = median_interleaved(cases, functools.partial(inputs, L, H, D, grad=True), True, args.rounds)
+            if "sdpa" in times:
+                times["ratio"] = times["attnkit"] / times["sdpa"]
+                note = f"SDPA {times['sdpa'] * 1e3:.1f} ms, ratio {times['ratio']:.2f}"
+            else:
+                note = f"SDPA not timed above --sdpa-max={args.sdpa_max}"
+            result["vs_sdpa_fwd_bwd"][L] = times
+            print(f"T={L} fwd+bwd: attnkit {times['attnkit'] * 1e3:.1f} ms, {note}")
+    if "memory" in sections:
+        result["peak_growth_mib"] = {}
+        for L in lengths:
+            names = ("gated_delta", "gated_delta_recompute") + (("sdpa",) if L <= args.sdpa_max else ())
+            mem = {name: peak_memory(L, H, D, name) for name in names}
+            result["peak_growth_mib"][L] = mem
+            print(f"T={L} fwd+bwd peak memory above the inputs (fresh process): "
+                  + ", ".join(f"{n} {m:.0f} MiB" for n, m in mem.items()))
+    if "decode" in sections:
+        result["decode"] = decode_step(H, D, args.decode_context, args.rounds)
+        print(f"decode step: {result['decode']['gated_delta_step_s'] * 1e6:.0f} us vs SDPA at "
+              f"Tk={args.decode_context} {result['decode']['sdpa_step_s'] * 1e6:.0f} us, "
+              f"ratio {result['decode']['ratio']:.2f}")
+    if "error" in sections:
+        result["error"] = errors(args.check_length, H, D)
+        print("error vs float64 recurrence:", {k: f"{v:.2e}" for k, v in result["error"].items()})
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from .._validate import finite_float
 from ..masks import Causal, Mask, SlidingWindow
 from .attention import AttentionConfig, MultiHeadAttention
+from .gated_delta import GatedDeltaNet
 
 __all__ = ["TransformerConfig", "FeedForward", "EncoderLayer", "DecoderLayer", "make_norm"]
 
@@ -31,6 +32,7 @@ ACTIVATIONS = {
     "silu": F.silu,  # with gated=True: SwiGLU (Llama)
 }
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "t5", "none")
+LAYER_KINDS = {"a": "attention", "g": "gated_delta"}
 
 
 def _positive(name: str, value, allow_none: bool = False) -> None:
@@ -75,6 +77,9 @@ class TransformerConfig:
     softcap: float | None = field(default=None, metadata={"help": "soft-cap attention logits: c * tanh(s / c) (Gemma-2)"})
     sinks: bool = field(default=False, metadata={"help": "a learned attention-sink logit per head (gpt-oss)"})
     initializer_range: float = field(default=0.02, metadata={"help": "std of the normal weight init"})
+    layer_pattern: str = field(default="", metadata={
+        "help": "GPT token mixers, cycled over the layers: 'a' softmax attention, 'g' gated delta rule "
+                "(e.g. 'ggga': three gated-delta layers per softmax layer, as Qwen3-Next); empty: all softmax"})
 
     def __post_init__(self):
         for name in ("vocab_size", "max_len", "embed_dim", "num_layers", "num_heads"):
@@ -103,6 +108,17 @@ class TransformerConfig:
         if self.position in ("sinusoidal",) and self.embed_dim % 2:
             raise ValueError(f"TransformerConfig: sinusoidal positions need an even embed_dim, got {self.embed_dim}.")
         self.attention_config()  # validates heads, head_dim and backend
+        if not isinstance(self.layer_pattern, str) or set(self.layer_pattern) - set(LAYER_KINDS):
+            raise ValueError(f"TransformerConfig.layer_pattern: expected a string of {sorted(LAYER_KINDS)} "
+                             f"('a' softmax attention, 'g' gated delta rule), got {self.layer_pattern!r}.")
+
+    def layer_kind(self, i: int) -> str:
+        """``"attention"`` or ``"gated_delta"``: layer ``i``'s token mixer (``layer_pattern`` cycled)."""
+        return LAYER_KINDS[self.layer_pattern[i % len(self.layer_pattern)]] if self.layer_pattern else "attention"
+
+    @property
+    def has_gated_layers(self) -> bool:
+        return "g" in self.layer_pattern[: self.num_layers]
 
     def _positions(self) -> tuple[str, ...]:
         return POSITIONS
@@ -182,17 +198,24 @@ class EncoderLayer(_ResidualLayer):
 
 
 class DecoderLayer(_ResidualLayer):
-    """Causal self-attention, optional cross-attention to an encoder's memory, feed-forward.
+    """Causal self-attention (or, with ``kind="gated_delta"``, a :class:`GatedDeltaNet` mixer named
+    ``linear_attn`` in place of ``self_attn``), optional cross-attention to an encoder's memory,
+    feed-forward.
 
     ``forward(x (B, T, E), memory=None, *, mask=None, memory_mask=None, positions=None,
     cache=None) -> (B, T, E)``. ``mask`` defaults to ``config.causal_mask()``; ``cache`` is this
     layer's cache (``kv_cache[i]``). Order: self-attention (``norm1``), cross-attention
     (``norm3``), feed-forward (``norm2``)."""
 
-    def __init__(self, config: TransformerConfig, cross_attention: bool = False):
+    def __init__(self, config: TransformerConfig, cross_attention: bool = False, kind: str = "attention"):
         super().__init__(config)
         self.default_mask = config.causal_mask()
-        self.self_attn = MultiHeadAttention(config.attention_config())
+        if kind not in LAYER_KINDS.values():
+            raise ValueError(f"kind: expected one of {sorted(LAYER_KINDS.values())}, got {kind!r}.")
+        if kind == "gated_delta":
+            self.self_attn, self.linear_attn = None, GatedDeltaNet(config)
+        else:
+            self.self_attn, self.linear_attn = MultiHeadAttention(config.attention_config()), None
         self.norm1 = make_norm(config)
         if cross_attention:
             self.cross_attn = MultiHeadAttention(config.attention_config(cross=True))
@@ -206,8 +229,15 @@ class DecoderLayer(_ResidualLayer):
                 memory_mask: Mask | Tensor | None = None, positions: Tensor | None = None, cache=None,
                 bias: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
         mask = self.default_mask if mask is None else mask
-        x = self.residual(x, self.norm1, lambda h: self.self_attn(h, mask=mask, bias=bias, positions=positions,
-                                                                  cache=cache, cu_seqlens=cu_seqlens))
+        if self.linear_attn is not None:
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens: packed sequences are not supported by gated-delta layers yet; "
+                                 "pass a padded batch, or use softmax layers (layer_pattern 'a').")
+            x = self.residual(x, self.norm1, lambda h: self.linear_attn(h, mask=mask, bias=bias, positions=positions,
+                                                                        cache=cache))
+        else:
+            x = self.residual(x, self.norm1, lambda h: self.self_attn(h, mask=mask, bias=bias, positions=positions,
+                                                                      cache=cache, cu_seqlens=cu_seqlens))
         if self.cross_attn is not None:
             if memory is None and (cache is None or cache.cross_kv is None):
                 raise ValueError(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..cache import KVCache, PagedKVCache, SlidingWindowLayerCache
+from ..cache import KVCache, PagedKVCache, SlidingWindowLayerCache, StateCache
 from ..generation import GenerationMixin
 from ..masks import Mask, Padding, as_mask
 from ..varlen import packed_positions
@@ -124,6 +124,7 @@ class Encoder(PretrainedModel, nn.Module):
         super().__init__()
         self.config = config
         self.embed = Embeddings(config)
+        _softmax_only(config, "Encoder")
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
         self.final_norm = make_norm(config) if config.final_norm else nn.Identity()
         init_weights(self, config.initializer_range)
@@ -154,6 +155,12 @@ class Encoder(PretrainedModel, nn.Module):
             hidden[-1] = x
             return x, hidden
         return x
+
+
+def _softmax_only(config: TransformerConfig, owner: str) -> None:
+    if config.has_gated_layers:
+        raise ValueError(f"TransformerConfig.layer_pattern: {owner} layers are softmax attention only, got "
+                         f"{config.layer_pattern!r}. Fix: gated-delta layers belong to GPT; leave layer_pattern empty.")
 
 
 def _check_cache(cache, config: TransformerConfig) -> None:
@@ -228,7 +235,7 @@ class GPT(_CausalStack, GenerationMixin):
         super().__init__()
         self.config = config
         self.embed = Embeddings(config)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, kind=config.layer_kind(i)) for i in range(config.num_layers))
         self.final_norm = make_norm(config) if config.final_norm else nn.Identity()
         self.lm_head = nn.Linear(config.embed_dim, config.vocab_size, bias=False)
         init_weights(self, config.initializer_range)
@@ -259,7 +266,22 @@ class GPT(_CausalStack, GenerationMixin):
         ``"sliding_window"`` (``window`` defaults to ``config.sliding_window``), ``"paged"``
         (``num_blocks`` of ``block_size`` tokens, shared by many sequences) or ``"recurrent"``
         (a linear-attention model: ``config.backend`` is ``"linear"`` or ``"performer"``).
-        ``quantize="int8"`` stores static, dynamic and paged caches in int8."""
+        ``quantize="int8"`` stores static, dynamic and paged caches in int8. In a hybrid model
+        (``config.layer_pattern``) the gated-delta layers get a state cache whatever ``kind``
+        says, and ``kind`` applies to the softmax layers (``"paged"`` is not offered there)."""
+        if not self.config.has_gated_layers:
+            return self._make_kv_cache(kind, max_len=max_len, window=window, quantize=quantize,
+                                       num_blocks=num_blocks, block_size=block_size)
+        if kind == "paged":
+            raise ValueError("kind: a paged cache serves softmax layers only; this model has gated-delta layers "
+                             "(config.layer_pattern). Fix: kind='dynamic' or 'static'.")
+        kinds = [self.config.layer_kind(i) for i in range(self.config.num_layers)]
+        base = None if kind == "recurrent" and "attention" not in kinds else self._make_kv_cache(
+            kind, max_len=max_len, window=window, quantize=quantize, num_blocks=num_blocks, block_size=block_size)
+        return KVCache([StateCache(layer.linear_attn.make_state) if layer.linear_attn is not None else base[i]
+                        for i, layer in enumerate(self.layers)])
+
+    def _make_kv_cache(self, kind, *, max_len, window, quantize, num_blocks, block_size) -> KVCache:
         if kind == "recurrent":
             cfg = self.config.attention_config()
             return KVCache.recurrent(self.config.num_layers, self.config.backend, cfg.dim_per_head,
@@ -280,6 +302,7 @@ class Decoder(_CausalStack):
         super().__init__()
         self.config = config
         self.embed = Embeddings(config)
+        _softmax_only(config, "Decoder")
         self.layers = nn.ModuleList(DecoderLayer(config, cross_attention=True) for _ in range(config.num_layers))
         self.final_norm = make_norm(config) if config.final_norm else nn.Identity()
         init_weights(self, config.initializer_range)
@@ -390,6 +413,7 @@ class ViT(PretrainedModel, nn.Module):
         else:
             self.pos_embed = None
         self.dropout = nn.Dropout(config.dropout)
+        _softmax_only(config, "ViT")
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
         self.final_norm = make_norm(config) if config.final_norm else nn.Identity()
         self.head = nn.Linear(E, config.num_classes)

@@ -11,7 +11,8 @@ Transformers with the Delta Rule over Sequence Length") into::
     w   = (I + A)⁻¹ diag(β) (K ⊙ exp(G))                       what the old state predicts
     A_qk = lower(Q Kᵀ ⊙ Γ)
 
-then ``scan.chunk_scan``. Cumulative gates and their differences are taken in float64 (only
+then one pass over the chunks carries the state (see :class:`_ChunkedGatedDelta`, which also has
+the hand-written backward). Cumulative gates and their differences are taken in float64 (only
 ``(B, H, T)`` and ``(B, H, T, C)`` numbers), so decays near 0 (``g`` of -1e4) next to decays near 1
 lose no precision; every exponent is <= 0.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .scan import chunk_scan, pad_chunks, scalar_chunk_gates
+from .scan import chunk_gates, pad_chunks
 
 __all__ = ["chunk_gated_delta_rule", "ut_transform", "unit_lower_inverse"]
 
@@ -62,18 +63,143 @@ def ut_transform(k: Tensor, beta: Tensor, kk_gamma: Tensor, rhs: list[Tensor]) -
     return [inv @ r for r in rhs]
 
 
+def _to_chunks(x: Tensor, C: int) -> Tensor:
+    """``(B, H, T, ...)`` -> ``(B·H, N, C, ...)``, zero-padded to whole chunks (inert: see
+    ``scan.pad_chunks``); a view when ``x`` is contiguous and ``T`` a multiple of ``C``."""
+    return pad_chunks(x, C, x.shape[2]).flatten(0, 1)
+
+
+def _from_chunks(x: Tensor, B: int, T: int) -> Tensor:
+    """The inverse of :func:`_to_chunks`: ``(B·H, N, C, ...)`` -> ``(B, H, T, ...)`` (a view)."""
+    BH, N, C = x.shape[:3]
+    return x.view(B, BH // B, N * C, *x.shape[3:])[:, :, :T]
+
+
+class _ChunkedGatedDelta(torch.autograd.Function):
+    """The chunked gated delta rule with a hand-written backward, in segments of chunks.
+
+    Forward, per segment of ``seg`` chunks (a few MiB, so its temporaries stay in cache and are
+    reused): the intra-chunk parts (``K Kᵀ``, the UT transform, ``Q Kᵀ``) as one batched matmul over
+    the segment's chunks; the only sequential loop carries the state across chunks (two matmuls per
+    chunk) and keeps each chunk's starting state ``S_n``; the outputs ``o = q_g S_n + A_qk v_new``
+    are one batched matmul again. Saved: the inputs, ``(I + M)⁻¹``, ``v_new`` and the ``S_n``
+    (``(T / C)·Dk·Dv`` numbers per head: O(T)). Backward runs the segments in reverse with the same
+    shape: one loop carries ``dS`` (two matmuls per chunk), the rest is batched and recomputed.
+    With ``M = strict_lower(diag(β) K Kᵀ ⊙ Γ)``, ``u = (I + M)⁻¹ diag(β) V`` and
+    ``w = (I + M)⁻¹ diag(β) (K ⊙ exp(G))``, the gradient through the inverse is
+    ``dM = -strict_lower(((I + M)⁻ᵀ du) uᵀ + ((I + M)⁻ᵀ dw) wᵀ)``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, C, seg):
+        B, H, T, Dk = k.shape
+        Dv = v.shape[-1]
+        qc, kc, vc = (_to_chunks(x, C) for x in (q, k, v))  # (BH, N, C, D)
+        G = _to_chunks(g.to(torch.float64)[..., None], C)[..., 0].cumsum(-1)  # (BH, N, C)
+        bc = _to_chunks(beta[..., None], C)  # (BH, N, C, 1)
+        BH, N = qc.shape[:2]
+        # What backward needs is kept for every chunk; inference keeps one segment's worth.
+        keep = any(ctx.needs_input_grad)
+        kept = N if keep else min(seg, N)
+        states = qc.new_empty(BH, kept, Dk, Dv)  # S_n: the state before chunk n
+        v_new, inv_all = qc.new_empty(BH, kept, C, Dv), qc.new_empty(BH, kept, C, C)
+        o = qc.new_empty(BH, N, C, Dv)
+        S = qc.new_zeros(BH, Dk, Dv) if initial_state is None else initial_state.reshape(BH, Dk, Dv).to(qc.dtype)
+        for a in range(0, N, seg):
+            s = slice(a, min(a + seg, N))
+            here = s if keep else slice(0, s.stop - a)  # where this segment's kept tensors go
+            gamma, e_g, e_rest, decay = chunk_gates(G[:, s], qc.dtype)
+            q_s, k_s, b_s = qc[:, s], kc[:, s], bc[:, s]
+            kk, qk = (torch.cat([k_s, q_s], -2) @ k_s.transpose(-1, -2)).split(C, -2)  # one matmul
+            inv = unit_lower_inverse(kk * gamma * b_s)
+            inv_all[:, here] = inv
+            u, w = (inv @ torch.cat([vc[:, s] * b_s, k_s * (b_s * e_g[..., None])], -1)).split([Dv, Dk], -1)
+            kd_t = (k_s * e_rest[..., None]).transpose(-1, -2)  # (BH, n, Dk, C)
+            for i in range(s.stop - a):
+                states[:, here.start + i] = S
+                vn = torch.baddbmm(u[:, i], w[:, i], S, alpha=-1)
+                v_new[:, here.start + i] = vn
+                S = torch.baddbmm(S * decay[:, i, None, None], kd_t[:, i], vn)
+            o[:, s] = (qk * gamma) @ v_new[:, here] + (q_s * e_g[..., None]) @ states[:, here]
+        if keep:
+            ctx.save_for_backward(q, k, v, g, beta, inv_all, states, v_new)
+        ctx.C, ctx.seg, ctx.has_state = C, seg, initial_state is not None
+        return _from_chunks(o, B, T), S.view(B, H, Dk, Dv)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_o, d_final):
+        q, k, v, g, beta, inv_all, states, v_new = ctx.saved_tensors
+        C, seg = ctx.C, ctx.seg
+        B, H, T, Dk = k.shape
+        Dv = v.shape[-1]
+        qc, kc, vc = (_to_chunks(x, C) for x in (q, k, v))
+        G = _to_chunks(g.to(torch.float64)[..., None], C)[..., 0].cumsum(-1)
+        bc = _to_chunks(beta[..., None], C)
+        BH, N = qc.shape[:2]
+        d_o = torch.zeros_like(v_new) if d_o is None else _to_chunks(d_o.to(qc.dtype), C)
+        dS = qc.new_zeros(BH, Dk, Dv) if d_final is None else d_final.reshape(BH, Dk, Dv).to(qc.dtype)
+        dq, dk, dv = (qc.new_empty(BH, N, C, x.shape[-1]) for x in (qc, kc, vc))
+        dG, dbeta = qc.new_empty(BH, N, C), qc.new_empty(BH, N, C)
+        for a in reversed(range(0, N, seg)):
+            s = slice(a, min(a + seg, N))
+            gamma, e_g, e_rest, decay = chunk_gates(G[:, s], qc.dtype)
+            q_s, k_s, v_s, b_s, inv, st, vn_s, do_s = (x[:, s] for x in (qc, kc, vc, bc, inv_all, states, v_new, d_o))
+            qg, kd, bk = q_s * e_g[..., None], k_s * e_rest[..., None], k_s * (b_s * e_g[..., None])
+            uw = inv @ torch.cat([v_s * b_s, bk], -1)  # [u | w]: one matmul
+            w = uw[..., Dv:]
+            kk, qk = (torch.cat([k_s, q_s], -2) @ k_s.transpose(-1, -2)).split(C, -2)
+            # the reverse scan; d_after[i] is the gradient of the state after chunk a + i
+            dv_new = (qk * gamma).transpose(-1, -2) @ do_s  # the part from the outputs
+            dS_from_o = qg.transpose(-1, -2) @ do_s  # (BH, n, Dk, Dv)
+            d_after = torch.empty_like(st)
+            for i in reversed(range(s.stop - a)):
+                d_after[:, i] = dS
+                dvn = torch.baddbmm(dv_new[:, i], kd[:, i], dS)
+                dv_new[:, i] = dvn
+                dS = torch.baddbmm(torch.addcmul(dS_from_o[:, i], dS, decay[:, i, None, None]),
+                                   w[:, i].transpose(-1, -2), dvn, alpha=-1)
+            st_t = st.transpose(-1, -2)  # (BH, n, Dv, Dk)
+            dqg = do_s @ st_t
+            d_a = (do_s @ vn_s.transpose(-1, -2)) * gamma  # dA ⊙ Γ: zero above the diagonal
+            dkd = vn_s @ d_after.transpose(-1, -2)  # (BH, n, C, Dk)
+            dw = -(dv_new @ st_t)
+            d_decay = (st * d_after).sum((-1, -2)) * decay  # d/dG_C through exp(G_C)
+            inv_t = inv.transpose(-1, -2)
+            dbvk = inv_t @ torch.cat([dv_new, dw], -1)  # [d(βV) | d(βK exp(G))]
+            dbv, dbk = dbvk.split([Dv, Dk], -1)
+            dm = (dbvk @ uw.transpose(-1, -2)).tril(-1).neg_()  # du uᵀ + dw wᵀ in one matmul
+            kk_gamma = kk * gamma
+            d_kk = dm * b_s * gamma
+            d_gamma = d_kk * kk + d_a * qk  # dΓ ⊙ Γ
+            dq[:, s] = torch.addcmul(d_a @ k_s, dqg, e_g[..., None])
+            dk[:, s] = d_a.transpose(-1, -2) @ q_s + (d_kk + d_kk.transpose(-1, -2)) @ k_s \
+                + dkd * e_rest[..., None] + dbk * (b_s * e_g[..., None])
+            dv[:, s] = dbv * b_s
+            dbeta[:, s] = (dm * kk_gamma).sum(-1) + (dbv * v_s).sum(-1) + (dbk * k_s * e_g[..., None]).sum(-1)
+            to_rest = (dkd * kd).sum(-1)  # d/d(G_C - G_i)
+            dG_s = d_gamma.sum(-1) - d_gamma.sum(-2) + (dqg * qg).sum(-1) + (dbk * bk).sum(-1) - to_rest
+            dG_s[..., -1] += to_rest.sum(-1) + d_decay
+            dG[:, s] = dG_s
+        dg = dG.flip(-1).cumsum(-1).flip(-1)  # G = cumsum(g) within each chunk
+        def unc(x: Tensor) -> Tensor:
+            return _from_chunks(x, B, T)
+
+        return (unc(dq), unc(dk), unc(dv), unc(dg[..., None])[..., 0].to(g.dtype),
+                unc(dbeta[..., None])[..., 0].to(beta.dtype), dS.view(B, H, Dk, Dv) if ctx.has_state else None,
+                None, None)
+
+
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, chunk_size: int = 64,
-                           initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                           initial_state: Tensor | None = None, segment: int | None = None) -> tuple[Tensor, Tensor]:
     """Chunked gated delta rule; equals ``recurrent_rule(q, k, v, g, beta)``.
 
     ``q, k (B, H, T, Dk)`` (q already scaled), ``v (B, H, T, Dv)``, ``g, beta (B, H, T)``, all in
-    the compute dtype (float32/64), heads matched. Returns ``(o (B, H, T, Dv), S_T (B, H, Dk, Dv))``."""
-    B, H, T, Dk = k.shape
-    C = max(1, min(chunk_size, T))
-    e_g, e_rest, gamma, chunk_decay = scalar_chunk_gates(g, C, T, q.dtype)
-    qc, kc, vc = (pad_chunks(x, C, T) for x in (q, k, v))  # (B, H, N, C, D)
-    bc = pad_chunks(beta[..., None], C, T)  # (B, H, N, C, 1)
-    u, w = ut_transform(kc, bc[..., 0], (kc @ kc.transpose(-1, -2)) * gamma, [vc * bc, kc * (bc * e_g[..., None])])
-    a_qk = (qc @ kc.transpose(-1, -2)) * gamma
-    o, S = chunk_scan(qc * e_g[..., None], kc * e_rest[..., None], a_qk, chunk_decay, u, w, initial_state)
-    return o.reshape(B, H, -1, v.shape[-1])[:, :, :T], S
+    the compute dtype (float32/64), heads matched. Returns ``(o (B, H, T, Dv), S_T (B, H, Dk, Dv))``;
+    gradients flow to every input and the initial state (a hand-written backward, see
+    :class:`_ChunkedGatedDelta`). ``segment``: chunks batched together (default: about 2 MiB of
+    ``(B·H, tokens, D)`` per segment); it changes the speed only."""
+    C = max(1, min(chunk_size, q.shape[2]))
+    if segment is None:
+        per_chunk = q.shape[0] * q.shape[1] * C * (q.shape[-1] + v.shape[-1]) * q.element_size()
+        segment = max(1, (2 << 20) // per_chunk)
+    return _ChunkedGatedDelta.apply(q, k, v, g, beta, initial_state, C, segment)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["chunk_scan", "pad_chunks", "exp_nonpositive", "scalar_chunk_gates"]
+__all__ = ["chunk_scan", "pad_chunks", "exp_nonpositive", "chunk_gates", "scalar_chunk_gates"]
 
 
 def pad_chunks(x: Tensor, chunk: int, T: int) -> Tensor:
@@ -35,13 +35,22 @@ def exp_nonpositive(x: Tensor, keep: Tensor) -> Tensor:
     return x.masked_fill(~keep, float("-inf")).exp()
 
 
+def chunk_gates(G: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """From float64 cumulative gates ``G (..., C)`` of each chunk (every exponent <= 0):
+    ``Γ (..., C, C)`` (``exp(G_i - G_j)``, 0 above the diagonal), ``exp(G)``, ``exp(G_C - G)`` and
+    ``exp(G_C) (...)``, in ``dtype``."""
+    C = G.shape[-1]
+    lower = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
+    gamma = exp_nonpositive(G[..., :, None] - G[..., None, :], lower)
+    last = G[..., -1:]
+    return gamma.to(dtype), G.exp().to(dtype), (last - G).exp().to(dtype), last[..., 0].exp().to(dtype)
+
+
 def scalar_chunk_gates(g: Tensor, C: int, T: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``exp(G)``, ``exp(G_C - G)``, ``Γ`` and ``exp(G_C)`` per chunk from scalar gates ``(B, H, T)``."""
     G = pad_chunks(g.to(torch.float64)[..., None], C, T)[..., 0].cumsum(-1)  # (B, H, N, C)
-    lower = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
-    gamma = exp_nonpositive(G[..., :, None] - G[..., None, :], lower)  # (B, H, N, C, C)
-    last = G[..., -1:]
-    return G.exp().to(dtype), (last - G).exp().to(dtype), gamma.to(dtype), last[..., 0].exp().to(dtype)
+    gamma, e_g, e_rest, decay = chunk_gates(G, dtype)
+    return e_g, e_rest, gamma, decay
 
 
 def chunk_scan(q_g: Tensor, k_d: Tensor, a_qk: Tensor, chunk_decay: Tensor, u: Tensor, w: Tensor | None,
