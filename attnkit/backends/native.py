@@ -1,21 +1,31 @@
 """A fused C++ attention kernel for the CPU (``attnkit/csrc/attention.cpp``), forward and backward.
 
 Equals ``naive`` (and ``tiled``, its pure-PyTorch twin): ``softmax(q kᵀ · scale, masked) v`` with
-FlashAttention's online softmax over (query tile × key tile), statistics in float32 (float64 for
-float64 inputs), computed in one pass per tile in C++ (``at::parallel_for`` over (batch, head,
-query tile), the CPU BLAS for the tile products, a vectorized exp). The backward pass recomputes
-each tile's probabilities from the saved log-sum-exp (flash style), parallel over (batch, key/value
-head), so training needs O(Tq + Tk) memory. GQA reads each key/value head in place (never repeated).
+FlashAttention's online softmax over (query tile × key tile), computed in one pass per tile in C++:
+``at::parallel_for`` over (batch, head, query tile), oneDNN's GEMM micro-kernel
+(``at::native::cpublas::brgemm``, in every torch CPU build) for the tile products, a vectorized exp.
+The backward pass recomputes each tile's probabilities from the saved log-sum-exp (FlashAttention-2),
+so training needs O(Tq + Tk) memory; it runs dK/dV parallel over key tiles and dQ over query tiles
+when batch × kv heads is smaller than the thread count (so B=1 uses every core), and it is
+**deterministic**: every accumulator is summed in a fixed order, so repeated backward passes are
+bitwise equal (whatever the thread count). GQA reads each key/value head in place (never repeated).
 
 The mask is read through its structure (:func:`attnkit.backends._tiles.tile_grid`): EMPTY tiles
-are skipped and FULL tiles run unmasked; PARTIAL tiles are masked per element in the kernel from
-the conjuncts' few integers or index vectors — band bounds (``Causal``, ``SlidingWindow``), key
-lengths (``KeyPadding``), key validity (``Padding``), document ids (``Document``), a block layout
-(``BlockSparse``) — and any other conjunct (``Dense``, ``Custom``, ``Or``, ...) from a byte keep
-tile per PARTIAL tile computed here with ``mask.evaluate``.
+are skipped and FULL tiles run with no mask work; PARTIAL tiles are masked in the kernel from the
+conjuncts' few integers or index vectors — band bounds (``Causal``, ``SlidingWindow``) and key
+lengths (``KeyPadding``) as one kept range per row, key validity (``Padding``), document ids
+(``Document``), a block layout (``BlockSparse``) — and any other conjunct (``Dense``, ``Custom``,
+``Or``, ...) from a byte keep tile per PARTIAL tile computed here with ``mask.evaluate``.
 
-float16/bfloat16 inputs run in float32 (their tiles upcast; the output is cast back). The
-extension is built by ``python -m attnkit.csrc.build`` (``make install``); without it the backend
+Precision: float32 and float64 run in their own type. bfloat16/float16 inputs run their tile
+products **in the kernel in that type** (fp32 accumulation; scores, softmax statistics, the LSE and
+the gradient accumulators in float32) on a machine where that type's matrix products are at least as
+fast as float32's (measured once: :func:`attnkit.hardware.half_matmul_is_fast`, e.g. AVX512-BF16 or
+AMX); elsewhere (e.g. AVX2-only CPUs, where they are emulated) they are upcast to float32 tiles and
+the output cast back. ``NativeOptions(half_tiles=True/False)`` forces either path;
+``explain()`` and ``attnkit info`` say which one this machine uses and why.
+
+The extension is built by ``python -m attnkit.csrc.build`` (``make install``); without it the backend
 declines with the reason "native extension not built: ...".
 """
 
@@ -29,6 +39,7 @@ import torch
 from torch import Tensor
 
 from ..csrc import build as csrc_build
+from ..hardware import half_matmul_is_fast
 from ..inputs import AttentionInputs
 from ..masks import And, BlockSparse, Causal, Document, KeyPadding, Mask, Padding, SlidingWindow
 from ._common import nonfinite_keys, nonfinite_queries, poison_rows, zero_keys
@@ -39,12 +50,17 @@ from ._tiles import PARTIAL, tile_grid
 
 @dataclass(frozen=True)
 class NativeOptions:
-    """Tile sizes of the kernel (queries × keys per tile)."""
+    """Tile sizes of the kernel (queries × keys per tile) and the bfloat16/float16 path:
+    ``half_tiles=None`` decides by this machine's measurement (:func:`half_tiles_note`), ``True``
+    runs the tiles in the input's type, ``False`` upcasts them to float32."""
 
     block_q: int = 128
     block_k: int = 256
+    half_tiles: bool | None = None
 
     def __post_init__(self):
+        if self.half_tiles not in (None, True, False):
+            raise ValueError(f"NativeOptions(half_tiles={self.half_tiles!r}): expected None (measure), True or False.")
         for name in ("block_q", "block_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 8 <= value <= 4096:
@@ -73,6 +89,28 @@ def load_extension():
         return getattr(torch.ops, csrc_build.NAME), None
     except (ImportError, OSError, RuntimeError) as exc:
         return None, f"native extension not built: it fails to load ({exc})"
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def half_tiles(dtype: torch.dtype, options: "NativeOptions | None" = None) -> bool:
+    """Whether a ``dtype`` input runs its tiles in ``dtype`` in the kernel (else upcast to float32)."""
+    if dtype not in _HALF:
+        return False
+    if options is not None and options.half_tiles is not None:
+        return options.half_tiles
+    return half_matmul_is_fast(dtype)
+
+
+def half_tiles_note(dtype: torch.dtype) -> str:
+    """One sentence: which path ``dtype`` inputs take on this machine and why."""
+    name = str(dtype).removeprefix("torch.")
+    if half_tiles(dtype):
+        return (f"{name} tiles in the kernel with float32 accumulation ({name} matrix products measured at least as "
+                "fast as float32 on this CPU)")
+    return (f"{name} inputs upcast to float32 tiles ({name} matrix products measured slower than float32 on this "
+            "CPU)")
 
 
 _EMPTY_LONG = torch.empty(0, dtype=torch.long)
@@ -181,9 +219,10 @@ class _NativeFunction(torch.autograd.Function):
     def backward(ctx, dout, dlse, dseen):
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
-        # delta_i = sum_j p_ij dp_ij = rowsum(dout * out); the LSE's own gradient enters as -dlse.
+        # delta_i = sum_j p_ij dp_ij = rowsum(dout * out), in the statistics' type (float32 for
+        # bfloat16/float16 tiles); the LSE's own gradient enters as -dlse.
         dout = dout.contiguous()
-        delta = (dout * out).sum(-1)
+        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
         if dlse is not None:
             delta = delta - dlse
         ext, _ = load_extension()
@@ -214,8 +253,7 @@ class Native(Backend):
     @classmethod
     def describe(cls, inp: AttentionInputs) -> str:
         mask = "no mask" if inp.mask is None else "tiles skipped or masked from the mask's structure"
-        cast = ", float32 tiles for %s inputs" % str(inp.dtype).removeprefix("torch.") if inp.dtype in (
-            torch.float16, torch.bfloat16) else ""
+        cast = f", {half_tiles_note(inp.dtype)}" if inp.dtype in _HALF else ""
         return f"fused C++ kernel with {mask}{cast}"
 
     @classmethod
@@ -238,7 +276,7 @@ class Native(Backend):
         q, k, v = inp.q, inp.k, inp.v
         if bad is not None:
             k, v = zero_keys(k, v, bad)
-        if inp.dtype in (torch.float16, torch.bfloat16):
+        if inp.dtype in _HALF and not half_tiles(inp.dtype, options):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
         flags = _EMPTY_BYTE if bad is None else bad.to(torch.uint8).contiguous()
         out, lse, seen = _NativeFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan, flags)
