@@ -50,12 +50,13 @@ from ._tiles import PARTIAL, tile_grid
 
 @dataclass(frozen=True)
 class NativeOptions:
-    """Tile sizes of the kernel (queries × keys per tile) and the bfloat16/float16 path:
-    ``half_tiles=None`` decides by this machine's measurement (:func:`half_tiles_note`), ``True``
-    runs the tiles in the input's type, ``False`` upcasts them to float32."""
+    """Tile sizes of the kernel (queries × keys per tile; ``None``: chosen from the mask's structure,
+    see :func:`default_options`) and the bfloat16/float16 path: ``half_tiles=None`` decides by this
+    machine's measurement (:func:`half_tiles_note`), ``True`` runs the tiles in the input's type,
+    ``False`` upcasts them to float32."""
 
-    block_q: int = 128
-    block_k: int = 256
+    block_q: int | None = None
+    block_k: int | None = None
     half_tiles: bool | None = None
 
     def __post_init__(self):
@@ -63,8 +64,10 @@ class NativeOptions:
             raise ValueError(f"NativeOptions(half_tiles={self.half_tiles!r}): expected None (measure), True or False.")
         for name in ("block_q", "block_k"):
             value = getattr(self, name)
+            if value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or not 8 <= value <= 4096:
-                raise ValueError(f"NativeOptions({name}={value!r}): expected an int in 8..4096, e.g. {name}=128.")
+                raise ValueError(f"NativeOptions({name}={value!r}): expected an int in 8..4096 or None, e.g. {name}=128.")
 
 
 @functools.lru_cache(maxsize=1)
@@ -182,6 +185,23 @@ def _keep_tiles(mask: Mask, grid: Tensor, Tq, Tk, q_offset, kv_offset, bq, bk, B
     return index, torch.stack([t.expand(shape) for t in tiles]).contiguous()
 
 
+def default_options(inp: AttentionInputs, given: NativeOptions | None = None) -> NativeOptions:
+    """``given`` with its unset tile sizes chosen so a structured mask costs its density: tiles
+    aligned with a block layout are exactly FULL or EMPTY (no per-element work); a band (sliding
+    window) spanning at most 2048 keys gets 64 x 64 tiles, so the tiles across its edges waste
+    little; else 128 x 256."""
+    given = given or NativeOptions()
+    bq, bk = 128, 256
+    mask = inp.mask
+    layout = None if mask is None else mask.block_layout()
+    band = None if mask is None else mask.band()
+    if layout is not None and layout.block_size <= 256:
+        bq = bk = layout.block_size * -(-32 // layout.block_size)
+    elif band is not None and band.left is not None and band.left + (band.right or 0) <= 2048:
+        bq = bk = 64
+    return NativeOptions(given.block_q or bq, given.block_k or bk, given.half_tiles)
+
+
 _PLANS: dict = {}
 _MAX_PLANS = 32
 
@@ -258,13 +278,7 @@ class Native(Backend):
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: NativeOptions | None):
-        if options is None:
-            options = NativeOptions()
-            layout = None if inp.mask is None else inp.mask.block_layout()
-            if layout is not None and layout.block_size <= 256:
-                # Tiles aligned with the layout's blocks are exactly FULL or EMPTY (no per-element work).
-                side = layout.block_size * -(-32 // layout.block_size)
-                options = NativeOptions(side, side)
+        options = default_options(inp, options)
         plan = plan_for(inp, options)
         # NaN/Inf contract, row by row: flagged keys are zeroed (a copy only on that rare path) and the
         # kernel marks the rows that keep one. GEMM shapes never depend on the data, so every other row
