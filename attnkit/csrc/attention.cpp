@@ -135,8 +135,9 @@ inline void mask_row(const MaskSpec& m, int64_t b, int64_t qp, int64_t kp0, int6
   std::fill(row + hi, row + nk, ninf);
 }
 
-// The scores of one tile after its GEMM: scaled, and masked (-inf where not kept) when the tile is
-// PARTIAL. FULL tiles do no mask work; band/length masks fill each row's two excluded ends.
+// The scores of one tile after its GEMM, masked (-inf where not kept) when the tile is PARTIAL
+// (unscaled: exp_row applies the scale). FULL tiles do no mask work; band/length masks fill each
+// row's two excluded ends. A scale <= 0 (exp_row needs > 0) is applied here instead.
 struct Tile {
   int64_t b, h, qt, kt, q0, nq, k0, nk;
 };
@@ -144,7 +145,8 @@ struct Tile {
 template <typename A>
 void score_tile(const MaskSpec& m, const Tile& t, int64_t qpos0, int64_t kpos0, int64_t block_q, int64_t block_k,
                 A scale, A* s, uint8_t* keep) {
-  for (int64_t i = 0; i < t.nq; ++i) attnkit::scale_row(s + i * block_k, t.nk, scale);
+  if (!(scale > 0))
+    for (int64_t i = 0; i < t.nq; ++i) attnkit::scale_row(s + i * block_k, t.nk, scale);
   if (m.grid[t.qt * m.nK + t.kt] != 1) return;
   const bool per_element = !ranges_only(m);
   if (per_element) tile_keep(m, t.b, t.h, t.qt, t.kt, t.q0, t.nq, t.k0, t.nk, qpos0, kpos0, block_q, block_k, keep);
@@ -162,7 +164,7 @@ template <typename T>
 struct Problem {
   int64_t B, Hq, Hkv, G, Tq, Tk, D, Dv, bq, bk, nQ, nK, qpos0, kpos0;
   int64_t Dp, Dvp, bqp, bkp;  // K dimensions as the GEMM operands store them (even for VNNI)
-  Acc<T> scale;
+  Acc<T> scale, exp_scale;  // exp_scale: what exp_row multiplies scores by (1 when scale <= 0)
   const MaskSpec* m;
   bool vnni;
 
@@ -171,7 +173,7 @@ struct Problem {
       : B(q.size(0)), Hq(q.size(1)), Hkv(k.size(1)), G(q.size(1) / k.size(1)), Tq(q.size(2)), Tk(k.size(2)),
         D(q.size(3)), Dv(v.size(3)), bq(block_q), bk(block_k), nQ((Tq + bq - 1) / bq), nK((Tk + bk - 1) / bk),
         qpos0(qo), kpos0(ko), Dp(padded_k<T>(D)), Dvp(padded_k<T>(Dv)), bqp(padded_k<T>(bq)), bkp(padded_k<T>(bk)),
-        scale(static_cast<Acc<T>>(scale_d)), m(&spec), vnni(vnni_available<T>()) {}
+        scale(static_cast<Acc<T>>(scale_d)), exp_scale(scale > 0 ? scale : Acc<T>(1)), m(&spec), vnni(vnni_available<T>()) {}
   int64_t kv_tile(int64_t b, int64_t hk, int64_t kt) const { return (b * Hkv + hk) * nK + kt; }
   int64_t q_tile(int64_t b, int64_t h, int64_t qt) const { return (b * Hq + h) * nQ + qt; }
 };
@@ -203,6 +205,25 @@ Packed<T> pack_tiles(const at::Tensor& x, int64_t block, bool transposed) {
       } else {
         pack_b<T>(tile, C, false, rows, C, dst);  // (rows x C)
       }
+    }
+  });
+  return p;
+}
+
+// Pack, for every (batch, head, tile) of x (B, H, T, C): the A operand tile^T (C x rows, lda
+// padded_k(block)), for the products that reduce over the tile's rows.
+template <typename T>
+Packed<T> pack_tiles_a_transposed(const at::Tensor& x, int64_t block) {
+  const int64_t B = x.size(0), H = x.size(1), T_ = x.size(2), C = x.size(3), n = (T_ + block - 1) / block;
+  Packed<T> p;
+  const int64_t lda = padded_k<T>(block);
+  p.slot = C * lda;
+  p.store = at::empty({B * H * n * p.slot}, x.options());
+  const T* src = x.data_ptr<T>();
+  at::parallel_for(0, B * H * n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t t = w % n, bh = w / n, r0 = t * block, rows = std::min(block, T_ - r0);
+      pack_a<T, T>(src + (bh * T_ + r0) * C, C, true, C, rows, const_cast<T*>(p.at(w)), lda);
     }
   });
   return p;
@@ -253,23 +274,22 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             for (int64_t j = 0; j < nk && !hb[i]; ++j) hb[i] = bk[j] && row[j] != ninf;
           }
         }
+        // P in the GEMM's operand type: in place (fp32/fp64), or rounded into pa as it is computed.
+        T* pA = reinterpret_cast<T*>(s.data());
+        const int64_t ldp = std::is_same_v<T, A> ? P.bk : P.bkp;
+        if constexpr (!std::is_same_v<T, A>) pA = pa.data();
         for (int64_t i = 0; i < nq; ++i) {
           A* row = s.data() + i * P.bk;
-          const A mx = attnkit::row_max(row, nk, mrow[i]);
+          const A mx = std::max(mrow[i], attnkit::row_max(row, nk, ninf) * P.exp_scale);
           // A row with nothing kept so far keeps max -inf: shift by 0 so exp(-inf) = 0, not NaN.
           const A shift = mx == ninf ? A(0) : mx;
-          const A sum = attnkit::exp_row(row, nk, shift);
+          const A sum = attnkit::exp_row(row, nk, P.exp_scale, shift, pA + i * ldp);
+          if (padded_k<T>(nk) > nk) pA[i * ldp + nk] = T(0);
           const A alpha = std::exp(mrow[i] - shift);  // 0 while the row had nothing kept
           lrow[i] = lrow[i] * alpha + sum;
           mrow[i] = mx;
           A* a = acc.data() + i * P.Dv;
           for (int64_t c = 0; c < P.Dv; ++c) a[c] *= alpha;
-        }
-        const T* pA = reinterpret_cast<const T*>(s.data());
-        int64_t ldp = P.bk;
-        if constexpr (!std::is_same_v<T, A>) {
-          pack_a<T, A>(s.data(), P.bk, false, nq, nk, pa.data(), P.bkp);
-          pA = pa.data(), ldp = P.bkp;
         }
         const T* vB = v_direct ? vp + ((b * P.Hkv + hk) * P.Tk + k0) * P.Dv : vp_.at(P.kv_tile(b, hk, kt));
         gemm<T>(nq, P.Dv, padded_k<T>(nk), pA, ldp, vB, P.Dv, acc.data(), P.Dv, true);
@@ -287,24 +307,25 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }
 
 // One (query tile, key tile) of the backward: recompute P from the LSE, dS = P (dP - delta) scale,
-// then dV += P^T dO and dK += dS^T Q (kv), and/or dQ += dS K (q). Accumulators are float32 (float64
-// for float64 inputs).
+// then dV^T += dO^T P and dK^T += Q^T dS (kv), and/or dQ += dS K (q). dK and dV are accumulated
+// transposed, (D x Tk), so P and dS serve as B operands as they are (fp32) or packed row-pairwise
+// (VNNI): no tile is transposed. Accumulators are float32 (float64 for float64 inputs).
 template <typename T>
 struct Backward {
   using A = Acc<T>;
   const Problem<T>& P;
   const T *q, *k, *v, *dout;
   const A *lse, *delta;
-  A *dq, *dk, *dv;
-  Packed<T> kT, vT, kB, qB, doB;  // K^T, V^T (scores, dP); K (dQ); Q, dO (dK, dV)
+  A *dq, *dkT, *dvT;  // (B, Hq, Tq, D), (B, Hkv, D, Tk), (B, Hkv, Dv, Tk)
+  Packed<T> kT, vT, kB, qT, doT;  // B: K^T, V^T (scores, dP), K (dQ); A: Q^T, dO^T (dK, dV)
 
   struct Work {
     std::vector<A> p, dp;
-    std::vector<T> qa, doa, pt, dsa, dst;
+    std::vector<T> qa, doa, pb, dsb, dsa;
     std::vector<uint8_t> keep;
     explicit Work(const Problem<T>& P)
-        : p(P.bq * P.bk), dp(P.bq * P.bk), qa(P.bq * P.Dp), doa(P.bq * P.Dvp), pt(P.bk * P.bqp), dsa(P.bq * P.bkp),
-          dst(P.bk * P.bqp), keep(P.bq * P.bk) {}
+        : p(P.bq * P.bk), dp(P.bq * P.bk), qa(P.bq * P.Dp), doa(P.bq * P.Dvp), pb(P.bqp * P.bk), dsb(P.bqp * P.bk),
+          dsa(P.bq * P.bkp), keep(P.bq * P.bk) {}
   };
 
   // The A operands of query tile (b, h, qt): Q and dO, padded for VNNI.
@@ -313,10 +334,19 @@ struct Backward {
     pack_a<T, T>(dout + row0 * P.Dv, P.Dv, false, nq, P.Dv, w.doa.data(), P.Dvp);
   }
 
+  // A float tile (nq x nk, ld bk) as the B operand of a K = nq product.
+  const T* as_b(const A* src, int64_t nq, int64_t nk, std::vector<T>& buf) const {
+    if constexpr (std::is_same_v<T, A>) {
+      return src;
+    } else {
+      attnkit::pack_b_rows<T>(src, P.bk, nq, nk, buf.data());
+      return buf.data();
+    }
+  }
+
   void tile(Work& w, int64_t b, int64_t h, int64_t qt, int64_t kt, bool kv, bool dq_too) const {
     const int64_t hk = h / P.G, q0 = qt * P.bq, nq = std::min(P.bq, P.Tq - q0), row0 = (b * P.Hq + h) * P.Tq + q0;
-    const int64_t k0 = kt * P.bk, nk = std::min(P.bk, P.Tk - k0), krow0 = (b * P.Hkv + hk) * P.Tk + k0;
-    const int64_t kslot = P.kv_tile(b, hk, kt), qslot = P.q_tile(b, h, qt);
+    const int64_t k0 = kt * P.bk, nk = std::min(P.bk, P.Tk - k0), kslot = P.kv_tile(b, hk, kt);
     const A ninf = -std::numeric_limits<A>::infinity();
     A *p = w.p.data(), *ds = w.dp.data();
     gemm<T>(nq, nk, P.Dp, w.qa.data(), P.Dp, kT.at(kslot), nk, p, P.bk, false);
@@ -327,7 +357,7 @@ struct Backward {
       if (l == ninf) {
         std::fill(row, row + nk, A(0));  // the row sees nothing: probabilities 0
       } else {
-        attnkit::exp_row(row, nk, l);
+        attnkit::exp_row(row, nk, P.exp_scale, l, row);
       }
     }
     gemm<T>(nq, nk, P.Dvp, w.doa.data(), P.Dvp, vT.at(kslot), nk, ds, P.bk, false);  // dP = dO V^T
@@ -337,24 +367,22 @@ struct Backward {
       const A* pr = p + i * P.bk;
       for (int64_t j = 0; j < nk; ++j) dr[j] = pr[j] * (dr[j] - dl) * P.scale;
     }
-    if (kv) {  // dV += P^T dO;  dK += dS^T Q
-      pack_a<T, A>(p, P.bk, true, nk, nq, w.pt.data(), P.bqp);
-      gemm<T>(nk, P.Dv, padded_k<T>(nq), w.pt.data(), P.bqp, b_op(doB, dout, qslot, row0, P.Dv), P.Dv,
-              dv + krow0 * P.Dv, P.Dv, true);
-      pack_a<T, A>(ds, P.bk, true, nk, nq, w.dst.data(), P.bqp);
-      gemm<T>(nk, P.D, padded_k<T>(nq), w.dst.data(), P.bqp, b_op(qB, q, qslot, row0, P.D), P.D, dk + krow0 * P.D,
-              P.D, true);
+    const int64_t ldb = std::is_same_v<T, A> ? P.bk : nk, nqk = padded_k<T>(nq);
+    if (kv) {  // dV^T += dO^T P;  dK^T += Q^T dS
+      const int64_t qslot = P.q_tile(b, h, qt), kv0 = (b * P.Hkv + hk) * P.Tk;
+      gemm<T>(P.Dv, nk, nqk, doT.at(qslot), P.bqp, as_b(p, nq, nk, w.pb), ldb, dvT + kv0 * P.Dv + k0, P.Tk, true);
+      gemm<T>(P.D, nk, nqk, qT.at(qslot), P.bqp, as_b(ds, nq, nk, w.dsb), ldb, dkT + kv0 * P.D + k0, P.Tk, true);
     }
     if (dq_too) {  // dQ += dS K
-      pack_a<T, A>(ds, P.bk, false, nq, nk, w.dsa.data(), P.bkp);
-      gemm<T>(nq, P.D, padded_k<T>(nk), w.dsa.data(), P.bkp, b_op(kB, k, kslot, krow0, P.D), P.D, dq + row0 * P.D,
-              P.D, true);
+      const T* dsA = reinterpret_cast<const T*>(ds);
+      int64_t lda = P.bk;
+      if constexpr (!std::is_same_v<T, A>) {
+        pack_a<T, A>(ds, P.bk, false, nq, nk, w.dsa.data(), P.bkp);
+        dsA = w.dsa.data(), lda = P.bkp;
+      }
+      const T* kb = kB.store.defined() ? kB.at(kslot) : k + ((b * P.Hkv + hk) * P.Tk + k0) * P.D;
+      gemm<T>(nq, P.D, padded_k<T>(nk), dsA, lda, kb, P.D, dq + row0 * P.D, P.D, true);
     }
-  }
-
-  // A row-major operand read in place, or its packed slot.
-  const T* b_op(const Packed<T>& p, const T* src, int64_t slot, int64_t row0, int64_t C) const {
-    return p.store.defined() ? p.at(slot) : src + row0 * C;
   }
 
   bool live(int64_t qt, int64_t kt) const { return P.m->grid[qt * P.nK + kt] != 0; }
@@ -448,7 +476,9 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
   const auto stat = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   TORCH_CHECK(lse.scalar_type() == stat && delta.scalar_type() == stat, "backward: lse and delta must be ", stat);
   auto opts = q.options().dtype(stat);
-  auto dq = at::zeros(q.sizes(), opts), dk = at::zeros(k.sizes(), opts), dv = at::zeros(v.sizes(), opts);
+  auto dq = at::zeros(q.sizes(), opts);
+  auto dkT = at::zeros({k.size(0), k.size(1), k.size(3), k.size(2)}, opts);  // accumulated transposed
+  auto dvT = at::zeros({v.size(0), v.size(1), v.size(3), v.size(2)}, opts);
   MaskSpec m = make_spec(grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
   ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native_backward", [&] {
     using T = scalar_t;
@@ -461,18 +491,18 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
                    lse.data_ptr<Acc<T>>(),
                    delta.data_ptr<Acc<T>>(),
                    dq.data_ptr<Acc<T>>(),
-                   dk.data_ptr<Acc<T>>(),
-                   dv.data_ptr<Acc<T>>(),
+                   dkT.data_ptr<Acc<T>>(),
+                   dvT.data_ptr<Acc<T>>(),
                    pack_tiles<T>(k, block_k, true),
                    pack_tiles<T>(v, block_k, true),
                    P.vnni ? pack_tiles<T>(k, block_k, false) : Packed<T>{},
-                   P.vnni ? pack_tiles<T>(q, block_q, false) : Packed<T>{},
-                   P.vnni ? pack_tiles<T>(dout, block_q, false) : Packed<T>{}};
+                   pack_tiles_a_transposed<T>(q, block_q),
+                   pack_tiles_a_transposed<T>(dout, block_q)};
     bw.run(P.B * P.Hkv < at::get_num_threads());
   });
-  if (q.scalar_type() != stat) {
-    dq = dq.to(q.scalar_type()), dk = dk.to(q.scalar_type()), dv = dv.to(q.scalar_type());
-  }
+  auto dk = dkT.transpose(2, 3).to(q.scalar_type()).contiguous();
+  auto dv = dvT.transpose(2, 3).to(q.scalar_type()).contiguous();
+  if (q.scalar_type() != stat) dq = dq.to(q.scalar_type());
   return {dq, dk, dv};
 }
 

@@ -89,9 +89,33 @@ void pack_b(const T* src, int64_t ld, bool transposed, int64_t K, int64_t N, T* 
   }
 }
 
+// The bits of x rounded to T (nearest even: bitwise what c10's conversion gives), in branch-free
+// code the compiler vectorizes (c10's scalar conversion would cost more than the tile GEMM).
+template <typename T>
+inline uint16_t reduced_bits(float x) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const uint32_t b = __builtin_bit_cast(uint32_t, x);
+    const uint16_t r = static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+    return x != x ? uint16_t(0x7fc0) : r;
+  } else {
+    return __builtin_bit_cast(uint16_t, static_cast<_Float16>(x));
+  }
+}
+
+// dst[0..n) = src[0..n) in T (a copy when the types agree).
+template <typename T, typename S>
+inline void convert_row(const S* __restrict src, T* __restrict dst, int64_t n) {
+  if constexpr (std::is_same_v<S, T>) {
+    std::memcpy(dst, src, n * sizeof(T));
+  } else {
+    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+    for (int64_t j = 0; j < n; ++j) d[j] = reduced_bits<T>(src[j]);
+  }
+}
+
 // The A operand (M x K) as gemm() reads it: row-major with leading dimension lda >= padded_k(K),
-// converted from Acc (or copied from T), optionally transposed (A[m][k] = src[k * ld + m]);
-// columns K..padded_k(K) zero.
+// converted from Acc (or copied from T), optionally transposed (A[m][k] = src[k * ld + m], for
+// operands packed once per call); columns K..padded_k(K) zero.
 template <typename T, typename S>
 void pack_a(const S* src, int64_t ld, bool transposed, int64_t M, int64_t K, T* dst, int64_t lda) {
   const int64_t Kp = padded_k<T>(K);
@@ -99,12 +123,30 @@ void pack_a(const S* src, int64_t ld, bool transposed, int64_t M, int64_t K, T* 
     T* row = dst + m * lda;
     if (transposed) {
       for (int64_t k = 0; k < K; ++k) row[k] = static_cast<T>(src[k * ld + m]);
-    } else if constexpr (std::is_same_v<S, T>) {
-      std::memcpy(row, src + m * ld, K * sizeof(T));
     } else {
-      at::vec::convert(src + m * ld, row, K);
+      convert_row(src + m * ld, row, K);
     }
     for (int64_t k = K; k < Kp; ++k) row[k] = T(0.f);
+  }
+}
+
+// The B operand (K x N) from a float tile (B[k][n] = src[k * ld + n]) in a reduced type: VNNI
+// pairs of rows interleaved (K padded to even with zeros), else row-major; ldb = N.
+template <typename T>
+void pack_b_rows(const float* src, int64_t ld, int64_t K, int64_t N, T* dst) {
+  if (!vnni_available<T>()) {
+    for (int64_t k = 0; k < K; ++k) convert_row(src + k * ld, dst + k * N, N);
+    return;
+  }
+  for (int64_t k = 0; k < K; k += 2) {
+    const float* lo = src + k * ld;
+    const float* hi = k + 1 < K ? lo + ld : nullptr;
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst + k * N);  // row pair k/2: 2N elements
+    if (hi) {
+      for (int64_t n = 0; n < N; ++n) d[n] = reduced_bits<T>(lo[n]) | (uint32_t(reduced_bits<T>(hi[n])) << 16);
+    } else {
+      for (int64_t n = 0; n < N; ++n) d[n] = reduced_bits<T>(lo[n]);
+    }
   }
 }
 
@@ -185,20 +227,29 @@ inline float exp_poly(float a) {
 }
 inline double exp_poly(double a) { return std::exp(a); }
 
-// exp(x - shift) over a row, in place, returning the row sum (fixed 16-lane order).
-template <typename A>
-inline A exp_row(A* __restrict x, int64_t n, A shift) {
+// exp(x * scale - shift) over a row into out (in place when out == x; a reduced type rounds the
+// stored value, the sum adds the float ones), returning the row sum (fixed 16-lane order). scale > 0.
+template <typename A, typename O>
+inline A exp_row(const A* x, int64_t n, A scale, A shift, O* out) {
   A lanes[kLanes] = {};
+  auto store = [&](int64_t j, A e) {
+    if constexpr (std::is_same_v<O, A>) {
+      out[j] = e;
+    } else {
+      reinterpret_cast<uint16_t*>(out)[j] = reduced_bits<O>(e);
+    }
+  };
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes)
     for (int u = 0; u < kLanes; ++u) {
-      const A e = exp_poly(x[j + u] - shift);
-      x[j + u] = e;
+      const A e = exp_poly(x[j + u] * scale - shift);
+      store(j + u, e);
       lanes[u] += e;
     }
   for (int u = 0; j < n; ++j, ++u) {
-    x[j] = exp_poly(x[j] - shift);
-    lanes[u] += x[j];
+    const A e = exp_poly(x[j] * scale - shift);
+    store(j, e);
+    lanes[u] += e;
   }
   return lane_sum(lanes);
 }
