@@ -110,3 +110,39 @@ def test_backward_deterministic(dtype, half):
             assert all(torch.equal(a, b) for a, b in zip(first, again))
     finally:
         torch.set_num_threads(threads)
+
+
+AVX2_SCRIPT = """
+import sys, torch, attnkit
+from attnkit.backends import native
+qkv, do, out_path = torch.load(sys.argv[1])
+results = []
+for dtype in (torch.float32, torch.bfloat16):
+    q, k, v = (x.detach().to(dtype).clone().requires_grad_(True) for x in qkv)
+    out = attnkit.attention(q, k, v, mask=attnkit.Causal(), backend="native",
+                            options=native.NativeOptions(16, 32, half_tiles=True))
+    out.backward(do.to(dtype))
+    results.append((out.detach(), (q.grad, k.grad, v.grad)))
+torch.save(results, out_path)
+"""
+AVX2_SHAPE = Shape(1, 4, 2, 37, 53, 24, 24)
+
+
+def test_avx2_tiles_match_the_reference(tmp_path):
+    """The kernel as an AVX2-only CPU runs it (oneDNN capped at AVX2: fp32 tiles in AVX2 and no
+    VNNI bf16 tiles, cpublas's fallback GEMM for them), in a fresh process: fp32 and bf16 within
+    the rule of the float64 oracle."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    qkv, do = _inputs(AVX2_SHAPE, torch.float32, requires_grad=False)
+    torch.save((qkv, do, str(tmp_path / "out.pt")), tmp_path / "in.pt")
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "PYTHONPATH": root}
+    done = subprocess.run([sys.executable, "-c", AVX2_SCRIPT, str(tmp_path / "in.pt")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for dtype, (out, grads) in zip((torch.float32, torch.bfloat16), torch.load(tmp_path / "out.pt")):
+        check_flash_rule(out, grads, *_baselines(AVX2_SHAPE, "Causal", dtype), dtype)
