@@ -288,8 +288,10 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           const A alpha = std::exp(mrow[i] - shift);  // 0 while the row had nothing kept
           lrow[i] = lrow[i] * alpha + sum;
           mrow[i] = mx;
-          A* a = acc.data() + i * P.Dv;
-          for (int64_t c = 0; c < P.Dv; ++c) a[c] *= alpha;
+          if (alpha != A(1)) {  // the max moved (most tiles after the first few keep it: no pass)
+            A* a = acc.data() + i * P.Dv;
+            for (int64_t c = 0; c < P.Dv; ++c) a[c] *= alpha;
+          }
         }
         const T* vB = v_direct ? vp + ((b * P.Hkv + hk) * P.Tk + k0) * P.Dv : vp_.at(P.kv_tile(b, hk, kt));
         gemm<T>(nq, P.Dv, padded_k<T>(nk), pA, ldp, vB, P.Dv, acc.data(), P.Dv, true);
