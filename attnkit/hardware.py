@@ -47,11 +47,8 @@ def half_matmul_is_fast(dtype: torch.dtype) -> bool:
         return forced == "fast"
     if forced:
         raise ValueError(f"ATTNKIT_HALF_MATMUL={forced!r}: expected 'fast', 'slow' or unset (measure).")
-    with torch.inference_mode():  # interleaved, best of many: a busy machine's stalls hit both alike
-        half = fp32 = 0.0
-        for _ in range(2):
-            half, fp32 = max(half, matmul_rate(dtype)), max(fp32, matmul_rate(torch.float32, repeats=10))
-        return half >= fp32
+    with torch.inference_mode():
+        return matmul_rate(dtype) >= matmul_rate(torch.float32)
 
 
 def machine_id() -> dict:

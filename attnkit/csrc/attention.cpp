@@ -178,8 +178,9 @@ struct Problem {
   int64_t q_tile(int64_t b, int64_t h, int64_t qt) const { return (b * Hq + h) * nQ + qt; }
 };
 
-// B operands packed once per call, one slot per key tile (or query tile): the GEMM reads them
-// for every tile pair. `direct` operands are read in place (row-major, not transposed, no VNNI).
+// GEMM operands packed once per call, one slot per key tile (or query tile): the products read
+// them for every tile pair. An undefined store means the operand is read in place instead
+// (row-major, not transposed, no VNNI).
 template <typename T>
 struct Packed {
   at::Tensor store;

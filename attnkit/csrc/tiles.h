@@ -7,6 +7,7 @@
 // type of scores, statistics and accumulators (float for every T but double).
 #pragma once
 
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
@@ -54,7 +55,8 @@ bool vnni_available() {
           if (c[i * 16 + n] != float(a[2 * i]) * float(b[n * 2]) + float(a[2 * i + 1]) * float(b[n * 2 + 1])) return false;
       return true;
     }();
-    return ok;
+    // oneDNN off (torch.backends.mkldnn.enabled = False): cpublas takes no VNNI operands then.
+    return ok && at::globalContext().userEnabledMkldnn();
   }
 }
 
