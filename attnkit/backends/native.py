@@ -1,21 +1,31 @@
 """A fused C++ attention kernel for the CPU (``attnkit/csrc/attention.cpp``), forward and backward.
 
 Equals ``naive`` (and ``tiled``, its pure-PyTorch twin): ``softmax(q kᵀ · scale, masked) v`` with
-FlashAttention's online softmax over (query tile × key tile), statistics in float32 (float64 for
-float64 inputs), computed in one pass per tile in C++ (``at::parallel_for`` over (batch, head,
-query tile), the CPU BLAS for the tile products, a vectorized exp). The backward pass recomputes
-each tile's probabilities from the saved log-sum-exp (flash style), parallel over (batch, key/value
-head), so training needs O(Tq + Tk) memory. GQA reads each key/value head in place (never repeated).
+FlashAttention's online softmax over (query tile × key tile), computed in one pass per tile in C++:
+``at::parallel_for`` over (batch, head, query tile), oneDNN's GEMM micro-kernel
+(``at::native::cpublas::brgemm``, in every torch CPU build) for the tile products, a vectorized exp.
+The backward pass recomputes each tile's probabilities from the saved log-sum-exp (FlashAttention-2),
+so training needs O(Tq + Tk) memory; it runs dK/dV parallel over key tiles and dQ over query tiles
+when batch × kv heads is smaller than the thread count (so B=1 uses every core), and it is
+**deterministic**: every accumulator is summed in a fixed order, so repeated backward passes are
+bitwise equal (whatever the thread count). GQA reads each key/value head in place (never repeated).
 
 The mask is read through its structure (:func:`attnkit.backends._tiles.tile_grid`): EMPTY tiles
-are skipped and FULL tiles run unmasked; PARTIAL tiles are masked per element in the kernel from
-the conjuncts' few integers or index vectors — band bounds (``Causal``, ``SlidingWindow``), key
-lengths (``KeyPadding``), key validity (``Padding``), document ids (``Document``), a block layout
-(``BlockSparse``) — and any other conjunct (``Dense``, ``Custom``, ``Or``, ...) from a byte keep
-tile per PARTIAL tile computed here with ``mask.evaluate``.
+are skipped and FULL tiles run with no mask work; PARTIAL tiles are masked in the kernel from the
+conjuncts' few integers or index vectors — band bounds (``Causal``, ``SlidingWindow``) and key
+lengths (``KeyPadding``) as one kept range per row, key validity (``Padding``), document ids
+(``Document``), a block layout (``BlockSparse``) — and any other conjunct (``Dense``, ``Custom``,
+``Or``, ...) from a byte keep tile per PARTIAL tile computed here with ``mask.evaluate``.
 
-float16/bfloat16 inputs run in float32 (their tiles upcast; the output is cast back). The
-extension is built by ``python -m attnkit.csrc.build`` (``make install``); without it the backend
+Precision: float32 and float64 run in their own type. bfloat16/float16 inputs run their tile
+products **in the kernel in that type** (fp32 accumulation; scores, softmax statistics, the LSE and
+the gradient accumulators in float32) on a machine where that type's matrix products are at least as
+fast as float32's (measured once: :func:`attnkit.hardware.half_matmul_is_fast`, e.g. AVX512-BF16 or
+AMX); elsewhere (e.g. AVX2-only CPUs, where they are emulated) they are upcast to float32 tiles and
+the output cast back. ``NativeOptions(half_tiles=True/False)`` forces either path;
+``explain()`` and ``attnkit info`` say which one this machine uses and why.
+
+The extension is built by ``python -m attnkit.csrc.build`` (``make install``); without it the backend
 declines with the reason "native extension not built: ...". Its operators carry fake kernels and
 autograd (:mod:`.native_ops`), so ``torch.compile(fullgraph=True)`` traces the backend, forward and
 backward; traced, nothing is read on the host (the NaN/Inf flags are computed unconditionally).
@@ -31,6 +41,7 @@ import torch
 from torch import Tensor
 
 from ..csrc import build as csrc_build
+from ..hardware import half_matmul_is_fast
 from ..inputs import AttentionInputs
 from ..masks import And, BlockSparse, Causal, Document, KeyPadding, Mask, Padding, SlidingWindow
 from ._common import nonfinite_keys, nonfinite_queries, poison_rows, zero_keys
@@ -43,16 +54,24 @@ from ..registry import Work
 
 @dataclass(frozen=True)
 class NativeOptions:
-    """Tile sizes of the kernel (queries × keys per tile)."""
+    """Tile sizes of the kernel (queries × keys per tile; ``None``: chosen from the mask's structure,
+    see :func:`default_options`) and the bfloat16/float16 path: ``half_tiles=None`` decides by this
+    machine's measurement (:func:`half_tiles_note`), ``True`` runs the tiles in the input's type,
+    ``False`` upcasts them to float32."""
 
-    block_q: int = 128
-    block_k: int = 256
+    block_q: int | None = None
+    block_k: int | None = None
+    half_tiles: bool | None = None
 
     def __post_init__(self):
+        if self.half_tiles not in (None, True, False):
+            raise ValueError(f"NativeOptions(half_tiles={self.half_tiles!r}): expected None (measure), True or False.")
         for name in ("block_q", "block_k"):
             value = getattr(self, name)
+            if value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or not 8 <= value <= 4096:
-                raise ValueError(f"NativeOptions({name}={value!r}): expected an int in 8..4096, e.g. {name}=128.")
+                raise ValueError(f"NativeOptions({name}={value!r}): expected an int in 8..4096 or None, e.g. {name}=128.")
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,6 +108,28 @@ def unavailable_reason() -> str:
 # What ``torch.compiler.assume_constant_result`` sets, without importing torch._dynamo (seconds)
 # at ``import attnkit``; the fullgraph compile tests fail if a torch release changes the marker.
 unavailable_reason._dynamo_marked_constant = True
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def half_tiles(dtype: torch.dtype, options: "NativeOptions | None" = None) -> bool:
+    """Whether a ``dtype`` input runs its tiles in ``dtype`` in the kernel (else upcast to float32)."""
+    if dtype not in _HALF:
+        return False
+    if options is not None and options.half_tiles is not None:
+        return options.half_tiles
+    return half_matmul_is_fast(dtype)
+
+
+def half_tiles_note(dtype: torch.dtype) -> str:
+    """One sentence: which path ``dtype`` inputs take on this machine and why."""
+    name = str(dtype).removeprefix("torch.")
+    if half_tiles(dtype):
+        return (f"{name} tiles in the kernel with float32 accumulation ({name} matrix products measured at least as "
+                "fast as float32 on this CPU)")
+    return (f"{name} inputs upcast to float32 tiles ({name} matrix products measured slower than float32 on this "
+            "CPU)")
 
 
 _EMPTY_LONG = torch.empty(0, dtype=torch.long)
@@ -160,6 +201,23 @@ def _keep_tiles(mask: Mask, grid: Tensor, Tq, Tk, q_offset, kv_offset, bq, bk, B
     return index, torch.stack([t.expand(shape) for t in tiles]).contiguous()
 
 
+def default_options(inp: AttentionInputs, given: NativeOptions | None = None) -> NativeOptions:
+    """``given`` with its unset tile sizes chosen so a structured mask costs its density: tiles
+    aligned with a block layout are exactly FULL or EMPTY (no per-element work); a band (sliding
+    window) spanning at most 2048 keys gets 64 x 64 tiles, so the tiles across its edges waste
+    little; else 128 x 256."""
+    given = given or NativeOptions()
+    bq, bk = 128, 256
+    mask = inp.mask
+    layout = None if mask is None else mask.block_layout()
+    band = None if mask is None else mask.band()
+    if layout is not None and layout.block_size <= 256:
+        bq = bk = layout.block_size * -(-32 // layout.block_size)
+    elif band is not None and band.left is not None and band.left + (band.right or 0) <= 2048:
+        bq = bk = 64
+    return NativeOptions(given.block_q or bq, given.block_k or bk, given.half_tiles)
+
+
 _PLANS: dict = {}
 _MAX_PLANS = 32
 
@@ -208,19 +266,12 @@ class Native(Backend):
     @classmethod
     def describe(cls, inp: AttentionInputs) -> str:
         mask = "no mask" if inp.mask is None else "tiles skipped or masked from the mask's structure"
-        cast = ", float32 tiles for %s inputs" % str(inp.dtype).removeprefix("torch.") if inp.dtype in (
-            torch.float16, torch.bfloat16) else ""
+        cast = f", {half_tiles_note(inp.dtype)}" if inp.dtype in _HALF else ""
         return f"fused C++ kernel with {mask}{cast}"
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: NativeOptions | None):
-        if options is None:
-            options = NativeOptions()
-            layout = None if inp.mask is None else inp.mask.block_layout()
-            if layout is not None and layout.block_size <= 256:
-                # Tiles aligned with the layout's blocks are exactly FULL or EMPTY (no per-element work).
-                side = layout.block_size * -(-32 // layout.block_size)
-                options = NativeOptions(side, side)
+        options = default_options(inp, options)
         plan = plan_for(inp, options)
         # NaN/Inf contract, row by row: flagged keys are zeroed (a copy only on that rare path) and the
         # kernel marks the rows that keep one. GEMM shapes never depend on the data, so every other row
@@ -235,7 +286,7 @@ class Native(Backend):
         q, k, v = inp.q, inp.k, inp.v
         if bad is not None:
             k, v = zero_keys(k, v, bad)
-        if inp.dtype in (torch.float16, torch.bfloat16):
+        if inp.dtype in _HALF and not half_tiles(inp.dtype, options):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
         flags = _EMPTY_BYTE if bad is None else bad.to(torch.uint8).contiguous()
         out, lse, seen = torch.ops.attnkit_native.forward(

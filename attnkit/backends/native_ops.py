@@ -60,11 +60,12 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grads):
     dout, dlse, _ = grads
     q, k, v, out, lse = ctx.saved_tensors
-    # delta_i = sum_j p_ij dp_ij = rowsum(dout * out); the LSE's own gradient enters as -dlse.
+    # delta_i = sum_j p_ij dp_ij = rowsum(dout * out), in the statistics' type (float32 for bfloat16/float16
+    # tiles); the LSE's own gradient enters as -dlse.
     if dout is None:
         dout = torch.zeros_like(out)
     dout = dout.contiguous()
-    delta = (dout * out).sum(-1)
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
     if dlse is not None:
         delta = delta - dlse
     dq, dk, dv = torch.ops.attnkit_native.backward(q, k, v, dout, lse, delta.contiguous(), *ctx.settings)

@@ -171,6 +171,15 @@ def wrap(text: str) -> str:
     return textwrap.fill(text, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
 
 
+def native_precision_line() -> str | None:
+    """Which path bfloat16/float16 inputs take in the native kernel here, and why (None: not built)."""
+    from ..backends import native
+
+    if not native.Native.available():
+        return None
+    return "native kernel precision: " + "; ".join(native.half_tiles_note(d) for d in (torch.bfloat16, torch.float16))
+
+
 def policy_line(prog: str = "attnkit") -> str:
     """Whether ``auto`` follows a measured calibration of this machine or the cost model alone."""
     data = calibration.load()
@@ -222,6 +231,9 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(backend_table())
     print()
+    precision = native_precision_line()
+    if precision:
+        print(precision + "\n")
     if explanation is None:
         prog = getattr(args, "_prog", "attnkit")
         print(wrap(policy_line(prog)))

@@ -1,116 +1,48 @@
-// Fused online-softmax attention for the CPU, forward and backward (FlashAttention-2 style),
-// on PyTorch's own primitives: at::parallel_for over (batch, head, query tile) in the forward and
-// over (batch, key/value head) in the backward, at::native::cpublas::gemm for every tile product
-// (the CPU BLAS PyTorch's own flash kernel uses), fp32/fp64 statistics.
+// Fused online-softmax attention for the CPU, forward and backward (FlashAttention-2 style), on
+// PyTorch's own building blocks: at::parallel_for, oneDNN's GEMM micro-kernel through
+// at::native::cpublas::brgemm (tiles.h), at::vec conversions.
+//
+// Precision: float32 and float64 inputs run in their own type. bfloat16 and float16 inputs run
+// their tile products in that type (VNNI-packed operands where the CPU has the instructions) with
+// float32 accumulation; scores, softmax statistics, the LSE and the gradient accumulators are
+// float32. (The caller decides, by measurement, whether to upcast to float32 instead.)
 //
 // The mask arrives as its structure: a tile grid (0 EMPTY: skipped, 1 PARTIAL: masked per element,
-// 2 FULL: no mask), and for PARTIAL tiles the positional parts evaluated here from a few integers or
-// index vectors (band bounds, key lengths, key validity, document ids, a block layout) plus, for any
-// other mask, a byte keep tile computed by the caller. Positions are absolute (index + offset).
-// A query row that sees no key gets output 0 and LSE -inf; its gradients are 0.
-// NaN/Inf keys arrive zeroed with a per-key flag (B, Hkv, Tk); the forward returns a per-row flag
-// marking the rows that keep a flagged key (the caller makes them NaN). GEMM shapes never depend
-// on the data, so a row that cannot see a flagged key is bitwise what it is without the flag.
+// 2 FULL: no mask work), and for PARTIAL tiles the positional parts evaluated here from a few
+// integers or index vectors (band bounds and key lengths as one kept range per row; key validity,
+// document ids, a block layout) plus, for any other mask, a byte keep tile computed by the caller.
+// Positions are absolute (index + offset). A query row that sees no key gets output 0 and LSE
+// -inf; its gradients are 0. NaN/Inf keys arrive zeroed with a per-key flag (B, Hkv, Tk); the
+// forward returns a per-row flag marking the rows that keep a flagged key (the caller makes them
+// NaN). GEMM shapes never depend on the data, so a row that cannot see a flagged key is bitwise
+// what it is without the flag.
+//
+// Schedules. Forward: parallel over (batch, head, query tile). Backward (FA2): dK/dV parallel over
+// key tiles and dQ over query tiles when (batch x kv heads) is smaller than the thread count, else
+// one pass per (batch, kv head). Every accumulator is owned by one task and summed in a fixed
+// order (query tiles ascending for dK/dV, key tiles ascending for dQ), identical in both schedules:
+// the backward is deterministic, bitwise, whatever the thread count.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
 
-// The BLAS that PyTorch's CPU build links (MKL): its Fortran symbols are exported by libtorch_cpu
-// (at::native::cpublas::gemm, which wraps them, is not). A torch build without them fails to load
-// this extension, and the backend then declines with the loader's message.
-extern "C" {
-void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,
-            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
-            const int* ldc);
-void dgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* alpha,
-            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
-            const int* ldc);
-}
+#include "tiles.h"
 
 namespace {
 
-inline void blas(const char* ta, const char* tb, int m, int n, int k, float alpha, const float* a, int lda,
-                 const float* b, int ldb, float beta, float* c, int ldc) {
-  sgemm_(ta, tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
-}
-inline void blas(const char* ta, const char* tb, int m, int n, int k, double alpha, const double* a, int lda,
-                 const double* b, int ldb, double beta, double* c, int ldc) {
-  dgemm_(ta, tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
-}
-
-// Row-major C[M x N] = alpha * op(A) op(B) + beta * C, through the column-major BLAS: C^T = op(B)^T op(A)^T.
-template <typename T>
-void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda, const T* B,
-        int64_t ldb, T beta, T* C, int64_t ldc) {
-  blas(tb ? "T" : "N", ta ? "T" : "N", N, M, K, alpha, B, ldb, A, lda, beta, C, ldc);
-}
-
-// exp(x - shift) over a row, in place, returning the row sum. For float a polynomial exp
-// (Cephes' expf: |error| ~ 1 ulp) that the compiler vectorizes, since a libm call per score
-// would cost more than the two tile products; arguments below -87.3 (and -inf) give exactly 0.
-inline float exp_row(float* __restrict x, int64_t n, float shift) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
-    const float a = x[j] - shift;
-    const float xc = std::min(std::max(a, -87.3f), 88.3f);
-    const float fn = std::floor(xc * 1.44269504088896341f + 0.5f);
-    const float r = xc - fn * 0.693359375f + fn * 2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(fn) + 127) << 23;
-    const float e = y * __builtin_bit_cast(float, bits);
-    x[j] = a < -87.3f ? 0.f : e;
-    sum += x[j];
-  }
-  return sum;
-}
-
-inline double exp_row(double* x, int64_t n, double shift) {
-  double sum = 0.;
-  for (int64_t j = 0; j < n; ++j) {
-    x[j] = std::exp(x[j] - shift);
-    sum += x[j];
-  }
-  return sum;
-}
-
-// max(init, x[0..n)): float rows in 16-wide GCC vectors (a plain max reduction is one long
-// dependency chain the compiler does not vectorize).
-inline float row_max(const float* x, int64_t n, float init) {
-  typedef float v16 __attribute__((vector_size(64)));
-  v16 lanes = init - (v16){};
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    v16 v;
-    std::memcpy(&v, x + j, sizeof(v));
-    lanes = v > lanes ? v : lanes;
-  }
-  float mx = init;
-  for (int u = 0; u < 16; ++u) mx = lanes[u] > mx ? lanes[u] : mx;
-  for (; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
-  return mx;
-}
-
-inline double row_max(const double* x, int64_t n, double init) {
-  double mx = init;
-  for (int64_t j = 0; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
-  return mx;
-}
+using attnkit::Acc;
+using attnkit::gemm;
+using attnkit::pack_a;
+using attnkit::pack_b;
+using attnkit::padded_k;
+using attnkit::vnni_available;
 
 // Everything that decides keep(b, h, i, j) inside a PARTIAL tile.
 struct MaskSpec {
@@ -189,7 +121,7 @@ template <typename T>
 inline void mask_row(const MaskSpec& m, int64_t b, int64_t qp, int64_t kp0, int64_t nk, const uint8_t* keep, T* row) {
   const T ninf = -std::numeric_limits<T>::infinity();
   if (keep) {
-#pragma omp simd
+
     for (int64_t j = 0; j < nk; ++j) row[j] = keep[j] ? row[j] : ninf;
     return;
   }
@@ -203,16 +135,18 @@ inline void mask_row(const MaskSpec& m, int64_t b, int64_t qp, int64_t kp0, int6
   std::fill(row + hi, row + nk, ninf);
 }
 
-// The scaled scores of one tile, s[i * block_k + j] = scale * q_i . k_j, with the mask applied
-// (-inf where not kept) when the tile is PARTIAL. Forward and backward both start here.
+// The scores of one tile after its GEMM, masked (-inf where not kept) when the tile is PARTIAL
+// (unscaled: exp_row applies the scale). FULL tiles do no mask work; band/length masks fill each
+// row's two excluded ends. A scale <= 0 (exp_row needs > 0) is applied here instead.
 struct Tile {
   int64_t b, h, qt, kt, q0, nq, k0, nk;
 };
 
-template <typename T>
-void tile_scores(const MaskSpec& m, const Tile& t, int64_t qpos0, int64_t kpos0, int64_t block_q, int64_t block_k,
-                 T scale, const T* qb, const T* kb, int64_t D, T* s, uint8_t* keep) {
-  mm<T>(false, true, t.nq, t.nk, D, scale, qb, D, kb, D, T(0), s, block_k);
+template <typename A>
+void score_tile(const MaskSpec& m, const Tile& t, int64_t qpos0, int64_t kpos0, int64_t block_q, int64_t block_k,
+                A scale, A* s, uint8_t* keep) {
+  if (!(scale > 0))
+    for (int64_t i = 0; i < t.nq; ++i) attnkit::scale_row(s + i * block_k, t.nk, scale);
   if (m.grid[t.qt * m.nK + t.kt] != 1) return;
   const bool per_element = !ranges_only(m);
   if (per_element) tile_keep(m, t.b, t.h, t.qt, t.kt, t.q0, t.nq, t.k0, t.nk, qpos0, kpos0, block_q, block_k, keep);
@@ -221,143 +155,298 @@ void tile_scores(const MaskSpec& m, const Tile& t, int64_t qpos0, int64_t kpos0,
   }
 }
 
+// Task i of n in an order that pairs cheap and expensive tiles (0, n-1, 1, n-2, ...), so the
+// contiguous ranges at::parallel_for hands each thread carry similar work under a causal mask.
+inline int64_t zigzag(int64_t i, int64_t n) { return (i & 1) ? n - 1 - i / 2 : i / 2; }
+
+// Shapes, tile sizes and the packed operands of one call.
 template <typename T>
-void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-                  const at::Tensor& bad, at::Tensor& hit, double scale_d, int64_t qpos0, int64_t kpos0, int64_t block_q,
-                  int64_t block_k, const MaskSpec& m) {
-  const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), Tk = k.size(2), Dv = v.size(3), G = Hq / Hkv;
-  const int64_t nQ = (Tq + block_q - 1) / block_q, nK = (Tk + block_k - 1) / block_k;
-  const T scale = static_cast<T>(scale_d);
-  const uint8_t* badp = bad.numel() ? bad.data_ptr<uint8_t>() : nullptr;  // (B, Hkv, Tk) or none
-  uint8_t* hitp = badp ? hit.data_ptr<uint8_t>() : nullptr;                // (B, Hq, Tq)
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  T* lp = lse.data_ptr<T>();
-  const T ninf = -std::numeric_limits<T>::infinity();
-  at::parallel_for(0, B * Hq * nQ, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> s(block_q * block_k), acc(block_q * Dv), mrow(block_q), lrow(block_q);
-    std::vector<uint8_t> keep(block_q * block_k);
+struct Problem {
+  int64_t B, Hq, Hkv, G, Tq, Tk, D, Dv, bq, bk, nQ, nK, qpos0, kpos0;
+  int64_t Dp, Dvp, bqp, bkp;  // K dimensions as the GEMM operands store them (even for VNNI)
+  Acc<T> scale, exp_scale;  // exp_scale: what exp_row multiplies scores by (1 when scale <= 0)
+  const MaskSpec* m;
+  bool vnni;
+
+  Problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale_d, int64_t qo, int64_t ko,
+          int64_t block_q, int64_t block_k, const MaskSpec& spec)
+      : B(q.size(0)), Hq(q.size(1)), Hkv(k.size(1)), G(q.size(1) / k.size(1)), Tq(q.size(2)), Tk(k.size(2)),
+        D(q.size(3)), Dv(v.size(3)), bq(block_q), bk(block_k), nQ((Tq + bq - 1) / bq), nK((Tk + bk - 1) / bk),
+        qpos0(qo), kpos0(ko), Dp(padded_k<T>(D)), Dvp(padded_k<T>(Dv)), bqp(padded_k<T>(bq)), bkp(padded_k<T>(bk)),
+        scale(static_cast<Acc<T>>(scale_d)), exp_scale(scale > 0 ? scale : Acc<T>(1)), m(&spec), vnni(vnni_available<T>()) {}
+  int64_t kv_tile(int64_t b, int64_t hk, int64_t kt) const { return (b * Hkv + hk) * nK + kt; }
+  int64_t q_tile(int64_t b, int64_t h, int64_t qt) const { return (b * Hq + h) * nQ + qt; }
+};
+
+// GEMM operands packed once per call, one slot per key tile (or query tile): the products read
+// them for every tile pair. An undefined store means the operand is read in place instead
+// (row-major, not transposed, no VNNI).
+template <typename T>
+struct Packed {
+  at::Tensor store;
+  int64_t slot = 0;
+  const T* at(int64_t i) const { return store.data_ptr<T>() + i * slot; }
+};
+
+// Pack, for every (batch, head, tile) of x (B, H, T, C): B = tile (rows x C) or its transpose.
+template <typename T>
+Packed<T> pack_tiles(const at::Tensor& x, int64_t block, bool transposed) {
+  const int64_t B = x.size(0), H = x.size(1), T_ = x.size(2), C = x.size(3), n = (T_ + block - 1) / block;
+  Packed<T> p;
+  p.slot = transposed ? padded_k<T>(C) * block : padded_k<T>(block) * C;
+  p.store = at::empty({B * H * n * p.slot}, x.options());
+  const T* src = x.data_ptr<T>();
+  at::parallel_for(0, B * H * n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t qt = w % nQ, h = (w / nQ) % Hq, b = w / (nQ * Hq), hk = h / G;
-      const int64_t q0 = qt * block_q, nq = std::min(block_q, Tq - q0);
-      const T* qb = qp + ((b * Hq + h) * Tq + q0) * D;
-      const T* kh = kp + (b * Hkv + hk) * Tk * D;
-      const T* vh = vp + (b * Hkv + hk) * Tk * Dv;
-      std::fill(acc.begin(), acc.end(), T(0));
-      std::fill(mrow.begin(), mrow.end(), ninf);
-      std::fill(lrow.begin(), lrow.end(), T(0));
-      for (int64_t kt = 0; kt < nK; ++kt) {
-        const uint8_t status = m.grid[qt * nK + kt];
-        if (status == 0) continue;
-        const int64_t k0 = kt * block_k, nk = std::min(block_k, Tk - k0);
-        tile_scores<T>(m, {b, h, qt, kt, q0, nq, k0, nk}, qpos0, kpos0, block_q, block_k, scale, qb, kh + k0 * D, D,
-                       s.data(), keep.data());
-        // Flagged keys (zeroed by the caller, so their scores are finite): mark the rows that keep one
-        // (score not -inf). Tiles without a flagged key cost one byte scan.
-        const uint8_t* bk = badp ? badp + (b * Hkv + hk) * Tk + k0 : nullptr;
-        if (bk && std::memchr(bk, 1, nk)) {
-          uint8_t* hb = hitp + (b * Hq + h) * Tq + q0;
-          for (int64_t i = 0; i < nq; ++i) {
-            const T* row = s.data() + i * block_k;
-            for (int64_t j = 0; j < nk && !hb[i]; ++j) hb[i] = bk[j] && row[j] != ninf;
-          }
-        }
-        for (int64_t i = 0; i < nq; ++i) {
-          T* row = s.data() + i * block_k;
-          const T mx = row_max(row, nk, mrow[i]);
-          // A row with nothing kept so far keeps max -inf: shift by 0 so exp(-inf) = 0, not NaN.
-          const T shift = mx == ninf ? T(0) : mx;
-          const T sum = exp_row(row, nk, shift);
-          const T alpha = std::exp(mrow[i] - shift);  // 0 while the row had nothing kept
-          lrow[i] = lrow[i] * alpha + sum;
-          mrow[i] = mx;
-          T* a = acc.data() + i * Dv;
-          for (int64_t c = 0; c < Dv; ++c) a[c] *= alpha;
-        }
-        mm<T>(false, false, nq, Dv, nk, T(1), s.data(), block_k, vh + k0 * Dv, Dv, T(1), acc.data(), Dv);
-      }
-      T* ob = op + ((b * Hq + h) * Tq + q0) * Dv;
-      T* lb = lp + (b * Hq + h) * Tq + q0;
-      for (int64_t i = 0; i < nq; ++i) {
-        const T l = lrow[i];
-        const T inv = l == T(0) ? T(0) : T(1) / l;
-        for (int64_t c = 0; c < Dv; ++c) ob[i * Dv + c] = acc[i * Dv + c] * inv;
-        lb[i] = l == T(0) ? ninf : mrow[i] + std::log(l);
+      const int64_t t = w % n, bh = w / n, r0 = t * block, rows = std::min(block, T_ - r0);
+      const T* tile = src + (bh * T_ + r0) * C;
+      T* dst = const_cast<T*>(p.at(w));
+      if (transposed) {
+        pack_b<T>(tile, C, true, C, rows, dst);  // (C x rows)
+      } else {
+        pack_b<T>(tile, C, false, rows, C, dst);  // (rows x C)
       }
     }
   });
+  return p;
+}
+
+// Pack, for every (batch, head, tile) of x (B, H, T, C): the A operand tile^T (C x rows, lda
+// padded_k(block)), for the products that reduce over the tile's rows.
+template <typename T>
+Packed<T> pack_tiles_a_transposed(const at::Tensor& x, int64_t block) {
+  const int64_t B = x.size(0), H = x.size(1), T_ = x.size(2), C = x.size(3), n = (T_ + block - 1) / block;
+  Packed<T> p;
+  const int64_t lda = padded_k<T>(block);
+  p.slot = C * lda;
+  p.store = at::empty({B * H * n * p.slot}, x.options());
+  const T* src = x.data_ptr<T>();
+  at::parallel_for(0, B * H * n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t t = w % n, bh = w / n, r0 = t * block, rows = std::min(block, T_ - r0);
+      pack_a<T, T>(src + (bh * T_ + r0) * C, C, true, C, rows, const_cast<T*>(p.at(w)), lda);
+    }
+  });
+  return p;
 }
 
 template <typename T>
-void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
-                   const at::Tensor& lse, const at::Tensor& delta, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-                   double scale_d, int64_t qpos0, int64_t kpos0, int64_t block_q, int64_t block_k, const MaskSpec& m) {
-  const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), Tk = k.size(2), Dv = v.size(3), G = Hq / Hkv;
-  const int64_t nQ = (Tq + block_q - 1) / block_q, nK = (Tk + block_k - 1) / block_k;
-  const T scale = static_cast<T>(scale_d);
-  const T ninf = -std::numeric_limits<T>::infinity();
-  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>(), *dop = dout.data_ptr<T>();
-  const T *lp = lse.data_ptr<T>(), *dlp = delta.data_ptr<T>();
-  T *dqp = dq.data_ptr<T>(), *dkp = dk.data_ptr<T>(), *dvp = dv.data_ptr<T>();
-  // One (batch, kv head) per task: it owns dK/dV of its head and dQ of its G query heads (no races).
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> p(block_q * block_k), ds(block_q * block_k);
-    std::vector<uint8_t> keep(block_q * block_k);
+void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+                  const at::Tensor& bad, at::Tensor& hit, const Problem<T>& P) {
+  using A = Acc<T>;
+  const MaskSpec& m = *P.m;
+  const uint8_t* badp = bad.numel() ? bad.data_ptr<uint8_t>() : nullptr;  // (B, Hkv, Tk) or none
+  uint8_t* hitp = badp ? hit.data_ptr<uint8_t>() : nullptr;                // (B, Hq, Tq)
+  const T *qp = q.data_ptr<T>(), *vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  A* lp = lse.data_ptr<A>();
+  const A ninf = -std::numeric_limits<A>::infinity();
+  const Packed<T> kT = pack_tiles<T>(k, P.bk, true);       // S = Q K^T
+  const bool v_direct = !P.vnni;                           // P V reads V in place unless VNNI
+  const Packed<T> vp_ = v_direct ? Packed<T>{} : pack_tiles<T>(v, P.bk, false);
+  at::parallel_for(0, P.B * P.Hq * P.nQ, 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> s(P.bq * P.bk), acc(P.bq * P.Dv), mrow(P.bq), lrow(P.bq);
+    std::vector<T> qa(P.bq * P.Dp), pa(P.bq * P.bkp);
+    std::vector<uint8_t> keep(P.bq * P.bk);
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t hk = w % Hkv, b = w / Hkv;
-      const T* kh = kp + (b * Hkv + hk) * Tk * D;
-      const T* vh = vp + (b * Hkv + hk) * Tk * Dv;
-      T* dkh = dkp + (b * Hkv + hk) * Tk * D;
-      T* dvh = dvp + (b * Hkv + hk) * Tk * Dv;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = hk * G + g;
-        for (int64_t qt = 0; qt < nQ; ++qt) {
-          const int64_t q0 = qt * block_q, nq = std::min(block_q, Tq - q0);
-          const int64_t row0 = (b * Hq + h) * Tq + q0;
-          const T* qb = qp + row0 * D;
-          const T* dob = dop + row0 * Dv;
-          T* dqb = dqp + row0 * D;
-          for (int64_t kt = 0; kt < nK; ++kt) {
-            const uint8_t status = m.grid[qt * nK + kt];
-            if (status == 0) continue;
-            const int64_t k0 = kt * block_k, nk = std::min(block_k, Tk - k0);
-            tile_scores<T>(m, {b, h, qt, kt, q0, nq, k0, nk}, qpos0, kpos0, block_q, block_k, scale, qb, kh + k0 * D,
-                           D, p.data(), keep.data());
-            for (int64_t i = 0; i < nq; ++i) {
-              T* row = p.data() + i * block_k;
-              const T l = lp[row0 + i];
-              if (l == ninf) {
-                std::fill(row, row + nk, T(0));  // the row sees nothing: probabilities 0
-              } else {
-                exp_row(row, nk, l);
-              }
-            }
-            // dV += P^T dO;  dP = dO V^T;  dS = P * (dP - delta);  dQ += dS K;  dK += dS^T Q
-            mm<T>(true, false, nk, Dv, nq, T(1), p.data(), block_k, dob, Dv, T(1), dvh + k0 * Dv, Dv);
-            mm<T>(false, true, nq, nk, Dv, T(1), dob, Dv, vh + k0 * Dv, Dv, T(0), ds.data(), block_k);
-            for (int64_t i = 0; i < nq; ++i) {
-              const T dl = dlp[row0 + i];
-              T* dr = ds.data() + i * block_k;
-              const T* pr = p.data() + i * block_k;
-#pragma omp simd
-              for (int64_t j = 0; j < nk; ++j) dr[j] = pr[j] * (dr[j] - dl);
-            }
-            mm<T>(false, false, nq, D, nk, scale, ds.data(), block_k, kh + k0 * D, D, T(1), dqb, D);
-            mm<T>(true, false, nk, D, nq, scale, ds.data(), block_k, qb, D, T(1), dkh + k0 * D, D);
+      const int64_t qt = zigzag(w % P.nQ, P.nQ), h = (w / P.nQ) % P.Hq, b = w / (P.nQ * P.Hq), hk = h / P.G;
+      const int64_t q0 = qt * P.bq, nq = std::min(P.bq, P.Tq - q0), row0 = (b * P.Hq + h) * P.Tq + q0;
+      const T* qb = qp + row0 * P.D;
+      const T* qA = qb;
+      if constexpr (attnkit::is_reduced<T>) {
+        pack_a<T, T>(qb, P.D, false, nq, P.D, qa.data(), P.Dp);
+        qA = qa.data();
+      }
+      std::fill(acc.begin(), acc.end(), A(0));
+      std::fill(mrow.begin(), mrow.end(), ninf);
+      std::fill(lrow.begin(), lrow.end(), A(0));
+      for (int64_t kt = 0; kt < P.nK; ++kt) {
+        if (m.grid[qt * P.nK + kt] == 0) continue;
+        const int64_t k0 = kt * P.bk, nk = std::min(P.bk, P.Tk - k0);
+        gemm<T>(nq, nk, P.Dp, qA, P.Dp, kT.at(P.kv_tile(b, hk, kt)), nk, s.data(), P.bk, false);
+        score_tile(m, {b, h, qt, kt, q0, nq, k0, nk}, P.qpos0, P.kpos0, P.bq, P.bk, P.scale, s.data(), keep.data());
+        // Flagged keys (zeroed by the caller, so their scores are finite): mark the rows that keep one
+        // (score not -inf). Tiles without a flagged key cost one byte scan.
+        const uint8_t* bk = badp ? badp + (b * P.Hkv + hk) * P.Tk + k0 : nullptr;
+        if (bk && std::memchr(bk, 1, nk)) {
+          uint8_t* hb = hitp + row0;
+          for (int64_t i = 0; i < nq; ++i) {
+            const A* row = s.data() + i * P.bk;
+            for (int64_t j = 0; j < nk && !hb[i]; ++j) hb[i] = bk[j] && row[j] != ninf;
           }
         }
+        // P in the GEMM's operand type: in place (fp32/fp64), or rounded into pa as it is computed.
+        T* pA = reinterpret_cast<T*>(s.data());
+        const int64_t ldp = std::is_same_v<T, A> ? P.bk : P.bkp;
+        if constexpr (!std::is_same_v<T, A>) pA = pa.data();
+        for (int64_t i = 0; i < nq; ++i) {
+          A* row = s.data() + i * P.bk;
+          const A mx = std::max(mrow[i], attnkit::row_max(row, nk, ninf) * P.exp_scale);
+          // A row with nothing kept so far keeps max -inf: shift by 0 so exp(-inf) = 0, not NaN.
+          const A shift = mx == ninf ? A(0) : mx;
+          const A sum = attnkit::exp_row(row, nk, P.exp_scale, shift, pA + i * ldp);
+          if (padded_k<T>(nk) > nk) pA[i * ldp + nk] = T(0);
+          const A alpha = std::exp(mrow[i] - shift);  // 0 while the row had nothing kept
+          lrow[i] = lrow[i] * alpha + sum;
+          mrow[i] = mx;
+          if (alpha != A(1)) {  // the max moved (most tiles after the first few keep it: no pass)
+            A* a = acc.data() + i * P.Dv;
+            for (int64_t c = 0; c < P.Dv; ++c) a[c] *= alpha;
+          }
+        }
+        const T* vB = v_direct ? vp + ((b * P.Hkv + hk) * P.Tk + k0) * P.Dv : vp_.at(P.kv_tile(b, hk, kt));
+        gemm<T>(nq, P.Dv, padded_k<T>(nk), pA, ldp, vB, P.Dv, acc.data(), P.Dv, true);
+      }
+      T* ob = op + row0 * P.Dv;
+      for (int64_t i = 0; i < nq; ++i) {
+        const A l = lrow[i];
+        const A inv = l == A(0) ? A(0) : A(1) / l;
+        for (int64_t c = 0; c < P.Dv; ++c) ob[i * P.Dv + c] = static_cast<T>(acc[i * P.Dv + c] * inv);
+        lp[row0 + i] = l == A(0) ? ninf : mrow[i] + std::log(l);
       }
     }
+    attnkit::gemm_done<T>();
   });
 }
+
+// One (query tile, key tile) of the backward: recompute P from the LSE, dS = P (dP - delta) scale,
+// then dV^T += dO^T P and dK^T += Q^T dS (kv), and/or dQ += dS K (q). dK and dV are accumulated
+// transposed, (D x Tk), so P and dS serve as B operands as they are (fp32) or packed row-pairwise
+// (VNNI): no tile is transposed. Accumulators are float32 (float64 for float64 inputs).
+template <typename T>
+struct Backward {
+  using A = Acc<T>;
+  const Problem<T>& P;
+  const T *q, *k, *v, *dout;
+  const A *lse, *delta;
+  A *dq, *dkT, *dvT;  // (B, Hq, Tq, D), (B, Hkv, D, Tk), (B, Hkv, Dv, Tk)
+  Packed<T> kT, vT, kB, qT, doT;  // B: K^T, V^T (scores, dP), K (dQ); A: Q^T, dO^T (dK, dV)
+
+  struct Work {
+    std::vector<A> p, dp;
+    std::vector<T> qa, doa, pb, dsb, dsa;
+    std::vector<uint8_t> keep;
+    explicit Work(const Problem<T>& P)
+        : p(P.bq * P.bk), dp(P.bq * P.bk), qa(P.bq * P.Dp), doa(P.bq * P.Dvp), pb(P.bqp * P.bk), dsb(P.bqp * P.bk),
+          dsa(P.bq * P.bkp), keep(P.bq * P.bk) {}
+  };
+
+  // The A operands of query tile (b, h, qt): Q and dO, padded for VNNI.
+  void load_q(Work& w, int64_t row0, int64_t nq) const {
+    pack_a<T, T>(q + row0 * P.D, P.D, false, nq, P.D, w.qa.data(), P.Dp);
+    pack_a<T, T>(dout + row0 * P.Dv, P.Dv, false, nq, P.Dv, w.doa.data(), P.Dvp);
+  }
+
+  // A float tile (nq x nk, ld bk) as the B operand of a K = nq product.
+  const T* as_b(const A* src, int64_t nq, int64_t nk, std::vector<T>& buf) const {
+    if constexpr (std::is_same_v<T, A>) {
+      return src;
+    } else {
+      attnkit::pack_b_rows<T>(src, P.bk, nq, nk, buf.data());
+      return buf.data();
+    }
+  }
+
+  void tile(Work& w, int64_t b, int64_t h, int64_t qt, int64_t kt, bool kv, bool dq_too) const {
+    const int64_t hk = h / P.G, q0 = qt * P.bq, nq = std::min(P.bq, P.Tq - q0), row0 = (b * P.Hq + h) * P.Tq + q0;
+    const int64_t k0 = kt * P.bk, nk = std::min(P.bk, P.Tk - k0), kslot = P.kv_tile(b, hk, kt);
+    const A ninf = -std::numeric_limits<A>::infinity();
+    A *p = w.p.data(), *ds = w.dp.data();
+    gemm<T>(nq, nk, P.Dp, w.qa.data(), P.Dp, kT.at(kslot), nk, p, P.bk, false);
+    score_tile(*P.m, {b, h, qt, kt, q0, nq, k0, nk}, P.qpos0, P.kpos0, P.bq, P.bk, P.scale, p, w.keep.data());
+    for (int64_t i = 0; i < nq; ++i) {
+      A* row = p + i * P.bk;
+      const A l = lse[row0 + i];
+      if (l == ninf) {
+        std::fill(row, row + nk, A(0));  // the row sees nothing: probabilities 0
+      } else {
+        attnkit::exp_row(row, nk, P.exp_scale, l, row);
+      }
+    }
+    gemm<T>(nq, nk, P.Dvp, w.doa.data(), P.Dvp, vT.at(kslot), nk, ds, P.bk, false);  // dP = dO V^T
+    for (int64_t i = 0; i < nq; ++i) {
+      const A dl = delta[row0 + i];
+      A* dr = ds + i * P.bk;
+      const A* pr = p + i * P.bk;
+      for (int64_t j = 0; j < nk; ++j) dr[j] = pr[j] * (dr[j] - dl) * P.scale;
+    }
+    const int64_t ldb = std::is_same_v<T, A> ? P.bk : nk, nqk = padded_k<T>(nq);
+    if (kv) {  // dV^T += dO^T P;  dK^T += Q^T dS
+      const int64_t qslot = P.q_tile(b, h, qt), kv0 = (b * P.Hkv + hk) * P.Tk;
+      gemm<T>(P.Dv, nk, nqk, doT.at(qslot), P.bqp, as_b(p, nq, nk, w.pb), ldb, dvT + kv0 * P.Dv + k0, P.Tk, true);
+      gemm<T>(P.D, nk, nqk, qT.at(qslot), P.bqp, as_b(ds, nq, nk, w.dsb), ldb, dkT + kv0 * P.D + k0, P.Tk, true);
+    }
+    if (dq_too) {  // dQ += dS K
+      const T* dsA = reinterpret_cast<const T*>(ds);
+      int64_t lda = P.bk;
+      if constexpr (!std::is_same_v<T, A>) {
+        pack_a<T, A>(ds, P.bk, false, nq, nk, w.dsa.data(), P.bkp);
+        dsA = w.dsa.data(), lda = P.bkp;
+      }
+      const T* kb = kB.store.defined() ? kB.at(kslot) : k + ((b * P.Hkv + hk) * P.Tk + k0) * P.D;
+      gemm<T>(nq, P.D, padded_k<T>(nk), dsA, lda, kb, P.D, dq + row0 * P.D, P.D, true);
+    }
+  }
+
+  bool live(int64_t qt, int64_t kt) const { return P.m->grid[qt * P.nK + kt] != 0; }
+
+  // dK, dV of key tile kt: query heads of the group and query tiles ascending.
+  void key_tile(Work& w, int64_t b, int64_t hk, int64_t kt) const {
+    for (int64_t g = 0; g < P.G; ++g) {
+      const int64_t h = hk * P.G + g;
+      for (int64_t qt = 0; qt < P.nQ; ++qt) {
+        if (!live(qt, kt)) continue;
+        const int64_t q0 = qt * P.bq;
+        load_q(w, (b * P.Hq + h) * P.Tq + q0, std::min(P.bq, P.Tq - q0));
+        tile(w, b, h, qt, kt, true, false);
+      }
+    }
+  }
+
+  void run(bool split) const {
+    if (!split) {  // one pass per (batch, kv head): it owns dK/dV of its head and dQ of its query heads
+      at::parallel_for(0, P.B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
+        Work w(P);
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t hk = t % P.Hkv, b = t / P.Hkv;
+          for (int64_t g = 0; g < P.G; ++g) {
+            for (int64_t qt = 0; qt < P.nQ; ++qt) {
+              const int64_t h = hk * P.G + g, q0 = qt * P.bq;
+              load_q(w, (b * P.Hq + h) * P.Tq + q0, std::min(P.bq, P.Tq - q0));
+              for (int64_t kt = 0; kt < P.nK; ++kt)
+                if (live(qt, kt)) tile(w, b, h, qt, kt, true, true);
+            }
+          }
+        }
+        attnkit::gemm_done<T>();
+      });
+      return;
+    }
+    at::parallel_for(0, P.B * P.Hkv * P.nK, 1, [&](int64_t begin, int64_t end) {
+      Work w(P);
+      for (int64_t t = begin; t < end; ++t) key_tile(w, t / (P.Hkv * P.nK), (t / P.nK) % P.Hkv, zigzag(t % P.nK, P.nK));
+      attnkit::gemm_done<T>();
+    });
+    at::parallel_for(0, P.B * P.Hq * P.nQ, 1, [&](int64_t begin, int64_t end) {
+      Work w(P);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t qt = zigzag(t % P.nQ, P.nQ), h = (t / P.nQ) % P.Hq, b = t / (P.nQ * P.Hq), q0 = qt * P.bq;
+        load_q(w, (b * P.Hq + h) * P.Tq + q0, std::min(P.bq, P.Tq - q0));
+        for (int64_t kt = 0; kt < P.nK; ++kt)
+          if (live(qt, kt)) tile(w, b, h, qt, kt, false, true);
+      }
+      attnkit::gemm_done<T>();
+    });
+  }
+};
 
 void check(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), name, " must be a contiguous CPU tensor");
 }
+
+// float, double, and the reduced types run natively; Acc<T> is the statistics' type.
+#define ATTNKIT_DISPATCH(dtype, name, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, name, __VA_ARGS__)
 
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                 int64_t q_offset, int64_t kv_offset, int64_t block_q, int64_t block_k,
@@ -368,12 +457,14 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   for (auto* t : {&q, &k, &v, &grid, &bad}) check(*t, "q, k, v, the tile grid and the key flags");
   TORCH_CHECK(bad.numel() == 0 || (bad.scalar_type() == at::kByte && bad.numel() == k.size(0) * k.size(1) * k.size(2)),
               "key flags: expected an empty or a uint8 (B, Hkv, Tk) tensor");
+  const auto stat = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
-  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(stat));
   auto hit = bad.numel() ? at::zeros({q.size(0), q.size(1), q.size(2)}, bad.options()) : at::empty({0}, bad.options());
   MaskSpec m = make_spec(grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_forward", [&] {
-    forward_impl<scalar_t>(q, k, v, out, lse, bad, hit, scale, q_offset, kv_offset, block_q, block_k, m);
+  ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native_forward", [&] {
+    Problem<scalar_t> P(q, k, v, scale, q_offset, kv_offset, block_q, block_k, m);
+    forward_impl<scalar_t>(q, k, v, out, lse, bad, hit, P);
   });
   return {out, lse, hit};
 }
@@ -385,17 +476,43 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
                                  const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout,
                                  int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra) {
   for (auto* t : {&q, &k, &v, &dout, &lse, &delta, &grid}) check(*t, "backward inputs");
-  auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+  const auto stat = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(lse.scalar_type() == stat && delta.scalar_type() == stat, "backward: lse and delta must be ", stat);
+  auto opts = q.options().dtype(stat);
+  auto dq = at::zeros(q.sizes(), opts);
+  auto dkT = at::zeros({k.size(0), k.size(1), k.size(3), k.size(2)}, opts);  // accumulated transposed
+  auto dvT = at::zeros({v.size(0), v.size(1), v.size(3), v.size(2)}, opts);
   MaskSpec m = make_spec(grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_backward", [&] {
-    backward_impl<scalar_t>(q, k, v, dout, lse, delta, dq, dk, dv, scale, q_offset, kv_offset, block_q, block_k, m);
+  ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native_backward", [&] {
+    using T = scalar_t;
+    Problem<T> P(q, k, v, scale, q_offset, kv_offset, block_q, block_k, m);
+    Backward<T> bw{P,
+                   q.data_ptr<T>(),
+                   k.data_ptr<T>(),
+                   v.data_ptr<T>(),
+                   dout.data_ptr<T>(),
+                   lse.data_ptr<Acc<T>>(),
+                   delta.data_ptr<Acc<T>>(),
+                   dq.data_ptr<Acc<T>>(),
+                   dkT.data_ptr<Acc<T>>(),
+                   dvT.data_ptr<Acc<T>>(),
+                   pack_tiles<T>(k, block_k, true),
+                   pack_tiles<T>(v, block_k, true),
+                   P.vnni ? pack_tiles<T>(k, block_k, false) : Packed<T>{},
+                   pack_tiles_a_transposed<T>(q, block_q),
+                   pack_tiles_a_transposed<T>(dout, block_q)};
+    bw.run(P.B * P.Hkv < at::get_num_threads());
   });
+  auto dk = dkT.transpose(2, 3).to(q.scalar_type()).contiguous();
+  auto dv = dvT.transpose(2, 3).to(q.scalar_type()).contiguous();
+  if (q.scalar_type() != stat) dq = dq.to(q.scalar_type());
   return {dq, dk, dv};
 }
 
 }  // namespace
 
 // Registered as torch operators (torch.ops.attnkit_native.*): no Python headers, a faster build.
+// Dtypes: out, dq, dk, dv have the inputs' dtype; lse and delta are float32 (float64 for float64).
 TORCH_LIBRARY(attnkit_native, m) {
   m.def("forward(Tensor q, Tensor k, Tensor v, float scale, int q_offset, int kv_offset, int block_q, int block_k, "
         "Tensor grid, int[] band, Tensor lengths, Tensor valid, Tensor doc, Tensor layout, int layout_bs, "
