@@ -191,7 +191,7 @@ def save(data: dict) -> Path:
 
 
 def _write(path: Path, text: str) -> None:
-    from .train.files import atomic_write_text  # only writers need it: not on the import path
+    from .io.files import atomic_write_text  # only writers need it: not on the import path
 
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, text)

@@ -124,7 +124,7 @@ def _next_argv(text, out, steps):
 
 
 def _pid_alive(name: str) -> bool:
-    from attnkit.train.files import _TEMP, _alive
+    from attnkit.io.files import _TEMP, _alive
 
     match = _TEMP.match(name)
     return match is not None and _alive(int(match.group(1)))
