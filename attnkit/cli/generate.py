@@ -64,12 +64,12 @@ def run(args: argparse.Namespace) -> int:
     if meta["model_kind"] != "gpt":
         raise SystemExit(f"generate: {args.checkpoint!r} holds a {meta['model_kind']!r} model; generate needs a GPT.")
     if args.quantize == "int8":
-        from ..train.deploy import quantize_int8, quantize_report
+        from ..train.deploy import quantize_model_int8, quantize_report
 
         tc = meta["train_config"]
         cfg = TrainConfig(**{k: v for k, v in tc.items() if k in TrainConfig.__dataclass_fields__})
         quantize_report(model, load_data(cfg.data), cfg, log=lambda m: print(m, file=sys.stderr))
-        model = quantize_int8(model)
+        model = quantize_model_int8(model)
     ids = encode(args.prompt)[None].to(args.device)
     sys.stdout.write(args.prompt)
     pending = b""
