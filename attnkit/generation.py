@@ -33,6 +33,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from ._validate import padding_mask
 from .cache import KVCache, PagedKVCache
 
 __all__ = ["generate", "stream", "process_logits", "GenerationMixin"]
@@ -111,25 +112,6 @@ def _check_ids(input_ids) -> None:
         )
 
 
-def _check_attention_mask(attention_mask, input_ids) -> Tensor | None:
-    """The mask as bool, refusing a wrong shape and rows without any token."""
-    if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"attention_mask: expected shape {tuple(input_ids.shape)} like input_ids (1 = token, 0 = padding), got "
-            f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}."
-        )
-    valid = attention_mask.bool()
-    empty = (~valid.any(dim=1)).nonzero().flatten().tolist()
-    if empty:
-        raise ValueError(
-            f"attention_mask: rows {empty} have no token (all zeros); a row needs at least one prompt token. "
-            "Fix: drop those rows, or give them a start token."
-        )
-    return valid
-
-
 def _to_left_padding(input_ids: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     """Rows reordered so that padding comes first and tokens keep their order (a stable sort
     of each row by its mask): right padding and holes become left padding."""
@@ -197,7 +179,7 @@ def stream(
     seq2seq = _check_model(model)
     _check_ids(input_ids)
     _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty)
-    valid = _check_attention_mask(attention_mask, input_ids)
+    valid = None if attention_mask is None else padding_mask(attention_mask, *input_ids.shape, "P", need_token=True)
     if cache == "paged" or isinstance(cache, PagedKVCache):
         raise ValueError("cache: a paged cache serves many sequences through generate(), not stream(). "
                          "Fix: generate(model, prompts, cache='paged'), or cache='static' here.")
@@ -339,7 +321,7 @@ def _generate_paged(model, input_ids, max_new_tokens, *, cache, quantize_cache, 
     valid = None
     if isinstance(input_ids, Tensor):
         _check_ids(input_ids)
-        valid = _check_attention_mask(attention_mask, input_ids)
+        valid = None if attention_mask is None else padding_mask(attention_mask, *input_ids.shape, "P", need_token=True)
     elif attention_mask is not None:
         raise ValueError("attention_mask: a list of prompts needs no mask (each prompt is its own length); drop it.")
     prompts = _prompts_of(input_ids, valid)
