@@ -13,6 +13,7 @@ Parameter names (stable; the HF interop code maps onto them): ``self_attn`` (a
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch.nn.functional as F
@@ -108,9 +109,16 @@ class TransformerConfig:
         return POSITIONS
 
     @property
-    def hidden_dim(self) -> int:
-        """The feed-forward width (``ffn_dim`` or ``4 * embed_dim``)."""
+    def ffn_width(self) -> int:
+        """The feed-forward width in use: ``ffn_dim``, or ``4 * embed_dim`` when that is None."""
         return self.ffn_dim or 4 * self.embed_dim
+
+    @property
+    def hidden_dim(self) -> int:
+        """Deprecated name of :attr:`ffn_width` (``LSTMConfig.hidden_dim`` is the LSTM state width)."""
+        warnings.warn("TransformerConfig.hidden_dim is renamed ffn_width (LSTMConfig.hidden_dim is the LSTM state "
+                      "width); the old name will be removed.", DeprecationWarning, stacklevel=2)
+        return self.ffn_width
 
     def attention_config(self, cross: bool = False) -> AttentionConfig:
         """The :class:`AttentionConfig` of a self- (or cross-) attention layer of this model."""
@@ -139,7 +147,7 @@ class FeedForward(nn.Module):
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
-        E, hidden = config.embed_dim, config.hidden_dim
+        E, hidden = config.embed_dim, config.ffn_width
         self.fc1 = nn.Linear(E, hidden, bias=config.bias)
         self.fc_gate = nn.Linear(E, hidden, bias=config.bias) if config.gated else None
         self.fc2 = nn.Linear(hidden, E, bias=config.bias)
