@@ -165,7 +165,7 @@ def _score_mod(bias: torch.Tensor):
 
 
 @register_backend
-class Flex(Backend):
+class FlexBackend(Backend):
     name = "flex"
     summary = "torch FlexAttention, compiled (dynamic shapes): any mask via mask_mod + a BlockMask from attnkit's structure"
     devices = frozenset({"cpu", "cuda"})

@@ -193,7 +193,7 @@ class _NativeFunction(torch.autograd.Function):
 
 
 @register_backend
-class Native(Backend):
+class NativeBackend(Backend):
     name = "native"
     summary = "fused C++ online-softmax kernel (CPU): fwd+bwd, skips masked tiles, masks evaluated in the kernel"
     devices = frozenset({"cpu"})
