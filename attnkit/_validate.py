@@ -18,7 +18,7 @@ import math
 
 from torch import Tensor
 
-__all__ = ["positive_int", "non_negative_int", "finite_float", "check_bool", "padding_mask"]
+__all__ = ["positive_int", "non_negative_int", "finite_float", "check_bool", "padding_mask", "check_int_at_least"]
 
 
 def _fail(value, name: str, expected: str, fix: str | None, allow_none: bool, owner: str | None):
@@ -82,6 +82,17 @@ def check_bool(value, name: str, *, owner: str | None = None, allow_none: bool =
     given = f"{name}={value!r}"
     raise TypeError(f"{owner}({given}): expected {expected}, got {type(value).__name__}." if owner
                     else f"{given}: expected {expected}, got {type(value).__name__}.")
+
+
+def check_int_at_least(name: str, value, minimum: int = 1, *, allow_none: bool = False):
+    """``value`` if it is an int ``>= minimum`` (or None when ``allow_none``), else ``ValueError``
+    in the form ``"{name}: expected an int >= {minimum}, got {value!r}."`` (``name`` may carry its
+    owner, as ``"TransformerConfig.num_heads"`` or ``"SequenceLayout.even(world)"``)."""
+    if value is None and allow_none:
+        return None
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{name}: expected {'None or ' if allow_none else ''}an int >= {minimum}, got {value!r}.")
+    return value
 
 
 def padding_mask(attention_mask, batch: int, length: int, what: str = "T", *, need_token: bool = False) -> Tensor:

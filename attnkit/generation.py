@@ -33,6 +33,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from ._validate import check_int_at_least as _check_positive_int
 from ._validate import padding_mask
 from .cache import KVCache, PagedKVCache
 
@@ -49,11 +50,6 @@ class GenerationMixin:
     def generate(self, input_ids, max_new_tokens: int = 32, **kwargs):
         """See :func:`attnkit.generation.generate` (an encoder-decoder needs ``decoder_start_token``)."""
         return generate(self, input_ids, max_new_tokens, **kwargs)
-
-
-def _check_positive_int(name: str, value, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}.")
 
 
 def _check_real(name: str, value, ok: bool, expected: str) -> None:

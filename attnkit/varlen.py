@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._validate import check_int_at_least
 from .functional import attention
 from .masks import UNBOUNDED, Causal, Custom, Document, Mask, as_mask
 from .score_mods import CustomScoreMod, as_score_mod
@@ -53,11 +54,6 @@ def _check_packed(x: Tensor, name: str) -> None:
         raise ValueError(f"{name}: expected a packed (total_tokens, H, D) tensor, got "
                          f"{tuple(getattr(x, 'shape', ()))}. Fix: concatenate the sequences along the token axis "
                          "(flash-attn's varlen layout), or call attnkit.attention for (B, H, T, D).")
-
-
-def _check_max(value, name: str) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"{name}: expected None or an int >= 0 (the longest sequence), got {value!r}.")
 
 
 def varlen_attention(
@@ -102,8 +98,8 @@ def varlen_attention(
         _check_packed(x, name)
     _check_cu(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
     _check_cu(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
-    _check_max(max_seqlen_q, "max_seqlen_q")
-    _check_max(max_seqlen_k, "max_seqlen_k")
+    check_int_at_least("max_seqlen_q", max_seqlen_q, 0, allow_none=True)  # the longest sequence
+    check_int_at_least("max_seqlen_k", max_seqlen_k, 0, allow_none=True)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel() - 1} sequences, cu_seqlens_k "
                          f"{cu_seqlens_k.numel() - 1}. Fix: one offset list per side over the same sequences.")

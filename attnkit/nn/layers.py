@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._validate import finite_float
+from .._validate import check_int_at_least, finite_float
 from ..masks import Causal, Mask, SlidingWindow
 from .attention import AttentionConfig, MultiHeadAttention
 
@@ -32,14 +32,6 @@ ACTIVATIONS = {
     "silu": F.silu,  # with gated=True: SwiGLU (Llama)
 }
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "t5", "none")
-
-
-def _positive(name: str, value, allow_none: bool = False) -> None:
-    if allow_none and value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        expected = "a positive int or None" if allow_none else "a positive int"
-        raise ValueError(f"TransformerConfig.{name}: expected {expected}, got {value!r}.")
 
 
 @dataclass
@@ -79,9 +71,9 @@ class TransformerConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "max_len", "embed_dim", "num_layers", "num_heads"):
-            _positive(name, getattr(self, name))
+            check_int_at_least(f"TransformerConfig.{name}", getattr(self, name))
         for name in ("num_kv_heads", "ffn_dim", "head_dim", "sliding_window", "rotary_dim"):
-            _positive(name, getattr(self, name), allow_none=True)
+            check_int_at_least(f"TransformerConfig.{name}", getattr(self, name), allow_none=True)
         if self.activation not in ACTIVATIONS:
             raise ValueError(
                 f"TransformerConfig.activation: expected one of {sorted(ACTIVATIONS)}, got {self.activation!r}."
