@@ -143,7 +143,7 @@ def backend_table() -> str:
     rows = []
     for row in backend_rows():
         c = row["capabilities"]
-        flags = [f for f in ("gqa", "dropout", "bias", "backward", "lse") if c[f]]
+        flags = [f for f in ("dropout", "bias", "backward", "lse") if c[f]]
         rows.append(
             [row["name"], row["avail"], "exact" if c["exact"] else "approx", ",".join(c["devices"]),
              ",".join(d.replace("float", "f") for d in c["dtypes"]), row["masks"], ",".join(flags)]

@@ -27,8 +27,6 @@ __all__ = [
     "SinusoidalPositionalEmbedding",
     "LearnedPositionalEmbedding",
     "RotaryEmbedding",
-    "alibi_slopes",
-    "alibi_bias",
     "sinusoidal_2d",
 ]
 
