@@ -33,7 +33,6 @@ import json
 import math
 import os
 import threading
-import time
 import warnings
 from pathlib import Path
 

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from .._validate import check_bool, finite_float, positive_int
 from ..functional import attention
 from ..cache import LayerCache, StateCache
-from ..masks import Causal, Mask, as_mask
+from ..masks import Mask, as_mask
 from ..registry import get_backend
 from ..score_mods import ALiBi, RelativeBias, SoftCap
 from .positional import RotaryEmbedding

@@ -58,7 +58,7 @@ def prepare_new_run(out: str, overwrite: bool) -> None:
         except CheckpointError:
             resumable = False
         fix = (f"--resume {out} to continue that run, --overwrite to replace it, or another --out" if resumable
-               else f"it holds no checkpoint to resume: --overwrite to replace its files, or another --out")
+               else "it holds no checkpoint to resume: --overwrite to replace its files, or another --out")
         raise ValueError(f"out: {out!r} is not empty ({shown}). Fix: {fix}.")
     _remove_run_files(out, present)
 
