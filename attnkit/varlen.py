@@ -125,7 +125,8 @@ def varlen_attention(
     # Each sequence's own positions, as attention() would give them: keys 0..len_k-1, queries
     # bottom-right aligned (the last query at the last key).
     pos_k = torch.arange(k.shape[0], device=sk.device) - cu_seqlens_k[:-1][sk]
-    pos_q = torch.arange(q.shape[0], device=sq.device) - cu_seqlens_q[1:][sq] + (cu_seqlens_k[1:] - cu_seqlens_k[:-1])[sq]
+    lengths_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    pos_q = torch.arange(q.shape[0], device=sq.device) - cu_seqlens_q[1:][sq] + lengths_k[sq]
     if same:
         # One coordinate system: a band within one document is the band of its own sequence, and
         # Document's tiles across two sequences are skipped by the tiled and native kernels.

@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     from ..train.loop import TrainConfig, load_data, load_model
 
     if args.quantize == "int8" and args.device != "cpu":
-        raise SystemExit(f"generate: --quantize int8 runs on the CPU (dynamic int8 kernels); got --device {args.device}. "
+        raise SystemExit(f"generate: --quantize int8 runs on the CPU (dynamic int8 kernels); "
+                         f"got --device {args.device}. "
                          f"Drop --device or use --device cpu.")
     model, meta = load_model(args.checkpoint, args.device)
     if meta["model_kind"] != "gpt":

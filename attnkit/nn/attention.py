@@ -38,7 +38,8 @@ class AttentionConfig:
     kv_dim: int | None = field(default=None, metadata={"help": "memory width for cross-attention"})
     backend: str = field(default="auto", metadata={"help": "attention backend name or 'auto'"})
     backend_options: object | None = field(default=None, metadata={"help": "the backend's Options dataclass"})
-    position: str = field(default="none", metadata={"help": "positions inside attention: 'none', 'rope', 'alibi' or 't5'"})
+    position: str = field(default="none",
+                          metadata={"help": "positions inside attention: 'none', 'rope', 'alibi' or 't5'"})
     rope_base: float = field(default=10000.0, metadata={"help": "RoPE frequency base"})
     rotary_dim: int | None = field(default=None, metadata={"help": "channels rotated by RoPE (default: head_dim)"})
     softcap: float | None = field(default=None, metadata={"help": "soft-cap the attention logits: c * tanh(s / c)"})

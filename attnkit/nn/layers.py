@@ -65,7 +65,8 @@ class TransformerConfig:
     sliding_window: int | None = field(default=None, metadata={"help": "causal local attention: keys <= this far back"})
     rope_base: float = field(default=10000.0, metadata={"help": "RoPE frequency base"})
     rotary_dim: int | None = field(default=None, metadata={"help": "channels rotated by RoPE (default head_dim)"})
-    softcap: float | None = field(default=None, metadata={"help": "soft-cap attention logits: c * tanh(s / c) (Gemma-2)"})
+    softcap: float | None = field(default=None,
+                                  metadata={"help": "soft-cap attention logits: c * tanh(s / c) (Gemma-2)"})
     sinks: bool = field(default=False, metadata={"help": "a learned attention-sink logit per head (gpt-oss)"})
     initializer_range: float = field(default=0.02, metadata={"help": "std of the normal weight init"})
 
