@@ -1,13 +1,7 @@
 """Checkpoints: safetensors for tensors, JSON for everything else, written atomically, loaded without pickle.
 
-Layout of a run directory::
-
-    out/
-      latest                 one line: the name of the newest complete checkpoint (atomically replaced)
-      step-000400/
-        model.safetensors    the weights (shared / tied tensors stored once), loadable on their own
-        state.safetensors    optimizer moments and RNG states
-        meta.json            model and training configs, step, optimizer hyper-parameters, metrics
+The layout of a run directory (``latest``, ``step-XXXXXX/{model,state}.safetensors``, ``meta.json``)
+and reading it as untrusted data live in :mod:`attnkit.io.checkpoints`; this module writes it.
 
 A checkpoint directory is first written under a temporary name, flushed, and renamed into place
 with ``os.replace``; only then is ``latest`` replaced (temp file + ``os.replace``), and only then
