@@ -44,7 +44,8 @@ def _resume_argv(out):
 def _slow_disk():
     """Directory syncs take 5 ms, as on a busy disk: the moments between a save's steps (rename,
     ``latest``, rotation) become wide enough for random kills to land in them."""
-    from attnkit.train import checkpoint, files
+    from attnkit.io import files
+    from attnkit.train import checkpoint
 
     real = files.fsync_dir
 
