@@ -313,15 +313,6 @@ class AttentionInputs:
                              score_mod=score_mod, sinks=sinks, kv_finite=kv_finite, kv_format=kv_format, B=B, Hq=Hq, Hkv=Hkv, Tq=Tq, Tk=Tk, D=D, Dv=Dv, groups=Hq // Hkv, dtype=dtype, device=device)
         return self
 
-    @classmethod
-    def trusted(cls, fields: dict, q: Tensor, k: Tensor, v: Tensor) -> AttentionInputs:
-        """Inputs from ``fields`` (an instance's ``__dict__`` without q, k, v) that :meth:`create`
-        validated for tensors of the same shapes, dtypes and devices and the same other arguments:
-        no validation (the dispatcher's per-shape-class cache of ``attention()`` calls)."""
-        self = object.__new__(cls)
-        self.__dict__.update(fields, q=q, k=k, v=v)
-        return self
-
     def dense(self) -> AttentionInputs:
         """These inputs with a KV handle replaced by contiguous K/V in the query dtype (the one
         declared conversion, :meth:`KVHandle.dense`); themselves when K/V are tensors."""
