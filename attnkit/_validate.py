@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["positive_int", "non_negative_int", "finite_float", "check_bool"]
+from torch import Tensor
+
+__all__ = ["positive_int", "non_negative_int", "finite_float", "check_bool", "padding_mask", "check_int_at_least"]
 
 
 def _fail(value, name: str, expected: str, fix: str | None, allow_none: bool, owner: str | None):
@@ -80,3 +82,42 @@ def check_bool(value, name: str, *, owner: str | None = None, allow_none: bool =
     given = f"{name}={value!r}"
     raise TypeError(f"{owner}({given}): expected {expected}, got {type(value).__name__}." if owner
                     else f"{given}: expected {expected}, got {type(value).__name__}.")
+
+
+def check_int_at_least(name: str, value, minimum: int = 1, *, allow_none: bool = False):
+    """``value`` if it is an int ``>= minimum`` (or None when ``allow_none``), else ``ValueError``
+    in the form ``"{name}: expected an int >= {minimum}, got {value!r}."`` (``name`` may carry its
+    owner, as ``"TransformerConfig.num_heads"`` or ``"SequenceLayout.even(world)"``)."""
+    if value is None and allow_none:
+        return None
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{name}: expected {'None or ' if allow_none else ''}an int >= {minimum}, got {value!r}.")
+    return value
+
+
+def padding_mask(attention_mask, batch: int, length: int, what: str = "T", *, need_token: bool = False) -> Tensor:
+    """A Hugging Face style ``attention_mask`` (an integer or bool tensor ``(B, length)``, 1 = token,
+    0 = padding) as a bool tensor: ``TypeError`` for another kind of value, ``ValueError`` for
+    another shape and, with ``need_token``, for a row without any token (``what`` names the length
+    in the message, e.g. ``"past + T"``)."""
+    got = (f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)} "
+           f"{tuple(getattr(attention_mask, 'shape', ()))}")
+    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2:
+        raise TypeError(f"attention_mask: expected an integer or bool tensor (B, {what}) with 1 = token, 0 = padding, "
+                        f"got {got}.")
+    if attention_mask.shape != (batch, length):
+        raise ValueError(
+            f"attention_mask: expected shape (B, {what}) = ({batch}, {length}), got {tuple(attention_mask.shape)}."
+        )
+    if attention_mask.dtype.is_floating_point:  # an additive float mask (0 / -inf) would turn into its opposite
+        raise TypeError(f"attention_mask: expected an integer or bool tensor (B, {what}) with 1 = token, 0 = padding, "
+                        f"got {got}. Fix: a 0/1 float mask becomes `attention_mask.long()`.")
+    valid = attention_mask.bool()
+    if need_token:
+        empty = (~valid.any(dim=1)).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(
+                f"attention_mask: rows {empty} have no token (all zeros); a row needs at least one prompt token. "
+                "Fix: drop those rows, or give them a start token."
+            )
+    return valid

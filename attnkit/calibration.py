@@ -33,7 +33,6 @@ import json
 import math
 import os
 import threading
-import time
 import warnings
 from pathlib import Path
 
@@ -209,7 +208,7 @@ def _existing(machine: dict) -> dict | None:
 
 
 def _write(path: Path, text: str) -> None:
-    from .train.files import atomic_write_text  # only writers need it: not on the import path
+    from .io.files import atomic_write_text  # only writers need it: not on the import path
 
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, text)

@@ -33,6 +33,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from ._validate import check_int_at_least as _check_positive_int
+from ._validate import padding_mask
 from .cache import KVCache, PagedKVCache
 
 __all__ = ["generate", "stream", "process_logits", "GenerationMixin"]
@@ -48,11 +50,6 @@ class GenerationMixin:
     def generate(self, input_ids, max_new_tokens: int = 32, **kwargs):
         """See :func:`attnkit.generation.generate` (an encoder-decoder needs ``decoder_start_token``)."""
         return generate(self, input_ids, max_new_tokens, **kwargs)
-
-
-def _check_positive_int(name: str, value, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}.")
 
 
 def _check_real(name: str, value, ok: bool, expected: str) -> None:
@@ -109,25 +106,6 @@ def _check_ids(input_ids) -> None:
             f"input_ids: expected a non-empty integer tensor (B, P) or a list of 1-D prompts, got {got}. "
             "Fix: a single prompt is input_ids[None]."
         )
-
-
-def _check_attention_mask(attention_mask, input_ids) -> Tensor | None:
-    """The mask as bool, refusing a wrong shape and rows without any token."""
-    if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"attention_mask: expected shape {tuple(input_ids.shape)} like input_ids (1 = token, 0 = padding), got "
-            f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}."
-        )
-    valid = attention_mask.bool()
-    empty = (~valid.any(dim=1)).nonzero().flatten().tolist()
-    if empty:
-        raise ValueError(
-            f"attention_mask: rows {empty} have no token (all zeros); a row needs at least one prompt token. "
-            "Fix: drop those rows, or give them a start token."
-        )
-    return valid
 
 
 def _to_left_padding(input_ids: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -197,7 +175,7 @@ def stream(
     seq2seq = _check_model(model)
     _check_ids(input_ids)
     _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty)
-    valid = _check_attention_mask(attention_mask, input_ids)
+    valid = None if attention_mask is None else padding_mask(attention_mask, *input_ids.shape, "P", need_token=True)
     if cache == "paged" or isinstance(cache, PagedKVCache):
         raise ValueError("cache: a paged cache serves many sequences through generate(), not stream(). "
                          "Fix: generate(model, prompts, cache='paged'), or cache='static' here.")
@@ -339,7 +317,7 @@ def _generate_paged(model, input_ids, max_new_tokens, *, cache, quantize_cache, 
     valid = None
     if isinstance(input_ids, Tensor):
         _check_ids(input_ids)
-        valid = _check_attention_mask(attention_mask, input_ids)
+        valid = None if attention_mask is None else padding_mask(attention_mask, *input_ids.shape, "P", need_token=True)
     elif attention_mask is not None:
         raise ValueError("attention_mask: a list of prompts needs no mask (each prompt is its own length); drop it.")
     prompts = _prompts_of(input_ids, valid)

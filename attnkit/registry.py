@@ -78,7 +78,6 @@ class Backend:
     dtypes: ClassVar[frozenset[torch.dtype]] = FLOAT_DTYPES
     #: The mask forms the backend honours, checked and printed from one declaration.
     mask_support: ClassVar[MaskSupport] = MaskSupport("any")
-    supports_gqa: ClassVar[bool] = True  # False: dispatch expands K/V to Hq heads first
     supports_dropout: ClassVar[bool] = False
     supports_bias: ClassVar[bool] = False
     supports_backward: ClassVar[bool] = True
@@ -214,7 +213,6 @@ class Backend:
             "dtypes": sorted(str(d).removeprefix("torch.") for d in cls.dtypes),
             "masks": str(cls.mask_support),
             "mask_forms": list(cls.mask_support.forms),  # short names of the same declaration
-            "gqa": cls.supports_gqa,
             "dropout": cls.supports_dropout,
             "bias": cls.supports_bias,
             "backward": cls.supports_backward,

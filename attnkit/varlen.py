@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._validate import check_int_at_least
 from .functional import attention
 from .masks import UNBOUNDED, Causal, Custom, Document, Mask, as_mask
 from .score_mods import CustomScoreMod, as_score_mod
@@ -72,11 +73,6 @@ def _check_packed(x: Tensor, name: str) -> None:
                          "(flash-attn's varlen layout), or call attnkit.attention for (B, H, T, D).")
 
 
-def _check_max(value, name: str) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"{name}: expected None or an int >= 0 (the longest sequence), got {value!r}.")
-
-
 def varlen_attention(
     q: Tensor,
     k: Tensor,
@@ -119,8 +115,8 @@ def varlen_attention(
         _check_packed(x, name)
     _check_cu(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
     _check_cu(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
-    _check_max(max_seqlen_q, "max_seqlen_q")
-    _check_max(max_seqlen_k, "max_seqlen_k")
+    check_int_at_least("max_seqlen_q", max_seqlen_q, 0, allow_none=True)  # the longest sequence
+    check_int_at_least("max_seqlen_k", max_seqlen_k, 0, allow_none=True)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel() - 1} sequences, cu_seqlens_k "
                          f"{cu_seqlens_k.numel() - 1}. Fix: one offset list per side over the same sequences.")
@@ -146,7 +142,8 @@ def varlen_attention(
     # Each sequence's own positions, as attention() would give them: keys 0..len_k-1, queries
     # bottom-right aligned (the last query at the last key).
     pos_k = torch.arange(k.shape[0], device=sk.device) - cu_seqlens_k[:-1][sk]
-    pos_q = torch.arange(q.shape[0], device=sq.device) - cu_seqlens_q[1:][sq] + (cu_seqlens_k[1:] - cu_seqlens_k[:-1])[sq]
+    lengths_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    pos_q = torch.arange(q.shape[0], device=sq.device) - cu_seqlens_q[1:][sq] + lengths_k[sq]
     if same:
         # One coordinate system: a band within one document is the band of its own sequence, and
         # Document's tiles across two sequences are skipped by the tiled and native kernels.

@@ -86,7 +86,8 @@ def crossover(lengths: list[int]) -> dict:
             q, k, v = rand(n)
             with torch.no_grad():
                 t = interleaved(approx_fns(q, k, v, causal), rounds=2, min_run_time=0.2 if n <= 2048 else 0.05)
-            rows[f"{'causal' if causal else 'full'}-{n}"] = {name: t["sdpa"] / s for name, s in t.items() if name != "sdpa"}
+            speedups = {name: t["sdpa"] / s for name, s in t.items() if name != "sdpa"}
+            rows[f"{'causal' if causal else 'full'}-{n}"] = speedups
             print(f"  {'causal' if causal else 'full  '} n={n:6d}  " + "  ".join(
                 f"{name} {t['sdpa'] / s:6.2f}x" for name, s in t.items() if name != "sdpa"), flush=True)
     result = {"speedup_vs_sdpa": rows, "crossover": {}}
@@ -119,7 +120,8 @@ def minilm_qkv(n: int):
     heads, dim = 12, h.shape[-1] // 12
 
     def proj(name):
-        x = F.linear(h, w[f"encoder.layer.0.attention.self.{name}.weight"], w[f"encoder.layer.0.attention.self.{name}.bias"])
+        prefix = f"encoder.layer.0.attention.self.{name}"
+        x = F.linear(h, w[f"{prefix}.weight"], w[f"{prefix}.bias"])
         return x.view(1, n, heads, dim).transpose(1, 2).contiguous()  # (1, 12, n, 32)
 
     return proj("query"), proj("key"), proj("value")
@@ -245,7 +247,8 @@ def main() -> None:
         return
     torch.manual_seed(0)
     start = time.time()
-    long_n, grid, err_n = (8192, [256, 512, 1024], 1024) if args.quick else (65536, [256, 512, 1024, 2048, 4096, 8192], 4096)
+    long_n, grid, err_n = ((8192, [256, 512, 1024], 1024) if args.quick
+                           else (65536, [256, 512, 1024, 2048, 4096, 8192], 4096))
     print(f"attnkit approximate attention, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"B={B} H={H} D={D} fp32 (shared CPU: ratios, not seconds)")
     report: dict = {}

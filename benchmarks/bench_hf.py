@@ -97,7 +97,8 @@ def encoder_figure(args) -> dict:
     tt = torch.zeros_like(ids)
     times = {"hf": [], "attnkit": []}
     with torch.inference_mode():
-        ref, got = hf(input_ids=ids, attention_mask=am, token_type_ids=tt)[0], ours(ids, token_type_ids=tt, attention_mask=am)
+        ref = hf(input_ids=ids, attention_mask=am, token_type_ids=tt)[0]
+        got = ours(ids, token_type_ids=tt, attention_mask=am)
         err = (ref - got).abs().max().item()
         for _ in range(args.repeats):
             for name, fn in (("hf", lambda: hf(input_ids=ids, attention_mask=am, token_type_ids=tt)),
@@ -106,7 +107,8 @@ def encoder_figure(args) -> dict:
                 fn()
                 times[name].append(time.perf_counter() - start)
     sps = {k: args.batch / statistics.median(v) for k, v in times.items()}
-    return {"figure": f"MiniLM-L6 encoder{' (random weights)' if args.random_encoder else ''}, batch {args.batch}, length {args.length}", "unit": "sentences/s",
+    weights = " (random weights)" if args.random_encoder else ""
+    return {"figure": f"MiniLM-L6 encoder{weights}, batch {args.batch}, length {args.length}", "unit": "sentences/s",
             "hf": sps["hf"], "attnkit": sps["attnkit"], "ratio": sps["attnkit"] / sps["hf"], "max_abs_diff": err,
             "runs": {k: [round(t, 4) for t in v] for k, v in times.items()}}
 

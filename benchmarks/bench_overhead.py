@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def load_baseline(ref: str, where: Path):
     """attnkit as of git revision ``ref``, imported as the package ``attnkit_baseline``."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "attnkit"], check=True, capture_output=True).stdout
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "attnkit"], check=True,
+                             capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
     (where / "attnkit").rename(where / "attnkit_baseline")
     sys.path.insert(0, str(where))
@@ -73,7 +74,8 @@ def main() -> None:
             for name, Tq, Tk, causal in cases:
                 q = torch.randn(1, 8, Tq, 64)
                 k, v = torch.randn(1, 8, Tk, 64), torch.randn(1, 8, Tk, 64)
-                env = dict(F=F, q=q, k=k, v=v, is_causal=causal and Tq == Tk, **{f"m{i}": m for i, m in enumerate(impls.values())})
+                env = dict(F=F, q=q, k=k, v=v, is_causal=causal and Tq == Tk,
+                           **{f"m{i}": m for i, m in enumerate(impls.values())})
                 stmts = {"sdpa": "F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)"}
                 for i, (label, module) in enumerate(impls.items()):
                     env[f"mask{i}"] = module.Causal() if causal else None

@@ -166,13 +166,15 @@ def flex(n_window: int, w: int, n_bigbird: int, bs: int, repeats: int) -> None:
         for label, n, mask, mod, backend in (
             (f"sliding window w={w} n={n_window}", n_window, SlidingWindow(w, 0),
              lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= w), "sliding_window"),
-            (f"bigbird n={n_bigbird}", n_bigbird, BlockSparse.bigbird(n_bigbird // bs, bs, seed=0), None, "block_sparse"),
+            (f"bigbird n={n_bigbird}", n_bigbird, BlockSparse.bigbird(n_bigbird // bs, bs, seed=0), None,
+             "block_sparse"),
         ):
             q, k, v = qkv(n)
             if mod is None:
                 layout = mask.layout[0]
                 mod = lambda b, h, qi, ki, layout=layout: layout[qi // bs, ki // bs]  # noqa: E731
-            block_mask = create_block_mask(mod, None, None, n, n, device="cpu", BLOCK_SIZE=bs if mod is not None else 128)
+            block_mask = create_block_mask(mod, None, None, n, n, device="cpu",
+                                           BLOCK_SIZE=bs if mod is not None else 128)
             t = interleaved(
                 {
                     "ours": lambda: attnkit.attention(q, k, v, mask=mask, backend=backend),
@@ -190,7 +192,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["window", "bigbird", "dense", "bf16", "training", "training_time", "flex"])
+    parser.add_argument("--skip", nargs="*", default=[],
+                        choices=["window", "bigbird", "dense", "bf16", "training", "training_time", "flex"])
     args = parser.parse_args()
     s = 8 if args.quick else 1
     torch.manual_seed(0)

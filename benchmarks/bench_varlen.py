@@ -46,7 +46,8 @@ def cases(lengths, H, D, dtype):
     q, k, v = (torch.randn(total, H, D, generator=g).to(dtype).requires_grad_() for _ in range(3))
     dout = torch.randn(total, H, D, generator=g).to(dtype)
     pos = torch.arange(T)
-    keep = (pos[None, :] <= pos[:, None])[None, None] & (pos[None, None, None, :] < torch.tensor(lengths)[:, None, None, None])
+    valid = pos[None, None, None, :] < torch.tensor(lengths)[:, None, None, None]  # (B, 1, 1, T)
+    keep = (pos[None, :] <= pos[:, None])[None, None] & valid
     index = torch.cat([b * T + torch.arange(n) for b, n in enumerate(lengths)])  # packed row -> padded row
 
     def pad(x):  # (total, H, D) -> (B, H, T, D)

@@ -12,7 +12,7 @@ import argparse
 import json
 
 from attnkit.bench import BenchConfig, crossovers, run_sweep
-from attnkit.bench.claims import boundaries
+from claims import boundaries
 from attnkit.registry import list_backends
 
 

@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from attnkit.bench.claims import multihead
+from claims import multihead
 
 
 def main() -> None:
@@ -23,8 +23,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device}; medians of {args.rounds} interleaved rounds")
-    for r in multihead(tuple(int(n) for n in args.lengths.split(",")), args.width, args.heads, args.rounds, device=args.device):
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device}; "
+          f"medians of {args.rounds} interleaved rounds")
+    lengths = tuple(int(n) for n in args.lengths.split(","))
+    for r in multihead(lengths, args.width, args.heads, args.rounds, device=args.device):
         print(f"n={r['n']:>6}  {r['heads']} heads x {r['width'] // r['heads']}: {r['multi_s'] * 1e3:8.2f} ms   "
               f"1 head x {r['width']}: {r['single_s'] * 1e3:8.2f} ms   single/multi = {r['single_over_multi']:.2f}")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from attnkit.bench.claims import scaling
+from claims import scaling
 
 
 def main() -> None:
@@ -16,9 +16,11 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=256)
     parser.add_argument("--dims", default="16,64,256,1024")
     args = parser.parse_args()
-    print(f"{'d_k':>5} {'scale':>7} {'score var':>10} {'max w':>6} {'sat rows':>8} {'med |J|':>8} {'|dL/ds|':>8} {'|dL/dq|':>8}")
+    print(f"{'d_k':>5} {'scale':>7} {'score var':>10} {'max w':>6} {'sat rows':>8} {'med |J|':>8} {'|dL/ds|':>8} "
+          f"{'|dL/dq|':>8}")
     for r in scaling(tuple(int(d) for d in args.dims.split(",")), n=args.n):
-        print(f"{r['d_k']:>5} {'1/sqrt' if r['scaled'] else 'none':>7} {r['score_var']:>10.2f} {r['mean_max_weight']:>6.3f} "
+        print(f"{r['d_k']:>5} {'1/sqrt' if r['scaled'] else 'none':>7} {r['score_var']:>10.2f} "
+              f"{r['mean_max_weight']:>6.3f} "
               f"{r['saturated_rows']:>8.0%} {r['median_softmax_jacobian']:>8.3g} {r['grad_norm_scores']:>8.3g} "
               f"{r['grad_norm_q']:>8.3g}")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from attnkit.bench.claims import score_memory
+from claims import score_memory
 
 
 def main() -> None:

@@ -153,8 +153,9 @@ def main(argv=None) -> int:
     table = markdown_table(rows)
     if not args.update_docs:  # never over the hand-written docs/long_range.md
         with open(os.path.join(args.out, "long_range.md"), "w") as f:
-                f.write(f"# Long-range benchmark\n\nCommand: `{meta['command']}` ({elapsed:.0f} s, torch {torch.__version__}, "
-                    f"{meta['threads']} threads, device {args.device}). Answer accuracy after {args.steps} steps of "
+                f.write(f"# Long-range benchmark\n\nCommand: `{meta['command']}` ({elapsed:.0f} s, "
+                    f"torch {torch.__version__}, {meta['threads']} threads, device {args.device}). "
+                    f"Answer accuracy after {args.steps} steps of "
                     f"batch {args.batch_size}; every model has about the same parameter count (column `params`).\n\n"
                     f"{table}\n\n![accuracy vs distance](long_range.png)\n")
     print(table)
@@ -193,7 +194,8 @@ def plot(rows, path) -> None:
     tasks = sorted({r["task"] for r in rows})
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        series = {model: sorted((r["distance"], r["accuracy"]) for r in rows if r["task"] == task and r["model"] == model)
+        series = {model: sorted((r["distance"], r["accuracy"]) for r in rows
+                                if r["task"] == task and r["model"] == model)
                   for model in sorted({r["model"] for r in rows if r["task"] == task})}
         full = max(len(pts) for pts in series.values())
         for model, pts in series.items():

@@ -41,7 +41,7 @@ def attnkit_train(out, flags, cores, threads, nproc=1):
     cmd = pin + launch + ["-m", "attnkit", "train", "--out", out, "--overwrite", "--device", "cpu", "--no-progress",
                           *flags]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)  # the thread count is the comparison
     if proc.returncode:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     seconds = time.perf_counter() - t0

@@ -22,7 +22,8 @@ from torch import Tensor
 
 from attnkit.masks import as_mask
 
-__all__ = ["DEVICE", "HYPOTHESIS_CI", "ROTATING_SEED", "device_unavailable", "exact_backends_taking", "keep_grid", "reference_attention", "reference_attention_lowp", "max_error", "flash_rule_ok"]
+__all__ = ["DEVICE", "HYPOTHESIS_CI", "ROTATING_SEED", "device_unavailable", "exact_backends_taking", "keep_grid",
+           "reference_attention", "reference_attention_lowp", "max_error", "flash_rule_ok"]
 
 #: The device the conformance and property suites run on: ``ATTNKIT_TEST_DEVICE=cuda`` for a GPU.
 DEVICE = torch.device(os.environ.get("ATTNKIT_TEST_DEVICE", "cpu"))
@@ -76,14 +77,15 @@ def _attention(q, k, v, keep, bias, scale, compute_dtype):
     kept by masking scores with ``where`` and by charging non-finite values only to rows that see them."""
     q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     B, Hq, Tq, D = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
+    Hkv = k.shape[1]
     k = k.repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, Tk, D)
     v = v.repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, Tk, Dv)
     scale = D**-0.5 if scale is None else scale
     # Scale q before the product, as flash-attn's reference does: q·k of large inputs can overflow
     # float16 before scaling although the scaled scores are finite.
     scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (B, Hq, Tq, Tk)
-    if bias is not None:  # a float32 bias on bf16 inputs is added in float32 (type promotion), as in flash-attn's reference
+    # a float32 bias on bf16 inputs is added in float32 (type promotion), as in flash-attn's reference
+    if bias is not None:
         scores = scores + bias.to(torch.promote_types(compute_dtype, bias.dtype))
     scores = torch.where(keep, scores, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True).detach()

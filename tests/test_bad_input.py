@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import Causal, Custom, Dense, Document, KeyPadding, SlidingWindow
+from attnkit import Custom, Dense, Document, KeyPadding, SlidingWindow
 from attnkit.backends.naive import NaiveOptions
 from attnkit.nn import AttentionConfig, MultiHeadAttention
 

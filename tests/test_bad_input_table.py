@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import Causal, Document, KeyPadding, Padding, SlidingWindow
+from attnkit import Document, KeyPadding, Padding, SlidingWindow
 from attnkit.cache import DynamicLayerCache, SlidingWindowLayerCache, StaticLayerCache
 from attnkit.cli.main import main
 from attnkit.masks import BlockSparse, GlobalTokens, longformer

@@ -65,14 +65,8 @@ def test_outputs_written(tiny_run):
         assert (out / name).stat().st_size > 1000
         assert f"]({name})" in (out / "report.md").read_text()
     report = (out / "report.md").read_text()
-    assert "crossovers" in report and "The textbook rules of thumb" in report and "results.json" in report
+    assert "crossovers" in report and "results.json" in report
     assert str(out) not in report and str(out) not in (out / "results.json").read_text()  # no machine paths
-    claims = results["claims"]
-    scaled = {r["d_k"]: r for r in claims["scaling"] if r["scaled"]}
-    unscaled = {r["d_k"]: r for r in claims["scaling"] if not r["scaled"]}
-    assert 0.5 < scaled[1024]["score_var"] < 2 and unscaled[1024]["score_var"] > 500  # the claim itself
-    assert unscaled[1024]["saturated_rows"] > 0.3 and scaled[1024]["saturated_rows"] == 0
-    assert unscaled[1024]["median_softmax_jacobian"] < scaled[1024]["median_softmax_jacobian"] / 10
 
 
 def test_skip_by_memory_budget(tmp_path):

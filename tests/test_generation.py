@@ -131,6 +131,10 @@ def test_generate_method_and_argument_errors():
             generate(model, prompt, **{"max_new_tokens": 3, **bad})
     with pytest.raises(ValueError, match="input_ids"):
         generate(model, torch.tensor([1, 2, 3]), 3)
+    # one padding-mask check for generate() and the models: a float mask could be additive (0 / -inf)
+    for call in (lambda m: generate(model, prompt, 3, attention_mask=m), lambda m: model(prompt, attention_mask=m)):
+        with pytest.raises(TypeError, match=r"attention_mask: expected an integer or bool tensor \(B, .*Fix:"):
+            call(torch.ones(1, 3))
     with pytest.raises(TypeError, match="model"):
         generate(torch.nn.Linear(2, 2), prompt, 3)
     with pytest.raises(ValueError, match="max_len"):

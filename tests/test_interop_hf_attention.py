@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import attnkit  # noqa: E402
-from attnkit import Causal, Dense, KeyPadding, SlidingWindow
+from attnkit import Causal, Dense, KeyPadding, SlidingWindow  # noqa: E402
 from attnkit.masks import Padding  # noqa: E402
 from attnkit.interop import HFMask, attnkit_mask, register_hf_attention  # noqa: E402
 from attnkit.registry import list_backends as backends  # noqa: E402

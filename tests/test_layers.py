@@ -114,3 +114,13 @@ def test_attention_config_derivation():
     assert (a.embed_dim, a.num_heads, a.num_kv_heads, a.dropout, a.position) == (E, H, 2, 0.1, "rope")
     assert cfg.attention_config(cross=True).position == "none"
     assert cfg.attention_config(cross=True).cross_attention
+
+
+def test_ffn_width_is_the_feed_forward_width_and_hidden_dim_is_its_deprecated_name():
+    from attnkit.nn.layers import TransformerConfig
+
+    config = TransformerConfig(vocab_size=16, embed_dim=8, num_heads=2, num_layers=1)
+    assert config.ffn_width == 32 and TransformerConfig(vocab_size=16, embed_dim=8, num_heads=2, num_layers=1,
+                                                        ffn_dim=12).ffn_width == 12
+    with pytest.warns(DeprecationWarning, match="renamed ffn_width"):
+        assert config.hidden_dim == 32

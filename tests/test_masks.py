@@ -7,7 +7,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import attnkit
 from attnkit import (
     BlockStatus, Causal, Custom, Dense, Document, KeyPadding, SlidingWindow, as_mask, from_key_padding_mask,
 )

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from attnkit import BlockSparse, BlockStatus, Causal, GlobalTokens, SlidingWindow, longformer
+from attnkit import BlockSparse, BlockStatus, Causal, GlobalTokens, longformer
 
 
 def brute_status(mask, q_range, kv_range):

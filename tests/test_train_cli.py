@@ -12,7 +12,7 @@ pytest.importorskip("safetensors")
 
 from attnkit.cli.main import main  # noqa: E402
 from attnkit.train import TrainConfig, load_model, train  # noqa: E402
-from attnkit.train.deploy import quantize_int8  # noqa: E402
+from attnkit.train.deploy import quantize_int8, quantize_model_int8  # noqa: E402
 from attnkit.train.loop import lr_at  # noqa: E402
 
 from .train_helpers import tiny_gpt_config, tiny_train_config  # noqa: E402
@@ -82,12 +82,14 @@ def test_int8_quantization_and_distillation(tmp_path, text):
     q = teacher["quantize"]
     assert q["int8_bytes"] < q["fp32_bytes"] and abs(q["loss_delta"]) < 0.1 and q["speedup"] > 0
     model, _ = load_model(teacher_out)
-    qmodel = quantize_int8(model)
+    qmodel = quantize_model_int8(model)
     assert any("quantized" in type(m).__module__ for m in qmodel.modules())
     x = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(qmodel(x), model(x), atol=0.15, rtol=0.1)
 
     assert main(["generate", teacher_out, "--quantize", "int8", "--max-new-tokens", "4", "--prompt", "all"]) == 0
+    with pytest.warns(DeprecationWarning, match="renamed quantize_model_int8"):  # the old name still works
+        assert type(quantize_int8(model)) is type(qmodel)
 
     student = train(tiny_train_config(tmp_path / "student", data=text, steps=4, distill_from=teacher_out),
                     tiny_gpt_config(num_layers=1, embed_dim=16))

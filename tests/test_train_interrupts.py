@@ -44,7 +44,8 @@ def _resume_argv(out):
 def _slow_disk():
     """Directory syncs take 5 ms, as on a busy disk: the moments between a save's steps (rename,
     ``latest``, rotation) become wide enough for random kills to land in them."""
-    from attnkit.train import checkpoint, files
+    from attnkit.io import files
+    from attnkit.train import checkpoint
 
     real = files.fsync_dir
 
@@ -124,7 +125,7 @@ def _next_argv(text, out, steps):
 
 
 def _pid_alive(name: str) -> bool:
-    from attnkit.train.files import _TEMP, _alive
+    from attnkit.io.files import _TEMP, _alive
 
     match = _TEMP.match(name)
     return match is not None and _alive(int(match.group(1)))

@@ -23,8 +23,8 @@ from attnkit.masks import Causal  # noqa: E402
 from attnkit.nn.layers import TransformerConfig  # noqa: E402
 from attnkit.nn.models import GPT, Encoder  # noqa: E402
 from attnkit.train import CheckpointError, TrainConfig, load_checkpoint, load_model, train  # noqa: E402
-from attnkit.train import checkpoint as ck  # noqa: E402
-from attnkit.train.files import append_line  # noqa: E402
+from attnkit.io import checkpoints as layout  # noqa: E402
+from attnkit.io.files import append_line  # noqa: E402
 
 from .train_helpers import tiny_gpt_config, tiny_train_config  # noqa: E402
 
@@ -119,7 +119,7 @@ def test_unreadable_meta_is_a_clear_error(run, content):
 
 
 def test_oversized_meta_is_refused_before_reading(run, monkeypatch):
-    monkeypatch.setattr(ck, "META_LIMIT_BYTES", 100)
+    monkeypatch.setattr(layout, "META_LIMIT_BYTES", 100)
     with pytest.raises(ValueError, match=r"meta.json: \d+ bytes, more than the 100"):
         load_checkpoint(str(run))
 

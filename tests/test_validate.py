@@ -31,3 +31,14 @@ def test_finite_float_bounds():
             finite_float(bad, "p", low=0, high=1)
     with pytest.raises(ValueError, match=r"t=0: expected a finite number > 0\."):
         finite_float(0, "t", low=0, low_inclusive=False)
+
+
+def test_check_int_at_least_is_the_one_count_check():
+    from attnkit._validate import check_int_at_least
+
+    assert check_int_at_least("n", 3, 2) == 3 and check_int_at_least("n", None, allow_none=True) is None
+    for bad in (0, True, 1.5, "2"):
+        with pytest.raises(ValueError, match=rf"^TransformerConfig.num_heads: expected an int >= 1, got {bad!r:.3}"):
+            check_int_at_least("TransformerConfig.num_heads", bad)
+    with pytest.raises(ValueError, match=r"max_seqlen_q: expected None or an int >= 0, got -1\.$"):
+        check_int_at_least("max_seqlen_q", -1, 0, allow_none=True)

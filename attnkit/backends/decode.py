@@ -283,7 +283,7 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tabl
 
 
 @register_backend
-class Decode(Backend):
+class DecodeBackend(Backend):
     """``attention(..., backend="decode")``: :func:`decode_attention` on contiguous K/V.
 
     Equals the naive backend (same masked softmax, fp32 statistics); any mask (materialized,

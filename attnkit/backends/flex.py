@@ -165,7 +165,7 @@ def _score_mod(bias: torch.Tensor):
 
 
 @register_backend
-class Flex(Backend):
+class FlexBackend(Backend):
     name = "flex"
     work = Work("tiles", (128, 128), half="always", fused=True)
     reason_contexts = (_CPU_ALLOWED,)

@@ -244,7 +244,7 @@ def plan_for(inp: AttentionInputs, options: NativeOptions) -> _Plan:
 
 
 @register_backend
-class Native(Backend):
+class NativeBackend(Backend):
     name = "native"
     work = Work("tiles", (128, 256), fused=True)
     summary = "fused C++ online-softmax kernel (CPU): fwd+bwd, skips masked tiles, masks evaluated in the kernel"

@@ -113,7 +113,6 @@ def _block_pattern(name: str) -> Callable[[int, BenchConfig], Mask]:
     ``window // block`` blocks each side, block 0 global; BigBird adds one random block per row."""
 
     def build(n: int, c: BenchConfig) -> Mask:
-        from ..masks import BlockSparse
 
         blocks, window = -(-n // c.block), max(1, c.window // c.block)
         if name == "longformer":

@@ -307,7 +307,7 @@ def write_markdown(results: dict, out_dir: Path, plots: list[Path], claims: str 
         f"* Peak memory: {results['memory_method']}.",
         f"* GFLOP/s: {results['flops_convention']}; % peak: {results.get('pct_of_peak_convention', 'of the matmul peak')}.",
         f"* Error: {results['error_convention']}.",
-        f"* All figures: [results.json](results.json).",
+        "* All figures: [results.json](results.json).",
         "",
         "## Fastest exact backend per length (crossovers)",
         "",

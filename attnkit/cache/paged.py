@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .._validate import check_int_at_least as _check_positive
 from ..kv_handle import KVHandle, dequantize_int8
 from .direct import DirectLayerCache, nbytes
 from .kv import KVCache
@@ -42,12 +43,6 @@ from .layers import _check_kv, all_finite
 from .quantized import check_quantize, quantize_int8
 
 __all__ = ["PagedKVCache", "PagedLayerCache", "BlockPool"]
-
-
-def _check_positive(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}.")
-    return value
 
 
 class BlockPool:

@@ -30,14 +30,12 @@ from pathlib import Path
 import torch
 
 from .. import calibration
-from ..bench import claims as claim_lib
 from ..bench.cases import DTYPES, MASK_SPECS, PASSES, BenchConfig
 from ..bench.plots import missing_extra, write_plots
 from ..bench.report import (
     auto_table,
     command_line,
     crossover_table,
-    crossovers,
     recommendations,
     skip_hint,
     terminal_table,
@@ -102,8 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             f"run writes it: {calibration.calibration_path()}; ATTNKIT_CALIBRATION overrides)")
     which.add_argument("--no-calibrate", action="store_true",
                        help="measure only: leave this machine's calibration table as it is")
-    parser.add_argument("--no-claims", action="store_true",
-                        help="skip measuring the textbook rules of thumb (sqrt(d_k) scaling, score memory, ...)")
+    # no effect: the rules of thumb moved to benchmarks/claims.py; kept so old command lines still run
+    parser.add_argument("--no-claims", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-plots", action="store_true", help="write no PNG plots (they need the bench extra)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (it needs the bench extra)")
 
@@ -202,19 +200,9 @@ def run(args: argparse.Namespace) -> int:
         print(auto_table(results))
         print()
         print(recommendations(results))
-    claims_md = None
-    if not args.no_claims:
-        results["claims"] = {
-            "scaling": claim_lib.scaling(),
-            "score_memory": claim_lib.score_memory(n=4096, device=config.device),
-            "multihead": claim_lib.multihead(lengths=(2048,), rounds=2, min_run_time=0.05, device=config.device),
-            "boundaries": claim_lib.boundaries(crossovers(results)),
-        }
-        c = results["claims"]
-        claims_md = claim_lib.claims_markdown(c["scaling"], c["score_memory"], c["multihead"], c["boundaries"])
     plots = [] if args.no_plots else write_plots(results, out_dir)
     json_path = write_json(results, out_dir / "results.json")
-    report = write_markdown(results, out_dir, plots, claims_md)
+    report = write_markdown(results, out_dir, plots)
     print(f"\n{len(results['results'])} cases in {results['elapsed_s']:.0f} s; "
           f"wrote {json_path}, {report}" + "".join(f", {p}" for p in plots))
     return 0

@@ -58,18 +58,19 @@ def run(args: argparse.Namespace) -> int:
     from ..train.loop import TrainConfig, load_data, load_model
 
     if args.quantize == "int8" and args.device != "cpu":
-        raise SystemExit(f"generate: --quantize int8 runs on the CPU (dynamic int8 kernels); got --device {args.device}. "
+        raise SystemExit(f"generate: --quantize int8 runs on the CPU (dynamic int8 kernels); "
+                         f"got --device {args.device}. "
                          f"Drop --device or use --device cpu.")
     model, meta = load_model(args.checkpoint, args.device)
     if meta["model_kind"] != "gpt":
         raise SystemExit(f"generate: {args.checkpoint!r} holds a {meta['model_kind']!r} model; generate needs a GPT.")
     if args.quantize == "int8":
-        from ..train.deploy import quantize_int8, quantize_report
+        from ..train.deploy import quantize_model_int8, quantize_report
 
         tc = meta["train_config"]
         cfg = TrainConfig(**{k: v for k, v in tc.items() if k in TrainConfig.__dataclass_fields__})
         quantize_report(model, load_data(cfg.data), cfg, log=lambda m: print(m, file=sys.stderr))
-        model = quantize_int8(model)
+        model = quantize_model_int8(model)
     ids = encode(args.prompt)[None].to(args.device)
     sys.stdout.write(args.prompt)
     pending = b""

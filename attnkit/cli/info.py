@@ -146,7 +146,7 @@ def backend_table() -> str:
     rows, missing = [], []
     for row in backend_rows():
         c = row["capabilities"]
-        flags = [f for f in ("gqa", "dropout", "bias", "backward", "lse") if c[f]]
+        flags = [f for f in ("dropout", "bias", "backward", "lse") if c[f]]
         avail = row["avail"]
         if avail != "yes":  # the reason goes under the table: a table cell would wrap it into a column
             missing.append(f"  {row['name']}: {avail.removeprefix('no: ')}")

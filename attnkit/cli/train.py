@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     if results.get("history"):
         tail = results["history"][-10:]
         summary["train_loss_last10"] = sum(r["loss"] for r in tail) / len(tail)
-        summary["tokens_per_s_median"] = sorted(r["tokens_per_s"] for r in results["history"])[len(results["history"]) // 2]
+        rates = sorted(r["tokens_per_s"] for r in results["history"])
+        summary["tokens_per_s_median"] = rates[len(rates) // 2]
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(summary, indent=1))
     return 0

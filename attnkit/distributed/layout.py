@@ -21,14 +21,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._validate import check_int_at_least as _check_count
+
 __all__ = ["SequenceLayout"]
 
 Range = tuple[int, int]
-
-
-def _check_count(name: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}.")
 
 
 def _even_bounds(total: int, parts: int) -> list[int]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import re
 
-import torch
 from torch import Tensor
 
 from ._convert import activation, copy_state

@@ -33,8 +33,7 @@ Additive biases (ALiBi, relative positions) are not masks: pass them as ``bias=`
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor

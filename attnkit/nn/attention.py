@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from .._validate import check_bool, finite_float, positive_int
 from ..functional import attention
 from ..cache import LayerCache, StateCache
-from ..masks import Causal, Mask, as_mask
+from ..masks import Mask, as_mask
 from ..registry import get_backend
 from ..score_mods import ALiBi, RelativeBias, SoftCap
 from ..varlen import packed_positions, varlen_attention
@@ -39,7 +39,8 @@ class AttentionConfig:
     kv_dim: int | None = field(default=None, metadata={"help": "memory width for cross-attention"})
     backend: str = field(default="auto", metadata={"help": "attention backend name or 'auto'"})
     backend_options: object | None = field(default=None, metadata={"help": "the backend's Options dataclass"})
-    position: str = field(default="none", metadata={"help": "positions inside attention: 'none', 'rope', 'alibi' or 't5'"})
+    position: str = field(default="none",
+                          metadata={"help": "positions inside attention: 'none', 'rope', 'alibi' or 't5'"})
     rope_base: float = field(default=10000.0, metadata={"help": "RoPE frequency base"})
     rotary_dim: int | None = field(default=None, metadata={"help": "channels rotated by RoPE (default: head_dim)"})
     softcap: float | None = field(default=None, metadata={"help": "soft-cap the attention logits: c * tanh(s / c)"})

@@ -13,12 +13,13 @@ Parameter names (stable; the HF interop code maps onto them): ``self_attn`` (a
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._validate import finite_float
+from .._validate import check_int_at_least, finite_float
 from ..masks import Causal, Mask, SlidingWindow
 from .attention import AttentionConfig, MultiHeadAttention
 from .gated_delta import GatedDeltaNet
@@ -33,14 +34,6 @@ ACTIVATIONS = {
 }
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "t5", "none")
 LAYER_KINDS = {"a": "attention", "g": "gated_delta"}
-
-
-def _positive(name: str, value, allow_none: bool = False) -> None:
-    if allow_none and value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        expected = "a positive int or None" if allow_none else "a positive int"
-        raise ValueError(f"TransformerConfig.{name}: expected {expected}, got {value!r}.")
 
 
 @dataclass
@@ -74,7 +67,8 @@ class TransformerConfig:
     sliding_window: int | None = field(default=None, metadata={"help": "causal local attention: keys <= this far back"})
     rope_base: float = field(default=10000.0, metadata={"help": "RoPE frequency base"})
     rotary_dim: int | None = field(default=None, metadata={"help": "channels rotated by RoPE (default head_dim)"})
-    softcap: float | None = field(default=None, metadata={"help": "soft-cap attention logits: c * tanh(s / c) (Gemma-2)"})
+    softcap: float | None = field(default=None,
+                                  metadata={"help": "soft-cap attention logits: c * tanh(s / c) (Gemma-2)"})
     sinks: bool = field(default=False, metadata={"help": "a learned attention-sink logit per head (gpt-oss)"})
     initializer_range: float = field(default=0.02, metadata={"help": "std of the normal weight init"})
     layer_pattern: str = field(default="", metadata={
@@ -83,9 +77,9 @@ class TransformerConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "max_len", "embed_dim", "num_layers", "num_heads"):
-            _positive(name, getattr(self, name))
+            check_int_at_least(f"TransformerConfig.{name}", getattr(self, name))
         for name in ("num_kv_heads", "ffn_dim", "head_dim", "sliding_window", "rotary_dim"):
-            _positive(name, getattr(self, name), allow_none=True)
+            check_int_at_least(f"TransformerConfig.{name}", getattr(self, name), allow_none=True)
         if self.activation not in ACTIVATIONS:
             raise ValueError(
                 f"TransformerConfig.activation: expected one of {sorted(ACTIVATIONS)}, got {self.activation!r}."
@@ -124,9 +118,16 @@ class TransformerConfig:
         return POSITIONS
 
     @property
-    def hidden_dim(self) -> int:
-        """The feed-forward width (``ffn_dim`` or ``4 * embed_dim``)."""
+    def ffn_width(self) -> int:
+        """The feed-forward width in use: ``ffn_dim``, or ``4 * embed_dim`` when that is None."""
         return self.ffn_dim or 4 * self.embed_dim
+
+    @property
+    def hidden_dim(self) -> int:
+        """Deprecated name of :attr:`ffn_width` (``LSTMConfig.hidden_dim`` is the LSTM state width)."""
+        warnings.warn("TransformerConfig.hidden_dim is renamed ffn_width (LSTMConfig.hidden_dim is the LSTM state "
+                      "width); the old name will be removed.", DeprecationWarning, stacklevel=2)
+        return self.ffn_width
 
     def attention_config(self, cross: bool = False) -> AttentionConfig:
         """The :class:`AttentionConfig` of a self- (or cross-) attention layer of this model."""
@@ -155,7 +156,7 @@ class FeedForward(nn.Module):
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
-        E, hidden = config.embed_dim, config.hidden_dim
+        E, hidden = config.embed_dim, config.ffn_width
         self.fc1 = nn.Linear(E, hidden, bias=config.bias)
         self.fc_gate = nn.Linear(E, hidden, bias=config.bias) if config.gated else None
         self.fc2 = nn.Linear(hidden, E, bias=config.bias)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from .._validate import padding_mask
 from ..cache import KVCache, PagedKVCache, SlidingWindowLayerCache, StateCache
 from ..generation import GenerationMixin
 from ..masks import Mask, Padding, as_mask
@@ -46,20 +47,6 @@ def positions_from_attention_mask(attention_mask: Tensor, length: int) -> Tensor
     (``cumsum(attention_mask) - 1``, clamped at 0 on padding), so left padding does not shift them."""
     positions = attention_mask.long().cumsum(-1) - 1
     return positions.clamp(min=0)[:, -length:]
-
-
-def _check_attention_mask(attention_mask, batch: int, length: int, what: str) -> Tensor:
-    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 or attention_mask.dtype.is_floating_point:
-        raise TypeError(
-            f"attention_mask: expected an integer or bool tensor (B, T) with 1 = token, 0 = padding, got "
-            f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)} "
-            f"{tuple(getattr(attention_mask, 'shape', ()))}."
-        )
-    if attention_mask.shape != (batch, length):
-        raise ValueError(
-            f"attention_mask: expected shape (B, {what}) = ({batch}, {length}), got {tuple(attention_mask.shape)}."
-        )
-    return attention_mask.bool()
 
 
 def _and(a: Mask | None, b) -> Mask | None:
@@ -140,7 +127,7 @@ class Encoder(PretrainedModel, nn.Module):
             positions = torch.arange(T, device=device)
         full_mask = _and(None, mask)
         if attention_mask is not None:
-            valid = _check_attention_mask(attention_mask, B, T, "T")
+            valid = padding_mask(attention_mask, B, T, "T")
             # no padding, no mask: backends keep their unmasked fast path (as HF); traced, the host does
             # not look (a Padding that keeps every key is the same attention)
             if torch.compiler.is_compiling() or not bool(valid.all()):
@@ -206,7 +193,7 @@ class _CausalStack(PretrainedModel, nn.Module):
                 positions = packed_positions(cu_seqlens, T, start)[None]  # (1, total)
         if attention_mask is not None:
             past = cache.seq_len if cache is not None else 0
-            valid = _check_attention_mask(attention_mask, B, past + T, "past + T")
+            valid = padding_mask(attention_mask, B, past + T, "past + T")
             mask = mask & Padding(valid)
             if positions is None:
                 positions = positions_from_attention_mask(attention_mask, T)

@@ -15,8 +15,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
@@ -27,8 +25,6 @@ __all__ = [
     "SinusoidalPositionalEmbedding",
     "LearnedPositionalEmbedding",
     "RotaryEmbedding",
-    "alibi_slopes",
-    "alibi_bias",
     "sinusoidal_2d",
 ]
 
@@ -98,7 +94,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, *, base: float = 10000.0, rotary_dim: int | None = None):
         super().__init__()
-        finite_float(base, "base", low=0.0, low_inclusive=False, owner="RotaryEmbedding", fix="RoPE's usual base is 10000.0")
+        finite_float(base, "base", low=0.0, low_inclusive=False, owner="RotaryEmbedding",
+                     fix="RoPE's usual base is 10000.0")
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
             raise ValueError(

@@ -30,6 +30,10 @@ from pathlib import Path
 
 import torch
 
+from ..io.checkpoints import load_checkpoint
+from ..io.files import atomic_write, atomic_write_text, read_json
+from ..io.weights import (CheckpointError, check_finite_weights, load_model_weights, model_from_header, read_header,
+                          require_safetensors)
 from .layers import TransformerConfig
 
 __all__ = ["PretrainedModel", "save_pretrained", "load_pretrained", "config_from_dict", "FORMAT_VERSION",
@@ -89,17 +93,9 @@ def config_from_dict(cls: type, values: dict):
     return cls(**{k: v for k, v in values.items() if k in names})
 
 
-def _safetensors():
-    from ..interop._deps import require
-
-    return require("safetensors.torch", "save_pretrained / from_pretrained")
-
-
 def save_pretrained(model: torch.nn.Module, directory: str | os.PathLike) -> Path:
     """Write ``model.safetensors`` and ``config.json`` for an attnkit model (``GPT``, ``Encoder``, ...)."""
-    st = _safetensors()
-    from ..train.files import atomic_write, atomic_write_text
-
+    st = require_safetensors()
     config = getattr(model, "config", None)
     if config is None or not dataclasses.is_dataclass(config) or type(model).__name__ not in _MODELS:
         raise TypeError(
@@ -122,14 +118,10 @@ def save_pretrained(model: torch.nn.Module, directory: str | os.PathLike) -> Pat
 
 
 def _fail(path, problem: str) -> ValueError:
-    from ..train.checkpoint import CheckpointError
-
     return CheckpointError(f"load_pretrained: {path}: {problem}. Fix: {_FIX}.")
 
 
 def _read_config(config_file: Path) -> dict:
-    from ..train.files import read_json
-
     meta = read_json(config_file, limit_bytes=CONFIG_LIMIT_BYTES, fix=_FIX + ".")
     if not isinstance(meta, dict) or meta.get("format") != "attnkit" or meta.get("version") != FORMAT_VERSION:
         got = meta if not isinstance(meta, dict) else {k: meta.get(k) for k in ("format", "version")}
@@ -151,19 +143,6 @@ def _read_config(config_file: Path) -> dict:
     return meta
 
 
-def _header(weights: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``{name: (shape, dtype)}`` from a safetensors header, without reading the tensors."""
-    from safetensors import safe_open
-
-    if os.path.islink(weights) or not weights.is_file():
-        raise _fail(weights, "missing, or not a regular file")
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
-    except Exception as exc:  # safetensors' own SafetensorError, OSError, ...
-        raise _fail(weights, f"not a readable safetensors file ({type(exc).__name__}: {exc})") from None
-
-
 def _builder(meta: dict):
     def build():
         fields = dict(meta["config"])
@@ -181,8 +160,6 @@ def _builder(meta: dict):
 
 def _load_run(path: Path, map_location: str) -> torch.nn.Module:
     """The GPT of a training run directory or checkpoint (an LSTM baseline is not an attnkit model)."""
-    from ..train.checkpoint import load_checkpoint, load_model_weights, model_from_header
-
     meta, weights, _ = load_checkpoint(str(path))
     if meta["model_kind"] != "gpt":
         raise TypeError(f"load_pretrained: {path} is a run of the {meta['model_kind']!r} baseline, not an attnkit "
@@ -196,9 +173,7 @@ def _load_run(path: Path, map_location: str) -> torch.nn.Module:
 def load_pretrained(directory: str | os.PathLike, *, map_location: str = "cpu") -> torch.nn.Module:
     """Rebuild the model saved by :func:`save_pretrained` (eval mode, same dtype as saved), or the
     GPT of a training run directory / checkpoint. Refusals are ``ValueError`` naming the file."""
-    st = _safetensors()
-    from ..train.checkpoint import check_finite_weights, model_from_header
-
+    st = require_safetensors()
     directory = Path(directory)
     config_file = directory / "config.json"
     if not os.path.lexists(config_file):
@@ -207,7 +182,7 @@ def load_pretrained(directory: str | os.PathLike, *, map_location: str = "cpu") 
         raise FileNotFoundError(f"load_pretrained: {config_file} not found. Fix: {_FIX}.")
     meta = _read_config(config_file)
     weights = directory / "model.safetensors"
-    header = _header(weights)
+    header = read_header(weights, fix=_FIX)
     dtypes = {dtype for _, dtype in header.values()}
     if len(dtypes) > 1:
         raise _fail(weights, f"tensors of several dtypes {sorted(dtypes)}; save_pretrained stores one")

@@ -28,7 +28,8 @@ class TrainConfig:
                                                              "its checkpoints, metrics and results"})
     model: str = field(default="gpt", metadata={"help": "'gpt' or 'lstm' (baseline)"})
     steps: int = field(default=300, metadata={"help": "optimizer steps to train to"})
-    batch_size: int = field(default=16, metadata={"help": "global batch in sequences (all processes, all micro-batches)"})
+    batch_size: int = field(default=16,
+                            metadata={"help": "global batch in sequences (all processes, all micro-batches)"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     seq_len: int = field(default=128, metadata={"help": "tokens per sequence (text data)"})
     lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})

@@ -12,10 +12,10 @@ from torch.utils import benchmark
 from .evaluate import evaluate
 from .modeling import model_bytes
 
-__all__ = ["quantize_int8", "quantize_report"]
+__all__ = ["quantize_model_int8", "quantize_report", "quantize_int8"]
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
+def quantize_model_int8(model: nn.Module) -> nn.Module:
     """A CPU copy of ``model`` whose ``nn.Linear`` layers run int8 weights with dynamically quantized
     activations (``torch.ao.quantization.quantize_dynamic``); embeddings and norms stay float."""
     from torch.ao.quantization import quantize_dynamic
@@ -26,12 +26,20 @@ def quantize_int8(model: nn.Module) -> nn.Module:
         return quantize_dynamic(float_model, {nn.Linear}, dtype=torch.qint8)
 
 
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """Deprecated name of :func:`quantize_model_int8` (``attnkit.cache.quantize_int8`` quantizes K/V
+    tensors, not a model)."""
+    warnings.warn("attnkit.train.deploy.quantize_int8 is renamed quantize_model_int8 (attnkit.cache.quantize_int8 "
+                  "is the K/V tensor quantizer); the old name will be removed.", DeprecationWarning, stacklevel=2)
+    return quantize_model_int8(model)
+
+
 def quantize_report(model: nn.Module, data, cfg, log=print, repeats: int = 3) -> dict:
     """Eval loss and forward time of the float model vs its int8 version on CPU (same batch, interleaved)."""
     from dataclasses import replace
 
     fp = copy.deepcopy(model).float().cpu().eval()
-    q = quantize_int8(fp)
+    q = quantize_model_int8(fp)
     cpu_cfg = replace(cfg, precision="fp32", device="cpu")
     loss_fp = evaluate(fp, data, cpu_cfg, device=torch.device("cpu"))["loss"]
     loss_q = evaluate(q, data, cpu_cfg, device=torch.device("cpu"))["loss"]

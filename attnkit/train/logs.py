@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from .distributed import DistContext
-from .files import atomic_write
+from ..io.files import atomic_write
 
 __all__ = ["RunLog", "plot_loss_curve"]
 

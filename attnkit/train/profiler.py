@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from .files import atomic_write
+from ..io.files import atomic_write
 
 __all__ = ["start_profiler", "finish_profiler"]
 

@@ -3,7 +3,7 @@
 A new run goes into an empty (or absent) ``--out``; a non-empty one is refused unless the user
 asks to ``--overwrite`` it (which removes attnkit's own files there, nothing else) or to
 ``--resume`` it (offered only when it holds a checkpoint). A new run that fails before its first
-checkpoint leaves nothing behind. Every file is written through :mod:`attnkit.train.files`, so a
+checkpoint leaves nothing behind. Every file is written through :mod:`attnkit.io.files`, so a
 symbolic link planted in the directory is replaced, never written through.
 """
 
@@ -14,7 +14,7 @@ import os
 import shutil
 
 from .checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_names, newest_checkpoint
-from .files import append_line, atomic_write_text, remove_stale_temporaries
+from ..io.files import append_line, atomic_write_text, remove_stale_temporaries
 
 __all__ = ["prepare_new_run", "discard_failed_start", "same_directory", "write_metrics", "append_metric",
            "write_results",
@@ -58,7 +58,7 @@ def prepare_new_run(out: str, overwrite: bool) -> None:
         except CheckpointError:
             resumable = False
         fix = (f"--resume {out} to continue that run, --overwrite to replace it, or another --out" if resumable
-               else f"it holds no checkpoint to resume: --overwrite to replace its files, or another --out")
+               else "it holds no checkpoint to resume: --overwrite to replace its files, or another --out")
         raise ValueError(f"out: {out!r} is not empty ({shown}). Fix: {fix}.")
     _remove_run_files(out, present)
 

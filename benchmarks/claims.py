@@ -1,4 +1,5 @@
-"""Textbook rules of thumb about attention, measured here (each also has a script under ``benchmarks/``).
+"""Textbook rules of thumb about attention, measured here (research beside attnkit, not part of it:
+each has a script ``benchmarks/claim_*.py`` that runs it and prints its table).
 
 1. ``scaling``: scores ``q·k`` of unit-variance vectors have variance ``d_k``; dividing by ``√d_k``
    brings it to ~1, while unscaled scores saturate the softmax (max weight -> 1) and the gradient
@@ -16,9 +17,9 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from .memory import PeakMemory
+from attnkit.bench.memory import PeakMemory
 
-__all__ = ["scaling", "score_memory", "boundaries", "multihead", "claims_markdown"]
+__all__ = ["scaling", "score_memory", "boundaries", "multihead"]
 
 
 def scaling(dims: tuple[int, ...] = (16, 64, 256, 1024), n: int = 256, seed: int = 0) -> list[dict]:
@@ -85,7 +86,8 @@ def multihead(lengths: tuple[int, ...] = (1024, 2048), width: int = 512, heads: 
 
 # The rule of thumb mapped onto attnkit backends: "standard" is the materialized softmax (naive),
 # "flash" the fused/tiled exact kernels, "sparse" the structured-sparsity backends.
-FAMILIES = {"naive": "standard", "sdpa": "flash", "tiled": "flash", "sliding_window": "sparse", "block_sparse": "sparse"}
+FAMILIES = {"naive": "standard", "sdpa": "flash", "tiled": "flash", "sliding_window": "sparse",
+            "block_sparse": "sparse"}
 
 
 def boundaries(crossover_points: dict) -> list[dict]:
@@ -99,37 +101,3 @@ def boundaries(crossover_points: dict) -> list[dict]:
         rows.append({"dtype": dtype, "passes": passes, "mask": mask, "families": seen,
                      "lengths": [n for n, _ in fam]})
     return rows
-
-
-def claims_markdown(scale_rows, memory_row, multi_rows, boundary_rows) -> str:
-    lines = ["**1. √d_k scaling** (q, k, v ~ N(0, 1), n = 256; `benchmarks/claim_scaling.py`)", "",
-             "| d_k | scaled | score variance | mean max weight | rows with max weight > 0.99 | median ‖softmax Jacobian‖ | "
-             "‖∂loss/∂scores‖ | ‖∂loss/∂q‖ |", "|---|---|---|---|---|---|---|---|"]
-    for r in scale_rows:
-        lines.append(f"| {r['d_k']} | {'1/√d_k' if r['scaled'] else 'none'} | {r['score_var']:.2f} | "
-                     f"{r['mean_max_weight']:.3f} | {r['saturated_rows']:.0%} | {r['median_softmax_jacobian']:.3g} | "
-                     f"{r['grad_norm_scores']:.3g} | {r['grad_norm_q']:.3g} |")
-    lines += ["", "Unscaled, the score variance grows as d_k and rows saturate: the softmax Jacobian of a saturated row "
-              "is ~0, so no gradient flows through it, while ‖∂loss/∂q‖ of the rows that do not saturate grows as "
-              "√d_k (large, erratic steps). Scaled, the variance stays ~1 and no row saturates."]
-    m = memory_row
-    measured = "not measurable here" if m["measured_bytes"] is None else f"{m['measured_bytes'] / 2**20:.0f} MiB measured"
-    extra = "" if m["n"] == 16384 or m["measured_bytes"] is None else (
-        f", i.e. {m['extrapolated_to_16384_bytes'] / 2**30:.2f} GiB extrapolated to n = 16384 (x(16384/{m['n']})²)")
-    lines += ["", f"**2. One fp32 score matrix** at n = {m['n']}: predicted {m['predicted_bytes'] / 2**20:.0f} MiB, "
-              f"{measured} ({m['method']}){extra}. At n = 16384: 16384² · 4 B = {16384**2 * 4 / 1e9:.2f} GB = 1 GiB. "
-              "`benchmarks/claim_score_memory.py` measures n = 16384 directly.", "",
-              "**3. Boundaries vs the textbook rule of thumb** (standard < 4k ≤ flash < 32k ≤ sparse; here: fastest exact "
-              "family per length; `benchmarks/claim_boundaries.py`)", ""]
-    for r in boundary_rows:
-        lines.append(f"* {r['dtype']} {r['passes']} {r['mask']}: {r['families']} (measured n = {r['lengths']})")
-    lines += ["", "**4. Multi-head vs single-head at equal width** (SDPA forward, interleaved; "
-              "`benchmarks/claim_multihead.py`)", "", "| n | width | heads | multi ms | single ms | single/multi |",
-              "|---|---|---|---|---|---|"]
-    for r in multi_rows:
-        lines.append(f"| {r['n']} | {r['width']} | {r['heads']} | {r['multi_s'] * 1e3:.3g} | {r['single_s'] * 1e3:.3g} | "
-                     f"{r['single_over_multi']:.2f} |")
-    lines.append("")
-    lines.append("Equal width means equal FLOPs for Q·Kᵀ and P·V (H · d_head = width), so a 3-5x gap would have to come "
-                 "from the kernel, not the arithmetic; the ratio above is what this machine shows.")
-    return "\n".join(lines)
