@@ -175,7 +175,7 @@ def native_precision_line() -> str | None:
     """Which path bfloat16/float16 inputs take in the native kernel here, and why (None: not built)."""
     from ..backends import native
 
-    if not native.Native.available():
+    if not native.NativeBackend.available():
         return None
     return "native kernel precision: " + "; ".join(native.half_tiles_note(d) for d in (torch.bfloat16, torch.float16))
 
@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     precision = native_precision_line()
     if precision:
-        print(precision + "\n")
+        print(wrap(precision) + "\n")
     if explanation is None:
         prog = getattr(args, "_prog", "attnkit")
         print(wrap(policy_line(prog)))
