@@ -285,6 +285,130 @@ def n_wrong_shape_mod(backend):
     return lambda: attnkit.attention(q, k, v, mask=mask, score_mod=mod, backend=backend)
 
 
+# -- context parallelism: two gloo processes ------------------------------------------------------
+CP_LIMIT_S = 45  # a hang shows as "no answer": far below gloo's 30-minute default timeout
+
+
+def _cp_rank(rank, port, job, results):
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(minutes=30))  # the default: the probe must not lean on it
+        results.put((rank, "ok", job(rank)))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which classifies
+        results.put((rank, type(exc).__name__, str(exc)))
+    import time
+
+    time.sleep(CP_LIMIT_S)  # a rank stays alive after its error (as a trainer's would); the parent ends it
+
+
+def _cp_run(job) -> dict:
+    """``{rank: (status, value)}`` of ``job(rank)`` on 2 spawned processes; ``_Timeout`` when a rank has
+    not answered within CP_LIMIT_S (the survivors are killed)."""
+    import multiprocessing as mp
+    import queue
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_cp_rank, args=(r, port, job, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    out, deadline = {}, time.monotonic() + CP_LIMIT_S
+    try:
+        while len(out) < 2:
+            rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            out[rank] = (status, value)
+    except queue.Empty:
+        raise _Timeout() from None
+    finally:
+        for p in procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return out
+
+
+def _cp_inputs(T=24):
+    q, k, v = qkv(B=2, H=2, T=T)
+    return q, k, v
+
+
+def _cp_job_custom(rank):
+    from attnkit.distributed import SequenceLayout, context_parallel_attention
+
+    q, k, v = _cp_inputs()
+    L = torch.tensor([7, 24])
+    mask = Custom(lambda b, h, qi, ki: (ki <= qi) & (ki < L[b]))
+    lay = SequenceLayout.zigzag(24, 2)
+    out = context_parallel_attention(*(lay.shard(t, rank) for t in (q, k, v)), mask=mask, layout=lay)
+    pos = torch.arange(24)
+    keep = (pos[None, :] <= pos[:, None])[None, None] & (pos < L[:, None])[:, None, None]
+    return close(out, lay.shard(reference(q, k, v, keep), rank))
+
+
+def _cp_job_rank_padding(rank):
+    from attnkit.distributed import context_parallel_attention
+
+    q, k, v = (t[:, :, 12 * rank:12 * rank + 12] for t in _cp_inputs())
+    return context_parallel_attention(q, k, v, mask=KeyPadding([20 - rank, 24]), strategy="ring").shape
+
+
+def _cp_job_raise(rank):
+    import time
+
+    import attnkit.distributed.ring as ring
+    from attnkit.distributed import context_parallel_attention
+
+    if rank == 1:  # the first block this rank computes fails (as an out-of-memory would)
+        def fail(*args, **kwargs):
+            raise RuntimeError("simulated out of memory")
+        ring.attention = fail
+    q, k, v = (t[:, :, 12 * rank:12 * rank + 12] for t in _cp_inputs())
+    t0 = time.monotonic()
+    try:
+        for _layer in range(2):  # a model goes on to its next layer's call
+            context_parallel_attention(q, k, v, mask=Causal(), strategy="ring")
+    except Exception as exc:  # noqa: BLE001
+        return (time.monotonic() - t0, str(exc))
+    return (time.monotonic() - t0, "returned")
+
+
+def p_cp_custom():
+    res = _cp_run(_cp_job_custom)
+    bad = [f"rank {r}: {s} {v}"[:110] for r, (s, v) in res.items() if s != "ok"]
+    if bad:
+        raise RuntimeError(bad[0])
+    return all(v for _, v in res.values())
+
+
+def n_cp_rank_padding():
+    res = _cp_run(_cp_job_rank_padding)
+    if all(s == "ok" for s, _ in res.values()):
+        return "accepted"
+    if all(s == "ValueError" for s, _ in res.values()):
+        raise ValueError(res[0][1])
+    raise RuntimeError(f"{res}"[:200])
+
+
+def p_cp_raising_rank():
+    res = _cp_run(_cp_job_raise)
+    if any(s != "ok" for s, _ in res.values()):
+        raise RuntimeError(f"{res}"[:200])
+    return all(v[1] != "returned" and "rank 1" in v[1] and "simulated out of memory" in v[1] for _, v in res.values())
+
+
 # -- nonsense: must be refused clearly ---------------------------------------------------------------
 def n_attention(**kwargs):
     q, k, v = qkv()
@@ -405,6 +529,9 @@ PROBES: list[tuple[str, str, object, str]] = [
     ("embed --max-length -1", "cli", cli("embed", "--max-length", "-1", "hello"), "max-length"),
     ("embed --max-length 0", "cli", cli("embed", "--max-length", "0", "hello"), "max-length"),
     ("generate --max-new-tokens 0", "cli", cli("generate", "--max-new-tokens", "0", "no-such-run"), "max-new-tokens"),
+    ("context parallel: Custom mask (2 ranks)", "value", p_cp_custom, ""),
+    ("context parallel: KeyPadding differs by rank", "reject", n_cp_rank_padding, "mask"),
+    ("context parallel: one rank raises in the ring", "value", p_cp_raising_rank, ""),
 ]
 
 

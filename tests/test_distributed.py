@@ -87,8 +87,10 @@ def run_group(world: int, fn, *args, pg_timeout: float = 30.0, join_timeout: flo
 # Equality with single-process attention(): every case runs inside one spawned group per world
 # size, so the processes start once; each rank checks its own slice and reports the errors.
 
-from attnkit import Causal, Document, KeyPadding, Padding, SlidingWindow, attention  # noqa: E402
-from attnkit.distributed import SequenceLayout, context_parallel_attention, explain_context_parallel  # noqa: E402
+from attnkit import Causal, Custom, Document, KeyPadding, Padding, SlidingWindow, attention  # noqa: E402
+from attnkit.distributed import (  # noqa: E402
+    ContextParallelError, SequenceLayout, context_parallel_attention, explain_context_parallel,
+)
 
 
 def _case_inputs(seed, B, Hq, Hkv, T, D, dtype):
@@ -112,6 +114,7 @@ def _cases(world):
     keep = torch.rand(T, T, generator=torch.Generator().manual_seed(3)) > 0.6
     uneven = [5, T - 5] if world == 2 else [3, 11, T - 20, 6]
     zig = SequenceLayout.zigzag(T, world)
+    lens = torch.tensor([T - 9, T])
     cases = {
         "dense": dict(mask=None),
         "causal": dict(mask=Causal()),
@@ -132,10 +135,16 @@ def _cases(world):
                                         strategy="ulysses"),
         "ulysses-uneven-window": dict(mask=SlidingWindow(5, 0), Hq=4, Hkv=world, lengths=uneven, strategy="ulysses"),
         "auto-falls-back-to-ring": dict(mask=Causal(), Hq=3, Hkv=3, strategy="auto"),
+        # Custom masks reading b and h (FlexAttention's contract): every batch row and head evaluated
+        "custom-batch-head": dict(mask=Custom(lambda b, h, qi, ki: (ki <= qi) & ((ki < lens[b]) | (h == 1))), B=2,
+                                  Hq=4, Hkv=2),
+        "custom-zigzag-auto": dict(mask=Custom(lambda b, h, qi, ki: (qi - ki).abs() <= 3 + b), layout=zig, B=2,
+                                   strategy="auto"),
     }
     if world == 4:  # the cases where more ranks change the plan (layouts, skipped steps, exchanges)
         keep = ("causal-zigzag", "causal-zigzag-gqa-f32", "window", "window-zigzag", "document-causal",
-                "padding-causal-fully-masked", "keypadding-nan-in-padding", "uneven", "uneven-implicit", "ulysses", "ulysses-zigzag-document", "ulysses-uneven-window")
+                "padding-causal-fully-masked", "keypadding-nan-in-padding", "uneven", "uneven-implicit", "ulysses",
+                "ulysses-zigzag-document", "ulysses-uneven-window", "custom-batch-head")
         cases = {name: cases[name] for name in keep}
     return cases
 
@@ -195,6 +204,7 @@ def test_two_ranks_equal_single_process():
     plan = reports[0]["auto-falls-back-to-ring"]["plan"]
     assert "ring" in plan and "Hq=3" in plan  # the fallback says why
     assert "ulysses" in reports[0]["ulysses"]["plan"]
+    assert "ring" in reports[0]["custom-zigzag-auto"]["plan"] and "per head" in reports[0]["custom-zigzag-auto"]["plan"]
 
 
 def test_four_ranks_equal_single_process_and_skip_empty_pairs():
@@ -223,28 +233,113 @@ def _failure_job(rank, world):
         seen["ulysses"] = "returned"
     except ValueError as exc:
         seen["ulysses"] = str(exc)
-    if rank == 1:
-        return seen  # rank 1 stops taking part: rank 0's next call must fail, not hang
+    # Masks and layouts that differ between ranks are refused on every rank (they would be silently wrong).
+    ids = torch.tensor([0] * 5 + [1] * 7)
+    differing = {
+        "rank_keypadding": dict(mask=KeyPadding([10 - rank])),  # a rank's own padding instead of the row's
+        "document_ids": dict(mask=Document(ids if rank == 0 else ids.flip(0)) & Causal()),
+        "mask_or_none": dict(mask=Causal() if rank == 0 else None),
+        "dense_content": dict(mask=torch.ones(12, 12, dtype=torch.bool).tril(-rank)),
+        "layout": dict(mask=Causal(), layout=SequenceLayout.zigzag(12, 2) if rank == 0
+                       else SequenceLayout.contiguous([6, 6])),
+        "custom_reads_rank": dict(mask=Custom(lambda b, h, qi, ki: ki <= qi + rank)),
+    }
+    for name, kwargs in differing.items():
+        try:
+            context_parallel_attention(q, k, v, strategy="ring", **kwargs)
+            seen[name] = "returned"
+        except ValueError as exc:
+            seen[name] = str(exc)
+    try:  # a Custom mask that raises on one rank while planning: both ranks stop
+        fail = rank == 1
+        context_parallel_attention(q, k, v, mask=Custom(lambda b, h, qi, ki: 1 / 0 if fail else ki <= qi))
+        seen["planning_error"] = "returned"
+    except (ValueError, ZeroDivisionError) as exc:
+        seen["planning_error"] = f"{type(exc).__name__}: {exc}"
+    if rank == 1:  # rank 1 stays alive but stops taking part: rank 0's next call must fail, not hang
+        import time
+
+        time.sleep(8)
+        return seen
+    os.environ["ATTNKIT_CP_TIMEOUT"] = "1.5"  # far below the process group's 60 s
     t0 = datetime.datetime.now()
     try:
         context_parallel_attention(q, k, v, mask=Causal())
         seen["missing_rank"] = "returned"
-    except Exception as exc:  # gloo reports the timeout or the closed connection
-        seen["missing_rank"] = type(exc).__name__
+    except ContextParallelError as exc:
+        seen["missing_rank"] = str(exc)
     seen["waited_s"] = (datetime.datetime.now() - t0).total_seconds()
     return seen
 
 
 def test_a_failing_rank_raises_on_every_rank():
-    results = run_group(2, _failure_job, pg_timeout=4.0, join_timeout=60)
+    results = run_group(2, _failure_job, pg_timeout=60.0, join_timeout=50)
     for rank, (status, value) in results.items():
         assert status == "ok", f"rank {rank}: {value}"
     assert "head dim" in results[1][1]["bad_input"]  # the rank with the bad input names the problem
     assert "rank(s) [1] rejected" in results[0][1]["bad_input"]  # the others say which rank failed
     for rank in (0, 1):
-        assert "Hq=3" in results[rank][1]["ulysses"] and "strategy='ring'" in results[rank][1]["ulysses"]
-    assert results[0][1]["missing_rank"] != "returned"
-    assert results[0][1]["waited_s"] < 30
+        seen = results[rank][1]
+        assert "Hq=3" in seen["ulysses"] and "strategy='ring'" in seen["ulysses"]
+        for name in ("rank_keypadding", "document_ids", "mask_or_none", "dense_content", "custom_reads_rank"):
+            assert seen[name].startswith("mask: the ranks of the group pass different values: rank(s) [1]"), name
+        assert seen["layout"].startswith("layout: the ranks of the group pass different values"), seen
+    assert results[1][1]["planning_error"].startswith("ZeroDivisionError")
+    assert "rank(s) [1] rejected" in results[0][1]["planning_error"]
+    assert "1.5 s" in results[0][1]["missing_rank"] and "ATTNKIT_CP_TIMEOUT" in results[0][1]["missing_rank"]
+    assert results[0][1]["waited_s"] < 6  # the timeout, not the process group's 60 s (rank 1 sleeps 8 s)
+
+
+def _raising_job(rank, world):
+    """Rank 1 fails inside the exchange (its attention blocks, or its backward tiles); every rank
+    must end each call with the error, without waiting for the process group's timeout."""
+    import time
+
+    from attnkit.distributed import ring
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(3)]
+    real_attention, real_backward = ring.attention, ring._pair_backward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated failure")
+
+    seen = {}
+    for name, strategy, layout, where in (("ring-forward", "ring", None, "attention"),
+                                          ("zigzag-forward", "ring", SequenceLayout.zigzag(16, 2), "attention"),
+                                          ("ring-backward", "ring", None, "_pair_backward"),
+                                          ("ulysses-forward", "ulysses", None, "attention"),
+                                          ("ulysses-backward", "ulysses", None, "_pair_backward")):
+        lay = layout or SequenceLayout.contiguous([8, 8])
+        local = [lay.shard(t, rank).clone().requires_grad_() for t in full]
+        if rank == 1:
+            setattr(ring, where, broken)
+        t0 = time.monotonic()
+        try:
+            for _layer in range(2):  # a model calls again for its next layer, then runs its backward
+                out = context_parallel_attention(*local, mask=Causal(), layout=layout, strategy=strategy)
+            out.sum().backward()
+            seen[name] = ("returned", time.monotonic() - t0)
+        except ContextParallelError as exc:
+            seen[name] = (str(exc), time.monotonic() - t0, exc.ranks)
+        finally:
+            ring.attention, ring._pair_backward = real_attention, real_backward
+    out = context_parallel_attention(*local, mask=Causal(), strategy="ring")  # the group still works
+    seen["after"] = float((out - lay.shard(attention(*full, mask=Causal()), rank)).abs().max())
+    return seen
+
+
+def test_a_rank_that_raises_inside_the_exchange_ends_every_rank_with_its_error():
+    results = run_group(2, _raising_job, pg_timeout=120.0, join_timeout=90)  # a hang: no report in time
+    for rank, (status, value) in results.items():
+        assert status == "ok", f"rank {rank}: {value}"
+    for rank, (_, seen) in results.items():
+        for name in ("ring-forward", "zigzag-forward", "ring-backward", "ulysses-forward", "ulysses-backward"):
+            message, waited, ranks = seen[name]
+            assert "failed on rank(s) [1]" in message and "simulated failure" in message, (rank, name, message)
+            assert ranks == (1,) and waited < 20, (rank, name, waited)
+        assert seen["after"] < 1e-12
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +384,8 @@ def test_one_rank_is_plain_attention(dtype):
 
 
 @pytest.mark.parametrize("mask", [Causal(), SlidingWindow(4, 2), Document(torch.tensor([0] * 9 + [1] * 28)) & Causal(),
-                                  "per-head"], ids=["causal", "window", "document-causal", "per-head-bool"])
+                                  "per-head", Custom(lambda b, h, qi, ki: (ki <= qi) & ((ki % 3 != b) | (h == 2)))],
+                         ids=["causal", "window", "document-causal", "per-head-bool", "custom-batch-head"])
 def test_backward_tiles_skip_empty_parts_and_stay_exact(monkeypatch, mask):
     from attnkit.distributed import ring
 
@@ -308,6 +404,21 @@ def test_backward_tiles_skip_empty_parts_and_stay_exact(monkeypatch, mask):
         assert (got - want).abs().max() < 1e-11
 
 
+def test_mask_digests_compare_content_not_identity():
+    T, sizes = 12, dict(batch_size=2, num_heads=2)
+    same = [(KeyPadding([5, 12]), KeyPadding(torch.tensor([5, 12]))),
+            (Document(torch.arange(T) // 4) & Causal(), Document(torch.arange(T) // 4) & Causal()),
+            (Custom(lambda b, h, qi, ki: ki <= qi), Custom(lambda b, h, qi, ki: qi >= ki))]
+    for a, b in same:
+        assert a.content_digest(T, T, **sizes) == b.content_digest(T, T, **sizes), (a, b)
+    differ = [(KeyPadding([5, 12]), KeyPadding([6, 12])), (Causal(), SlidingWindow(None, 1)),
+              (Causal() & KeyPadding([5, 12]), KeyPadding([5, 12]) | Causal()),
+              (Document(torch.arange(T) // 4), Document(torch.arange(T) // 3)),
+              (Custom(lambda b, h, qi, ki: ki <= qi), Custom(lambda b, h, qi, ki: (ki <= qi) & (ki < T - 1 - b)))]
+    for a, b in differ:
+        assert a.content_digest(T, T, **sizes) != b.content_digest(T, T, **sizes), (a, b)
+
+
 def test_bad_arguments_name_the_argument():
     q = k = v = torch.randn(1, 2, 8, 4)
     with pytest.raises(ValueError, match="strategy: expected one of"):
@@ -322,45 +433,63 @@ def test_bad_arguments_name_the_argument():
         context_parallel_attention(q, k, v, layout=SequenceLayout.zigzag(8, 2))
     with pytest.raises(ValueError, match="head dim"):
         context_parallel_attention(q, torch.randn(1, 2, 8, 3), v)
+    for bad in (0, -1, float("nan"), "soon"):
+        with pytest.raises(ValueError, match="timeout: expected a positive number of seconds"):
+            context_parallel_attention(q, k, v, timeout=bad)
 
 
 # ---------------------------------------------------------------------------------------------
 # Training: the same losses as one process on the whole batch.
 
 
-def _train_job(rank, world, out, text, model_overrides):
-    from attnkit.train import train
+def _train_job(rank, world, out, text, model_overrides, port):
+    import copy
+    from dataclasses import replace
 
-    from .train_helpers import tiny_gpt_config, tiny_train_config
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    cfg = tiny_train_config(out, data=text, steps=3, batch_size=4, seq_len=32, lr=1e-2, warmup_steps=1,
-                            context_parallel=2)
-    results = train(cfg, tiny_gpt_config(**model_overrides))
-    return [r["loss"] for r in results["history"]], results["data_parallel"]
-
-
-def test_context_parallel_training_matches_one_process(tmp_path):
-    """4 processes: 2 data-parallel replicas x 2 context-parallel ranks, grouped-query attention."""
-    pytest.importorskip("safetensors")
-    world, model = 4, {"num_kv_heads": 1}
     from attnkit.train import train
 
     from .train_helpers import read_losses, tiny_gpt_config, tiny_train_config
 
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    cfg = tiny_train_config(out, data=text, steps=3, batch_size=4, seq_len=32, lr=1e-2, warmup_steps=1,
+                            context_parallel=2, eval_every=2)
+    model_cfg = tiny_gpt_config(**model_overrides)
+    given = (copy.deepcopy(cfg), copy.deepcopy(model_cfg))
+    first = train(cfg, model_cfg, stop_at=2)  # the one loop: saved as an interruption would
+    unchanged = (cfg, model_cfg) == given  # the caller's configs are never mutated
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # the loop tore its group down
+    resumed = train(replace(cfg, resume=out))
+    return {"losses": [r["loss"] for r in resumed["history"]], "first": [r["loss"] for r in first["history"]],
+            "dp": resumed["data_parallel"], "peak": resumed["peak_rss_mb_per_rank"], "evals": resumed["evals"],
+            "unchanged": unchanged, "metrics": read_losses(out) if rank == 0 else None,
+            "steps": sorted(d for d in os.listdir(out) if d.startswith("step-")) if rank == 0 else None}
+
+
+def test_context_parallel_training_matches_one_process_and_resumes(tmp_path):
+    """4 processes: 2 data-parallel replicas x 2 context-parallel ranks, grouped-query attention,
+    stopped after step 2 and resumed through the same loop as one process."""
+    pytest.importorskip("safetensors")
+    world, model = 4, {"num_kv_heads": 1}
+    from attnkit.train import train
+
+    from .train_helpers import tiny_gpt_config, tiny_train_config
+
     text = tmp_path / "text.txt"
     text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(200)))
     single = train(tiny_train_config(tmp_path / "one", data=str(text), steps=3, batch_size=4, seq_len=32, lr=1e-2,
-                                     warmup_steps=1), tiny_gpt_config(**model))
+                                     warmup_steps=1, eval_every=2), tiny_gpt_config(**model))
     one = [r["loss"] for r in single["history"]]
-    results = run_group(world, _train_job, str(tmp_path / "cp"), str(text), model, join_timeout=120)
+    results = run_group(world, _train_job, str(tmp_path / "cp"), str(text), model, free_port(), join_timeout=150)
     for rank, (status, value) in results.items():
         assert status == "ok", f"rank {rank}: {value}"
-    for rank, (_, (losses, dp)) in results.items():
-        assert dp == world // 2
-        assert losses == pytest.approx(one, rel=1e-5), rank
+    for rank, (_, r) in results.items():
+        assert r["dp"] == world // 2 and len(r["peak"]) == world and r["unchanged"], (rank, r)
+        assert r["first"] == pytest.approx(one[:2], rel=1e-5), rank
+        assert r["losses"] == pytest.approx(one, rel=1e-5), rank
+        assert [e["loss"] for e in r["evals"]] == pytest.approx([e["loss"] for e in single["evals"]], rel=1e-5)
     assert one[-1] < one[0]  # it learns: the comparison is about training, not initialisation
-    assert read_losses(tmp_path / "cp") == pytest.approx(one, rel=1e-5)  # rank 0 wrote the metrics
+    assert results[0][1]["metrics"] == pytest.approx(one, rel=1e-5)  # rank 0 wrote the metrics, once per step
+    assert results[0][1]["steps"] == ["step-000002", "step-000003"]
 
 
 def test_context_parallel_flag_needs_torchrun(tmp_path, monkeypatch, capsys):

@@ -156,3 +156,25 @@ def test_decode_gqa_with_padding(backend):
     ref, _ = reference_attention(q, k, v, **kwargs)
     lowp, _ = reference_attention_lowp(q, k, v, **kwargs)
     assert flash_rule_ok(max_error(out, ref), max_error(lowp, ref), factor=2, dtype=torch.float32)
+
+
+def test_naive_bfloat16_gradients_over_many_queries_are_rounded_once():
+    """PyTorch's CPU SDPA test (bfloat16, 1030 queries, 17 keys, ``out.sum()``) holds gradients to
+    atol = rtol = 0.05; naive rounded ``P·V``'s backward ``dP = dO·Vᵀ`` to bfloat16, and with dO the
+    same for every query that rounding is the same for each of the ~1000 queries dK sums over:
+    dK drifted up to 8 bfloat16 steps (0.5 at 8.7). The reference computes in float32 and rounds
+    once, so every result and gradient is within a bfloat16 step (2**-8, relative) of float64."""
+    g = torch.Generator().manual_seed(0)
+    B, H, Tq, Tk, D = 4, 2, 900, 23, 16
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(DEVICE, torch.bfloat16) for n in (Tq, Tk, Tk))
+    mask = KeyPadding(torch.randint(1, Tk + 1, (B,), generator=g))
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*ref_in, mask=mask)[0]
+    ref.sum().backward()
+    lowp = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attnkit.attention(*lowp, mask=mask, backend="naive")
+    out.sum().backward()
+    for name, got, want in [("out", out.detach(), ref.detach())] + [
+            (f"d{n}", t.grad, r.grad) for n, t, r in zip("qkv", lowp, ref_in)]:
+        excess = (got.double() - want).abs() - 2 ** -8 * want.abs()
+        assert float(excess.max()) <= 1e-3, (name, float(excess.max()))

@@ -1,8 +1,10 @@
 """The reference backend: textbook attention on the materialized mask.
 
-``softmax(q kᵀ · scale + bias, masked) v`` with the scores and softmax in float32 (float64 for
-float64 inputs) and the matrix products in the input dtype (float16's ``q·kᵀ`` in float32, where
-it cannot overflow) — the semantics every other backend must equal. It supports everything: any
+``softmax(q kᵀ · scale + bias, masked) v`` computed in float32 (float64 for float64 inputs), the
+output rounded once to the input dtype — the semantics every other backend must equal. For float16
+and bfloat16 inputs both products run in float32, so the backward's ``dP = dO·Vᵀ`` and ``dS`` are
+never rounded to 8 bits before ``dK = dSᵀ·q`` sums them over every query (the fused kernels keep
+them in float32 too; rounded, dK over a thousand queries drifts ~8 bfloat16 steps). It supports everything: any
 mask, bias, dropout, GQA, offsets, the log-sum-exp and the attention weights, at O(Tq · Tk)
 memory. It keeps the NaN/Inf contract of ``attention()`` through :mod:`attnkit.backends.nonfinite`.
 """
@@ -38,13 +40,14 @@ def probabilities(inp: AttentionInputs) -> tuple[Tensor, Tensor, Tensor]:
     weights 0 and LSE ``-inf`` (never NaN, finite grads). NaN/Inf in q, K, V are the caller's
     (:mod:`attnkit.backends.nonfinite`, applied by ``attention()``).
 
-    float16 ``q·kᵀ`` runs in float32: its products overflow float16's range (65504) long before
-    the softmax would (inputs of 256.0 at D=80 give inf, then NaN); bfloat16 has float32's range."""
+    float16 and bfloat16 ``q·kᵀ`` run in float32 (float16's products overflow its range, 65504,
+    long before the softmax would: inputs of 256.0 at D=80 give inf, then NaN), and V comes back
+    in the accumulation dtype for ``P·V`` (see the module docstring)."""
     acc = torch.promote_types(inp.dtype, torch.float32)
     keep = inp.materialize_mask()
     q = inp.q
     k, v = inp.expand_kv()  # (B, Hq, Tk, D), (B, Hq, Tk, Dv)
-    if inp.dtype == torch.float16:
+    if inp.dtype in (torch.float16, torch.bfloat16):
         q, k = q.float(), k.float()
     scores = torch.matmul(q, k.transpose(-2, -1)).to(acc) * inp.scale  # (B, Hq, Tq, Tk)
     if inp.bias is not None:
@@ -56,7 +59,7 @@ def probabilities(inp: AttentionInputs) -> tuple[Tensor, Tensor, Tensor]:
         scores = scores.masked_fill(~keep, float("-inf"))
     sink = None if inp.sinks is None else inp.sinks.to(acc).view(1, -1, 1, 1)
     e, denom, lse = softmax_parts(scores, inplace=False, sink=sink)
-    return e / safe(denom), lse, v
+    return e / safe(denom), lse, v.to(acc)
 
 
 @register_backend
@@ -77,14 +80,15 @@ class NaiveBackend(Backend):
         poisoned = None
         if inp.dropout_p > 0:
             probs = F.dropout(probs, p=inp.dropout_p, training=True)
-        p = probs.to(inp.dtype)
+        p = probs
         if inp.dtype in (torch.float16, torch.bfloat16):
-            # CPU bfloat16 GEMMs can carry a NaN row of p into its neighbour (rows are packed in
-            # pairs for long inner dimensions): multiply finite rows only, set the others after.
+            # Some CPU GEMMs carry a NaN row of p into its neighbour (bfloat16 packs rows in pairs
+            # for long inner dimensions): multiply finite rows only, set the others after.
             nan_rows = ~finite_rows(probs)
             p = finite_values(p)
             poisoned = nan_rows if poisoned is None else poisoned | nan_rows
-        out, lse = poison_rows(torch.matmul(p, v), lse, poisoned)  # (B, Hq, Tq, Dv)
+        out = torch.matmul(p, v).to(inp.dtype)  # (B, Hq, Tq, Dv)
+        out, lse = poison_rows(out, lse, poisoned)
         result = (out, lse) if inp.return_lse else (out,)
         if options is not None and options.return_weights:
             result = result + (probs.to(inp.dtype),)

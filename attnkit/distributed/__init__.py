@@ -2,7 +2,8 @@
 (ring pass-KV and Ulysses all-to-all, forward and backward, gloo and NCCL)."""
 
 from .attention import STRATEGIES, ContextParallelPlan, context_parallel_attention, explain_context_parallel
+from .comm import TIMEOUT_ENV, ContextParallelError
 from .layout import SequenceLayout
 
 __all__ = ["context_parallel_attention", "explain_context_parallel", "ContextParallelPlan", "SequenceLayout",
-           "STRATEGIES"]
+           "STRATEGIES", "ContextParallelError", "TIMEOUT_ENV"]

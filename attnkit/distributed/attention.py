@@ -17,14 +17,15 @@ backward. Two strategies:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from ..inputs import AttentionInputs
 from ..masks import BlockStatus, Causal, Document, KeyPadding, Mask, Padding, SlidingWindow, as_mask
-from .comm import Ring, all_to_all_heads_to_seq, all_to_all_seq_to_heads, gather_descriptors
+from .comm import Ring, agree, gather_descriptors, heads_to_seq, resolve_timeout, seq_to_heads
 from .layout import SequenceLayout
 from .ring import BlockPair, RingPlan, ring_attention
 
@@ -84,6 +85,8 @@ class ContextParallelPlan:
     steps: int  # ring steps (1 = no K/V leaves its rank); Ulysses: 1
     pairs_computed: int  # (query segment, key segment) attention calls on this rank
     pairs_skipped: int  # pairs the mask leaves EMPTY (never computed)
+    #: this rank's non-EMPTY pairs at each of the ``steps`` ring steps (what the ring computes)
+    pairs: tuple[tuple[BlockPair, ...], ...] = field(default=(), repr=False, compare=False)
 
     def describe(self) -> str:
         head = f"context parallel over {self.world} rank(s), {self.layout.total_len} positions: {self.strategy}"
@@ -99,8 +102,8 @@ def _ulysses_reasons(Hq: int, Hkv: int, world: int, mask: Mask | None) -> list[s
     reasons = []
     if Hq % world or Hkv % world:
         reasons.append(f"Ulysses needs Hq and Hkv divisible by the {world} ranks, got Hq={Hq}, Hkv={Hkv}")
-    if mask is not None and mask.num_heads not in (None, 1):
-        reasons.append(f"Ulysses gives each rank a subset of heads, but the mask {mask!r} differs per head")
+    if mask is not None and mask.depends_on_head:
+        reasons.append(f"Ulysses gives each rank a subset of heads, but the mask {mask!r} may differ per head")
     return reasons
 
 
@@ -122,11 +125,14 @@ def _choose(strategy: str, Hq: int, Hkv: int, world: int, mask: Mask | None) -> 
     return "ulysses", f"auto: Hq={Hq} and Hkv={Hkv} divide over {world} ranks"
 
 
-def _pairs(layout: SequenceLayout, rank: int, src: int, mask: Mask | None) -> tuple[list[BlockPair], int]:
+def _pairs(layout: SequenceLayout, rank: int, src: int, mask: Mask | None, B: int, Hq: int
+           ) -> tuple[list[BlockPair], int]:
+    """The non-EMPTY (query segment of ``rank``, key segment of ``src``) pairs, and how many are EMPTY."""
     pairs, skipped = [], 0
     for q0, q1, a0, a1 in layout.local_ranges(rank):
         for k0, k1, b0, b1 in layout.local_ranges(src):
-            status = BlockStatus.FULL if mask is None else mask.block_status((a0, a1), (b0, b1))
+            status = (BlockStatus.FULL if mask is None
+                      else mask.block_status((a0, a1), (b0, b1), batch_size=B, num_heads=Hq))
             if status is BlockStatus.EMPTY:
                 skipped += 1
             else:
@@ -160,6 +166,7 @@ def context_parallel_attention(
     backend: str = "auto",
     options=None,
     return_lse: bool = False,
+    timeout=None,
 ):
     """Exact attention over a sequence split across the ranks of ``group``.
 
@@ -168,7 +175,9 @@ def context_parallel_attention(
             ``(B, Hkv, T_local, Dv)``: the positions ``layout.positions(rank)`` of the sequence.
         mask: over absolute positions ``0 .. T-1`` of the whole sequence, the same on every rank
             (``Causal()``, ``SlidingWindow``, ``Document(ids)`` with ids for all ``T`` positions,
-            ``Padding``, combinations, or a bool tensor ``(.., T, T)`` for the whole sequence).
+            ``KeyPadding`` with every row's length, ``Padding``, ``Custom``, combinations, or a
+            bool tensor ``(.., T, T)`` for the whole sequence). The ranks compare their masks
+            (:meth:`~attnkit.masks.Mask.content_digest`) and layouts, and refuse to run when they differ.
         group: the ``torch.distributed`` process group holding the sequence (``None``: the default
             group; without an initialized group, one rank).
         layout: which positions each rank holds; ``None`` = contiguous slices in rank order, with
@@ -178,33 +187,58 @@ def context_parallel_attention(
             (it must return the LSE, e.g. ``"tiled"`` or ``"naive"``; ``"auto"`` picks one).
         return_lse: also return the log-sum-exp ``(B, Hq, T_local)`` (``-inf`` for rows that
             see no key); it is differentiable.
+        timeout: seconds (or a ``timedelta``) any wait for a peer may last before this rank raises
+            :class:`~attnkit.distributed.ContextParallelError`; ``None``: the environment variable
+            ``ATTNKIT_CP_TIMEOUT`` (seconds) if set, else the process group's timeout.
 
     Returns:
         ``out (B, Hq, T_local, Dv)`` in q's dtype (rows that see no key are 0), or ``(out, lse)``.
 
     Every rank must call it with the same mask, layout and strategy. Input errors found on one
-    rank raise on every rank (a collective runs before any transfer); the process group's
-    ``timeout`` bounds the wait for a rank that died.
+    rank raise on every rank (collectives run before any transfer). A rank that fails during the
+    exchange (forward or backward) keeps exchanging to the end of the pass, then every rank raises
+    :class:`~attnkit.distributed.ContextParallelError` naming that rank and its exception; a rank
+    that stops taking part altogether is bounded by ``timeout``.
     """
-    plan, ring, mask, scale = _plan(q, k, v, mask, group, layout, strategy, scale, dropout_p)
+    plan, ring, mask, scale = _plan(q, k, v, mask, group, layout, strategy, scale, dropout_p, timeout)
     if plan.strategy == "ulysses":
-        out, lse = _ulysses(q, k, v, plan, ring, mask, scale, backend, options)
+        out, lse = _Ulysses.apply(q, k, v, plan, ring, mask, scale, backend, options)
     else:
         out, lse = ring_attention(q, k, v, _ring_plan(plan, ring, mask, scale, backend, options))
     return (out, lse) if return_lse else out
 
 
 def explain_context_parallel(q: Tensor, k: Tensor, v: Tensor, *, mask=None, group=None,
-                             layout: SequenceLayout | None = None, strategy: str = "auto") -> str:
+                             layout: SequenceLayout | None = None, strategy: str = "auto", timeout=None) -> str:
     """The plan :func:`context_parallel_attention` follows for these inputs, in words (a
     collective: call it on every rank)."""
-    return _plan(q, k, v, mask, group, layout, strategy, None, 0.0)[0].describe()
+    return _plan(q, k, v, mask, group, layout, strategy, None, 0.0, timeout)[0].describe()
 
 
-def _plan(q, k, v, mask, group, layout, strategy, scale, dropout_p):
+def _exchange(ring: Ring, error: BaseException | None, values: list[int]) -> list[list[int]]:
+    """Every rank's ``values`` after every rank's check: raises this rank's ``error``, or a
+    ValueError naming the ranks that had one (so none goes on to wait for them)."""
+    everyone = gather_descriptors(ring, [0 if error is not None else 1] + values)
+    if error is not None:
+        raise error
+    failed = [r for r, d in enumerate(everyone) if d[0] == 0]
+    if failed:
+        raise ValueError(f"context_parallel_attention: rank(s) {failed} rejected their inputs (their own error "
+                         "says why); every rank stops instead of waiting for them.")
+    return [d[1:] for d in everyone]
+
+
+def _digest_ints(text: str) -> list[int]:
+    """Four non-negative int63s of a string's SHA-256 (to travel in a long tensor)."""
+    raw = hashlib.sha256(text.encode()).digest()
+    return [int.from_bytes(raw[8 * i:8 * i + 8], "little") >> 1 for i in range(4)]
+
+
+def _plan(q, k, v, mask, group, layout, strategy, scale, dropout_p, timeout):
     ring = Ring(group)
     error = None
     try:
+        ring.timeout = resolve_timeout(timeout)
         inp = _check_local(q, k, v, dropout_p)
         B, Hq, Hkv, T = inp.B, inp.Hq, inp.Hkv, inp.Tq
         if layout is not None:
@@ -218,75 +252,122 @@ def _plan(q, k, v, mask, group, layout, strategy, scale, dropout_p):
                                  f"{layout.local_len(ring.rank)}. Fix: pass layout.shard(x, rank) of the full tensors.")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}.")
-        mine = [1, B, Hq, Hkv, inp.D, inp.Dv, T, _DTYPE_CODES[inp.dtype], STRATEGIES.index(strategy)]
+        mine = [B, Hq, Hkv, inp.D, inp.Dv, T, _DTYPE_CODES[inp.dtype], STRATEGIES.index(strategy)]
     except (TypeError, ValueError) as exc:
-        error, mine = exc, [0] + [0] * 8
-    everyone = gather_descriptors(ring, mine)
-    if error is not None:
-        raise error
-    failed = [r for r, d in enumerate(everyone) if d[0] == 0]
-    if failed:
-        raise ValueError(f"context_parallel_attention: rank(s) {failed} rejected their inputs (their own error "
-                         "says why); every rank stops instead of waiting for them.")
-    differ = [r for r, d in enumerate(everyone) if d[1:6] + d[7:] != mine[1:6] + mine[7:]]
+        error, mine = exc, [0] * 8
+    everyone = _exchange(ring, error, mine)
+    same = lambda d: d[:5] + d[6:]  # noqa: E731 - all but this rank's length
+    differ = [r for r, d in enumerate(everyone) if same(d) != same(mine)]
     if differ:
         raise ValueError(
             f"context_parallel_attention: ranks disagree on (B, Hq, Hkv, D, Dv, dtype, strategy): rank {ring.rank} has "
-            f"{mine[1:6] + mine[7:]}, rank(s) {differ} have {[everyone[r][1:6] + everyone[r][7:] for r in differ]}. "
+            f"{same(mine)}, rank(s) {differ} have {[same(everyone[r]) for r in differ]}. "
             "Fix: every rank passes its slice of the same q, k, v."
         )
-    lengths = [d[6] for d in everyone]
-    if layout is None:
-        layout = SequenceLayout.contiguous(lengths)
-    Tfull = layout.total_len
-    if mask is not None:
-        mask = as_mask(mask, "mask")
-        mask.validate(B, Hq, Tfull, Tfull, 0, 0)
-    chosen, reason = _choose(strategy, Hq, Hkv, ring.world, mask)
-    computed = skipped = 0
-    steps = 1
-    if chosen == "ring":
-        steps = _ring_steps(layout, mask)
-        for s in range(ring.world):
-            pairs, skip = _pairs(layout, ring.rank, (ring.rank - s) % ring.world, mask)
-            computed, skipped = computed + len(pairs), skipped + skip
-    plan = ContextParallelPlan(chosen, reason, ring.world, layout, steps, computed, skipped)
+    # The mask and the layout: checked and planned on every rank, then compared. Any failure here
+    # (a Custom mask's function raising included) is exchanged before a single block moves.
+    plan = error = None
+    digests = [0] * 8
+    try:
+        if layout is None:
+            layout = SequenceLayout.contiguous([d[5] for d in everyone])
+        Tfull = layout.total_len
+        if mask is not None:
+            mask = as_mask(mask, "mask")
+            mask.validate(B, Hq, Tfull, Tfull, 0, 0)
+        chosen, reason = _choose(strategy, Hq, Hkv, ring.world, mask)
+        pairs, steps, computed, skipped = (), 1, 0, 0
+        if chosen == "ring":
+            pairs, steps, computed, skipped = _ring_pairs(layout, ring.rank, mask, B, Hq)
+        plan = ContextParallelPlan(chosen, reason, ring.world, layout, steps, computed, skipped, pairs)
+        mask_digest = "none" if mask is None else mask.content_digest(Tfull, Tfull, batch_size=B, num_heads=Hq)
+        digests = _digest_ints(mask_digest) + _digest_ints(repr(layout.segments))
+    except Exception as exc:  # noqa: BLE001 - exchanged, then raised on this rank by _exchange
+        error = exc
+    everyone = _exchange(ring, error, digests)
+    for what, part, fix in (
+        ("mask", slice(0, 4), "every rank passes the same mask over the whole sequence (a KeyPadding with "
+                              "every row's length, a Document with every position's id, not this rank's own)"),
+        ("layout", slice(4, 8), "every rank passes the same SequenceLayout (or None on every rank)"),
+    ):
+        differ = [r for r, d in enumerate(everyone) if d[part] != everyone[0][part]]
+        if differ:
+            raise ValueError(f"{what}: the ranks of the group pass different values: rank(s) {differ} differ from "
+                             f"rank 0 (this is rank {ring.rank}, with {mask if what == 'mask' else layout!r}). "
+                             f"Fix: {fix}.")
     return plan, ring, mask, inp.scale if scale is None else scale
 
 
-def _ring_steps(layout: SequenceLayout, mask: Mask | None) -> int:
-    """1 + the last ring step at which any rank has a non-EMPTY pair (the same on every rank)."""
+def _ring_pairs(layout: SequenceLayout, rank: int, mask: Mask | None, B: int, Hq: int):
+    """``(pairs, steps, computed, skipped)``: this rank's non-EMPTY pairs at each ring step up to
+    the last step at which any rank has one (the same ``steps`` on every rank)."""
     P = layout.world
-    for s in range(P - 1, 0, -1):
-        if any(_pairs(layout, r, (r - s) % P, mask)[0] for r in range(P)):
-            return s + 1
-    return 1
+    table = [[_pairs(layout, r, (r - s) % P, mask, B, Hq) for s in range(P)] for r in range(P)]
+    steps = 1 + max((s for s in range(P) for r in range(P) if table[r][s][0]), default=0)
+    mine = table[rank]
+    return (tuple(tuple(mine[s][0]) for s in range(steps)), steps, sum(len(p) for p, _ in mine),
+            sum(n for _, n in mine))
 
 
 def _ring_plan(plan: ContextParallelPlan, ring: Ring, mask, scale, backend, options) -> RingPlan:
     P, rank = ring.world, ring.rank
-    steps = tuple(tuple(_pairs(plan.layout, rank, (rank - s) % P, mask)[0]) for s in range(plan.steps))
+    steps = plan.pairs
     lengths = tuple(plan.layout.local_len((rank - s) % P) for s in range(plan.steps))
     block_mask = mask if mask is None or type(mask) in _POSITIONAL else _SequenceFrame(mask)
     return RingPlan(ring, plan.steps, steps, lengths, mask, block_mask, scale, backend, options)
 
 
-def _ulysses(q, k, v, plan: ContextParallelPlan, ring: Ring, mask, scale, backend, options):
+class _Ulysses(torch.autograd.Function):
     """All-to-all to head slices, full-sequence attention (the one-rank ring, so the LSE is
-    differentiable), all-to-all back."""
-    layout = plan.layout
-    lengths = [layout.local_len(r) for r in range(layout.world)]
-    natural = torch.argsort(layout.order(q.device))  # rank order -> position order
-    back = layout.order(q.device)  # position order -> rank order
+    differentiable), all-to-all back; the backward runs the same exchanges in reverse. A rank whose
+    attention fails still takes part in every exchange (with zeros), and the pass ends with the
+    failure exchange (:func:`~attnkit.distributed.comm.agree`)."""
 
-    def gather(x):  # (B, H, T_local, E) -> (B, H / P, T, E) in position order
-        return all_to_all_heads_to_seq(ring, x, lengths).index_select(2, natural)
+    @staticmethod
+    def forward(ctx, q, k, v, plan: ContextParallelPlan, ring: Ring, mask, scale, backend, options):
+        layout = plan.layout
+        lengths = [layout.local_len(r) for r in range(layout.world)]
+        natural = torch.argsort(layout.order(q.device))  # rank order -> position order
+        back = layout.order(q.device)  # position order -> rank order
+        heads = [heads_to_seq(ring, x, lengths).index_select(2, natural) for x in (q, k, v)]  # (B, H / P, T, E)
+        B, h, T, _ = heads[0].shape
+        error, graph = None, None
+        try:
+            with torch.enable_grad():
+                inputs = [x.detach().requires_grad_(need) for x, need in zip(heads, ctx.needs_input_grad[:3])]
+                one = SequenceLayout.contiguous([T])
+                pairs, steps, computed, skipped = _ring_pairs(one, 0, mask, B, h)
+                local = ContextParallelPlan("ring", "one rank", 1, one, steps, computed, skipped, pairs)
+                out_h, lse_h = ring_attention(*inputs, _ring_plan(local, Ring.local(), mask, scale, backend, options))
+            graph = (inputs, out_h, lse_h)
+            out_h, lse_h = out_h.detach(), lse_h.detach()
+        except Exception as exc:  # noqa: BLE001 - every rank raises it after the exchanges (agree)
+            error = exc
+            out_h = q.new_zeros(B, h, T, v.shape[-1])
+            acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # the ring's LSE dtype
+            lse_h = q.new_full((B, h, T), float("-inf"), dtype=acc)
+        out = seq_to_heads(ring, out_h.index_select(2, back), lengths)
+        lse = seq_to_heads(ring, lse_h.index_select(2, back).unsqueeze(-1), lengths).squeeze(-1)
+        agree(ring, error)
+        ctx.graph, ctx.ring, ctx.lengths, ctx.natural, ctx.back = graph, ring, lengths, natural, back
+        return out, lse
 
-    qh, kh, vh = gather(q), gather(k), gather(v)
-    T = layout.total_len
-    one = SequenceLayout.contiguous([T])
-    local = ContextParallelPlan("ring", "one rank", 1, one, 1, 1, 0)
-    out, lse = ring_attention(qh, kh, vh, _ring_plan(local, Ring.local(), mask, scale, backend, options))
-    out = all_to_all_seq_to_heads(ring, out.index_select(2, back), lengths)
-    lse = all_to_all_seq_to_heads(ring, lse.index_select(2, back).unsqueeze(-1), lengths).squeeze(-1)
-    return out, lse
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        ring, lengths = ctx.ring, ctx.lengths
+        inputs, out_h, lse_h = ctx.graph
+        dout_h = heads_to_seq(ring, dout.contiguous(), lengths).index_select(2, ctx.natural)
+        dlse_h = heads_to_seq(ring, dlse.unsqueeze(-1).contiguous(), lengths).squeeze(-1).index_select(2, ctx.natural)
+        wanted = [x for x in inputs if x.requires_grad]
+        error, grads = None, [torch.zeros_like(x) for x in inputs]
+        try:
+            found = torch.autograd.grad((out_h, lse_h), wanted, (dout_h, dlse_h), allow_unused=True)
+            found = iter(found)
+            grads = [next(found) if x.requires_grad else g for x, g in zip(inputs, grads)]
+            grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
+        except Exception as exc:  # noqa: BLE001 - every rank raises it after the exchanges (agree)
+            error = exc
+        result = [seq_to_heads(ring, g.index_select(2, ctx.back).contiguous(), lengths) for g in grads]
+        agree(ring, error)
+        ctx.graph = None
+        return (*result, None, None, None, None, None, None)

@@ -3,24 +3,71 @@
 Everything here speaks group ranks; ``torch.distributed`` wants global ranks for peers, so
 :class:`Ring` translates once. Sends and receives are asynchronous (``isend``/``irecv``): the
 caller starts the transfer of the next block, computes on the current one, then waits.
+
+No rank is left waiting for a peer that failed: a rank whose computation raises keeps taking part
+in the exchanges of the call (sending what it has), and every call ends with :func:`agree`, where
+the ranks exchange a failure flag and all raise :class:`ContextParallelError` naming the rank that
+failed and its exception. A peer that died or stopped taking part is bounded by the wait timeout
+(``timeout=`` of the call or ``ATTNKIT_CP_TIMEOUT`` in seconds; by default the process group's).
 """
 
 from __future__ import annotations
+
+import datetime
+import math
+import os
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Ring", "WAIT_LABEL", "wait_all", "all_to_all_heads_to_seq", "all_to_all_seq_to_heads", "gather_descriptors"]
+__all__ = ["Ring", "WAIT_LABEL", "TIMEOUT_ENV", "ContextParallelError", "resolve_timeout", "wait_all", "agree",
+           "heads_to_seq", "seq_to_heads", "gather_descriptors"]
+
+#: Environment variable: seconds any rank waits for a transfer or collective before it raises.
+TIMEOUT_ENV = "ATTNKIT_CP_TIMEOUT"
+#: Bytes of each rank's error message in the failure exchange of :func:`agree`.
+_MESSAGE_BYTES = 480
+
+
+class ContextParallelError(RuntimeError):
+    """A context-parallel call failed on some rank (its exception is named), or a peer did not answer
+    within the wait timeout. Raised on every rank of the group, so none is left waiting."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+def resolve_timeout(timeout) -> datetime.timedelta | None:
+    """The wait timeout: ``timeout`` (seconds or a ``timedelta``), else ``ATTNKIT_CP_TIMEOUT``
+    (seconds), else None (the process group's own timeout applies)."""
+    source = "timeout"
+    if timeout is None:
+        timeout, source = os.environ.get(TIMEOUT_ENV) or None, TIMEOUT_ENV
+        if timeout is None:
+            return None
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    else:
+        try:
+            seconds = float(timeout) if not isinstance(timeout, bool) else math.nan
+        except (TypeError, ValueError):
+            seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{source}: expected a positive number of seconds (or a timedelta), got {timeout!r}. "
+                         f"Fix: e.g. timeout=60, or unset {TIMEOUT_ENV} to use the process group's timeout.")
+    return datetime.timedelta(seconds=seconds)
 
 
 class Ring:
     """A context-parallel group seen as a ring: ``next`` receives from us, ``prev`` sends to us.
 
-    ``group=None`` with no initialized process group is the one-rank ring (no communication)."""
+    ``group=None`` with no initialized process group is the one-rank ring (no communication).
+    ``timeout`` (a ``timedelta`` or None) bounds every wait of this ring's transfers."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, group, timeout: datetime.timedelta | None = None):
+        self.group, self.timeout = group, timeout
         if group is None and not dist.is_initialized():
             self.rank, self.world = 0, 1
         else:
@@ -30,7 +77,7 @@ class Ring:
     def local(cls) -> Ring:
         """The one-rank ring, whatever process groups exist."""
         ring = cls.__new__(cls)
-        ring.group, ring.rank, ring.world = None, 0, 1
+        ring.group, ring.rank, ring.world, ring.timeout = None, 0, 1, None
         return ring
 
     def peer(self, offset: int) -> int:
@@ -57,28 +104,64 @@ class Ring:
 WAIT_LABEL = "context_parallel.wait"
 
 
-def wait_all(requests) -> None:
-    """Block until every request completes (labelled for the profiler)."""
+def wait_all(requests, ring: Ring) -> None:
+    """Block until every request completes (labelled for the profiler), at most ``ring.timeout``
+    each; a transfer that fails or times out raises :class:`ContextParallelError`."""
     with torch.profiler.record_function(WAIT_LABEL):
         for r in requests:
-            r.wait()
+            try:
+                r.wait() if ring.timeout is None else r.wait(ring.timeout)
+            except RuntimeError as exc:
+                limit = (f"within {ring.timeout.total_seconds():g} s" if ring.timeout is not None
+                         else "within the process group's timeout")
+                raise ContextParallelError(
+                    f"context parallelism: rank {ring.rank} of {ring.world} got no answer from its peers {limit} "
+                    f"({exc}). A peer stopped taking part (it died, or raised outside the attention call). "
+                    f"Fix: the peers' own errors say why; timeout= or {TIMEOUT_ENV} bounds this wait."
+                ) from exc
+
+
+def _device(ring: Ring) -> torch.device:
+    nccl = dist.get_backend(ring.group) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 def gather_descriptors(ring: Ring, values: list[int]) -> list[list[int]]:
     """Every rank's list of ints (same length on all ranks), in group-rank order."""
-    mine = torch.tensor(values, dtype=torch.long)
     if ring.world == 1:
-        return [values]
-    backend = dist.get_backend(ring.group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    mine = mine.to(device)
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.long, device=_device(ring))
     out = [torch.empty_like(mine) for _ in range(ring.world)]
-    with torch.profiler.record_function(WAIT_LABEL):
-        dist.all_gather(out, mine, group=ring.group)
+    wait_all([dist.all_gather(out, mine, group=ring.group, async_op=True)], ring)
     return [t.tolist() for t in out]
 
 
-def _heads_to_seq(ring: Ring, x: Tensor, lengths: list[int]) -> Tensor:
+def agree(ring: Ring, error: BaseException | None, what: str = "context_parallel_attention") -> None:
+    """The failure exchange that ends every call: every rank says whether it failed (and why); if
+    any did, every rank raises :class:`ContextParallelError` naming the failed ranks and their
+    exceptions (on a failed rank, chained to its own exception). Collective: every rank calls it once
+    per call, after its last transfer. One rank: re-raises ``error``."""
+    if ring.world == 1:
+        if error is not None:
+            raise error
+        return
+    text = b"" if error is None else f"{type(error).__name__}: {error}".encode("utf-8", "replace")
+    text = text[:_MESSAGE_BYTES - 1]
+    mine = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+    mine[0] = int(error is not None)
+    mine[1:1 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    everyone = gather_descriptors(ring, mine.long().tolist())
+    failed = [r for r, d in enumerate(everyone) if d[0]]
+    if not failed:
+        return
+    reasons = "; ".join(f"rank {r}: {bytes(everyone[r][1:]).rstrip(bytes(1)).decode('utf-8', 'replace')}"
+                        for r in failed)
+    raise ContextParallelError(
+        f"{what} failed on rank(s) {failed} of {ring.world} ({reasons}); every rank of the group stops with this "
+        "error instead of waiting for them.", tuple(failed)) from error
+
+
+def heads_to_seq(ring: Ring, x: Tensor, lengths: list[int]) -> Tensor:
     """``(B, H, T_local, E)`` sequence slices → ``(B, H / P, sum(lengths), E)`` full sequence (in
     rank order) for this rank's heads."""
     P = ring.world
@@ -87,44 +170,19 @@ def _heads_to_seq(ring: Ring, x: Tensor, lengths: list[int]) -> Tensor:
     send = x.reshape(B, P, h, T, E).transpose(0, 1).contiguous()  # (P, B, h, T, E): chunk j goes to rank j
     recv = x.new_empty(sum(B * h * n * E for n in lengths))
     # all_to_all_single(output, input, output_split_sizes, input_split_sizes)
-    with torch.profiler.record_function(WAIT_LABEL):
-        dist.all_to_all_single(recv, send.reshape(-1), [B * h * n * E for n in lengths], [B * h * T * E] * P,
-                               group=ring.group)
+    wait_all([dist.all_to_all_single(recv, send.reshape(-1), [B * h * n * E for n in lengths], [B * h * T * E] * P,
+                                     group=ring.group, async_op=True)], ring)
     chunks = recv.split([B * h * n * E for n in lengths])
     return torch.cat([c.view(B, h, n, E) for c, n in zip(chunks, lengths)], dim=2)
 
 
-def _seq_to_heads(ring: Ring, x: Tensor, lengths: list[int]) -> Tensor:
-    """The inverse of :func:`_heads_to_seq`: ``(B, H / P, sum(lengths), E)`` → ``(B, H, T_local, E)``."""
+def seq_to_heads(ring: Ring, x: Tensor, lengths: list[int]) -> Tensor:
+    """The inverse of :func:`heads_to_seq`: ``(B, H / P, sum(lengths), E)`` → ``(B, H, T_local, E)``."""
     P = ring.world
     B, h, _, E = x.shape
     T = lengths[ring.rank]
     send = torch.cat([c.reshape(-1) for c in x.split(lengths, dim=2)])
     recv = x.new_empty(P * B * h * T * E)
-    with torch.profiler.record_function(WAIT_LABEL):
-        dist.all_to_all_single(recv, send, [B * h * T * E] * P, [B * h * n * E for n in lengths], group=ring.group)
+    wait_all([dist.all_to_all_single(recv, send, [B * h * T * E] * P, [B * h * n * E for n in lengths],
+                                     group=ring.group, async_op=True)], ring)
     return recv.view(P, B, h, T, E).transpose(0, 1).reshape(B, P * h, T, E)  # (B, H, T, E)
-
-
-class _AllToAll(torch.autograd.Function):
-    """Differentiable head↔sequence all-to-all; the backward is the opposite exchange."""
-
-    @staticmethod
-    def forward(ctx, x, ring, lengths, to_seq):
-        ctx.ring, ctx.lengths, ctx.to_seq = ring, lengths, to_seq
-        return (_heads_to_seq if to_seq else _seq_to_heads)(ring, x.contiguous(), lengths)
-
-    @staticmethod
-    def backward(ctx, grad):
-        back = _seq_to_heads if ctx.to_seq else _heads_to_seq
-        return back(ctx.ring, grad.contiguous(), ctx.lengths), None, None, None
-
-
-def all_to_all_heads_to_seq(ring: Ring, x: Tensor, lengths: list[int]) -> Tensor:
-    """Differentiable ``(B, H, T_local, E) → (B, H / P, T, E)`` (Ulysses' first exchange)."""
-    return _AllToAll.apply(x, ring, lengths, True)
-
-
-def all_to_all_seq_to_heads(ring: Ring, x: Tensor, lengths: list[int]) -> Tensor:
-    """Differentiable ``(B, H / P, T, E) → (B, H, T_local, E)`` (Ulysses' second exchange)."""
-    return _AllToAll.apply(x, ring, lengths, False)

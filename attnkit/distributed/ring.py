@@ -17,6 +17,10 @@ last step each accumulator is sent home. Per pair the gradient is the flash-atte
 from the saved output and log-sum-exp (``P = exp(S - lse)``, ``dS = P * (dO Vᵀ - rowsum(dO * O) +
 dlse)``), recomputed tile by tile (query chunk × key tile) so memory stays at one tile of
 scores; tiles the mask leaves EMPTY are skipped there too.
+
+A rank whose computation raises (a backend error, a mask function that fails, memory) keeps
+passing blocks to the end of the pass, so no peer waits on it, and the pass ends with the
+failure exchange of :func:`~attnkit.distributed.comm.agree`: every rank raises, naming it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from torch import Tensor
 
 from ..functional import attention
 from ..masks import BlockStatus, Mask
-from .comm import Ring, wait_all
+from .comm import Ring, agree, wait_all
 
 __all__ = ["BlockPair", "RingPlan", "ring_attention"]
 
@@ -127,13 +131,15 @@ def _pair_backward(plan: RingPlan, p: BlockPair, q, k, v, do, lse, delta, dq, dk
         for t0 in range(0, Tk, ck):
             t1 = min(Tk, t0 + ck)
             kv_abs = (p.kv_abs[0] + t0, p.kv_abs[0] + t1)
-            status = p.status if p.status is BlockStatus.FULL else plan.mask.block_status((a, a + n), kv_abs)
+            status = (p.status if p.status is BlockStatus.FULL
+                      else plan.mask.block_status((a, a + n), kv_abs, batch_size=B, num_heads=Hq))
             if status is BlockStatus.EMPTY:
                 continue
             kt, vt = kb[:, :, :, t0:t1], vb[:, :, :, t0:t1]
             prob = torch.exp(torch.matmul(qc, kt.transpose(-1, -2)) * plan.scale - lse_c)  # (B, Hkv, G, n, ck)
             if status is not BlockStatus.FULL:
-                keep = plan.mask.evaluate((a, a + n), kv_abs, q_offset=0, kv_offset=0, device=q.device)
+                keep = plan.mask.evaluate((a, a + n), kv_abs, q_offset=0, kv_offset=0, device=q.device, batch_size=B,
+                                          num_heads=Hq)
                 keep = keep.reshape(keep.shape[0], Hkv, G, n, t1 - t0) if keep.shape[1] == Hq and G > 1 else keep.unsqueeze(2)
                 prob = prob.masked_fill(~keep, 0.0)
             dv_b[:, :, :, t0:t1] += torch.matmul(prob.transpose(-1, -2), doc).sum(2, keepdim=True)
@@ -165,16 +171,22 @@ class _RingAttention(torch.autograd.Function):
         out_acc = q.new_zeros(B, Hq, T, Dv, dtype=acc)
         lse_acc = q.new_full((B, Hq, T), float("-inf"), dtype=acc)
         kv = _pack(k, v)
+        error = None  # after a failure this rank only passes blocks on (see the module docstring)
         for step in range(plan.steps):
             pending = []
             if step + 1 < plan.steps:
                 size = B * Hkv * plan.block_lengths[step + 1] * (D + Dv)
                 nxt, pending = ring.shift(kv, kv.new_empty(size), tag=2 * step)
-            kb, vb = _unpack(kv, B, Hkv, plan.block_lengths[step], D, Dv)
-            _forward_step(plan, step, q, kb, vb, out_acc, lse_acc)
+            if error is None:
+                try:
+                    kb, vb = _unpack(kv, B, Hkv, plan.block_lengths[step], D, Dv)
+                    _forward_step(plan, step, q, kb, vb, out_acc, lse_acc)
+                except Exception as exc:  # noqa: BLE001 - every rank raises it after the pass (agree)
+                    error = exc
             if pending:
-                wait_all(pending)
+                wait_all(pending, ring)
                 kv = nxt
+        agree(ring, error)
         out = out_acc.to(q.dtype)
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, out, lse_acc)
@@ -196,6 +208,7 @@ class _RingAttention(torch.autograd.Function):
         kv = _pack(k, v)  # travels in the input dtype; the dK/dV accumulators are in ``acc``
         last = plan.steps - 1
         sends, sent = [], []
+        error = None  # after a failure this rank only passes blocks and accumulators on
         for step in range(plan.steps):
             n = plan.block_lengths[step]
             # Per step, the same order on every rank (NCCL matches transfers between two ranks in
@@ -210,22 +223,27 @@ class _RingAttention(torch.autograd.Function):
             dkv = kv.new_zeros(B * Hkv * n * (D + Dv), dtype=acc)
             kb, vb = _unpack(kv, B, Hkv, n, D, Dv)
             dk, dv = _unpack(dkv, B, Hkv, n, D, Dv)
-            for p in plan.pairs[step]:
-                _pair_backward(plan, p, qf, kb, vb, do, lse, delta, dq, dk, dv)
+            if error is None:
+                try:
+                    for p in plan.pairs[step]:
+                        _pair_backward(plan, p, qf, kb, vb, do, lse, delta, dq, dk, dv)
+                except Exception as exc:  # noqa: BLE001 - every rank raises it after the pass (agree)
+                    error = exc
             if step > 0:
-                wait_all([recv_acc])
+                wait_all([recv_acc], ring)
                 dkv += incoming
             if plan.steps > 1:  # pass the accumulator on; after the last step it goes home
                 to = 1 if step < last else -last
                 sends.append(ring.send(dkv, to, tag=2 * step + 3 if step < last else 2 * plan.steps + 1))
                 sent.append(dkv)  # keep the buffer alive until its send completes
             if pending:
-                wait_all(pending)
+                wait_all(pending, ring)
                 kv = nxt
         if plan.steps > 1:
             dkv = kv.new_empty(B * Hkv * plan.block_lengths[0] * (D + Dv), dtype=acc)
-            wait_all([ring.recv(dkv, last, tag=2 * plan.steps + 1)])
-        wait_all(sends)
+            wait_all([ring.recv(dkv, last, tag=2 * plan.steps + 1)], ring)
+        wait_all(sends, ring)
+        agree(ring, error)
         dk, dv = _unpack(dkv, B, Hkv, plan.block_lengths[0], D, Dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 

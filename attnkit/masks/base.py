@@ -32,7 +32,9 @@ Additive biases (ALiBi, relative positions) are not masks: pass them as ``bias=`
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -178,6 +180,33 @@ class Mask:
         (for measured tables: masks of the same structure share measurements)."""
         return type(self).__name__
 
+    def content_digest(self, Tq: int, Tk: int, *, batch_size: int | None = None, num_heads: int | None = None) -> str:
+        """A hex digest of what the mask keeps for a call of ``Tq`` queries and ``Tk`` keys at
+        positions ``0 ..``, equal in any two processes that hold equal masks (context parallelism
+        compares the ranks' masks with it). Masks given by data digest their type, parameters and
+        tensors' contents (exact); a mask given by a function (``Custom``) digests its keep
+        evaluated at up to 64 evenly spaced query rows against every key, every batch row and
+        head, so a difference confined to rows between them can go unseen."""
+        nb, nh = self.index_sizes(batch_size, num_heads)
+        key = (Tq, Tk, nb, nh)
+        cached = self.__dict__.get("_digest")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        digest = hashlib.sha256(repr(self._content(Tq, Tk, nb, nh)).encode()).hexdigest()
+        object.__setattr__(self, "_digest", (key, digest))
+        return digest
+
+    def _content(self, Tq: int, Tk: int, nb: int, nh: int) -> tuple:
+        """What :meth:`content_digest` hashes (see there)."""
+        if dataclasses.is_dataclass(self):
+            values = [getattr(self, f.name) for f in dataclasses.fields(self) if f.init]
+            if not any(callable(v) and not isinstance(v, Tensor) for v in values):
+                return (type(self).__name__, *(_tensor_digest(v) if isinstance(v, Tensor) else repr(v) for v in values))
+        b, h = self.batch_head_index(nb, nh)
+        rows = torch.linspace(0, max(Tq - 1, 0), min(Tq, 64)).round().long().view(1, 1, -1, 1)
+        keep = self.mask_mod(b, h, rows, torch.arange(Tk).view(1, 1, 1, -1))
+        return (type(self).__name__, repr(self), _tensor_digest(keep.expand(nb, nh, rows.shape[2], Tk)))
+
     # -- evaluation -------------------------------------------------------------------------
     def evaluate(
         self,
@@ -310,6 +339,21 @@ class Mask:
         return Or(self, as_mask(other, "other"))
 
 
+def _tensor_digest(t: Tensor) -> tuple:
+    """``(dtype, shape, two position-weighted sums of the elements' bits)``: equal for equal tensors in
+    any process (integer arithmetic wraps identically in any summation order)."""
+    x = t.detach().reshape(-1).cpu()
+    if x.is_floating_point():
+        x = x.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+    sums = [0, 0]
+    for start in range(0, x.numel(), 1 << 22):  # chunks: a long Dense mask never becomes one int64 copy
+        part = x[start:start + (1 << 22)].to(torch.int64)
+        i = torch.arange(start, start + part.numel(), dtype=torch.int64)
+        sums[0] += int((part * (i * 2654435761 + 1)).sum())
+        sums[1] += int((part * ((i * i) % 1000003 + 7)).sum())
+    return (str(t.dtype), tuple(t.shape), sums[0] % (1 << 64), sums[1] % (1 << 64))
+
+
 def _status_from_bounds(full: bool, empty: bool) -> BlockStatus:
     if empty:
         return BlockStatus.EMPTY
@@ -380,6 +424,9 @@ class _Combination(Mask):
 
     def structure_key(self):
         return f"{type(self).__name__}({','.join(sorted({p.structure_key() for p in self.parts}))})"
+
+    def _content(self, Tq, Tk, nb, nh):
+        return (type(self).__name__, *(p._content(Tq, Tk, nb, nh) for p in self.parts))
 
     def __eq__(self, other):
         return type(self) is type(other) and self.parts == other.parts

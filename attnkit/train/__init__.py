@@ -3,7 +3,8 @@
 Where things live: ``config`` (TrainConfig, the LR schedule), ``loop`` (the loop itself), ``modeling``
 (building and loading models), ``evaluate``, ``distill``, ``deploy`` (int8), ``profiler``, ``logs``
 (progress, log lines, loss curve), ``checkpoint`` (save/load, untrusted directories), ``run_dir``
-(what a run writes; how files are written is :mod:`attnkit.io`), ``data``, ``tasks``, ``lstm``, ``distributed``.
+(what a run writes; how files are written is :mod:`attnkit.io`), ``data``, ``tasks``, ``lstm``, ``distributed`` (the
+process group), ``parallel`` (how the loop spreads a batch over processes: DDP, or context parallelism).
 """
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint

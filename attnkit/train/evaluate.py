@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from .config import TrainConfig
 from .data import IGNORE_INDEX
 from .distributed import DistContext, all_reduce_sum
+from .parallel import DataParallel
 
 __all__ = ["evaluate", "loss_sum", "autocast"]
 
@@ -27,17 +28,23 @@ def loss_sum(logits: Tensor, targets: Tensor) -> Tensor:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data, cfg: TrainConfig, ctx: DistContext | None = None, *,
-             device: torch.device | None = None) -> dict:
-    """Validation loss (mean per answer token), perplexity and answer accuracy on fixed batches."""
+             device: torch.device | None = None, parallel=None) -> dict:
+    """Validation loss (mean per answer token), perplexity and answer accuracy on fixed batches.
+
+    ``parallel``: the strategy that splits the batches over the processes of ``ctx`` (default:
+    rows split over every process, :class:`~attnkit.train.parallel.DataParallel`); ``model`` is
+    what it runs (its ``prepare``-d model)."""
     ctx = ctx or DistContext()
+    parallel = parallel or DataParallel(ctx)
     device = device or ctx.device
     was_training = model.training
     model.eval()
     loss = correct = count = 0.0
-    rows = max(cfg.batch_size // ctx.world, 1)
+    rows = max(cfg.batch_size // parallel.replicas, 1)
+    mine = slice(parallel.replica * rows, (parallel.replica + 1) * rows)
     for i in range(cfg.eval_batches):
-        x, y = data.sample("val", cfg.seed, i, rows * ctx.world, cfg.seq_len)
-        x, y = x[ctx.rank * rows:(ctx.rank + 1) * rows].to(device), y[ctx.rank * rows:(ctx.rank + 1) * rows].to(device)
+        x, y = data.sample("val", cfg.seed, i, rows * parallel.replicas, cfg.seq_len)
+        x, y = parallel.shard(x[mine]).to(device), parallel.shard(y[mine]).to(device)
         with autocast(device, cfg.precision):
             logits = model(x)
         loss += float(loss_sum(logits, y))

@@ -1,8 +1,10 @@
 """The training loop behind ``python -m attnkit train``.
 
 AdamW with linear warmup and cosine decay, gradient clipping and accumulation, bf16 autocast, DDP
-under ``torchrun``, periodic evaluation with a sample, exact resume, profiling, and the deployment
-reports (int8 dynamic quantization, distillation from a teacher checkpoint).
+or context parallelism under ``torchrun`` (the strategies of :mod:`attnkit.train.parallel`: a model
+wrapper and a batch sharder, the loop the same), periodic evaluation with a sample, exact resume,
+profiling, and the deployment reports (int8 dynamic quantization, distillation from a teacher
+checkpoint).
 
 Losses are normalised by the number of answer tokens in the *global* batch, so one process, N
 processes and any gradient-accumulation split of the same global batch compute the same gradient.
@@ -38,6 +40,7 @@ from .distill import distill_loss, distill_report
 from .distributed import DistContext, all_reduce_sum, barrier, setup_distributed, teardown
 from .evaluate import autocast, evaluate, loss_sum
 from .interrupt import StopSignals, TrainingInterrupted
+from .parallel import DataParallel, choose_parallel
 from .logs import RunLog, plot_loss_curve
 from .lstm import LSTMConfig
 from .modeling import build_model, config_dict, default_model_config, load_model, num_params, sample_text
@@ -78,10 +81,6 @@ def train(cfg: TrainConfig, model_config=None, *, stop_at: int | None = None,
     ``TrainConfig`` default) and the settings of the invocation itself (``out``, ``device``,
     ``progress``, ``log_every``, ``profile``, ``quantize``), which always come from ``cfg``. Resuming a finished run (``steps`` equal to its step) trains nothing
     and writes nothing: evaluation and ``quantize`` are read-only there."""
-    if cfg.context_parallel != 1:  # one sequence split across processes: its own loop
-        from ..distributed.training import train_context_parallel
-
-        return train_context_parallel(cfg, model_config)
     ctx = setup_distributed(cfg.device)
     try:
         with StopSignals() as stop:
@@ -98,13 +97,14 @@ def _train(cfg: TrainConfig, model_config, ctx: DistContext, stop_at: int | None
         cfg, changes = _resumed_config(cfg, meta, given)
     elif not cfg.decay_steps:
         cfg = replace(cfg, decay_steps=cfg.steps)  # stored resolved: extending the run keeps this schedule
-    _check_batch_split(cfg, ctx)
     start_step = meta["step"] if meta is not None else 0
     end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     writes = end > start_step  # a finished run is only analysed: nothing is written
     data = load_data(cfg.data)  # a bad --data is refused before anything is written
     if isinstance(data, SyntheticTask):
         cfg = replace(cfg, seq_len=data.seq_len)
+    parallel = choose_parallel(cfg, ctx)  # DDP (or one process), or context parallelism
+    _check_batch_split(cfg, parallel)
     started = None  # (out, created): a new run directory, emptied again when the run fails before its first save
     if writes and ctx.is_main:
         if meta is None or not same_directory(cfg.out, _run_dir_of(cfg.resume)):
@@ -114,14 +114,15 @@ def _train(cfg: TrainConfig, model_config, ctx: DistContext, stop_at: int | None
         else:
             _check_newest(cfg.out, start_step, cfg.resume)
     try:
-        return _run(cfg, ctx, stop, meta, weights, state, data, model_config, start_step, end, writes, changes)
+        return _run(cfg, ctx, parallel, stop, meta, weights, state, data, model_config, start_step, end, writes,
+                    changes)
     except BaseException:
         if started is not None:
             discard_failed_start(*started)
         raise
 
 
-def _run(cfg, ctx, stop, meta, weights, state, data, model_config, start_step, end, writes, changes) -> dict:
+def _run(cfg, ctx, parallel, stop, meta, weights, state, data, model_config, start_step, end, writes, changes) -> dict:
     device = ctx.device
     torch.manual_seed(cfg.seed)
 
@@ -143,15 +144,14 @@ def _run(cfg, ctx, stop, meta, weights, state, data, model_config, start_step, e
     if cfg.distill_from:
         teacher, _ = load_model(cfg.distill_from, device)
         teacher.requires_grad_(False)
-    net = model
-    if ctx.enabled:
-        net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    runner = parallel.prepare(model)  # what every process runs on its part of a batch (shares model's weights)
+    net = parallel.wrap(runner)  # ... and trains: DDP sums the gradients over the processes
 
     # 2. what the run says, and its metrics file
     log = RunLog(ctx, cfg.steps, start_step, cfg.progress and writes)
     if meta is None:
         log(f"model {kind}: {num_params(model) / 1e6:.2f}M parameters | data {getattr(data, 'name', cfg.data)} | "
-            f"{ctx.world} process(es) on {device} | {cfg.precision} | global batch {cfg.batch_size}x{cfg.seq_len} | "
+            f"{parallel.describe()} on {device} | {cfg.precision} | global batch {cfg.batch_size}x{cfg.seq_len} | "
             f"{cfg.steps} steps, lr {cfg.lr:g} (warmup {cfg.warmup_steps}) -> {cfg.out}")
     else:
         log(f"resumed from {cfg.resume} at step {start_step}/{cfg.steps}: stored settings apply"
@@ -180,8 +180,8 @@ def _run(cfg, ctx, stop, meta, weights, state, data, model_config, start_step, e
             count = max(int((y != IGNORE_INDEX).sum()), 1)  # answer tokens in the global batch
             step_loss = 0.0
             for micro in range(cfg.grad_accum):
-                rows = _rows(cfg.batch_size, ctx, micro, cfg.grad_accum)
-                xb, yb = x[rows].to(device), y[rows].to(device)
+                rows = parallel.rows(cfg.batch_size, micro, cfg.grad_accum)
+                xb, yb = parallel.shard(x[rows]).to(device), parallel.shard(y[rows]).to(device)
                 sync = micro == cfg.grad_accum - 1 or not ctx.enabled
                 with (contextlib.nullcontext() if sync else net.no_sync()), autocast(device, cfg.precision):
                     logits = net(xb)
@@ -209,7 +209,7 @@ def _run(cfg, ctx, stop, meta, weights, state, data, model_config, start_step, e
                 finish_profiler(profiler, cfg.out, log)
                 profiler = None
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-                evals.append(_eval_and_sample(model, data, cfg, ctx, step + 1, log))
+                evals.append(_eval_and_sample(model, runner, parallel, data, cfg, ctx, step + 1, log))
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < end:
                 _save(cfg, ctx, step + 1, model, optimizer, kind, model_cfg, history, evals, log)
                 saved = step + 1
@@ -223,9 +223,9 @@ def _run(cfg, ctx, stop, meta, weights, state, data, model_config, start_step, e
 
     # 4. the end: final evaluation, save, reports
     results = {"model_kind": kind, "params": num_params(model), "steps": step, "world": ctx.world,
-               "history": history, "evals": evals}
+               **parallel.results(), "history": history, "evals": evals}
     if step >= cfg.steps:
-        final = _eval_and_sample(model, data, cfg, ctx, step, log)
+        final = _eval_and_sample(model, runner, parallel, data, cfg, ctx, step, log)
         if writes:
             evals.append(final)
         results["eval"] = final
@@ -293,11 +293,12 @@ def _run_dir_of(path: str) -> str:
     return os.path.dirname(path) if os.path.isfile(os.path.join(path, "meta.json")) else path
 
 
-def _check_batch_split(cfg: TrainConfig, ctx: DistContext) -> None:
-    per_step = ctx.world * cfg.grad_accum
+def _check_batch_split(cfg: TrainConfig, parallel: DataParallel) -> None:
+    per_step = parallel.replicas * cfg.grad_accum
     if cfg.batch_size % per_step:
         raise ValueError(f"batch_size: the global batch {cfg.batch_size} must divide evenly into "
-                         f"{ctx.world} processes x {cfg.grad_accum} micro-batches; use a multiple of {per_step}.")
+                         f"{parallel.replicas} data-parallel replica(s) x {cfg.grad_accum} micro-batches; use a "
+                         f"multiple of {per_step}.")
 
 
 def _new_model_config(cfg: TrainConfig, model_config, data) -> tuple[str, dict]:
@@ -336,19 +337,13 @@ def _diverged_message(cfg: TrainConfig, step: int, loss: float, grad_norm: float
             f"--grad-clip.")
 
 
-def _rows(batch_size: int, ctx: DistContext, micro: int, accum: int) -> slice:
-    per_micro = batch_size // (ctx.world * accum)
-    start = (ctx.rank * accum + micro) * per_micro
-    return slice(start, start + per_micro)
-
-
-def _eval_and_sample(model, data, cfg, ctx, step, log) -> dict:
-    result = {"step": step, **evaluate(model, data, cfg, ctx)}
+def _eval_and_sample(model, runner, parallel, data, cfg, ctx, step, log) -> dict:
+    result = {"step": step, **evaluate(runner, data, cfg, ctx, parallel=parallel)}
     if isinstance(data, SyntheticTask):
         log(f"step {step}: eval loss {result['loss']:.4f}, answer accuracy {result['accuracy']:.3f}")
     else:
         log(f"step {step}: eval loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}")
-        if cfg.sample_tokens and ctx.is_main:
+        if cfg.sample_tokens and ctx.is_main and parallel.samples():
             text = sample_text(model, "\n", cfg.sample_tokens, device=ctx.device, seed=cfg.seed + step)
             log("sample:\n  " + text.rstrip().replace("\n", "\n  "))
     return result
