@@ -4,7 +4,9 @@ A score modifier maps the scaled (and biased) score of query ``i`` and key ``j``
 FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)`` convention over *absolute* positions
 (the same positions masks use). They are values like masks: composable (``a >> b`` applies ``a``
 first, then ``b``; a list does the same), printable, drawable (:meth:`ScoreMod.to_string`) and
-readable by backends (:meth:`ScoreMod.parts`, :meth:`ScoreMod.parameters`). Masking comes after
+readable by backends (:meth:`ScoreMod.parts`, :meth:`ScoreMod.parameters`, and as data a kernel
+reads: :func:`score_mod_spec`, a :class:`ScoreModSpec` of :class:`ScoreModTerm` s in chain order
+plus the sinks). Masking comes after
 every modifier, so a masked pair stays masked whatever the modifier does::
 
     attention(q, k, v, mask=Causal(), score_mod=ALiBi.geometric(8) >> SoftCap(50.0))
@@ -29,7 +31,70 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ScoreMod", "SoftCap", "ALiBi", "RelativeBias", "CustomScoreMod", "Chain", "as_score_mod"]
+__all__ = ["ScoreMod", "SoftCap", "ALiBi", "RelativeBias", "CustomScoreMod", "Chain", "as_score_mod",
+           "ScoreModTerm", "ScoreModSpec", "score_mod_spec", "SCORE_MOD_KINDS"]
+
+#: The kinds of :class:`ScoreModTerm`: what a backend declares it runs (``Backend.score_mod_kinds``).
+SCORE_MOD_KINDS = frozenset({"alibi", "relative_bias", "softcap", "custom"})
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreModTerm:
+    """One primitive modifier as data, the fields of its ``kind`` set and the others None:
+
+    * ``"alibi"``: ``score - slopes[h] * |pos(q) - pos(k)|``; ``slopes (H,)``;
+    * ``"relative_bias"``: ``score + table[h, bucket(pos(k) - pos(q))]``; ``table (H, num_buckets)``,
+      ``max_distance``, ``bidirectional`` (T5's bucket rule, :func:`t5_bucket`; :meth:`buckets`
+      evaluates it, so a kernel reads a bucket per relative distance rather than re-deriving it);
+    * ``"softcap"``: ``cap * tanh(score / cap)``; ``cap``;
+    * ``"custom"``: an opaque callable; ``mod`` is the :class:`ScoreMod` to call.
+
+    ``slopes`` and ``table`` are the modifier's own tensors (learnable when they require grad)."""
+
+    kind: str
+    slopes: Tensor | None = None
+    table: Tensor | None = None
+    max_distance: int | None = None
+    bidirectional: bool | None = None
+    cap: float | None = None
+    mod: ScoreMod | None = None
+
+    @property
+    def additive(self) -> bool:
+        """The term adds something independent of the score (its derivative by the score is 1)."""
+        return self.kind in ("alibi", "relative_bias")
+
+    def buckets(self, relative: Tensor) -> Tensor:
+        """``relative_bias`` only: the table column of each ``pos(k) - pos(q)`` (int64)."""
+        assert self.kind == "relative_bias", self.kind
+        return t5_bucket(relative, num_buckets=self.table.shape[1], max_distance=self.max_distance,
+                         bidirectional=self.bidirectional)
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreModSpec:
+    """A call's score modifiers and sinks as data: ``terms`` in the order they apply (empty: no
+    modifier), then masking, then ``sinks (Hq,)`` (or None) join each row's softmax normaliser."""
+
+    terms: tuple[ScoreModTerm, ...] = ()
+    sinks: Tensor | None = None
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        return frozenset(t.kind for t in self.terms)
+
+    @property
+    def additive(self) -> bool:
+        return all(t.additive for t in self.terms)
+
+    def parameters(self) -> tuple[Tensor, ...]:
+        """The tensors the terms read (the same objects as ``ScoreMod.parameters``), in term order."""
+        out: list[Tensor] = []
+        for t in self.terms:
+            out.extend(x for x in (t.slopes, t.table) if x is not None)
+            if t.mod is not None:
+                out.extend(t.mod.parameters())
+        return tuple(out)
 
 
 class ScoreMod:
@@ -56,6 +121,18 @@ class ScoreMod:
     def parameters(self) -> tuple[Tensor, ...]:
         """Tensors the modifier reads (learnable ones receive gradients)."""
         return ()
+
+    def terms(self) -> tuple[ScoreModTerm, ...]:
+        """The modifier as data, in the order its parts apply (:class:`ScoreModTerm`)."""
+        return tuple(t for part in self.parts() for t in part._term())
+
+    def kinds(self) -> frozenset[str]:
+        """The :class:`ScoreModTerm` kinds of the parts (what a backend must run)."""
+        return frozenset(t.kind for t in self.terms())
+
+    def _term(self) -> tuple[ScoreModTerm, ...]:
+        """A primitive's own data form; a subclass without one is an opaque callable."""
+        return (ScoreModTerm("custom", mod=self),)
 
     def __rshift__(self, other: ScoreMod) -> ScoreMod:
         return Chain(self, as_score_mod(other, "other"))
@@ -109,6 +186,9 @@ class SoftCap(ScoreMod):
 
     def apply(self, score, b, h, q_idx, kv_idx):
         return torch.tanh(score / self.cap) * self.cap
+
+    def _term(self):
+        return (ScoreModTerm("softcap", cap=self.cap),)
 
 
 def _per_head(values, name: str) -> Tensor:
@@ -164,6 +244,9 @@ class ALiBi(ScoreMod):
 
     def parameters(self):
         return (self.slopes,)
+
+    def _term(self):
+        return (ScoreModTerm("alibi", slopes=self.slopes),)
 
     def __repr__(self):
         return f"ALiBi(heads={self.slopes.numel()})"
@@ -239,6 +322,10 @@ class RelativeBias(ScoreMod):
 
     def parameters(self):
         return (self.table,)
+
+    def _term(self):
+        return (ScoreModTerm("relative_bias", table=self.table, max_distance=self.max_distance,
+                             bidirectional=self.bidirectional),)
 
     def __repr__(self):
         return f"RelativeBias(heads={self.table.shape[0]}, buckets={self.table.shape[1]}, bidirectional={self.bidirectional})"
@@ -338,3 +425,8 @@ def check_sinks(sinks, H: int, device: torch.device) -> Tensor:
     if sinks.device != device:
         raise ValueError(f"sinks: expected device {device} like q, got {sinks.device}. Fix: sinks.to(q.device).")
     return sinks
+
+
+def score_mod_spec(score_mod: ScoreMod | None, sinks: Tensor | None = None) -> ScoreModSpec:
+    """The data form of a call's ``score_mod`` (validated, or None) and ``sinks``."""
+    return ScoreModSpec(() if score_mod is None else score_mod.terms(), sinks)

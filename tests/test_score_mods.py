@@ -45,6 +45,15 @@ def _score_mod_backends() -> dict:
 MASKS = _score_mod_backends()
 
 
+def _runs_custom(name: str) -> bool:
+    from attnkit.registry import list_backends
+
+    return "custom" in list_backends()[name].score_mod_kinds
+
+
+CUSTOM = [name for name in MASKS if _runs_custom(name)]  # backends that call an opaque CustomScoreMod
+
+
 def test_the_backends_that_apply_score_mods():
     assert {"naive", "tiled", "sliding_window", "block_sparse"} <= set(MASKS)
 
@@ -316,7 +325,7 @@ def test_an_infinite_sink_takes_all_the_mass(backend):
     assert (out[:, ~inf] - ref[:, ~inf]).abs().max() < 1e-5 and (lse[:, ~inf] - ref_lse[:, ~inf]).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("backend", list(MASKS))
+@pytest.mark.parametrize("backend", CUSTOM)
 def test_a_modifier_nan_only_where_the_mask_hides_the_pair_changes_nothing(backend):
     """A modifier that is NaN exactly on the hidden pairs (it is never seen there): output, LSE and
     every gradient equal the unmodified call's, including the query and key padding a backend adds
@@ -358,7 +367,7 @@ def test_relative_bias_max_distance_within_the_exact_buckets_is_refused(num_buck
     assert torch.isfinite(scores).all()
 
 
-@pytest.mark.parametrize("backend", list(MASKS))
+@pytest.mark.parametrize("backend", CUSTOM)
 @pytest.mark.parametrize("wrong", ["extra_dim", "reduced", "sliced"])
 def test_a_modifier_returning_the_wrong_shape_is_refused_on_every_backend(backend, wrong):
     """One new score per score: a modifier that adds, reduces or drops entries gets a clear
@@ -411,3 +420,37 @@ def test_an_additive_mask_masks_after_the_score_mod(backend, spelling):
     out = attnkit.attention(q.detach(), k, v, score_mod=SoftCap(cap), backend=backend, options=OPTIONS.get(backend),
                             **{spelling: poisoned})
     assert torch.isnan(out[0, :, 5]).all() and not torch.isnan(out[0, :, 6]).any()
+
+
+def test_score_mods_export_their_structure_as_data():
+    """A chain's terms in the order they apply, each with its parameters as the same tensor objects
+    (gradients reach them), the relative bucket rule evaluable, sinks beside them."""
+    from attnkit.score_mods import score_mod_spec
+
+    slopes, table, sinks = torch.rand(4), torch.randn(4, 16), torch.zeros(4)
+    fn = CustomScoreMod(lambda s, b, h, q, k: s * 2, name="double")
+    mod = as_score_mod([SoftCap(5.0), ALiBi(slopes), RelativeBias(table, max_distance=32, bidirectional=False), fn])
+    spec = score_mod_spec(mod, sinks)
+    assert [t.kind for t in spec.terms] == ["softcap", "alibi", "relative_bias", "custom"]
+    assert spec.terms[0].cap == 5.0 and spec.terms[1].slopes is slopes and spec.terms[2].table is table
+    assert spec.terms[3].mod is fn and spec.sinks is sinks and not spec.additive
+    assert spec.parameters()[:2] == (slopes, table)
+    rel = torch.arange(-40, 5)
+    assert torch.equal(spec.terms[2].buckets(rel), t5_bucket(rel, num_buckets=16, max_distance=32, bidirectional=False))
+    assert score_mod_spec(None).terms == () and score_mod_spec(ALiBi(slopes) >> ALiBi(slopes)).additive
+
+
+def test_a_backend_declares_the_score_mod_kinds_it_runs():
+    from attnkit.inputs import AttentionInputs
+    from attnkit.registry import Backend
+
+    class OnlyCaps(Backend):
+        name = "only_caps_for_this_test"
+        supports_score_mod = True
+        score_mod_kinds = frozenset({"softcap"})
+
+    q = torch.randn(1, 4, 5, 8)
+    assert OnlyCaps.can_run(AttentionInputs.create(q, q, q, score_mod=SoftCap(2.0)))
+    inp = AttentionInputs.create(q, q, q, score_mod=SoftCap(2.0) >> ALiBi.geometric(4))
+    assert not OnlyCaps.can_run(inp)
+    assert any("not alibi" in r for r in OnlyCaps.not_supported_reasons(inp))
