@@ -3,7 +3,7 @@
 Equals ``naive``: the mask enters as a ``mask_mod`` that calls the attnkit mask's own ``mask_mod``
 at absolute positions (``index + offset``), and the ``BlockMask`` that tells Flex which blocks to
 skip (EMPTY), run unmasked (FULL) or run through the ``mask_mod`` (PARTIAL) is built from attnkit's
-own structure (:func:`attnkit.backends._tiles.tile_grid`: a few tensor operations for positional
+own structure (:func:`attnkit.masks.tile_grid`: a few tensor operations per mask class
 masks, no Tq x Tk evaluation), cached per (mask, Tq, Tk, offsets, device). A ``bias`` is added by a
 ``score_mod``; GQA is native (``enable_gqa``). The NaN/Inf contract is kept by :mod:`attnkit.backends.nonfinite`
 (Flex runs on finite q, K, V). Flex marks fully masked rows with output 0 and LSE -inf, attnkit's
@@ -17,7 +17,6 @@ runs it: forward and backward on CUDA; forward on CPU (no LSE there) inside ``al
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..inputs import AttentionInputs
-from ..masks import Band, Causal, Mask, SlidingWindow
+from ..masks import Mask, mask_params
 from ..registry import Backend, register_backend
 from ._tiles import FULL, PARTIAL, empty_batch, tile_grid
 
@@ -93,10 +92,8 @@ def _mask_mod(mask: Mask, B: int, H: int, q_offset: int, kv_offset: int, Tq: int
     # Band conjuncts (Causal, SlidingWindow) as index arithmetic on their bounds, and every integer
     # as a captured tensor: inductor's CPU Flex template (torch 2.13) fails to compile index
     # arithmetic with Python constants (and SlidingWindow.mask_mod's boolean constant).
-    parts = mask.conjuncts()
-    band = functools.reduce(lambda a, p: a & p.band(), [p for p in parts if isinstance(p, (Causal, SlidingWindow))],
-                            Band(None, None))
-    others = [p for p in parts if not isinstance(p, (Causal, SlidingWindow))]
+    params = mask_params(mask, B)
+    band, others = params.band, params.beyond_band
     ints = torch.tensor([q_offset, kv_offset, -(band.left or 0), band.right or 0, Tq - 1, Tk - 1], device=device)
 
     def mask_mod(b, h, q_idx, kv_idx):

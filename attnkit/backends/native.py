@@ -7,9 +7,9 @@ query tile), the CPU BLAS for the tile products, a vectorized exp). The backward
 each tile's probabilities from the saved log-sum-exp (flash style), parallel over (batch, key/value
 head), so training needs O(Tq + Tk) memory. GQA reads each key/value head in place (never repeated).
 
-The mask is read through its structure (:func:`attnkit.backends._tiles.tile_grid`): EMPTY tiles
+The mask is read through its structure (:func:`attnkit.masks.tile_grid`): EMPTY tiles
 are skipped and FULL tiles run unmasked; PARTIAL tiles are masked per element in the kernel from
-the conjuncts' few integers or index vectors — band bounds (``Causal``, ``SlidingWindow``), key
+the conjuncts' few integers or index vectors (:func:`attnkit.masks.mask_params`) — band bounds (``Causal``, ``SlidingWindow``), key
 lengths (``KeyPadding``), key validity (``Padding``), document ids (``Document``), a block layout
 (``BlockSparse``) — and any other conjunct (``Dense``, ``Custom``, ``Or``, ...) from a byte keep
 tile per PARTIAL tile computed here with ``mask.evaluate``.
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..csrc import build as csrc_build
 from ..inputs import AttentionInputs
-from ..masks import And, BlockSparse, Causal, Document, KeyPadding, Mask, Padding, SlidingWindow
+from ..masks import And, Mask, mask_params
 from ._common import nonfinite_keys, nonfinite_queries, poison_rows, zero_keys
 from .nonfinite import all_finite
 from ..registry import Backend, register_backend
@@ -93,31 +93,15 @@ class _Plan:
 
 def _build_plan(mask: Mask | None, B: int, H: int, Tq: int, Tk: int, q_offset: int, kv_offset: int, bq: int, bk: int) -> _Plan:
     grid = tile_grid(mask, Tq, Tk, q_offset, kv_offset, bq, bk, B, H)
-    left = right = None
-    lengths, valid, doc, layout, layout_bs, extras = None, None, None, None, 1, []
-    for part in () if mask is None else mask.conjuncts():
-        if isinstance(part, (Causal, SlidingWindow)):
-            band = part.band()
-            left = band.left if left is None else left if band.left is None else min(left, band.left)
-            right = band.right if right is None else right if band.right is None else min(right, band.right)
-        elif isinstance(part, KeyPadding):
-            n = part.lengths.expand(B) if part.lengths.numel() == 1 else part.lengths
-            lengths = n if lengths is None else torch.minimum(lengths, n)
-        elif isinstance(part, Padding):
-            valid = part.valid.cpu() if valid is None else valid & part.valid.cpu()
-        elif isinstance(part, Document) and doc is None:
-            doc = part.ids.cpu()
-        elif isinstance(part, BlockSparse) and layout is None:
-            layout, layout_bs = part.layout, part.block_size
-        else:
-            extras.append(part)
+    params = mask_params(mask, B)
     extra_index, extra = _EMPTY_LONG, _EMPTY_BYTE
-    if extras:
-        extra_index, extra = _keep_tiles(extras[0] if len(extras) == 1 else And(*extras), grid, Tq, Tk, q_offset,
-                                         kv_offset, bq, bk, B, H)
+    if params.rest:
+        rest = params.rest[0] if len(params.rest) == 1 else And(*params.rest)
+        extra_index, extra = _keep_tiles(rest, grid, Tq, Tk, q_offset, kv_offset, bq, bk, B, H)
+    left, right = params.band.left, params.band.right
     band = [int(left is not None), left or 0, int(right is not None), right or 0]
-    args = (grid, band, _or(lengths, _EMPTY_LONG), _or(valid, _EMPTY_BOOL), _or(doc, _EMPTY_LONG),
-            _or(layout, _EMPTY_BOOL), layout_bs, extra_index, extra)
+    args = (grid, band, _or(params.lengths, _EMPTY_LONG), _or(params.valid, _EMPTY_BOOL), _or(params.doc, _EMPTY_LONG),
+            _or(params.layout, _EMPTY_BOOL), params.layout_block_size, extra_index, extra)
     return _Plan(tuple(a.contiguous() if isinstance(a, Tensor) else a for a in args), q_offset, kv_offset, bq, bk)
 
 
