@@ -64,6 +64,17 @@ class ScoreModTerm:
         """The term adds something independent of the score (its derivative by the score is 1)."""
         return self.kind in ("alibi", "relative_bias")
 
+    def distance_bias(self, relative: Tensor, num_heads: int, dtype: torch.dtype) -> Tensor:
+        """An additive term as ``(num_heads, len(relative))``: what it adds to a score whose
+        ``pos(k) - pos(q)`` is ``relative`` (differentiable in ``slopes`` / ``table``)."""
+        if self.kind == "alibi":
+            bias = -self.slopes.to(dtype)[:, None] * relative.abs().to(dtype)[None, :]
+        elif self.kind == "relative_bias":
+            bias = self.table.to(dtype)[:, self.buckets(relative)]
+        else:
+            raise ValueError(f"distance_bias: a {self.kind!r} term is not additive")
+        return bias.expand(num_heads, -1)
+
     def buckets(self, relative: Tensor) -> Tensor:
         """``relative_bias`` only: the table column of each ``pos(k) - pos(q)`` (int64)."""
         assert self.kind == "relative_bias", self.kind
@@ -86,6 +97,35 @@ class ScoreModSpec:
     @property
     def additive(self) -> bool:
         return all(t.additive for t in self.terms)
+
+    def distance_form(self, q_offset: int, Tq: int, kv_offset: int, Tk: int, num_heads: int, dtype: torch.dtype,
+                      device=None) -> tuple[Tensor | None, int, list[int], list[float]]:
+        """The chain as a kernel runs it without calling Python: ``(dist, dmin, ops, caps)`` where
+        ``ops`` lists ``0`` (add the next row of ``dist``) and ``1`` (soft-cap with the next
+        ``caps`` value) in chain order, and ``dist (n_add, num_heads, Tq + Tk - 1)`` holds each run
+        of consecutive additive terms summed per head and relative distance ``d = pos(k) - pos(q)``
+        at index ``d - dmin`` (differentiable in the terms' tensors; None without additive terms).
+        ``custom`` terms have no such form (``ValueError``)."""
+        dmin = kv_offset - (q_offset + Tq - 1)
+        relative = torch.arange(dmin, kv_offset + Tk - q_offset, device=device)
+        rows: list[Tensor] = []
+        ops: list[int] = []
+        caps: list[float] = []
+        for t in self.terms:
+            if t.kind == "softcap":
+                ops.append(1)
+                caps.append(t.cap)
+            elif t.additive:
+                bias = t.distance_bias(relative, num_heads, dtype)
+                if ops and ops[-1] == 0:
+                    rows[-1] = rows[-1] + bias
+                else:
+                    ops.append(0)
+                    rows.append(bias)
+            else:
+                raise ValueError(f"distance_form: a {t.kind!r} term ({t.mod!r}) is an opaque callable")
+        dist = torch.stack(rows).contiguous() if rows else None
+        return dist, dmin, ops, caps
 
     def parameters(self) -> tuple[Tensor, ...]:
         """The tensors the terms read (the same objects as ``ScoreMod.parameters``), in term order."""

@@ -31,6 +31,7 @@ from torch import Tensor
 from ..csrc import build as csrc_build
 from ..inputs import AttentionInputs
 from ..masks import And, Mask, mask_params
+from ..score_mods import score_mod_spec
 from ._common import nonfinite_keys, nonfinite_queries, poison_rows, zero_keys
 from .nonfinite import all_finite
 from ..registry import Backend, register_backend
@@ -78,6 +79,7 @@ def load_extension():
 _EMPTY_LONG = torch.empty(0, dtype=torch.long)
 _EMPTY_BOOL = torch.empty(0, dtype=torch.bool)
 _EMPTY_BYTE = torch.empty(0, dtype=torch.uint8)
+_EMPTY_F = torch.empty(0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -150,30 +152,58 @@ def plan_for(inp: AttentionInputs, options: NativeOptions) -> _Plan:
     return entry[1]
 
 
+@dataclass(frozen=True)
+class _Mods:
+    """The score modifiers' static kernel arguments (:meth:`ScoreModSpec.distance_form`)."""
+
+    dmin: int = 0
+    ops: tuple[int, ...] = ()
+    caps: tuple[float, ...] = ()
+
+
 class _NativeFunction(torch.autograd.Function):
+    """``(out, lse, seen) = f(q, k, v, bias, dist, sinks, ...)``, differentiable in q, k, v, the
+    additive ``bias (B|1, Hq|1, Tq|1, Tk|1)``, the modifiers' per-distance vectors ``dist`` (autograd
+    carries their gradient on to ALiBi slopes and relative-bias tables) and ``sinks (Hq,)``."""
+
     @staticmethod
-    def forward(ctx, q, k, v, scale, plan, flags):
+    def forward(ctx, q, k, v, bias, dist, sinks, scale, plan, flags, mods: _Mods):
         ext, _ = load_extension()
+        # the bias is cast in its own (broadcast) shape, then expanded with stride 0: never materialized
+        bias_x = _EMPTY_F if bias is None else bias.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        dist_x, sinks_x = (_EMPTY_F if t is None else t.to(q.dtype).contiguous() for t in (dist, sinks))
         out, lse, seen = ext.forward(q, k, v, scale, plan.q_offset, plan.kv_offset, plan.block_q, plan.block_k,
-                                     *plan.args, flags)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.plan = scale, plan
+                                     *plan.args, flags, bias_x, dist_x, mods.dmin, list(mods.ops), list(mods.caps),
+                                     sinks_x)
+        ctx.save_for_backward(q, k, v, out, lse, bias_x, dist_x, sinks_x)
+        ctx.scale, ctx.plan, ctx.mods = scale, plan, mods
+        ctx.bias_shape = None if bias is None else bias.shape
         ctx.mark_non_differentiable(seen)
         return out, lse, seen
 
     @staticmethod
     def backward(ctx, dout, dlse, dseen):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan = ctx.plan
+        q, k, v, out, lse, bias_x, dist_x, sinks_x = ctx.saved_tensors
+        plan, mods = ctx.plan, ctx.mods
         # delta_i = sum_j p_ij dp_ij = rowsum(dout * out); the LSE's own gradient enters as -dlse.
         dout = dout.contiguous()
         delta = (dout * out).sum(-1)
         if dlse is not None:
             delta = delta - dlse
+        need_bias, need_dist, need_sinks = ctx.needs_input_grad[3:6]
         ext, _ = load_extension()
-        dq, dk, dv = ext.backward(q, k, v, dout, lse, delta.contiguous(), ctx.scale, plan.q_offset, plan.kv_offset,
-                                  plan.block_q, plan.block_k, *plan.args)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv, d_dist, dbias = ext.backward(
+            q, k, v, dout, lse, delta.contiguous(), ctx.scale, plan.q_offset, plan.kv_offset, plan.block_q,
+            plan.block_k, *plan.args, bias_x, dist_x, mods.dmin, list(mods.ops), list(mods.caps), sinks_x,
+            bool(need_dist), bool(need_bias))
+        if need_bias:  # (B, Hq, Tq, Tk) -> the bias's own broadcast shape
+            dims = [d for d in range(4) if ctx.bias_shape[d] == 1 and dbias.shape[d] > 1]
+            dbias = dbias.sum(dim=dims, keepdim=True) if dims else dbias
+        dsinks = None
+        if need_sinks:  # d loss / d sink_h = -sum over h's rows of p_sink * delta, p_sink = exp(sink - lse)
+            dsinks = -(torch.exp(sinks_x.view(1, -1, 1) - lse) * delta).sum(dim=(0, 2))
+        return (dq, dk, dv, dbias if need_bias else None, d_dist.sum(0) if need_dist else None, dsinks,
+                None, None, None, None)
 
 
 @register_backend
@@ -182,6 +212,10 @@ class Native(Backend):
     summary = "fused C++ online-softmax kernel (CPU): fwd+bwd, skips masked tiles, masks evaluated in the kernel"
     devices = frozenset({"cpu"})
     supports_lse = True
+    supports_bias = True
+    supports_score_mod = True
+    score_mod_kinds = frozenset({"alibi", "relative_bias", "softcap"})  # in the kernel, from ScoreModSpec data
+    supports_sinks = True
     nonfinite = "self"  # flagged keys are marked per row in the kernel (same GEMM shapes either way)
     Options = NativeOptions
 
@@ -200,7 +234,10 @@ class Native(Backend):
         mask = "no mask" if inp.mask is None else "tiles skipped or masked from the mask's structure"
         cast = ", float32 tiles for %s inputs" % str(inp.dtype).removeprefix("torch.") if inp.dtype in (
             torch.float16, torch.bfloat16) else ""
-        return f"fused C++ kernel with {mask}{cast}"
+        mods = "" if inp.score_mod is None else f", score modifiers {inp.score_mod!r} in the kernel"
+        mods += "" if inp.bias is None else ", the bias added per tile"
+        mods += "" if inp.sinks is None else ", sinks in the normaliser"
+        return f"fused C++ kernel with {mask}{cast}{mods}"
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: NativeOptions | None):
@@ -225,11 +262,20 @@ class Native(Backend):
         if inp.dtype in (torch.float16, torch.bfloat16):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
         flags = _EMPTY_BYTE if bad is None else bad.to(torch.uint8).contiguous()
-        out, lse, seen = _NativeFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan, flags)
+        dist, mods = None, _Mods()
+        if inp.score_mod is not None:
+            dist, dmin, ops, caps = score_mod_spec(inp.score_mod).distance_form(
+                inp.q_offset, inp.Tq, inp.kv_offset, inp.Tk, inp.Hq, q.dtype)
+            mods = _Mods(dmin, tuple(ops), tuple(caps))
+        bias = None if inp.bias is None else inp.bias.reshape((1,) * (4 - inp.bias.dim()) + tuple(inp.bias.shape))
+        out, lse, seen = _NativeFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), bias, dist, inp.sinks,
+                                               inp.scale, plan, flags, mods)
         # a NaN/Inf query makes its own row NaN (a row with no allowed key stays 0), whatever the kernel skips
         hit = None
         if not clean:
-            hit = nonfinite_queries(inp.q) & (lse != float("-inf"))
+            # rows that see a key: LSE above -inf (above the sink's logit with sinks; NaN counts as seen)
+            floor = float("-inf") if inp.sinks is None else inp.sinks.to(lse.dtype).view(1, -1, 1)
+            hit = nonfinite_queries(inp.q) & ~(lse <= floor)
             if bad is not None:
                 hit = hit | seen.bool()
         out, lse = poison_rows(out, lse, hit)
