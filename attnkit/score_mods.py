@@ -47,9 +47,11 @@ class ScoreModTerm:
       ``max_distance``, ``bidirectional`` (T5's bucket rule, :func:`t5_bucket`; :meth:`buckets`
       evaluates it, so a kernel reads a bucket per relative distance rather than re-deriving it);
     * ``"softcap"``: ``cap * tanh(score / cap)``; ``cap``;
-    * ``"custom"``: an opaque callable; ``mod`` is the :class:`ScoreMod` to call.
+    * ``"custom"``: an opaque callable.
 
-    ``slopes`` and ``table`` are the modifier's own tensors (learnable when they require grad)."""
+    ``mod`` is the primitive :class:`ScoreMod` the term describes (to call, for a backend that runs
+    Python score functions). ``slopes`` and ``table`` are its own tensors (learnable when they
+    require grad)."""
 
     kind: str
     slopes: Tensor | None = None
@@ -132,7 +134,7 @@ class ScoreModSpec:
         out: list[Tensor] = []
         for t in self.terms:
             out.extend(x for x in (t.slopes, t.table) if x is not None)
-            if t.mod is not None:
+            if t.kind == "custom":
                 out.extend(t.mod.parameters())
         return tuple(out)
 
@@ -228,7 +230,7 @@ class SoftCap(ScoreMod):
         return torch.tanh(score / self.cap) * self.cap
 
     def _term(self):
-        return (ScoreModTerm("softcap", cap=self.cap),)
+        return (ScoreModTerm("softcap", cap=self.cap, mod=self),)
 
 
 def _per_head(values, name: str) -> Tensor:
@@ -286,7 +288,7 @@ class ALiBi(ScoreMod):
         return (self.slopes,)
 
     def _term(self):
-        return (ScoreModTerm("alibi", slopes=self.slopes),)
+        return (ScoreModTerm("alibi", slopes=self.slopes, mod=self),)
 
     def __repr__(self):
         return f"ALiBi(heads={self.slopes.numel()})"
@@ -365,7 +367,7 @@ class RelativeBias(ScoreMod):
 
     def _term(self):
         return (ScoreModTerm("relative_bias", table=self.table, max_distance=self.max_distance,
-                             bidirectional=self.bidirectional),)
+                             bidirectional=self.bidirectional, mod=self),)
 
     def __repr__(self):
         return f"RelativeBias(heads={self.table.shape[0]}, buckets={self.table.shape[1]}, bidirectional={self.bidirectional})"
