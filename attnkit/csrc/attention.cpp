@@ -521,50 +521,6 @@ void check(const at::Tensor& x, const char* name) {
 #define ATTNKIT_DISPATCH(dtype, name, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, name, __VA_ARGS__)
 
-// The score modifiers' arguments (score_mod.h) as kernel data, in the scores' type A; an empty
-// bias, dist or sinks is absent.
-template <typename A>
-ScoreMods<A> make_mods(const at::Tensor& q, const at::Tensor& k, int64_t q_offset, int64_t kv_offset,
-                       const at::Tensor& bias, const at::Tensor& dist, int64_t dmin, c10::IntArrayRef ops,
-                       c10::ArrayRef<double> caps, const at::Tensor& sinks) {
-  const auto stat = c10::CppTypeToScalarType<A>::value;
-  const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), Tk = k.size(2);
-  for (auto* t : {&bias, &dist, &sinks}) {
-    TORCH_CHECK(t->numel() == 0 || (t->device().is_cpu() && t->scalar_type() == stat),
-                "bias, dist and sinks: expected CPU tensors of the statistics' dtype ", stat);
-  }
-  ScoreMods<A> mods;
-  mods.Hq = Hq;
-  if (bias.numel()) {
-    TORCH_CHECK(bias.dim() == 4 && bias.size(0) == B && bias.size(1) == Hq && bias.size(2) == Tq &&
-                    bias.size(3) == Tk,
-                "bias: expected (B, Hq, Tq, Tk) (broadcast dims with stride 0), got ", bias.sizes());
-    mods.bias = bias.data_ptr<A>();
-    mods.bias_sb = bias.stride(0), mods.bias_sh = bias.stride(1), mods.bias_sq = bias.stride(2);
-    mods.bias_sk = bias.stride(3);
-  }
-  if (dist.numel()) {
-    TORCH_CHECK(dist.dim() == 3 && dist.size(1) == Hq && dist.size(2) == Tq + Tk - 1 && dist.is_contiguous() &&
-                    dmin == kv_offset - (q_offset + Tq - 1),
-                "dist: expected a contiguous (n_add, Hq, Tq + Tk - 1) tensor starting at distance "
-                "kv_offset - (q_offset + Tq - 1)");
-    mods.dist = dist.data_ptr<A>(), mods.n_add = dist.size(0), mods.ndist = dist.size(2), mods.dmin = dmin;
-  }
-  mods.ops = ops.data(), mods.n_ops = static_cast<int64_t>(ops.size()), mods.caps = caps.data();
-  int64_t n_add = 0;
-  for (int64_t op : ops) {
-    TORCH_CHECK(op == attnkit::ADD || op == attnkit::CAP, "score mod ops: 0 (add) or 1 (cap), got ", op);
-    mods.n_cap += op == attnkit::CAP, n_add += op == attnkit::ADD;
-  }
-  TORCH_CHECK(n_add == mods.n_add && mods.n_cap == static_cast<int64_t>(caps.size()),
-              "score mod ops: one dist vector per add, one cap per cap");
-  if (sinks.numel()) {
-    TORCH_CHECK(sinks.numel() == Hq && sinks.is_contiguous(), "sinks: expected (Hq,)");
-    mods.sinks = sinks.data_ptr<A>();
-  }
-  return mods;
-}
-
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                 int64_t q_offset, int64_t kv_offset, int64_t block_q, int64_t block_k,
                                 const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
@@ -581,7 +537,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   auto hit = bad.numel() ? at::zeros({q.size(0), q.size(1), q.size(2)}, bad.options()) : at::empty({0}, bad.options());
   MaskSpec m = make_spec(grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
   ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native_forward", [&] {
-    auto mods = make_mods<Acc<scalar_t>>(q, k, q_offset, kv_offset, bias, dist, dmin, ops, caps, sinks);
+    auto mods = attnkit::make_mods<Acc<scalar_t>>(q, k, q_offset, kv_offset, bias, dist, dmin, ops, caps, sinks);
     Problem<scalar_t> P(q, k, v, scale, q_offset, kv_offset, block_q, block_k, m, mods);
     forward_impl<scalar_t>(q, k, v, out, lse, bad, hit, P);
   });
@@ -612,7 +568,7 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
   MaskSpec m = make_spec(grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
   ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native_backward", [&] {
     using T = scalar_t;
-    auto mods = make_mods<Acc<T>>(q, k, q_offset, kv_offset, bias, dist, dmin, ops, caps, sinks);
+    auto mods = attnkit::make_mods<Acc<T>>(q, k, q_offset, kv_offset, bias, dist, dmin, ops, caps, sinks);
     Problem<T> P(q, k, v, scale, q_offset, kv_offset, block_q, block_k, m, mods);
     Backward<T> bw{P,
                    q.data_ptr<T>(),
