@@ -22,7 +22,9 @@ Score modifiers run in the kernel from their data (:meth:`attnkit.score_mods.Sco
 an additive ``bias`` read through its strides, ALiBi and relative biases as one vector per (head,
 relative distance), soft-caps, then the mask, and ``sinks`` in each row's normaliser — all on the
 float32 (float64) scores, whatever the tiles' type. Gradients reach the bias, the sinks and, through
-autograd on the distance vectors, ALiBi slopes and relative-bias tables.
+autograd on the distance vectors, ALiBi slopes and relative-bias tables (the distance vectors'
+gradient is summed per query tile, then in a fixed order: deterministic, with ``B·Hq·Tq·Tk / block_q``
+floats of scratch while learnable slopes or tables need it).
 
 Precision: float32 and float64 run in their own type. bfloat16/float16 inputs run their tile
 products **in the kernel in that type** (fp32 accumulation; scores, softmax statistics, the LSE and
