@@ -52,21 +52,33 @@ def test_gpt_compiles_fullgraph_on_native_and_equals_eager():
 
 @needs_build
 def test_native_operators_pass_opcheck():
+    from attnkit.score_mods import ALiBi, SoftCap, score_mod_spec
+
     torch.manual_seed(0)
     q = torch.randn(1, 4, 17, 8, requires_grad=True)
     k, v = (torch.randn(1, 2, 17, 8, requires_grad=True) for _ in range(2))
     inp = AttentionInputs.create(q, k, v, mask=Causal() & SlidingWindow(5, 0))
     plan = native.plan_for(inp, native.NativeOptions(8, 8))
     head = (q, k, v, 8**-0.5, plan.q_offset, plan.kv_offset, plan.block_q, plan.block_k, *plan.args)
+    empty = torch.empty(0)
+    no_mods = (empty, empty, 0, [], [], empty)
+    dist, dmin, ops, caps = score_mod_spec(ALiBi(torch.rand(4)) >> SoftCap(2.0)).distance_form(0, 17, 0, 17, 4,
+                                                                                             torch.float32)
+    bias = torch.randn(1, 4, 1, 17).expand(1, 4, 17, 17)
+    mods = (bias, dist, dmin, ops, caps, torch.randn(4))
     flags = torch.zeros(1, 2, 17, dtype=torch.uint8)
     flags[0, 1, 3] = 1
     for bad in (torch.empty(0, dtype=torch.uint8), flags):
-        torch.library.opcheck(torch.ops.attnkit_native.forward.default, (*head, bad))
-    out, lse, _ = torch.ops.attnkit_native.forward(*head, flags)
-    dout = torch.randn_like(out)
-    detached = [x.detach() for x in (q, k, v)]
-    torch.library.opcheck(torch.ops.attnkit_native.backward.default,
-                          (*detached, dout, lse.detach(), (dout * out).sum(-1).detach(), *head[3:]))
+        torch.library.opcheck(torch.ops.attnkit_native.forward.default, (*head, *no_mods, bad))
+    for settings in (no_mods, mods):
+        out, lse, _ = torch.ops.attnkit_native.forward(*head, *settings, flags)
+        dout = torch.randn_like(out)
+        detached = [x.detach() for x in (q, k, v)]
+        for need in ((False, False), (True, True)):
+            torch.library.opcheck(torch.ops.attnkit_native.backward.default,
+                                  (*detached, dout, lse.detach(), (dout * out).sum(-1).detach(), *head[3:], *settings,
+                                   *need))
+    torch.library.opcheck(torch.ops.attnkit_native.forward.default, (*head, *mods, flags))
 
 
 @needs_build
@@ -116,3 +128,28 @@ def test_varlen_compiles_fullgraph_on_native_without_recompiles():
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert counters["stats"]["unique_graphs"] == 1  # one graph for every length: no recompile
+
+
+@needs_build
+def test_compiled_native_runs_learnable_score_mods_and_sinks():
+    """ALiBi with learnable slopes, a soft-cap and sinks through torch.compile(fullgraph=True): output and
+    every gradient (slopes through the distance vectors, sinks through the LSE) equal eager."""
+    from attnkit.score_mods import ALiBi, SoftCap
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 19, 8, generator=g).requires_grad_()
+    k, v = (torch.randn(1, 2, 23, 8, generator=g).requires_grad_() for _ in range(2))
+    slopes, sinks = torch.rand(4, generator=g).requires_grad_(), torch.randn(4, generator=g).requires_grad_()
+    leaves = (q, k, v, slopes, sinks)
+
+    def f(q, k, v, slopes, sinks):
+        return attnkit.attention(q, k, v, mask=Causal(), score_mod=[ALiBi(slopes), SoftCap(3.0)], sinks=sinks,
+                                 backend="native", options=native.NativeOptions(8, 8))
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves)
+    got_grads = torch.autograd.grad(got.square().sum(), leaves)
+    ref = f(*leaves)
+    ref_grads = torch.autograd.grad(ref.square().sum(), leaves)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -146,3 +146,87 @@ def test_avx2_tiles_match_the_reference(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     for dtype, (out, grads) in zip((torch.float32, torch.bfloat16), torch.load(tmp_path / "out.pt")):
         check_flash_rule(out, grads, *_baselines(AVX2_SHAPE, "Causal", dtype), dtype)
+
+
+def _modified_attention(q, k, v, slopes, sinks, bias, cap, dtype):
+    """Causal attention with ALiBi then a soft-cap after an additive bias, sinks in the normaliser,
+    every operation in ``dtype`` (the float64 oracle, or the low-precision yardstick)."""
+    q, k, v, slopes, sinks, bias = (x.to(dtype) for x in (q, k, v, slopes, sinks, bias))
+    B, Hq, Tq, D = q.shape
+    G, Tk = Hq // k.shape[1], k.shape[2]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    distance = (torch.arange(Tk)[None, :] - torch.arange(Tk - Tq, Tk)[:, None]).to(dtype)  # pos(k) - pos(q)
+    s = q @ k.transpose(-1, -2) * D**-0.5 + bias
+    s = s - slopes.view(1, -1, 1, 1) * distance.abs()
+    s = cap * torch.tanh(s / cap)
+    s = s.masked_fill(distance > 0, float("-inf"))
+    s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(B, Hq, Tq, 1)], dim=-1)
+    return torch.softmax(s, dim=-1)[..., :-1] @ v
+
+
+def _modifier_leaves(shape, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    slopes = torch.rand(shape.Hq, generator=g)
+    sinks = torch.randn(shape.Hq, generator=g)
+    bias = torch.randn(1, shape.Hq, 1, shape.Tk, generator=g)
+    return [x.to(dtype).requires_grad_(True) for x in (slopes, sinks, bias)]
+
+
+def _modified_native(qkv, mods, do, options):
+    from attnkit.score_mods import ALiBi, SoftCap
+
+    q, k, v = (x.detach().clone().requires_grad_(True) for x in qkv)
+    slopes, sinks, bias = (x.detach().clone().requires_grad_(True) for x in mods)
+    out = attnkit.attention(q, k, v, mask=Causal(), score_mod=[ALiBi(slopes), SoftCap(2.0)], sinks=sinks, bias=bias,
+                            backend="native", options=options)
+    leaves = (q, k, v, slopes, sinks, bias)
+    return out.detach(), torch.autograd.grad(out, leaves, do)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_score_mods_sinks_and_bias_match_reference(path):
+    """ALiBi and a soft-cap after a bias, sinks, GQA, Tq < Tk, ragged tiles: output and every gradient
+    (q, k, v, slopes, sinks, bias) within flash-attn's rule of the float64 oracle, with the modifiers
+    computed on the float32 scores of bfloat16/float16 tiles."""
+    from tests.reference import flash_rule_ok, max_error
+
+    dtype, half = PATHS[path]
+    shape = Shape(1, 4, 2, 37, 53, 24, 24)
+    qkv, do = _inputs(shape, dtype)
+    mods = _modifier_leaves(shape, dtype)
+    out, grads = _modified_native(qkv, mods, do, native.NativeOptions(16, 32, half_tiles=half))
+
+    def reference(ref_dtype):
+        leaves = [x.detach().to(ref_dtype).requires_grad_(True) for x in (*qkv, *mods)]
+        ref = _modified_attention(*leaves, 2.0, ref_dtype)
+        return ref.detach(), torch.autograd.grad(ref, leaves, do.to(ref_dtype))
+
+    (ref, ref_grads), (lowp, lowp_grads) = reference(torch.float64), reference(dtype)
+    assert flash_rule_ok(max_error(out, ref), max_error(lowp, ref), factor=2, dtype=dtype)
+    for name, g, lg, rg in zip(["q", "k", "v", "slopes", "sinks", "bias"], grads, lowp_grads, ref_grads):
+        assert g.dtype == dtype and torch.isfinite(g).all(), name
+        err, lp_err = max_error(g, rg), max_error(lg, rg)
+        assert flash_rule_ok(err, lp_err, factor=3, dtype=dtype, magnitude=float(rg.abs().max())), (
+            f"d{name} error {err:.3g} vs low-precision reference {lp_err:.3g}")
+
+
+@pytest.mark.parametrize("dtype,half", [(torch.float32, None), (torch.bfloat16, True)], ids=["float32", "bf16"])
+def test_backward_with_learnable_modifiers_deterministic(dtype, half):
+    """Learnable ALiBi slopes, sinks and bias (and a soft-cap): 20 backward passes bitwise equal on the
+    key-tile schedule (more threads than B * Hkv), and equal to the one-pass schedule (one thread).
+    The slopes' gradient comes from per-distance sums over every tile of a head: buffers per query
+    tile, reduced in a fixed order, never raced on by the tasks of different key tiles."""
+    shape = Shape(1, 4, 2, 67, 97, 16, 16)
+    qkv, do = _inputs(shape, dtype)
+    mods = _modifier_leaves(shape, dtype)
+    options = native.NativeOptions(16, 16, half_tiles=half)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        _, first = _modified_native(qkv, mods, do, options)
+        torch.set_num_threads(4)
+        for _ in range(20):
+            _, again = _modified_native(qkv, mods, do, options)
+            assert all(torch.equal(a, b) for a, b in zip(first, again))
+    finally:
+        torch.set_num_threads(threads)

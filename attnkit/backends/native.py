@@ -10,12 +10,21 @@ when batch × kv heads is smaller than the thread count (so B=1 uses every core)
 **deterministic**: every accumulator is summed in a fixed order, so repeated backward passes are
 bitwise equal (whatever the thread count). GQA reads each key/value head in place (never repeated).
 
-The mask is read through its structure (:func:`attnkit.backends._tiles.tile_grid`): EMPTY tiles
-are skipped and FULL tiles run with no mask work; PARTIAL tiles are masked in the kernel from the
-conjuncts' few integers or index vectors — band bounds (``Causal``, ``SlidingWindow``) and key
-lengths (``KeyPadding``) as one kept range per row, key validity (``Padding``), document ids
-(``Document``), a block layout (``BlockSparse``) — and any other conjunct (``Dense``, ``Custom``,
-``Or``, ...) from a byte keep tile per PARTIAL tile computed here with ``mask.evaluate``.
+The mask is read through its structure (:func:`attnkit.masks.tile_grid`): EMPTY tiles are skipped
+and FULL tiles run with no mask work; PARTIAL tiles are masked in the kernel from the conjuncts' few
+integers or index vectors (:func:`attnkit.masks.mask_params`) — band bounds (``Causal``,
+``SlidingWindow``) and key lengths (``KeyPadding``) as one kept range per row, key validity
+(``Padding``), document ids (``Document``), a block layout (``BlockSparse``) — and any other
+conjunct (``Dense``, ``Custom``, ``Or``, ...) from a byte keep tile per PARTIAL tile computed here
+with ``mask.evaluate``.
+
+Score modifiers run in the kernel from their data (:meth:`attnkit.score_mods.ScoreModSpec.distance_form`):
+an additive ``bias`` read through its strides, ALiBi and relative biases as one vector per (head,
+relative distance), soft-caps, then the mask, and ``sinks`` in each row's normaliser — all on the
+float32 (float64) scores, whatever the tiles' type. Gradients reach the bias, the sinks and, through
+autograd on the distance vectors, ALiBi slopes and relative-bias tables (the distance vectors'
+gradient is summed per query tile, then in a fixed order: deterministic, with ``B·Hq·Tq·Tk / block_q``
+floats of scratch while learnable slopes or tables need it).
 
 Precision: float32 and float64 run in their own type. bfloat16/float16 inputs run their tile
 products **in the kernel in that type** (fp32 accumulation; scores, softmax statistics, the LSE and
@@ -43,13 +52,13 @@ from torch import Tensor
 from ..csrc import build as csrc_build
 from ..hardware import half_matmul_is_fast
 from ..inputs import AttentionInputs
-from ..masks import And, BlockSparse, Causal, Document, KeyPadding, Mask, Padding, SlidingWindow
+from ..masks import And, Mask, mask_params
+from ..score_mods import score_mod_spec
 from ._common import nonfinite_keys, nonfinite_queries, poison_rows, zero_keys
 from . import native_ops
 from .nonfinite import all_finite, host_may_branch
-from ..registry import Backend, register_backend
+from ..registry import Backend, Work, register_backend
 from ._tiles import PARTIAL, tile_grid
-from ..registry import Work
 
 
 @dataclass(frozen=True)
@@ -135,6 +144,7 @@ def half_tiles_note(dtype: torch.dtype) -> str:
 _EMPTY_LONG = torch.empty(0, dtype=torch.long)
 _EMPTY_BOOL = torch.empty(0, dtype=torch.bool)
 _EMPTY_BYTE = torch.empty(0, dtype=torch.uint8)
+_EMPTY_F = torch.empty(0)  # an absent bias, distance vector or sinks
 
 
 @dataclass(frozen=True, eq=False)
@@ -150,31 +160,15 @@ class _Plan:
 
 def _build_plan(mask: Mask | None, B: int, H: int, Tq: int, Tk: int, q_offset: int, kv_offset: int, bq: int, bk: int) -> _Plan:
     grid = tile_grid(mask, Tq, Tk, q_offset, kv_offset, bq, bk, B, H)
-    left = right = None
-    lengths, valid, doc, layout, layout_bs, extras = None, None, None, None, 1, []
-    for part in () if mask is None else mask.conjuncts():
-        if isinstance(part, (Causal, SlidingWindow)):
-            band = part.band()
-            left = band.left if left is None else left if band.left is None else min(left, band.left)
-            right = band.right if right is None else right if band.right is None else min(right, band.right)
-        elif isinstance(part, KeyPadding):
-            n = part.lengths.expand(B) if part.lengths.numel() == 1 else part.lengths
-            lengths = n if lengths is None else torch.minimum(lengths, n)
-        elif isinstance(part, Padding):
-            valid = part.valid.cpu() if valid is None else valid & part.valid.cpu()
-        elif isinstance(part, Document) and doc is None:
-            doc = part.ids.cpu()
-        elif isinstance(part, BlockSparse) and layout is None:
-            layout, layout_bs = part.layout, part.block_size
-        else:
-            extras.append(part)
+    params = mask_params(mask, B)
     extra_index, extra = _EMPTY_LONG, _EMPTY_BYTE
-    if extras:
-        extra_index, extra = _keep_tiles(extras[0] if len(extras) == 1 else And(*extras), grid, Tq, Tk, q_offset,
-                                         kv_offset, bq, bk, B, H)
+    if params.rest:
+        rest = params.rest[0] if len(params.rest) == 1 else And(*params.rest)
+        extra_index, extra = _keep_tiles(rest, grid, Tq, Tk, q_offset, kv_offset, bq, bk, B, H)
+    left, right = params.band.left, params.band.right
     band = [int(left is not None), left or 0, int(right is not None), right or 0]
-    args = (grid, band, _or(lengths, _EMPTY_LONG), _or(valid, _EMPTY_BOOL), _or(doc, _EMPTY_LONG),
-            _or(layout, _EMPTY_BOOL), layout_bs, extra_index, extra)
+    args = (grid, band, _or(params.lengths, _EMPTY_LONG), _or(params.valid, _EMPTY_BOOL), _or(params.doc, _EMPTY_LONG),
+            _or(params.layout, _EMPTY_BOOL), params.layout_block_size, extra_index, extra)
     return _Plan(tuple(a.contiguous() if isinstance(a, Tensor) else a for a in args), q_offset, kv_offset, bq, bk)
 
 
@@ -250,6 +244,10 @@ class NativeBackend(Backend):
     summary = "fused C++ online-softmax kernel (CPU): fwd+bwd, skips masked tiles, masks evaluated in the kernel"
     devices = frozenset({"cpu"})
     supports_lse = True
+    supports_bias = True
+    supports_score_mod = True
+    score_mod_kinds = frozenset({"alibi", "relative_bias", "softcap"})  # in the kernel, from ScoreModSpec data
+    supports_sinks = True
     nonfinite = "self"  # flagged keys are marked per row in the kernel (same GEMM shapes either way)
     Options = NativeOptions
 
@@ -267,7 +265,10 @@ class NativeBackend(Backend):
     def describe(cls, inp: AttentionInputs) -> str:
         mask = "no mask" if inp.mask is None else "tiles skipped or masked from the mask's structure"
         cast = f", {half_tiles_note(inp.dtype)}" if inp.dtype in _HALF else ""
-        return f"fused C++ kernel with {mask}{cast}"
+        mods = "" if inp.score_mod is None else f", score modifiers {inp.score_mod!r} in the kernel"
+        mods += "" if inp.bias is None else ", the bias added per tile"
+        mods += "" if inp.sinks is None else ", sinks in the normaliser"
+        return f"fused C++ kernel with {mask}{cast}{mods}"
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: NativeOptions | None):
@@ -289,13 +290,26 @@ class NativeBackend(Backend):
         if inp.dtype in _HALF and not half_tiles(inp.dtype, options):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
         flags = _EMPTY_BYTE if bad is None else bad.to(torch.uint8).contiguous()
+        stat = torch.promote_types(q.dtype, torch.float32)  # scores, statistics and modifiers
+        bias, dist, dmin, ops, caps, sinks = _EMPTY_F, _EMPTY_F, 0, [], [], _EMPTY_F
+        if inp.score_mod is not None:
+            dist, dmin, ops, caps = score_mod_spec(inp.score_mod).distance_form(
+                inp.q_offset, inp.Tq, inp.kv_offset, inp.Tk, inp.Hq, stat)
+            dist = _EMPTY_F if dist is None else dist
+        if inp.bias is not None:  # cast in its own (broadcast) shape, expanded with stride 0: never materialized
+            bias = inp.bias.reshape((1,) * (4 - inp.bias.dim()) + tuple(inp.bias.shape)).to(stat)
+            bias = bias.expand(inp.B, inp.Hq, inp.Tq, inp.Tk)
+        if inp.sinks is not None:
+            sinks = inp.sinks.to(stat).contiguous()
         out, lse, seen = torch.ops.attnkit_native.forward(
             q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan.q_offset, plan.kv_offset, plan.block_q,
-            plan.block_k, *plan.args, flags)
+            plan.block_k, *plan.args, bias, dist, dmin, ops, caps, sinks, flags)
         # a NaN/Inf query makes its own row NaN (a row with no allowed key stays 0), whatever the kernel skips
         hit = None
         if not clean:
-            hit = nonfinite_queries(inp.q) & (lse != float("-inf"))
+            # rows that see a key: LSE above -inf (above the sink's logit with sinks; NaN counts as seen)
+            floor = float("-inf") if inp.sinks is None else inp.sinks.to(lse.dtype).view(1, -1, 1)
+            hit = nonfinite_queries(inp.q) & ~(lse <= floor)
             if bad is not None:
                 hit = hit | seen.bool()
         out, lse = poison_rows(out, lse, hit)

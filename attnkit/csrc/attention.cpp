@@ -17,6 +17,12 @@
 // NaN). GEMM shapes never depend on the data, so a row that cannot see a flagged key is bitwise
 // what it is without the flag.
 //
+// Score modifiers (score_mod.h) run on the float32 (float64) scores of each tile, after the scale
+// and before the mask: an additive bias read through its strides, per-(head, distance) vectors
+// (ALiBi, relative biases), soft-caps; per-head sinks join each row's normaliser. The backward
+// returns the bias's gradient (dense) and the distance vectors' (per query-tile buffers, reduced
+// in a fixed order at the end, so it stays deterministic under both schedules).
+//
 // Schedules. Forward: parallel over (batch, head, query tile). Backward (FA2): dK/dV parallel over
 // key tiles and dQ over query tiles when (batch x kv heads) is smaller than the thread count, else
 // one pass per (batch, kv head). Every accumulator is owned by one task and summed in a fixed
@@ -33,11 +39,14 @@
 #include <limits>
 #include <vector>
 
+#include "score_mod.h"
 #include "tiles.h"
 
 namespace {
 
 using attnkit::Acc;
+using attnkit::DistGrad;
+using attnkit::ScoreMods;
 using attnkit::gemm;
 using attnkit::pack_a;
 using attnkit::pack_b;
@@ -135,48 +144,58 @@ inline void mask_row(const MaskSpec& m, int64_t b, int64_t qp, int64_t kp0, int6
   std::fill(row + hi, row + nk, ninf);
 }
 
-// The scores of one tile after its GEMM, masked (-inf where not kept) when the tile is PARTIAL
-// (unscaled: exp_row applies the scale). FULL tiles do no mask work; band/length masks fill each
-// row's two excluded ends. A scale <= 0 (exp_row needs > 0) is applied here instead.
-struct Tile {
-  int64_t b, h, qt, kt, q0, nq, k0, nk;
-};
-
-template <typename A>
-void score_tile(const MaskSpec& m, const Tile& t, int64_t qpos0, int64_t kpos0, int64_t block_q, int64_t block_k,
-                A scale, A* s, uint8_t* keep) {
-  if (!(scale > 0))
-    for (int64_t i = 0; i < t.nq; ++i) attnkit::scale_row(s + i * block_k, t.nk, scale);
-  if (m.grid[t.qt * m.nK + t.kt] != 1) return;
-  const bool per_element = !ranges_only(m);
-  if (per_element) tile_keep(m, t.b, t.h, t.qt, t.kt, t.q0, t.nq, t.k0, t.nk, qpos0, kpos0, block_q, block_k, keep);
-  for (int64_t i = 0; i < t.nq; ++i) {
-    mask_row(m, t.b, qpos0 + t.q0 + i, kpos0 + t.k0, t.nk, per_element ? keep + i * block_k : nullptr, s + i * block_k);
-  }
-}
-
 // Task i of n in an order that pairs cheap and expensive tiles (0, n-1, 1, n-2, ...), so the
 // contiguous ranges at::parallel_for hands each thread carry similar work under a causal mask.
 inline int64_t zigzag(int64_t i, int64_t n) { return (i & 1) ? n - 1 - i / 2 : i / 2; }
 
-// Shapes, tile sizes and the packed operands of one call.
+// Shapes, tile sizes, the mask and the score modifiers of one call.
 template <typename T>
 struct Problem {
   int64_t B, Hq, Hkv, G, Tq, Tk, D, Dv, bq, bk, nQ, nK, qpos0, kpos0;
   int64_t Dp, Dvp, bqp, bkp;  // K dimensions as the GEMM operands store them (even for VNNI)
-  Acc<T> scale, exp_scale;  // exp_scale: what exp_row multiplies scores by (1 when scale <= 0)
   const MaskSpec* m;
+  const ScoreMods<Acc<T>>* mods;
+  // Scores scaled in score_tile (the modifiers read scaled scores; exp_row needs a scale > 0), else
+  // by exp_row: exp_scale is what exp_row multiplies scores by.
+  bool prescale;
+  Acc<T> scale, exp_scale;
   bool vnni;
 
   Problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale_d, int64_t qo, int64_t ko,
-          int64_t block_q, int64_t block_k, const MaskSpec& spec)
+          int64_t block_q, int64_t block_k, const MaskSpec& spec, const ScoreMods<Acc<T>>& sm)
       : B(q.size(0)), Hq(q.size(1)), Hkv(k.size(1)), G(q.size(1) / k.size(1)), Tq(q.size(2)), Tk(k.size(2)),
         D(q.size(3)), Dv(v.size(3)), bq(block_q), bk(block_k), nQ((Tq + bq - 1) / bq), nK((Tk + bk - 1) / bk),
         qpos0(qo), kpos0(ko), Dp(padded_k<T>(D)), Dvp(padded_k<T>(Dv)), bqp(padded_k<T>(bq)), bkp(padded_k<T>(bk)),
-        scale(static_cast<Acc<T>>(scale_d)), exp_scale(scale > 0 ? scale : Acc<T>(1)), m(&spec), vnni(vnni_available<T>()) {}
+        m(&spec), mods(&sm), prescale(!(scale_d > 0) || sm.modifies()), scale(static_cast<Acc<T>>(scale_d)),
+        exp_scale(prescale ? Acc<T>(1) : scale), vnni(vnni_available<T>()) {}
   int64_t kv_tile(int64_t b, int64_t hk, int64_t kt) const { return (b * Hkv + hk) * nK + kt; }
   int64_t q_tile(int64_t b, int64_t h, int64_t qt) const { return (b * Hq + h) * nQ + qt; }
 };
+
+// The scores of one tile after its GEMM: scaled here when P.prescale (else exp_row applies the
+// scale), then the score modifiers (their tanh values kept in `tanh_keep` when given), then masked
+// (-inf where not kept) when the tile is PARTIAL. FULL tiles do no mask work; band/length masks
+// fill each row's two excluded ends.
+struct Tile {
+  int64_t b, h, qt, kt, q0, nq, k0, nk;
+};
+
+template <typename T>
+void score_tile(const Problem<T>& P, const Tile& t, Acc<T>* s, uint8_t* keep, Acc<T>* tanh_keep) {
+  const MaskSpec& m = *P.m;
+  if (P.prescale)
+    for (int64_t i = 0; i < t.nq; ++i) attnkit::scale_row(s + i * P.bk, t.nk, P.scale);
+  if (P.mods->modifies()) {
+    attnkit::apply_score_mods(*P.mods, t.b, t.h, t.q0, t.k0, P.qpos0 + t.q0, P.kpos0 + t.k0, t.nq, t.nk, P.bk,
+                              P.bq * P.bk, s, tanh_keep);
+  }
+  if (m.grid[t.qt * m.nK + t.kt] != 1) return;
+  const bool per_element = !ranges_only(m);
+  if (per_element) tile_keep(m, t.b, t.h, t.qt, t.kt, t.q0, t.nq, t.k0, t.nk, P.qpos0, P.kpos0, P.bq, P.bk, keep);
+  for (int64_t i = 0; i < t.nq; ++i) {
+    mask_row(m, t.b, P.qpos0 + t.q0 + i, P.kpos0 + t.k0, t.nk, per_element ? keep + i * P.bk : nullptr, s + i * P.bk);
+  }
+}
 
 // GEMM operands packed once per call, one slot per key tile (or query tile): the products read
 // them for every tile pair. An undefined store means the operand is read in place instead
@@ -258,13 +277,16 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         qA = qa.data();
       }
       std::fill(acc.begin(), acc.end(), A(0));
-      std::fill(mrow.begin(), mrow.end(), ninf);
+      // A sink starts the row max at its logit (a +inf sink at the largest finite value: the keys
+      // then weigh 0 and the sink term below makes the sum +inf, output 0 and LSE +inf).
+      const A sink = P.mods->sinks ? P.mods->sinks[h] : ninf;
+      std::fill(mrow.begin(), mrow.end(), std::min(sink, std::numeric_limits<A>::max()));
       std::fill(lrow.begin(), lrow.end(), A(0));
       for (int64_t kt = 0; kt < P.nK; ++kt) {
         if (m.grid[qt * P.nK + kt] == 0) continue;
         const int64_t k0 = kt * P.bk, nk = std::min(P.bk, P.Tk - k0);
         gemm<T>(nq, nk, P.Dp, qA, P.Dp, kT.at(P.kv_tile(b, hk, kt)), nk, s.data(), P.bk, false);
-        score_tile(m, {b, h, qt, kt, q0, nq, k0, nk}, P.qpos0, P.kpos0, P.bq, P.bk, P.scale, s.data(), keep.data());
+        score_tile(P, {b, h, qt, kt, q0, nq, k0, nk}, s.data(), keep.data(), nullptr);
         // Flagged keys (zeroed by the caller, so their scores are finite): mark the rows that keep one
         // (score not -inf). Tiles without a flagged key cost one byte scan.
         const uint8_t* bk = badp ? badp + (b * P.Hkv + hk) * P.Tk + k0 : nullptr;
@@ -299,7 +321,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
       T* ob = op + row0 * P.Dv;
       for (int64_t i = 0; i < nq; ++i) {
-        const A l = lrow[i];
+        const A l = lrow[i] + (sink == ninf ? A(0) : std::exp(sink - mrow[i]));  // mrow >= sink: no overflow
         const A inv = l == A(0) ? A(0) : A(1) / l;
         for (int64_t c = 0; c < P.Dv; ++c) ob[i * P.Dv + c] = static_cast<T>(acc[i * P.Dv + c] * inv);
         lp[row0 + i] = l == A(0) ? ninf : mrow[i] + std::log(l);
@@ -313,6 +335,12 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // then dV^T += dO^T P and dK^T += Q^T dS (kv), and/or dQ += dS K (q). dK and dV are accumulated
 // transposed, (D x Tk), so P and dS serve as B operands as they are (fp32) or packed row-pairwise
 // (VNNI): no tile is transposed. Accumulators are float32 (float64 for float64 inputs).
+//
+// Score modifiers: dS is taken back through the chain (score_mods_backward) before the scale. The
+// pass that computes dQ (each (query tile, key tile) once, in both schedules) also writes the bias
+// gradient and adds the distance vectors' gradient into the buffer of its (batch, head, query tile)
+// (key tiles ascending): in the split schedule the tasks of one head work on different query tiles,
+// so the buffers are reduced afterwards in a fixed order (reduce_dist), never raced on.
 template <typename T>
 struct Backward {
   using A = Acc<T>;
@@ -321,14 +349,21 @@ struct Backward {
   const A *lse, *delta;
   A *dq, *dkT, *dvT;  // (B, Hq, Tq, D), (B, Hkv, D, Tk), (B, Hkv, Dv, Tk)
   Packed<T> kT, vT, kB, qT, doT;  // B: K^T, V^T (scores, dP), K (dQ); A: Q^T, dO^T (dK, dV)
+  A* dist_buf = nullptr;  // (n_add, B, Hq, nQ, dist_w) or null: the distance vectors' gradient per query tile
+  A* dbias = nullptr;     // (B, Hq, Tq, Tk) or null
+
+  // A query tile's buffer element l is the gradient at distance d0(qt) + l; the tile's
+  // pos(k) - pos(q) span k0 + j - i for i < bq, so bq - 1 + Tk elements cover every key.
+  int64_t dist_w() const { return P.Tk + P.bq - 1; }
+  int64_t dist_d0(int64_t qt) const { return P.kpos0 - P.qpos0 - qt * P.bq - (P.bq - 1); }
 
   struct Work {
-    std::vector<A> p, dp;
+    std::vector<A> p, dp, tanh_keep;
     std::vector<T> qa, doa, pb, dsb, dsa;
     std::vector<uint8_t> keep;
     explicit Work(const Problem<T>& P)
-        : p(P.bq * P.bk), dp(P.bq * P.bk), qa(P.bq * P.Dp), doa(P.bq * P.Dvp), pb(P.bqp * P.bk), dsb(P.bqp * P.bk),
-          dsa(P.bq * P.bkp), keep(P.bq * P.bk) {}
+        : p(P.bq * P.bk), dp(P.bq * P.bk), tanh_keep(P.mods->n_cap * P.bq * P.bk), qa(P.bq * P.Dp),
+          doa(P.bq * P.Dvp), pb(P.bqp * P.bk), dsb(P.bqp * P.bk), dsa(P.bq * P.bkp), keep(P.bq * P.bk) {}
   };
 
   // The A operands of query tile (b, h, qt): Q and dO, padded for VNNI.
@@ -353,7 +388,8 @@ struct Backward {
     const A ninf = -std::numeric_limits<A>::infinity();
     A *p = w.p.data(), *ds = w.dp.data();
     gemm<T>(nq, nk, P.Dp, w.qa.data(), P.Dp, kT.at(kslot), nk, p, P.bk, false);
-    score_tile(*P.m, {b, h, qt, kt, q0, nq, k0, nk}, P.qpos0, P.kpos0, P.bq, P.bk, P.scale, p, w.keep.data());
+    const ScoreMods<A>& mods = *P.mods;
+    score_tile(P, {b, h, qt, kt, q0, nq, k0, nk}, p, w.keep.data(), w.tanh_keep.data());
     for (int64_t i = 0; i < nq; ++i) {
       A* row = p + i * P.bk;
       const A l = lse[row0 + i];
@@ -364,11 +400,28 @@ struct Backward {
       }
     }
     gemm<T>(nq, nk, P.Dvp, w.doa.data(), P.Dvp, vT.at(kslot), nk, ds, P.bk, false);  // dP = dO V^T
-    for (int64_t i = 0; i < nq; ++i) {
-      const A dl = delta[row0 + i];
-      A* dr = ds + i * P.bk;
-      const A* pr = p + i * P.bk;
-      for (int64_t j = 0; j < nk; ++j) dr[j] = pr[j] * (dr[j] - dl) * P.scale;
+    if (!mods.modifies()) {
+      for (int64_t i = 0; i < nq; ++i) {
+        const A dl = delta[row0 + i];
+        A* dr = ds + i * P.bk;
+        const A* pr = p + i * P.bk;
+        for (int64_t j = 0; j < nk; ++j) dr[j] = pr[j] * (dr[j] - dl) * P.scale;
+      }
+    } else {  // dS by the modified scores -> by the scaled scores (and the modifiers' gradients) -> scaled
+      for (int64_t i = 0; i < nq; ++i) {
+        const A dl = delta[row0 + i];
+        A* dr = ds + i * P.bk;
+        const A* pr = p + i * P.bk;
+        for (int64_t j = 0; j < nk; ++j) dr[j] = pr[j] * (dr[j] - dl);
+      }
+      DistGrad<A> dd;
+      if (dq_too && dist_buf) {
+        const int64_t per_a = P.B * P.Hq * P.nQ * dist_w();
+        dd = {dist_buf + P.q_tile(b, h, qt) * dist_w(), per_a, dist_d0(qt)};
+      }
+      attnkit::score_mods_backward(mods, b, h, q0, k0, P.qpos0 + q0, P.kpos0 + k0, nq, nk, P.bk, P.bq * P.bk,
+                                   w.tanh_keep.data(), ds, dd, dq_too ? dbias : nullptr, P.Tq, P.Tk);
+      for (int64_t i = 0; i < nq; ++i) attnkit::scale_row(ds + i * P.bk, nk, P.scale);
     }
     const int64_t ldb = std::is_same_v<T, A> ? P.bk : nk, nqk = padded_k<T>(nq);
     if (kv) {  // dV^T += dO^T P;  dK^T += Q^T dS
@@ -438,6 +491,26 @@ struct Backward {
       attnkit::gemm_done<T>();
     });
   }
+
+  // d_dist (n_add, Hq, ndist) = the query tiles' buffers summed, batches then query tiles ascending.
+  void reduce_dist(A* d_dist) const {
+    const ScoreMods<A>& mods = *P.mods;
+    const int64_t W = dist_w(), nd = mods.ndist;
+    at::parallel_for(0, mods.n_add * P.Hq, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t ah = begin; ah < end; ++ah) {
+        const int64_t a = ah / P.Hq, h = ah % P.Hq;
+        A* out = d_dist + ah * nd;
+        for (int64_t b = 0; b < P.B; ++b) {
+          for (int64_t qt = 0; qt < P.nQ; ++qt) {
+            const A* buf = dist_buf + (a * P.B * P.Hq * P.nQ + P.q_tile(b, h, qt)) * W;
+            const int64_t shift = dist_d0(qt) - mods.dmin;  // buffer element l is d_dist element l + shift
+            const int64_t lo = std::max<int64_t>(0, -shift), hi = std::min(W, nd - shift);
+            for (int64_t l = lo; l < hi; ++l) out[l + shift] += buf[l];
+          }
+        }
+      }
+    });
+  }
 };
 
 void check(const at::Tensor& x, const char* name) {
@@ -453,7 +526,8 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
                                 const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
                                 const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout,
                                 int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra,
-                                const at::Tensor& bad) {
+                                const at::Tensor& bias, const at::Tensor& dist, int64_t dmin, c10::IntArrayRef ops,
+                                c10::ArrayRef<double> caps, const at::Tensor& sinks, const at::Tensor& bad) {
   for (auto* t : {&q, &k, &v, &grid, &bad}) check(*t, "q, k, v, the tile grid and the key flags");
   TORCH_CHECK(bad.numel() == 0 || (bad.scalar_type() == at::kByte && bad.numel() == k.size(0) * k.size(1) * k.size(2)),
               "key flags: expected an empty or a uint8 (B, Hkv, Tk) tensor");
@@ -463,18 +537,24 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   auto hit = bad.numel() ? at::zeros({q.size(0), q.size(1), q.size(2)}, bad.options()) : at::empty({0}, bad.options());
   MaskSpec m = make_spec(grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
   ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native_forward", [&] {
-    Problem<scalar_t> P(q, k, v, scale, q_offset, kv_offset, block_q, block_k, m);
+    auto mods = attnkit::make_mods<Acc<scalar_t>>(q, k, q_offset, kv_offset, bias, dist, dmin, ops, caps, sinks);
+    Problem<scalar_t> P(q, k, v, scale, q_offset, kv_offset, block_q, block_k, m, mods);
     forward_impl<scalar_t>(q, k, v, out, lse, bad, hit, P);
   });
   return {out, lse, hit};
 }
 
+// Returns dq, dk, dv, then d_dist (n_add, Hq, ndist) when need_dist and there is a dist, and dbias
+// (B, Hq, Tq, Tk) when need_dbias (both in the statistics' dtype; empty when not computed).
 std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& delta, double scale,
                                  int64_t q_offset, int64_t kv_offset, int64_t block_q, int64_t block_k,
                                  const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
                                  const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout,
-                                 int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra) {
+                                 int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra,
+                                 const at::Tensor& bias, const at::Tensor& dist, int64_t dmin, c10::IntArrayRef ops,
+                                 c10::ArrayRef<double> caps, const at::Tensor& sinks, bool need_dist,
+                                 bool need_dbias) {
   for (auto* t : {&q, &k, &v, &dout, &lse, &delta, &grid}) check(*t, "backward inputs");
   const auto stat = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   TORCH_CHECK(lse.scalar_type() == stat && delta.scalar_type() == stat, "backward: lse and delta must be ", stat);
@@ -482,10 +562,14 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
   auto dq = at::zeros(q.sizes(), opts);
   auto dkT = at::zeros({k.size(0), k.size(1), k.size(3), k.size(2)}, opts);  // accumulated transposed
   auto dvT = at::zeros({v.size(0), v.size(1), v.size(3), v.size(2)}, opts);
+  const bool with_dist = need_dist && dist.dim() == 3;
+  auto d_dist = with_dist ? at::zeros(dist.sizes(), opts) : at::empty({0}, opts);
+  auto dbias = need_dbias ? at::zeros({q.size(0), q.size(1), q.size(2), k.size(2)}, opts) : at::empty({0}, opts);
   MaskSpec m = make_spec(grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
   ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native_backward", [&] {
     using T = scalar_t;
-    Problem<T> P(q, k, v, scale, q_offset, kv_offset, block_q, block_k, m);
+    auto mods = attnkit::make_mods<Acc<T>>(q, k, q_offset, kv_offset, bias, dist, dmin, ops, caps, sinks);
+    Problem<T> P(q, k, v, scale, q_offset, kv_offset, block_q, block_k, m, mods);
     Backward<T> bw{P,
                    q.data_ptr<T>(),
                    k.data_ptr<T>(),
@@ -501,25 +585,36 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
                    P.vnni ? pack_tiles<T>(k, block_k, false) : Packed<T>{},
                    pack_tiles_a_transposed<T>(q, block_q),
                    pack_tiles_a_transposed<T>(dout, block_q)};
+    // the distance vectors' gradient per (batch, head, query tile): O(B Hq Tq Tk / block_q) memory
+    at::Tensor dist_buf;
+    if (with_dist && mods.n_add) {
+      dist_buf = at::zeros({mods.n_add * P.B * P.Hq * P.nQ * bw.dist_w()}, opts);
+      bw.dist_buf = dist_buf.data_ptr<Acc<T>>();
+    }
+    if (need_dbias) bw.dbias = dbias.data_ptr<Acc<T>>();
     bw.run(P.B * P.Hkv < at::get_num_threads());
+    if (bw.dist_buf) bw.reduce_dist(d_dist.data_ptr<Acc<T>>());
   });
   auto dk = dkT.transpose(2, 3).to(q.scalar_type()).contiguous();
   auto dv = dvT.transpose(2, 3).to(q.scalar_type()).contiguous();
   if (q.scalar_type() != stat) dq = dq.to(q.scalar_type());
-  return {dq, dk, dv};
+  return {dq, dk, dv, d_dist, dbias};
 }
 
 }  // namespace
 
 // Registered as torch operators (torch.ops.attnkit_native.*): no Python headers, a faster build.
-// Dtypes: out, dq, dk, dv have the inputs' dtype; lse and delta are float32 (float64 for float64).
+// Dtypes: out, dq, dk, dv have the inputs' dtype; lse, delta, bias, dist, sinks and their gradients are
+// float32 (float64 for float64).
 TORCH_LIBRARY(attnkit_native, m) {
   m.def("forward(Tensor q, Tensor k, Tensor v, float scale, int q_offset, int kv_offset, int block_q, int block_k, "
         "Tensor grid, int[] band, Tensor lengths, Tensor valid, Tensor doc, Tensor layout, int layout_bs, "
-        "Tensor extra_index, Tensor extra, Tensor bad) -> Tensor[]");
+        "Tensor extra_index, Tensor extra, Tensor bias, Tensor dist, int dmin, int[] ops, float[] caps, "
+        "Tensor sinks, Tensor bad) -> Tensor[]");
   m.def("backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, float scale, int q_offset, "
         "int kv_offset, int block_q, int block_k, Tensor grid, int[] band, Tensor lengths, Tensor valid, Tensor doc, "
-        "Tensor layout, int layout_bs, Tensor extra_index, Tensor extra) -> Tensor[]");
+        "Tensor layout, int layout_bs, Tensor extra_index, Tensor extra, Tensor bias, Tensor dist, int dmin, "
+        "int[] ops, float[] caps, Tensor sinks, bool need_dist, bool need_dbias) -> Tensor[]");
   m.impl("forward", c10::DispatchKey::CPU, TORCH_FN(forward));
   m.impl("backward", c10::DispatchKey::CPU, TORCH_FN(backward));
 }

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..inputs import AttentionInputs
-from ..masks import BlockStatus, Causal, Document, KeyPadding, Mask, Padding, SlidingWindow, as_mask
+from ..masks import BlockStatus, Mask, as_mask
 from .comm import Ring, agree, gather_descriptors, heads_to_seq, resolve_timeout, seq_to_heads
 from .layout import SequenceLayout
 from .ring import BlockPair, RingPlan, ring_attention
@@ -33,10 +33,10 @@ __all__ = ["context_parallel_attention", "explain_context_parallel", "ContextPar
 
 STRATEGIES = ("auto", "ring", "ulysses")
 
-# Masks whose mask_mod reads absolute positions only: handed to per-pair attention() calls as they
-# are, so backends keep their structure (SDPA's is_causal, the band of a window). Any other mask is
-# wrapped in _SequenceFrame, which evaluates it in the frame of the whole sequence.
-_POSITIONAL = (Causal, SlidingWindow, KeyPadding, Padding, Document)
+# Masks whose mask_mod reads absolute positions only (Mask.offset_free) are handed to per-pair
+# attention() calls as they are, so backends keep their structure (SDPA's is_causal, the band of a
+# window). Any other mask is wrapped in _SequenceFrame, which evaluates it in the frame of the whole
+# sequence.
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
@@ -313,7 +313,7 @@ def _ring_plan(plan: ContextParallelPlan, ring: Ring, mask, scale, backend, opti
     P, rank = ring.world, ring.rank
     steps = plan.pairs
     lengths = tuple(plan.layout.local_len((rank - s) % P) for s in range(plan.steps))
-    block_mask = mask if mask is None or type(mask) in _POSITIONAL else _SequenceFrame(mask)
+    block_mask = mask if mask is None or mask.offset_free else _SequenceFrame(mask)
     return RingPlan(ring, plan.steps, steps, lengths, mask, block_mask, scale, backend, options)
 
 
