@@ -125,3 +125,38 @@ def test_readme_serving_example_runs(capsys):
     run_readme_example("### Serving many prompts")
     printed = capsys.readouterr().out
     assert "[13, 48, 20, 11]" in printed and "[6, 6]" in printed and "read in place by decode" in printed
+
+
+STYLES = {  # the attention features of model families, on the tiny GPT
+    "gemma2": dict(position="rope", softcap=2.0, sliding_window=6, norm="rmsnorm"),
+    "gpt-oss": dict(position="rope", sinks=True, sliding_window=6),
+    "alibi": dict(position="alibi"),
+}
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("style", list(STYLES))
+def test_paged_and_int8_serving_of_score_mod_and_sink_models(style, quantize, monkeypatch):
+    """Soft-capping, sinks and ALiBi over paged (int8) pages: served in a ragged batch, every
+    sequence gets what it gets alone; without quantization it equals the static cache; with the
+    native kernel built, decode steps run in it (never a dense copy of the pages)."""
+    from attnkit.backends import decode as decode_backend
+    from attnkit.backends.decode_native import _extension
+
+    model = _gpt(**STYLES[style])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):  # the per-head sink logits: away from their zero init
+                p.copy_(torch.linspace(-1.0, 1.0, p.numel()))
+    calls = []
+    real = decode_backend.native_decode
+    monkeypatch.setattr(decode_backend, "native_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 50, (n,), generator=g) for n in (3, 13, 1, 8)]
+    served = generate(model, prompts, 8, cache="paged", quantize_cache=quantize, max_batch_size=3, block_size=4)
+    for p, got in zip(prompts, served):
+        cache = model.make_cache("paged", num_blocks=16, block_size=4, quantize=quantize)
+        assert torch.equal(generate(model, [p], 8, cache=cache)[0], got)
+        if quantize is None:
+            assert torch.equal(generate(model, p[None], 8)[0], got)
+    assert bool(calls) == (_extension()[0] is not None)
