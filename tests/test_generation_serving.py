@@ -160,3 +160,23 @@ def test_paged_and_int8_serving_of_score_mod_and_sink_models(style, quantize, mo
         if quantize is None:
             assert torch.equal(generate(model, p[None], 8)[0], got)
     assert bool(calls) == (_extension()[0] is not None)
+
+
+def test_chunked_prefill_interleaves_with_decode_and_streams_per_sequence():
+    """Long prompts prefilled a chunk at a time between decode steps give each sequence what it
+    gets with whole-prompt prefill; on_token streams every token of every sequence in order."""
+    model = _gpt("rope")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 50, (n,), generator=g) for n in (40, 2, 23, 7)]
+    whole = generate(model, prompts, 6, cache="paged", block_size=4, prefill_chunk=None)
+    seen: dict[int, list[int]] = {}
+    order = []
+    chunked = generate(model, prompts, 6, cache="paged", block_size=4, prefill_chunk=5,
+                       on_token=lambda i, t: (seen.setdefault(i, []).append(t), order.append(i)))
+    for p, a, b in zip(prompts, whole, chunked):
+        assert torch.equal(a, b) and torch.equal(a[: len(p)], p)
+    for i, out in enumerate(chunked):
+        assert seen[i] == out[len(prompts[i]):].tolist()
+    assert order.index(1) < order.index(0)  # the short prompt streams while the long one still prefills
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        generate(model, prompts, 2, cache="paged", prefill_chunk=0)
