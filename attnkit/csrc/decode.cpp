@@ -52,29 +52,76 @@ inline const float* as_float(const int8_t* src, float* buf, int64_t n) {
   return buf;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  Vec acc0(0.f), acc1(0.f);
-  int64_t i = 0;
-  const int64_t w = Vec::size();
-  for (; i + 2 * w <= n; i += 2 * w) {
-    acc0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc0);
-    acc1 = at::vec::fmadd(Vec::loadu(a + i + w), Vec::loadu(b + i + w), acc1);
+// s[r * kChunk + jj] = q_r . k_jj for R query rows at once: each key vector is loaded once for the R rows.
+template <int R>
+inline void qk_rows(const float* q, int64_t D, const float* const* kr, int64_t n, float* s) {
+  constexpr int64_t w = Vec::size();
+  for (int64_t jj = 0; jj < n; ++jj) {
+    const float* k = kr[jj];
+    Vec acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = Vec(0.f);
+    int64_t c = 0;
+    for (; c + w <= D; c += w) {
+      const Vec kv = Vec::loadu(k + c);
+      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q + r * D + c), kv, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      float lanes[w];
+      acc[r].store(lanes);
+      float t = 0.f;
+      for (int64_t u = 0; u < w; ++u) t += lanes[u];
+      for (int64_t cc = c; cc < D; ++cc) t += q[r * D + cc] * k[cc];
+      s[r * kChunk + jj] = t;
+    }
   }
-  for (; i + w <= n; i += w) acc0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc0);
-  float lanes[Vec::size()];
-  (acc0 + acc1).store(lanes);
-  float s = 0.f;
-  for (int64_t t = 0; t < w; ++t) s += lanes[t];
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
 }
 
-// acc += p * x
-inline void axpy(float* acc, float p, const float* x, int64_t n) {
-  const Vec pv(p);
+inline void qk(const float* q, int64_t M, int64_t D, const float* const* kr, int64_t n, float* s) {
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4) qk_rows<4>(q + r * D, D, kr, n, s + r * kChunk);
+  switch (M - r) {
+    case 3: qk_rows<3>(q + r * D, D, kr, n, s + r * kChunk); break;
+    case 2: qk_rows<2>(q + r * D, D, kr, n, s + r * kChunk); break;
+    case 1: qk_rows<1>(q + r * D, D, kr, n, s + r * kChunk); break;
+    default: break;
+  }
+}
+
+// o += sum over the live keys of p[jj] * v_jj, four vectors of o held in registers per pass.
+inline void pv_row(float* o, const float* p, const float* const* vr, const int64_t* live, int64_t nlive, int64_t Dv) {
+  constexpr int64_t w = Vec::size();
+  int64_t c = 0;
+  for (; c + 4 * w <= Dv; c += 4 * w) {
+    Vec a0 = Vec::loadu(o + c), a1 = Vec::loadu(o + c + w), a2 = Vec::loadu(o + c + 2 * w),
+        a3 = Vec::loadu(o + c + 3 * w);
+    for (int64_t t = 0; t < nlive; ++t) {
+      const Vec pb(p[live[t]]);
+      const float* v = vr[live[t]] + c;
+      a0 = at::vec::fmadd(pb, Vec::loadu(v), a0);
+      a1 = at::vec::fmadd(pb, Vec::loadu(v + w), a1);
+      a2 = at::vec::fmadd(pb, Vec::loadu(v + 2 * w), a2);
+      a3 = at::vec::fmadd(pb, Vec::loadu(v + 3 * w), a3);
+    }
+    a0.store(o + c), a1.store(o + c + w), a2.store(o + c + 2 * w), a3.store(o + c + 3 * w);
+  }
+  for (; c + w <= Dv; c += w) {
+    Vec a = Vec::loadu(o + c);
+    for (int64_t t = 0; t < nlive; ++t) a = at::vec::fmadd(Vec(p[live[t]]), Vec::loadu(vr[live[t]] + c), a);
+    a.store(o + c);
+  }
+  for (; c < Dv; ++c) {
+    float a = o[c];
+    for (int64_t t = 0; t < nlive; ++t) a += p[live[t]] * vr[live[t]][c];
+    o[c] = a;
+  }
+}
+
+// x[i] += a * y[i]
+inline void axpy(float* x, float a, const float* y, int64_t n) {
+  const Vec av(a);
   int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) at::vec::fmadd(pv, Vec::loadu(x + i), Vec::loadu(acc + i)).store(acc + i);
-  for (; i < n; ++i) acc[i] += p * x[i];
+  for (; i + Vec::size() <= n; i += Vec::size()) at::vec::fmadd(av, Vec::loadu(y + i), Vec::loadu(x + i)).store(x + i);
+  for (; i < n; ++i) x[i] += a * y[i];
 }
 
 inline void scale_row(float* x, float a, int64_t n) {
@@ -84,25 +131,28 @@ inline void scale_row(float* x, float a, int64_t n) {
   for (; i < n; ++i) x[i] *= a;
 }
 
-// x[i] = exp(x[i] - shift); returns the sum.
+// x[i] = exp(x[i] - shift); returns the sum. A Cephes-style polynomial (about 1 ulp) in plain
+// arithmetic the compiler vectorizes; exactly 0 below float's range (masked scores are -inf).
 inline float exp_row(float* x, int64_t n, float shift) {
-  const Vec sv(shift);
-  Vec sum(0.f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    Vec e = (Vec::loadu(x + i) - sv).exp();
-    e.store(x + i);
-    sum = sum + e;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    float v = x[j] - shift;
+    const bool under = !(v >= -87.33654f);  // also -inf
+    v = std::min(std::max(v, -87.33654f), 88.37626f);
+    const float fx = std::floor(v * 1.44269504088896341f + 0.5f);
+    v = v - fx * 0.693359375f + fx * 2.12194440e-4f;
+    const float z = v * v;
+    float y = (((((1.9875691500E-4f * v + 1.3981999507E-3f) * v + 8.3334519073E-3f) * v + 4.1665795894E-2f) * v +
+                 1.6666665459E-1f) * v + 5.0000001201E-1f) * z + v + 1.f;
+    const int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;
+    float two;
+    std::memcpy(&two, &bits, sizeof two);
+    y = under ? 0.f : y * two;
+    x[j] = y;
+    sum += y;
   }
-  float lanes[Vec::size()];
-  sum.store(lanes);
-  float s = 0.f;
-  for (int64_t t = 0; t < Vec::size(); ++t) s += lanes[t];
-  for (; i < n; ++i) {
-    x[i] = std::exp(x[i] - shift);
-    s += x[i];
-  }
-  return s;
+  return sum;
 }
 
 // Where key j of sequence b, K/V head hk lives: a dense (B, Hkv, S, D) tensor or a paged pool
@@ -146,10 +196,14 @@ void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ks
                    int64_t hk, int64_t j0, int64_t j1, float* m, float* l, float* o, float* work) {
   const int64_t M = P.M, D = P.D, Dv = P.Dv, Tq = P.Tq;
   const float ninf = -std::numeric_limits<float>::infinity();
-  float* qs = work;             // (M, D) scaled queries
-  float* s = qs + M * D;        // (M, kChunk) scores, then probabilities
-  float* kbuf = s + M * kChunk;  // (D)
-  float* vbuf = kbuf + D;        // (Dv)
+  float* qs = work;                  // (M, D) scaled queries
+  float* s = qs + M * D;             // (M, kChunk) scores, then probabilities
+  float* kbuf = s + M * kChunk;      // (kChunk, D) converted keys
+  float* vbuf = kbuf + kChunk * D;   // (kChunk, Dv) converted values
+  const float* kr[kChunk];
+  const float* vr[kChunk];
+  float kscale[kChunk], vscale[kChunk];
+  int64_t live[kChunk];
   const int64_t qpos0 = P.rows[b * 4 + 3];
   for (int64_t r = 0; r < M; ++r) {
     const int64_t g = r / Tq, i = r % Tq;
@@ -163,13 +217,16 @@ void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ks
     const int64_t n = std::min(kChunk, j1 - c0);
     for (int64_t jj = 0; jj < n; ++jj) {
       const int64_t j = c0 + jj;
-      const float* kf = as_float(kp + P.kl.offset(b, hk, j), kbuf, D);
-      const float ks = ksp ? ksp[P.ksl.offset(b, hk, j)] : 1.f;
-      for (int64_t r = 0; r < M; ++r) s[r * kChunk + jj] = dot(qs + r * D, kf, D) * ks;
+      kr[jj] = as_float(kp + P.kl.offset(b, hk, j), kbuf + jj * D, D);
+      if (ksp) kscale[jj] = ksp[P.ksl.offset(b, hk, j)];
     }
+    qk(qs, M, D, kr, n, s);
     for (int64_t r = 0; r < M; ++r) {
       const int64_t g = r / Tq, i = r % Tq, h = hk * P.G + g, qp = qpos0 + i;
       float* row = s + r * kChunk;
+      if (ksp) {
+        for (int64_t jj = 0; jj < n; ++jj) row[jj] *= kscale[jj];
+      }
       if (P.bias) {
         for (int64_t jj = 0; jj < n; ++jj) row[jj] += P.bias[P.bias_st.at(b, h, i, c0 + jj)];
       }
@@ -208,17 +265,24 @@ void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ks
       l[r] = l[r] * alpha + sum;
       m[r] = mx;
     }
+    // The values of the keys some row keeps (a key no row keeps is never read), then o += p v.
+    int64_t nlive = 0;
     for (int64_t jj = 0; jj < n; ++jj) {
       bool any = false;
       for (int64_t r = 0; r < M && !any; ++r) any = s[r * kChunk + jj] != 0.f;
-      if (!any) continue;  // no row keeps this key: its value is never read
+      if (!any) continue;
       const int64_t j = c0 + jj;
-      const float* vf = as_float(vp + P.vl.offset(b, hk, j), vbuf, Dv);
-      const float vs = vsp ? vsp[P.vsl.offset(b, hk, j)] : 1.f;
-      for (int64_t r = 0; r < M; ++r) {
-        const float p = s[r * kChunk + jj];
-        if (p != 0.f) axpy(o + r * Dv, p * vs, vf, Dv);
+      live[nlive++] = jj;
+      vr[jj] = as_float(vp + P.vl.offset(b, hk, j), vbuf + jj * Dv, Dv);
+      if (vsp) vscale[jj] = vsp[P.vsl.offset(b, hk, j)];
+    }
+    if (nlive == 0) continue;
+    for (int64_t r = 0; r < M; ++r) {
+      float* row = s + r * kChunk;
+      if (vsp) {
+        for (int64_t t = 0; t < nlive; ++t) row[live[t]] *= vscale[live[t]];
       }
+      pv_row(o + r * Dv, row, vr, live, nlive, Dv);
     }
   }
 }
@@ -256,7 +320,7 @@ void run(const Problem& P, const at::Tensor& k, const at::Tensor& v, const at::T
   const float* ksp = k_scale.numel() ? k_scale.data_ptr<float>() : nullptr;
   const float* vsp = v_scale.numel() ? v_scale.data_ptr<float>() : nullptr;
   at::parallel_for(0, nsplit * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work(M * P.D + M * kChunk + P.D + Dv);
+    std::vector<float> work(M * P.D + M * kChunk + kChunk * (P.D + Dv));
     for (int64_t w = begin; w < end; ++w) {
       const int64_t t = w / Hkv, hk = w % Hkv;
       split_partial<KT>(P, kp, vp, ksp, vsp, sb[t], hk, sj0[t], sj1[t], part_m.data() + w * M,
