@@ -65,7 +65,7 @@ WORK = {
     "sliding_window": Work("tiles", (64, 64)),
     "block_sparse": Work("layout"),
     "tiled": Work("tiles", (256, 512), half="when_fast", loop_ops=12),
-    "decode": Work("nothing", half="always", materializes=True),
+    "decode": Work("nothing", half="always"),  # materializes what dense_mask_elements says
     "naive": Work("nothing", half="always", materializes=True),
 }
 BUILTIN_ORDER = tuple(WORK)

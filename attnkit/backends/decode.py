@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ..inputs import AttentionInputs
 from ..registry import Backend, register_backend
-from .decode_native import kernel_reasons, native_decode
+from .decode_native import kernel_reasons, native_decode, reads_structure
 
 __all__ = ["DecodeOptions", "decode_attention", "paged_decode_attention", "MAX_QUERIES"]
 
@@ -330,6 +330,14 @@ class Decode(Backend):
             yield "reads a cache in place for inference only (the inputs require grad)"
         if inp.kv_finite is not True:
             yield "reads a cache in place only while it holds finite values (NaN/Inf were written)"
+
+    @classmethod
+    def dense_mask_elements(cls, inp: AttentionInputs) -> int:
+        """The kernel reads band bounds and key lengths from the mask's structure; any other mask,
+        and every mask on the PyTorch-op twin, is materialized ``(B, Hq, Tq, Tk)``."""
+        if inp.mask is None or (reads_structure(inp.mask) and not kernel_reasons(inp)):
+            return 0
+        return inp.B * inp.Hq * inp.Tq * inp.Tk
 
     @classmethod
     def describe(cls, inp: AttentionInputs) -> str:

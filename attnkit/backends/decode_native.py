@@ -31,7 +31,7 @@ from ..inputs import AttentionInputs
 from ..masks import Causal, KeyPadding, Mask, SlidingWindow
 from ..score_mods import ALiBi, SoftCap
 
-__all__ = ["kernel_reasons", "native_decode", "split_tokens", "score_mod_data"]
+__all__ = ["kernel_reasons", "native_decode", "split_tokens", "score_mod_data", "reads_structure"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EMPTY_F = torch.empty(0)
@@ -99,23 +99,30 @@ def split_tokens(n: int, Hkv: int, threads: int | None = None) -> int:
     return min(_MAX_SPLIT, max(_MIN_SPLIT, -(-per // _SPLIT_ALIGN) * _SPLIT_ALIGN))
 
 
+def reads_structure(mask: Mask | None) -> bool:
+    """True when the kernel reads ``mask`` from its structure alone (band bounds and key lengths),
+    with no keep tensor materialized."""
+    return mask is None or all(isinstance(part, (Causal, SlidingWindow)) or _key_lengths(part) is not None
+                               for part in mask.conjuncts())
+
+
+def _key_lengths(part: Mask) -> Tensor | None:
+    return part.lengths if isinstance(part, KeyPadding) and part.lengths.dim() <= 1 else None
+
+
 def _mask_data(mask: Mask | None, inp: AttentionInputs):
     """``(left, right, key_limits, keep)``: band bounds (None = unbounded), per-row key-position
     limits from ``KeyPadding`` (or None), and a bool keep tensor for any other conjunct (or None)."""
     if mask is None:
         return None, None, None, None
     band = mask.band()  # a correct over-approximation of every conjunct
-    limits, exact = None, True
+    limits = None
     for part in mask.conjuncts():
-        if isinstance(part, (Causal, SlidingWindow)):
-            continue
-        if isinstance(part, KeyPadding) and part.lengths.dim() <= 1:
-            n = part.lengths.expand(inp.B) if part.lengths.numel() == 1 else part.lengths
-            n = n.tolist()
+        n = _key_lengths(part)
+        if n is not None:
+            n = (n.expand(inp.B) if n.numel() == 1 else n).tolist()
             limits = n if limits is None else [min(a, b) for a, b in zip(limits, n)]
-            continue
-        exact = False
-    keep = None if exact else inp.materialize_mask()
+    keep = None if reads_structure(mask) else inp.materialize_mask()
     return band.left, band.right, limits, keep
 
 
