@@ -151,6 +151,27 @@ def test_score_mods_and_sinks(fmt, mods):
 
 
 @native
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("heads,D", [((3, 3), 59), ((6, 2), 9), ((5, 1), 224)], ids=["mha-D59", "gqa-D9", "mqa-D224"])
+def test_awkward_heads_and_head_dims(fmt, heads, D):
+    lengths = (37,) if fmt == "dense" else (37, 127)
+    _check(fmt, torch.float32, lengths, 5, Hq=heads[0], Hkv=heads[1], D=D, mask=Causal())
+
+
+@native
+def test_bias_and_masks_without_structure_equal_naive():
+    """A bool keep tensor (any mask) and an additive bias, broadcast over batch and heads."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(2, 4, 3, 16, generator=g), torch.randn(2, 2, 70, 16, generator=g), torch.randn(2, 2, 70, 16, generator=g)
+    keep = torch.rand(2, 1, 3, 70, generator=g) > 0.3
+    bias = torch.randn(1, 4, 3, 70, generator=g)
+    for mask in (keep, Causal() & KeyPadding(torch.tensor([50, 7]))):
+        out = attention(q, k, v, mask=mask, bias=bias, backend="decode", options=DecodeOptions(implementation="native"))
+        ref = attention(q, k, v, mask=mask, bias=bias, backend="naive")
+        assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+
+
+@native
 def test_fully_masked_rows_are_zero_and_key_padding():
     q = torch.randn(2, 4, 1, 16)
     k, v = torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 16)
