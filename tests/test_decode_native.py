@@ -231,3 +231,11 @@ def test_without_the_kernel_decode_declines_score_mods_with_the_reason(monkeypat
     assert "native extension not built: test" in text
     out = attention(q, k, k, mask=Causal(), backend="decode")  # the PyTorch-op twin
     assert torch.allclose(out, attention(q, k, k, mask=Causal(), backend="naive"), atol=1e-6)
+
+
+def test_vmap_runs_the_twin():
+    """The kernel has no vmap rule: under torch.func, decode runs its PyTorch-op twin (under
+    torch.compile too: the kernel declines while tracing)."""
+    q, k = torch.randn(2, 1, 4, 1, 16), torch.randn(2, 1, 2, 30, 16)
+    f = lambda q, k: attention(q, k, k, mask=Causal(), backend="decode")  # noqa: E731
+    torch.testing.assert_close(torch.vmap(f)(q, k), torch.stack([f(q[i], k[i]) for i in range(2)]))

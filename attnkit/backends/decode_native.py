@@ -68,6 +68,8 @@ def score_mod_data(score_mod) -> tuple[list[int], list[float], list[Tensor]] | s
 
 def kernel_reasons(inp: AttentionInputs) -> list[str]:
     """Why the native decode kernel cannot run ``inp`` ([] = it can)."""
+    if torch.compiler.is_compiling():  # checked first: loading the extension is not traceable
+        return ["the native decode kernel is opaque to torch.compile (the PyTorch-op twin traces)"]
     reasons = []
     ext, reason = _extension()
     if ext is None:
@@ -76,6 +78,8 @@ def kernel_reasons(inp: AttentionInputs) -> list[str]:
         reasons.append(f"the native decode kernel runs on the CPU, not {inp.device.type}")
     if inp.dtype not in _KERNEL_DTYPES:
         reasons.append(f"the native decode kernel reads float32/bfloat16/float16 queries, not {inp.dtype}")
+    if _functorch_wrapped(inp.q):
+        reasons.append("the native decode kernel has no torch.func (vmap, grad) rule (the PyTorch-op twin runs)")
     if inp.Tq > DECODE_QUERIES:
         reasons.append(f"the native decode kernel runs up to {DECODE_QUERIES} queries, got Tq={inp.Tq}")
     if inp.requires_grad or (inp.sinks is not None and inp.sinks.requires_grad and torch.is_grad_enabled()):
@@ -87,6 +91,12 @@ def kernel_reasons(inp: AttentionInputs) -> list[str]:
         elif torch.is_grad_enabled() and any(t.requires_grad for t in inp.score_mod.parameters()):
             reasons.append("the native decode kernel has no backward pass (learnable score modifier)")
     return reasons
+
+
+def _functorch_wrapped(x: Tensor) -> bool:
+    """True for a tensor under a torch.func transform (vmap, grad): the kernel has no batching rule."""
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(check is not None and check(x))
 
 
 def split_tokens(n: int, Hkv: int, threads: int | None = None) -> int:
