@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .inputs import FLOAT_DTYPES, AttentionInputs
 from .masks import MaskSupport
+from .score_mods import SCORE_MOD_KINDS
 
 __all__ = ["Backend", "register_backend", "get_backend", "list_backends", "ALL_DEVICES"]
 
@@ -46,6 +47,9 @@ class Backend:
     supports_lse: ClassVar[bool] = False
     #: Applies ``score_mod=`` (soft-capping, ALiBi, relative biases, custom) / ``sinks=``.
     supports_score_mod: ClassVar[bool] = False
+    #: With ``supports_score_mod``: the :class:`~attnkit.score_mods.ScoreModTerm` kinds it runs
+    #: (``"alibi"``, ``"relative_bias"``, ``"softcap"``, ``"custom"``: an opaque callable).
+    score_mod_kinds: ClassVar[frozenset[str]] = SCORE_MOD_KINDS
     supports_sinks: ClassVar[bool] = False
     #: Who keeps the NaN/Inf contract: ``"policy"`` (attnkit.backends.nonfinite, applied by the entry
     #: point: the backend may assume finite q, K, V) or ``"self"`` (the backend's own kernel does).
@@ -79,7 +83,8 @@ class Backend:
             or (inp.dropout_p > 0 and not cls.supports_dropout)
             or (inp.bias is not None and not cls.supports_bias)
             or (inp.return_lse and not cls.supports_lse)
-            or (inp.score_mod is not None and not cls.supports_score_mod)
+            or (inp.score_mod is not None and not (cls.supports_score_mod
+                                                   and inp.score_mod.kinds() <= cls.score_mod_kinds))
             or (inp.sinks is not None and not cls.supports_sinks)
             or not cls.mask_support.accepts(inp.mask)
             or inp.kv_format not in cls.kv_formats
@@ -112,6 +117,10 @@ class Backend:
             yield "takes no additive bias"
         if inp.score_mod is not None and not cls.supports_score_mod:
             yield "cannot apply a score_mod (SoftCap, ALiBi, RelativeBias, CustomScoreMod)"
+        elif inp.score_mod is not None and not inp.score_mod.kinds() <= cls.score_mod_kinds:
+            missing = ", ".join(sorted(inp.score_mod.kinds() - cls.score_mod_kinds))
+            yield (f"runs the score modifiers {', '.join(sorted(cls.score_mod_kinds))}, not {missing} "
+                   f"({inp.score_mod!r})")
         if inp.sinks is not None and not cls.supports_sinks:
             yield "has no attention sinks (sinks=)"
         if inp.return_lse and not cls.supports_lse:

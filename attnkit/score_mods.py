@@ -4,7 +4,9 @@ A score modifier maps the scaled (and biased) score of query ``i`` and key ``j``
 FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)`` convention over *absolute* positions
 (the same positions masks use). They are values like masks: composable (``a >> b`` applies ``a``
 first, then ``b``; a list does the same), printable, drawable (:meth:`ScoreMod.to_string`) and
-readable by backends (:meth:`ScoreMod.parts`, :meth:`ScoreMod.parameters`). Masking comes after
+readable by backends (:meth:`ScoreMod.parts`, :meth:`ScoreMod.parameters`, and as data a kernel
+reads: :func:`score_mod_spec`, a :class:`ScoreModSpec` of :class:`ScoreModTerm` s in chain order
+plus the sinks). Masking comes after
 every modifier, so a masked pair stays masked whatever the modifier does::
 
     attention(q, k, v, mask=Causal(), score_mod=ALiBi.geometric(8) >> SoftCap(50.0))
@@ -29,7 +31,112 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ScoreMod", "SoftCap", "ALiBi", "RelativeBias", "CustomScoreMod", "Chain", "as_score_mod"]
+__all__ = ["ScoreMod", "SoftCap", "ALiBi", "RelativeBias", "CustomScoreMod", "Chain", "as_score_mod",
+           "ScoreModTerm", "ScoreModSpec", "score_mod_spec", "SCORE_MOD_KINDS"]
+
+#: The kinds of :class:`ScoreModTerm`: what a backend declares it runs (``Backend.score_mod_kinds``).
+SCORE_MOD_KINDS = frozenset({"alibi", "relative_bias", "softcap", "custom"})
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreModTerm:
+    """One primitive modifier as data, the fields of its ``kind`` set and the others None:
+
+    * ``"alibi"``: ``score - slopes[h] * |pos(q) - pos(k)|``; ``slopes (H,)``;
+    * ``"relative_bias"``: ``score + table[h, bucket(pos(k) - pos(q))]``; ``table (H, num_buckets)``,
+      ``max_distance``, ``bidirectional`` (T5's bucket rule, :func:`t5_bucket`; :meth:`buckets`
+      evaluates it, so a kernel reads a bucket per relative distance rather than re-deriving it);
+    * ``"softcap"``: ``cap * tanh(score / cap)``; ``cap``;
+    * ``"custom"``: an opaque callable.
+
+    ``mod`` is the primitive :class:`ScoreMod` the term describes (to call, for a backend that runs
+    Python score functions). ``slopes`` and ``table`` are its own tensors (learnable when they
+    require grad)."""
+
+    kind: str
+    slopes: Tensor | None = None
+    table: Tensor | None = None
+    max_distance: int | None = None
+    bidirectional: bool | None = None
+    cap: float | None = None
+    mod: ScoreMod | None = None
+
+    @property
+    def additive(self) -> bool:
+        """The term adds something independent of the score (its derivative by the score is 1)."""
+        return self.kind in ("alibi", "relative_bias")
+
+    def distance_bias(self, relative: Tensor, num_heads: int, dtype: torch.dtype) -> Tensor:
+        """An additive term as ``(num_heads, len(relative))``: what it adds to a score whose
+        ``pos(k) - pos(q)`` is ``relative`` (differentiable in ``slopes`` / ``table``)."""
+        if self.kind == "alibi":
+            bias = -self.slopes.to(dtype)[:, None] * relative.abs().to(dtype)[None, :]
+        elif self.kind == "relative_bias":
+            bias = self.table.to(dtype)[:, self.buckets(relative)]
+        else:
+            raise ValueError(f"distance_bias: a {self.kind!r} term is not additive")
+        return bias.expand(num_heads, -1)
+
+    def buckets(self, relative: Tensor) -> Tensor:
+        """``relative_bias`` only: the table column of each ``pos(k) - pos(q)`` (int64)."""
+        assert self.kind == "relative_bias", self.kind
+        return t5_bucket(relative, num_buckets=self.table.shape[1], max_distance=self.max_distance,
+                         bidirectional=self.bidirectional)
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreModSpec:
+    """A call's score modifiers and sinks as data: ``terms`` in the order they apply (empty: no
+    modifier), then masking, then ``sinks (Hq,)`` (or None) join each row's softmax normaliser."""
+
+    terms: tuple[ScoreModTerm, ...] = ()
+    sinks: Tensor | None = None
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        return frozenset(t.kind for t in self.terms)
+
+    @property
+    def additive(self) -> bool:
+        return all(t.additive for t in self.terms)
+
+    def distance_form(self, q_offset: int, Tq: int, kv_offset: int, Tk: int, num_heads: int, dtype: torch.dtype,
+                      device=None) -> tuple[Tensor | None, int, list[int], list[float]]:
+        """The chain as a kernel runs it without calling Python: ``(dist, dmin, ops, caps)`` where
+        ``ops`` lists ``0`` (add the next row of ``dist``) and ``1`` (soft-cap with the next
+        ``caps`` value) in chain order, and ``dist (n_add, num_heads, Tq + Tk - 1)`` holds each run
+        of consecutive additive terms summed per head and relative distance ``d = pos(k) - pos(q)``
+        at index ``d - dmin`` (differentiable in the terms' tensors; None without additive terms).
+        ``custom`` terms have no such form (``ValueError``)."""
+        dmin = kv_offset - (q_offset + Tq - 1)
+        relative = torch.arange(dmin, kv_offset + Tk - q_offset, device=device)
+        rows: list[Tensor] = []
+        ops: list[int] = []
+        caps: list[float] = []
+        for t in self.terms:
+            if t.kind == "softcap":
+                ops.append(1)
+                caps.append(t.cap)
+            elif t.additive:
+                bias = t.distance_bias(relative, num_heads, dtype)
+                if ops and ops[-1] == 0:
+                    rows[-1] = rows[-1] + bias
+                else:
+                    ops.append(0)
+                    rows.append(bias)
+            else:
+                raise ValueError(f"distance_form: a {t.kind!r} term ({t.mod!r}) is an opaque callable")
+        dist = torch.stack(rows).contiguous() if rows else None
+        return dist, dmin, ops, caps
+
+    def parameters(self) -> tuple[Tensor, ...]:
+        """The tensors the terms read (the same objects as ``ScoreMod.parameters``), in term order."""
+        out: list[Tensor] = []
+        for t in self.terms:
+            out.extend(x for x in (t.slopes, t.table) if x is not None)
+            if t.kind == "custom":
+                out.extend(t.mod.parameters())
+        return tuple(out)
 
 
 class ScoreMod:
@@ -56,6 +163,18 @@ class ScoreMod:
     def parameters(self) -> tuple[Tensor, ...]:
         """Tensors the modifier reads (learnable ones receive gradients)."""
         return ()
+
+    def terms(self) -> tuple[ScoreModTerm, ...]:
+        """The modifier as data, in the order its parts apply (:class:`ScoreModTerm`)."""
+        return tuple(t for part in self.parts() for t in part._term())
+
+    def kinds(self) -> frozenset[str]:
+        """The :class:`ScoreModTerm` kinds of the parts (what a backend must run)."""
+        return frozenset(t.kind for t in self.terms())
+
+    def _term(self) -> tuple[ScoreModTerm, ...]:
+        """A primitive's own data form; a subclass without one is an opaque callable."""
+        return (ScoreModTerm("custom", mod=self),)
 
     def __rshift__(self, other: ScoreMod) -> ScoreMod:
         return Chain(self, as_score_mod(other, "other"))
@@ -109,6 +228,9 @@ class SoftCap(ScoreMod):
 
     def apply(self, score, b, h, q_idx, kv_idx):
         return torch.tanh(score / self.cap) * self.cap
+
+    def _term(self):
+        return (ScoreModTerm("softcap", cap=self.cap, mod=self),)
 
 
 def _per_head(values, name: str) -> Tensor:
@@ -164,6 +286,9 @@ class ALiBi(ScoreMod):
 
     def parameters(self):
         return (self.slopes,)
+
+    def _term(self):
+        return (ScoreModTerm("alibi", slopes=self.slopes, mod=self),)
 
     def __repr__(self):
         return f"ALiBi(heads={self.slopes.numel()})"
@@ -239,6 +364,10 @@ class RelativeBias(ScoreMod):
 
     def parameters(self):
         return (self.table,)
+
+    def _term(self):
+        return (ScoreModTerm("relative_bias", table=self.table, max_distance=self.max_distance,
+                             bidirectional=self.bidirectional, mod=self),)
 
     def __repr__(self):
         return f"RelativeBias(heads={self.table.shape[0]}, buckets={self.table.shape[1]}, bidirectional={self.bidirectional})"
@@ -338,3 +467,8 @@ def check_sinks(sinks, H: int, device: torch.device) -> Tensor:
     if sinks.device != device:
         raise ValueError(f"sinks: expected device {device} like q, got {sinks.device}. Fix: sinks.to(q.device).")
     return sinks
+
+
+def score_mod_spec(score_mod: ScoreMod | None, sinks: Tensor | None = None) -> ScoreModSpec:
+    """The data form of a call's ``score_mod`` (validated, or None) and ``sinks``."""
+    return ScoreModSpec(() if score_mod is None else score_mod.terms(), sinks)

@@ -10,6 +10,8 @@ import torch
 
 import attnkit
 from attnkit import BlockSparse, Causal, KeyPadding, SlidingWindow
+from attnkit.backends.native import NativeOptions
+from attnkit.backends.native import load_extension as _load_native
 from attnkit.backends.tiled import TiledOptions
 from attnkit.score_mods import ALiBi, CustomScoreMod, RelativeBias, SoftCap, as_score_mod, t5_bucket
 
@@ -21,7 +23,8 @@ CANDIDATES = [
     SlidingWindow(12, 0) & KeyPadding([40, 50]),
     BlockSparse.bigbird(4, 16) & Causal(),
 ]
-OPTIONS = {"tiled": TiledOptions(block_q=16, block_k=24)}
+OPTIONS = {"tiled": TiledOptions(block_q=16, block_k=24), "native": NativeOptions(block_q=16, block_k=24)}
+NATIVE_BUILT = _load_native()[0] is not None
 
 
 def _score_mod_backends() -> dict:
@@ -45,8 +48,18 @@ def _score_mod_backends() -> dict:
 MASKS = _score_mod_backends()
 
 
+def _runs_custom(name: str) -> bool:
+    from attnkit.registry import list_backends
+
+    return "custom" in list_backends()[name].score_mod_kinds
+
+
+CUSTOM = [name for name in MASKS if _runs_custom(name)]  # backends that call an opaque CustomScoreMod
+
+
 def test_the_backends_that_apply_score_mods():
     assert {"naive", "tiled", "sliding_window", "block_sparse"} <= set(MASKS)
+    assert ("native" in MASKS) == NATIVE_BUILT  # the fused kernel runs them whenever it is built
 
 
 def _t5_bucket_loop(rel: int, n: int, max_distance: int, bidirectional: bool) -> int:
@@ -316,7 +329,7 @@ def test_an_infinite_sink_takes_all_the_mass(backend):
     assert (out[:, ~inf] - ref[:, ~inf]).abs().max() < 1e-5 and (lse[:, ~inf] - ref_lse[:, ~inf]).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("backend", list(MASKS))
+@pytest.mark.parametrize("backend", CUSTOM)
 def test_a_modifier_nan_only_where_the_mask_hides_the_pair_changes_nothing(backend):
     """A modifier that is NaN exactly on the hidden pairs (it is never seen there): output, LSE and
     every gradient equal the unmodified call's, including the query and key padding a backend adds
@@ -358,7 +371,7 @@ def test_relative_bias_max_distance_within_the_exact_buckets_is_refused(num_buck
     assert torch.isfinite(scores).all()
 
 
-@pytest.mark.parametrize("backend", list(MASKS))
+@pytest.mark.parametrize("backend", CUSTOM)
 @pytest.mark.parametrize("wrong", ["extra_dim", "reduced", "sliced"])
 def test_a_modifier_returning_the_wrong_shape_is_refused_on_every_backend(backend, wrong):
     """One new score per score: a modifier that adds, reduces or drops entries gets a clear
@@ -411,3 +424,76 @@ def test_an_additive_mask_masks_after_the_score_mod(backend, spelling):
     out = attnkit.attention(q.detach(), k, v, score_mod=SoftCap(cap), backend=backend, options=OPTIONS.get(backend),
                             **{spelling: poisoned})
     assert torch.isnan(out[0, :, 5]).all() and not torch.isnan(out[0, :, 6]).any()
+
+
+def test_score_mods_export_their_structure_as_data():
+    """A chain's terms in the order they apply, each with its parameters as the same tensor objects
+    (gradients reach them), the relative bucket rule evaluable, sinks beside them."""
+    from attnkit.score_mods import score_mod_spec
+
+    slopes, table, sinks = torch.rand(4), torch.randn(4, 16), torch.zeros(4)
+    fn = CustomScoreMod(lambda s, b, h, q, k: s * 2, name="double")
+    mod = as_score_mod([SoftCap(5.0), ALiBi(slopes), RelativeBias(table, max_distance=32, bidirectional=False), fn])
+    spec = score_mod_spec(mod, sinks)
+    assert [t.kind for t in spec.terms] == ["softcap", "alibi", "relative_bias", "custom"]
+    assert spec.terms[0].cap == 5.0 and spec.terms[1].slopes is slopes and spec.terms[2].table is table
+    assert spec.terms[3].mod is fn and spec.sinks is sinks and not spec.additive
+    assert spec.parameters()[:2] == (slopes, table)
+    rel = torch.arange(-40, 5)
+    assert torch.equal(spec.terms[2].buckets(rel), t5_bucket(rel, num_buckets=16, max_distance=32, bidirectional=False))
+    assert score_mod_spec(None).terms == () and score_mod_spec(ALiBi(slopes) >> ALiBi(slopes)).additive
+
+
+def test_a_backend_declares_the_score_mod_kinds_it_runs():
+    from attnkit.inputs import AttentionInputs
+    from attnkit.registry import Backend
+
+    class OnlyCaps(Backend):
+        name = "only_caps_for_this_test"
+        supports_score_mod = True
+        score_mod_kinds = frozenset({"softcap"})
+
+    q = torch.randn(1, 4, 5, 8)
+    assert OnlyCaps.can_run(AttentionInputs.create(q, q, q, score_mod=SoftCap(2.0)))
+    inp = AttentionInputs.create(q, q, q, score_mod=SoftCap(2.0) >> ALiBi.geometric(4))
+    assert not OnlyCaps.can_run(inp)
+    assert any("not alibi" in r for r in OnlyCaps.not_supported_reasons(inp))
+
+
+@pytest.mark.skipif(not NATIVE_BUILT, reason="native extension not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_native_runs_the_modifiers_at_awkward_shapes_and_offsets(dtype):
+    """Soft-cap between two additive terms, sinks and a learnable bias, with Tq != Tk both ways,
+    a call offset, GQA and tiles that cut rows and columns: outputs, LSE and every gradient equal
+    the naive backend's (the modifiers there are the plain tensor formulas)."""
+    g = torch.Generator().manual_seed(5)
+    for Tq, Tk, q_offset, mask in ((37, 45, None, Causal()), (45, 17, 3, SlidingWindow(9, 2)),
+                                   (1, 29, None, Causal() & KeyPadding([20, 29]))):
+        q = torch.randn(2, 6, Tq, 9, generator=g, dtype=dtype).requires_grad_()
+        k, v = (torch.randn(2, 3, Tk, 9, generator=g, dtype=dtype).requires_grad_() for _ in range(2))
+        slopes = torch.rand(6, generator=g, dtype=dtype).requires_grad_()
+        table = torch.randn(6, 8, generator=g, dtype=dtype).requires_grad_()
+        sinks = torch.randn(6, generator=g, dtype=dtype).requires_grad_()
+        bias = torch.randn(1, 6, 1, Tk, generator=g, dtype=dtype).requires_grad_()
+        mod = [ALiBi(slopes), SoftCap(1.5), RelativeBias(table, max_distance=16, bidirectional=True)]
+        leaves = (q, k, v, slopes, table, sinks, bias)
+        kw = dict(mask=mask, q_offset=q_offset, score_mod=mod, sinks=sinks, bias=bias, return_lse=True)
+        out, lse = attnkit.attention(q, k, v, backend="native", options=NativeOptions(8, 16), **kw)
+        ref, ref_lse = attnkit.attention(q, k, v, backend="naive", **kw)
+        tol = 1e-5 if dtype == torch.float32 else 1e-12
+        assert (out - ref).abs().max() < tol and (lse - ref_lse).abs().max() < tol
+        w = torch.randn(out.shape, generator=g, dtype=dtype)
+        ours = torch.autograd.grad((out * w).sum() + lse.sum(), leaves)
+        theirs = torch.autograd.grad((ref * w).sum() + ref_lse.sum(), leaves)
+        for name, a, b in zip(["q", "k", "v", "slopes", "table", "sinks", "bias"], ours, theirs):
+            assert (a - b).abs().max() < 20 * tol * max(1.0, b.abs().max().item()), name
+
+
+@pytest.mark.skipif(not NATIVE_BUILT, reason="native extension not built")
+def test_native_declares_the_modifiers_it_runs():
+    q = torch.randn(1, 4, 8, 16)
+    named = str(attnkit.explain(q, q, q, score_mod=ALiBi.geometric(4) >> SoftCap(5.0), sinks=torch.zeros(4),
+                                backend="native"))
+    assert "chosen: native" in named and "score modifiers ALiBi(heads=4) >> SoftCap(cap=5.0) in the kernel" in named
+    custom = str(attnkit.explain(q, q, q, score_mod=CustomScoreMod(lambda s, b, h, qi, ki: s * 2)))
+    assert "native: not used: runs the score modifiers alibi, relative_bias, softcap, not custom" in custom

@@ -3,9 +3,10 @@
 Equals ``naive``: the mask enters as a ``mask_mod`` that calls the attnkit mask's own ``mask_mod``
 at absolute positions (``index + offset``), and the ``BlockMask`` that tells Flex which blocks to
 skip (EMPTY), run unmasked (FULL) or run through the ``mask_mod`` (PARTIAL) is built from attnkit's
-own structure (:func:`attnkit.backends._tiles.tile_grid`: a few tensor operations for positional
-masks, no Tq x Tk evaluation), cached per (mask, Tq, Tk, offsets, device). A ``bias`` is added by a
-``score_mod``; GQA is native (``enable_gqa``). The NaN/Inf contract is kept by :mod:`attnkit.backends.nonfinite`
+own structure (:func:`attnkit.masks.tile_grid`: a few tensor operations per mask class
+masks, no Tq x Tk evaluation), cached per (mask, Tq, Tk, offsets, device). A ``bias`` and attnkit's
+score modifiers (ALiBi, soft-cap, relative biases, custom) become one Flex ``score_mod``, applied
+before the mask; sinks are not taken; GQA is native (``enable_gqa``). The NaN/Inf contract is kept by :mod:`attnkit.backends.nonfinite`
 (Flex runs on finite q, K, V). Flex marks fully masked rows with output 0 and LSE -inf, attnkit's
 contract too.
 
@@ -17,7 +18,6 @@ runs it: forward and backward on CUDA; forward on CPU (no LSE there) inside ``al
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from ..inputs import AttentionInputs
-from ..masks import Band, Causal, Mask, SlidingWindow
+from ..masks import Mask, mask_params
 from ..registry import Backend, register_backend
+from ..score_mods import ScoreMod, score_mod_spec
 from ._tiles import FULL, PARTIAL, empty_batch, tile_grid
 
 _CPU_ALLOWED: ContextVar[bool] = ContextVar("attnkit_flex_cpu", default=False)
@@ -93,10 +94,8 @@ def _mask_mod(mask: Mask, B: int, H: int, q_offset: int, kv_offset: int, Tq: int
     # Band conjuncts (Causal, SlidingWindow) as index arithmetic on their bounds, and every integer
     # as a captured tensor: inductor's CPU Flex template (torch 2.13) fails to compile index
     # arithmetic with Python constants (and SlidingWindow.mask_mod's boolean constant).
-    parts = mask.conjuncts()
-    band = functools.reduce(lambda a, p: a & p.band(), [p for p in parts if isinstance(p, (Causal, SlidingWindow))],
-                            Band(None, None))
-    others = [p for p in parts if not isinstance(p, (Causal, SlidingWindow))]
+    params = mask_params(mask, B)
+    band, others = params.band, params.beyond_band
     ints = torch.tensor([q_offset, kv_offset, -(band.left or 0), band.right or 0, Tq - 1, Tk - 1], device=device)
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -152,14 +151,33 @@ def build_block_mask(mask: Mask, B: int, H: int, Tq: int, Tk: int, q_offset: int
     )
 
 
-def _score_mod(bias: torch.Tensor):
-    """``score + bias[b, h, q, k]`` with broadcast dims of ``bias (B|1, H|1, Tq|1, Tk|1)`` indexed at 0."""
-    bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
-    dims = [s > 1 for s in bias.shape]
+def _flex_term(term, device):
+    """One modifier as Flex calls it: the primitive's own ``apply``, except soft-capping, whose cap
+    travels as a tensor (torch 2.13's CPU Flex template fails to compile a Python float constant)."""
+    if term.kind != "softcap":
+        return term.mod.apply
+    cap = torch.tensor([term.cap], device=device)
+    return lambda score, b, h, q_idx, kv_idx: torch.tanh(score / cap[0].to(score.dtype)) * cap[0].to(score.dtype)
+
+
+def _score_mod(bias: torch.Tensor | None, mod: ScoreMod | None, q_offset: int, kv_offset: int, device):
+    """Flex's ``score_mod``: ``score + bias[b, h, q, k]`` (broadcast dims of ``bias (B|1, H|1, Tq|1,
+    Tk|1)`` indexed at 0), then attnkit's modifier at absolute positions (``ScoreMod.apply`` has
+    Flex's signature; the offsets travel as a tensor, so a new offset reuses the compiled kernel)."""
+    dims = ()
+    if bias is not None:
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        dims = [s > 1 for s in bias.shape]
+    offsets = torch.tensor([q_offset, kv_offset], device=device)
+    terms = [] if mod is None else [_flex_term(t, device) for t in score_mod_spec(mod).terms]
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        idx = [i if keep else i * 0 for i, keep in zip((b, h, q_idx, kv_idx), dims)]
-        return score + bias[idx[0], idx[1], idx[2], idx[3]].to(score.dtype)
+        if bias is not None:
+            idx = [i if keep else i * 0 for i, keep in zip((b, h, q_idx, kv_idx), dims)]
+            score = score + bias[idx[0], idx[1], idx[2], idx[3]].to(score.dtype)
+        for term in terms:
+            score = term(score, b, h, q_idx + offsets[0], kv_idx + offsets[1])
+        return score
 
     return score_mod
 
@@ -171,6 +189,7 @@ class Flex(Backend):
     devices = frozenset({"cpu", "cuda"})
     supports_bias = True
     supports_lse = True
+    supports_score_mod = True  # every kind: attnkit modifiers are Flex score_mods (custom ones included)
     Options = FlexOptions
     #: The first call per device compiles (tens of seconds on a CPU): ``attnkit bench`` times it only when named.
     compiles = True
@@ -223,8 +242,8 @@ class Flex(Backend):
         # (no copy), so one compiled kernel serves every layout and length.
         q, k, v = (t.contiguous().view(t.shape) for t in (inp.q, inp.k, inp.v))
         kwargs = dict(block_mask=bm, scale=inp.scale, enable_gqa=inp.groups > 1)
-        if inp.bias is not None:
-            kwargs["score_mod"] = _score_mod(inp.bias)
+        if inp.bias is not None or inp.score_mod is not None:
+            kwargs["score_mod"] = _score_mod(inp.bias, inp.score_mod, inp.q_offset, inp.kv_offset, inp.device)
         if inp.return_lse:
             kwargs["return_aux"] = _flex_api().AuxRequest(lse=True)
         start = time.perf_counter()

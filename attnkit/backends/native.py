@@ -7,9 +7,9 @@ query tile), the CPU BLAS for the tile products, a vectorized exp). The backward
 each tile's probabilities from the saved log-sum-exp (flash style), parallel over (batch, key/value
 head), so training needs O(Tq + Tk) memory. GQA reads each key/value head in place (never repeated).
 
-The mask is read through its structure (:func:`attnkit.backends._tiles.tile_grid`): EMPTY tiles
+The mask is read through its structure (:func:`attnkit.masks.tile_grid`): EMPTY tiles
 are skipped and FULL tiles run unmasked; PARTIAL tiles are masked per element in the kernel from
-the conjuncts' few integers or index vectors — band bounds (``Causal``, ``SlidingWindow``), key
+the conjuncts' few integers or index vectors (:func:`attnkit.masks.mask_params`) — band bounds (``Causal``, ``SlidingWindow``), key
 lengths (``KeyPadding``), key validity (``Padding``), document ids (``Document``), a block layout
 (``BlockSparse``) — and any other conjunct (``Dense``, ``Custom``, ``Or``, ...) from a byte keep
 tile per PARTIAL tile computed here with ``mask.evaluate``.
@@ -30,7 +30,8 @@ from torch import Tensor
 
 from ..csrc import build as csrc_build
 from ..inputs import AttentionInputs
-from ..masks import And, BlockSparse, Causal, Document, KeyPadding, Mask, Padding, SlidingWindow
+from ..masks import And, Mask, mask_params
+from ..score_mods import score_mod_spec
 from ._common import nonfinite_keys, nonfinite_queries, poison_rows, zero_keys
 from .nonfinite import all_finite
 from ..registry import Backend, register_backend
@@ -78,6 +79,7 @@ def load_extension():
 _EMPTY_LONG = torch.empty(0, dtype=torch.long)
 _EMPTY_BOOL = torch.empty(0, dtype=torch.bool)
 _EMPTY_BYTE = torch.empty(0, dtype=torch.uint8)
+_EMPTY_F = torch.empty(0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,31 +95,15 @@ class _Plan:
 
 def _build_plan(mask: Mask | None, B: int, H: int, Tq: int, Tk: int, q_offset: int, kv_offset: int, bq: int, bk: int) -> _Plan:
     grid = tile_grid(mask, Tq, Tk, q_offset, kv_offset, bq, bk, B, H)
-    left = right = None
-    lengths, valid, doc, layout, layout_bs, extras = None, None, None, None, 1, []
-    for part in () if mask is None else mask.conjuncts():
-        if isinstance(part, (Causal, SlidingWindow)):
-            band = part.band()
-            left = band.left if left is None else left if band.left is None else min(left, band.left)
-            right = band.right if right is None else right if band.right is None else min(right, band.right)
-        elif isinstance(part, KeyPadding):
-            n = part.lengths.expand(B) if part.lengths.numel() == 1 else part.lengths
-            lengths = n if lengths is None else torch.minimum(lengths, n)
-        elif isinstance(part, Padding):
-            valid = part.valid.cpu() if valid is None else valid & part.valid.cpu()
-        elif isinstance(part, Document) and doc is None:
-            doc = part.ids.cpu()
-        elif isinstance(part, BlockSparse) and layout is None:
-            layout, layout_bs = part.layout, part.block_size
-        else:
-            extras.append(part)
+    params = mask_params(mask, B)
     extra_index, extra = _EMPTY_LONG, _EMPTY_BYTE
-    if extras:
-        extra_index, extra = _keep_tiles(extras[0] if len(extras) == 1 else And(*extras), grid, Tq, Tk, q_offset,
-                                         kv_offset, bq, bk, B, H)
+    if params.rest:
+        rest = params.rest[0] if len(params.rest) == 1 else And(*params.rest)
+        extra_index, extra = _keep_tiles(rest, grid, Tq, Tk, q_offset, kv_offset, bq, bk, B, H)
+    left, right = params.band.left, params.band.right
     band = [int(left is not None), left or 0, int(right is not None), right or 0]
-    args = (grid, band, _or(lengths, _EMPTY_LONG), _or(valid, _EMPTY_BOOL), _or(doc, _EMPTY_LONG),
-            _or(layout, _EMPTY_BOOL), layout_bs, extra_index, extra)
+    args = (grid, band, _or(params.lengths, _EMPTY_LONG), _or(params.valid, _EMPTY_BOOL), _or(params.doc, _EMPTY_LONG),
+            _or(params.layout, _EMPTY_BOOL), params.layout_block_size, extra_index, extra)
     return _Plan(tuple(a.contiguous() if isinstance(a, Tensor) else a for a in args), q_offset, kv_offset, bq, bk)
 
 
@@ -166,30 +152,58 @@ def plan_for(inp: AttentionInputs, options: NativeOptions) -> _Plan:
     return entry[1]
 
 
+@dataclass(frozen=True)
+class _Mods:
+    """The score modifiers' static kernel arguments (:meth:`ScoreModSpec.distance_form`)."""
+
+    dmin: int = 0
+    ops: tuple[int, ...] = ()
+    caps: tuple[float, ...] = ()
+
+
 class _NativeFunction(torch.autograd.Function):
+    """``(out, lse, seen) = f(q, k, v, bias, dist, sinks, ...)``, differentiable in q, k, v, the
+    additive ``bias (B|1, Hq|1, Tq|1, Tk|1)``, the modifiers' per-distance vectors ``dist`` (autograd
+    carries their gradient on to ALiBi slopes and relative-bias tables) and ``sinks (Hq,)``."""
+
     @staticmethod
-    def forward(ctx, q, k, v, scale, plan, flags):
+    def forward(ctx, q, k, v, bias, dist, sinks, scale, plan, flags, mods: _Mods):
         ext, _ = load_extension()
+        # the bias is cast in its own (broadcast) shape, then expanded with stride 0: never materialized
+        bias_x = _EMPTY_F if bias is None else bias.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        dist_x, sinks_x = (_EMPTY_F if t is None else t.to(q.dtype).contiguous() for t in (dist, sinks))
         out, lse, seen = ext.forward(q, k, v, scale, plan.q_offset, plan.kv_offset, plan.block_q, plan.block_k,
-                                     *plan.args, flags)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.plan = scale, plan
+                                     *plan.args, flags, bias_x, dist_x, mods.dmin, list(mods.ops), list(mods.caps),
+                                     sinks_x)
+        ctx.save_for_backward(q, k, v, out, lse, bias_x, dist_x, sinks_x)
+        ctx.scale, ctx.plan, ctx.mods = scale, plan, mods
+        ctx.bias_shape = None if bias is None else bias.shape
         ctx.mark_non_differentiable(seen)
         return out, lse, seen
 
     @staticmethod
     def backward(ctx, dout, dlse, dseen):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan = ctx.plan
+        q, k, v, out, lse, bias_x, dist_x, sinks_x = ctx.saved_tensors
+        plan, mods = ctx.plan, ctx.mods
         # delta_i = sum_j p_ij dp_ij = rowsum(dout * out); the LSE's own gradient enters as -dlse.
         dout = dout.contiguous()
         delta = (dout * out).sum(-1)
         if dlse is not None:
             delta = delta - dlse
+        need_bias, need_dist, need_sinks = ctx.needs_input_grad[3:6]
         ext, _ = load_extension()
-        dq, dk, dv = ext.backward(q, k, v, dout, lse, delta.contiguous(), ctx.scale, plan.q_offset, plan.kv_offset,
-                                  plan.block_q, plan.block_k, *plan.args)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv, d_dist, dbias = ext.backward(
+            q, k, v, dout, lse, delta.contiguous(), ctx.scale, plan.q_offset, plan.kv_offset, plan.block_q,
+            plan.block_k, *plan.args, bias_x, dist_x, mods.dmin, list(mods.ops), list(mods.caps), sinks_x,
+            bool(need_dist), bool(need_bias))
+        if need_bias:  # (B, Hq, Tq, Tk) -> the bias's own broadcast shape
+            dims = [d for d in range(4) if ctx.bias_shape[d] == 1 and dbias.shape[d] > 1]
+            dbias = dbias.sum(dim=dims, keepdim=True) if dims else dbias
+        dsinks = None
+        if need_sinks:  # d loss / d sink_h = -sum over h's rows of p_sink * delta, p_sink = exp(sink - lse)
+            dsinks = -(torch.exp(sinks_x.view(1, -1, 1) - lse) * delta).sum(dim=(0, 2))
+        return (dq, dk, dv, dbias if need_bias else None, d_dist.sum(0) if need_dist else None, dsinks,
+                None, None, None, None)
 
 
 @register_backend
@@ -198,6 +212,10 @@ class Native(Backend):
     summary = "fused C++ online-softmax kernel (CPU): fwd+bwd, skips masked tiles, masks evaluated in the kernel"
     devices = frozenset({"cpu"})
     supports_lse = True
+    supports_bias = True
+    supports_score_mod = True
+    score_mod_kinds = frozenset({"alibi", "relative_bias", "softcap"})  # in the kernel, from ScoreModSpec data
+    supports_sinks = True
     nonfinite = "self"  # flagged keys are marked per row in the kernel (same GEMM shapes either way)
     Options = NativeOptions
 
@@ -216,7 +234,10 @@ class Native(Backend):
         mask = "no mask" if inp.mask is None else "tiles skipped or masked from the mask's structure"
         cast = ", float32 tiles for %s inputs" % str(inp.dtype).removeprefix("torch.") if inp.dtype in (
             torch.float16, torch.bfloat16) else ""
-        return f"fused C++ kernel with {mask}{cast}"
+        mods = "" if inp.score_mod is None else f", score modifiers {inp.score_mod!r} in the kernel"
+        mods += "" if inp.bias is None else ", the bias added per tile"
+        mods += "" if inp.sinks is None else ", sinks in the normaliser"
+        return f"fused C++ kernel with {mask}{cast}{mods}"
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: NativeOptions | None):
@@ -241,11 +262,20 @@ class Native(Backend):
         if inp.dtype in (torch.float16, torch.bfloat16):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
         flags = _EMPTY_BYTE if bad is None else bad.to(torch.uint8).contiguous()
-        out, lse, seen = _NativeFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan, flags)
+        dist, mods = None, _Mods()
+        if inp.score_mod is not None:
+            dist, dmin, ops, caps = score_mod_spec(inp.score_mod).distance_form(
+                inp.q_offset, inp.Tq, inp.kv_offset, inp.Tk, inp.Hq, q.dtype)
+            mods = _Mods(dmin, tuple(ops), tuple(caps))
+        bias = None if inp.bias is None else inp.bias.reshape((1,) * (4 - inp.bias.dim()) + tuple(inp.bias.shape))
+        out, lse, seen = _NativeFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), bias, dist, inp.sinks,
+                                               inp.scale, plan, flags, mods)
         # a NaN/Inf query makes its own row NaN (a row with no allowed key stays 0), whatever the kernel skips
         hit = None
         if not clean:
-            hit = nonfinite_queries(inp.q) & (lse != float("-inf"))
+            # rows that see a key: LSE above -inf (above the sink's logit with sinks; NaN counts as seen)
+            floor = float("-inf") if inp.sinks is None else inp.sinks.to(lse.dtype).view(1, -1, 1)
+            hit = nonfinite_queries(inp.q) & ~(lse <= floor)
             if bad is not None:
                 hit = hit | seen.bool()
         out, lse = poison_rows(out, lse, hit)

@@ -24,6 +24,10 @@
 #include <limits>
 #include <vector>
 
+#include "score_mod.h"
+
+using attnkit_score_mod::ScoreMods;
+
 // The BLAS that PyTorch's CPU build links (MKL): its Fortran symbols are exported by libtorch_cpu
 // (at::native::cpublas::gemm, which wraps them, is not). A torch build without them fails to load
 // this extension, and the backend then declines with the loader's message.
@@ -203,16 +207,22 @@ inline void mask_row(const MaskSpec& m, int64_t b, int64_t qp, int64_t kp0, int6
   std::fill(row + hi, row + nk, ninf);
 }
 
-// The scaled scores of one tile, s[i * block_k + j] = scale * q_i . k_j, with the mask applied
-// (-inf where not kept) when the tile is PARTIAL. Forward and backward both start here.
+// The scaled scores of one tile, s[i * block_k + j] = scale * q_i . k_j, then the score modifiers
+// (score_mod.h; their tanh values kept in `tanh_keep` when given), then the mask applied (-inf where
+// not kept) when the tile is PARTIAL. Forward and backward both start here.
 struct Tile {
   int64_t b, h, qt, kt, q0, nq, k0, nk;
 };
 
 template <typename T>
 void tile_scores(const MaskSpec& m, const Tile& t, int64_t qpos0, int64_t kpos0, int64_t block_q, int64_t block_k,
-                 T scale, const T* qb, const T* kb, int64_t D, T* s, uint8_t* keep) {
+                 T scale, const T* qb, const T* kb, int64_t D, T* s, uint8_t* keep, const ScoreMods<T>& mods,
+                 T* tanh_keep) {
   mm<T>(false, true, t.nq, t.nk, D, scale, qb, D, kb, D, T(0), s, block_k);
+  if (mods.modifies()) {
+    attnkit_score_mod::apply_score_mods<T>(mods, t.b, t.h, t.q0, t.k0, qpos0 + t.q0, kpos0 + t.k0, t.nq, t.nk, block_k,
+                                           block_q * block_k, s, tanh_keep);
+  }
   if (m.grid[t.qt * m.nK + t.kt] != 1) return;
   const bool per_element = !ranges_only(m);
   if (per_element) tile_keep(m, t.b, t.h, t.qt, t.kt, t.q0, t.nq, t.k0, t.nk, qpos0, kpos0, block_q, block_k, keep);
@@ -224,7 +234,7 @@ void tile_scores(const MaskSpec& m, const Tile& t, int64_t qpos0, int64_t kpos0,
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
                   const at::Tensor& bad, at::Tensor& hit, double scale_d, int64_t qpos0, int64_t kpos0, int64_t block_q,
-                  int64_t block_k, const MaskSpec& m) {
+                  int64_t block_k, const MaskSpec& m, const ScoreMods<T>& mods) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Tk = k.size(2), Dv = v.size(3), G = Hq / Hkv;
   const int64_t nQ = (Tq + block_q - 1) / block_q, nK = (Tk + block_k - 1) / block_k;
@@ -247,14 +257,17 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const T* kh = kp + (b * Hkv + hk) * Tk * D;
       const T* vh = vp + (b * Hkv + hk) * Tk * Dv;
       std::fill(acc.begin(), acc.end(), T(0));
-      std::fill(mrow.begin(), mrow.end(), ninf);
+      // A sink starts the row max at its logit (a +inf sink at the largest finite value: the keys
+      // then weigh 0 and the sink term below makes the sum +inf, output 0 and LSE +inf).
+      const T sink = mods.sinks ? mods.sinks[h] : ninf;
+      std::fill(mrow.begin(), mrow.end(), std::min(sink, std::numeric_limits<T>::max()));
       std::fill(lrow.begin(), lrow.end(), T(0));
       for (int64_t kt = 0; kt < nK; ++kt) {
         const uint8_t status = m.grid[qt * nK + kt];
         if (status == 0) continue;
         const int64_t k0 = kt * block_k, nk = std::min(block_k, Tk - k0);
         tile_scores<T>(m, {b, h, qt, kt, q0, nq, k0, nk}, qpos0, kpos0, block_q, block_k, scale, qb, kh + k0 * D, D,
-                       s.data(), keep.data());
+                       s.data(), keep.data(), mods, nullptr);
         // Flagged keys (zeroed by the caller, so their scores are finite): mark the rows that keep one
         // (score not -inf). Tiles without a flagged key cost one byte scan.
         const uint8_t* bk = badp ? badp + (b * Hkv + hk) * Tk + k0 : nullptr;
@@ -282,7 +295,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       T* ob = op + ((b * Hq + h) * Tq + q0) * Dv;
       T* lb = lp + (b * Hq + h) * Tq + q0;
       for (int64_t i = 0; i < nq; ++i) {
-        const T l = lrow[i];
+        const T l = lrow[i] + (mods.sinks ? std::exp(sink - mrow[i]) : T(0));  // mrow >= sink: no overflow
         const T inv = l == T(0) ? T(0) : T(1) / l;
         for (int64_t c = 0; c < Dv; ++c) ob[i * Dv + c] = acc[i * Dv + c] * inv;
         lb[i] = l == T(0) ? ninf : mrow[i] + std::log(l);
@@ -294,7 +307,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 template <typename T>
 void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
                    const at::Tensor& lse, const at::Tensor& delta, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-                   double scale_d, int64_t qpos0, int64_t kpos0, int64_t block_q, int64_t block_k, const MaskSpec& m) {
+                   double scale_d, int64_t qpos0, int64_t kpos0, int64_t block_q, int64_t block_k, const MaskSpec& m,
+                   const ScoreMods<T>& mods, T* d_dist, T* dbias) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Tk = k.size(2), Dv = v.size(3), G = Hq / Hkv;
   const int64_t nQ = (Tq + block_q - 1) / block_q, nK = (Tk + block_k - 1) / block_k;
@@ -305,7 +319,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   T *dqp = dq.data_ptr<T>(), *dkp = dk.data_ptr<T>(), *dvp = dv.data_ptr<T>();
   // One (batch, kv head) per task: it owns dK/dV of its head and dQ of its G query heads (no races).
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> p(block_q * block_k), ds(block_q * block_k);
+    std::vector<T> p(block_q * block_k), ds(block_q * block_k), tanh_keep(mods.n_cap * block_q * block_k);
     std::vector<uint8_t> keep(block_q * block_k);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t hk = w % Hkv, b = w / Hkv;
@@ -326,7 +340,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
             if (status == 0) continue;
             const int64_t k0 = kt * block_k, nk = std::min(block_k, Tk - k0);
             tile_scores<T>(m, {b, h, qt, kt, q0, nq, k0, nk}, qpos0, kpos0, block_q, block_k, scale, qb, kh + k0 * D,
-                           D, p.data(), keep.data());
+                           D, p.data(), keep.data(), mods, tanh_keep.data());
             for (int64_t i = 0; i < nq; ++i) {
               T* row = p.data() + i * block_k;
               const T l = lp[row0 + i];
@@ -346,6 +360,11 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 #pragma omp simd
               for (int64_t j = 0; j < nk; ++j) dr[j] = pr[j] * (dr[j] - dl);
             }
+            if (mods.modifies()) {  // dS by the modified scores -> by the scaled scores (and the modifiers' grads)
+              attnkit_score_mod::score_mods_backward<T>(mods, b, h, q0, k0, qpos0 + q0, kpos0 + k0, nq, nk, block_k,
+                                                        block_q * block_k, tanh_keep.data(), ds.data(),
+                                                        d_dist ? d_dist + b * mods.n_add * mods.Hq * mods.ndist : nullptr, dbias, Tq, Tk);
+            }
             mm<T>(false, false, nq, D, nk, scale, ds.data(), block_k, kh + k0 * D, D, T(1), dqb, D);
             mm<T>(true, false, nk, D, nq, scale, ds.data(), block_k, qb, D, T(1), dkh + k0 * D, D);
           }
@@ -359,12 +378,44 @@ void check(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), name, " must be a contiguous CPU tensor");
 }
 
+// The score modifiers' arguments (score_mod.h) as kernel data; every tensor may be empty (absent).
+template <typename T>
+ScoreMods<T> make_mods(const at::Tensor& bias, const at::Tensor& dist, int64_t dmin, c10::IntArrayRef ops,
+                       c10::ArrayRef<double> caps, const at::Tensor& sinks, int64_t Hq) {
+  ScoreMods<T> mods;
+  if (bias.numel()) {
+    TORCH_CHECK(bias.dim() == 4, "bias: expected 4 dims (broadcast strides 0)");
+    mods.bias = bias.data_ptr<T>();
+    mods.bias_sb = bias.stride(0), mods.bias_sh = bias.stride(1), mods.bias_sq = bias.stride(2);
+    mods.bias_sk = bias.stride(3);
+  }
+  mods.Hq = Hq;
+  if (dist.numel()) {
+    TORCH_CHECK(dist.dim() == 3 && dist.size(1) == Hq && dist.is_contiguous(), "dist: expected (n_add, Hq, ndist)");
+    mods.dist = dist.data_ptr<T>(), mods.n_add = dist.size(0), mods.ndist = dist.size(2), mods.dmin = dmin;
+  }
+  mods.ops = ops.data(), mods.n_ops = static_cast<int64_t>(ops.size()), mods.caps = caps.data();
+  int64_t n_add = 0;
+  for (int64_t op : ops) {
+    TORCH_CHECK(op == attnkit_score_mod::ADD || op == attnkit_score_mod::CAP, "score mod ops: 0 (add) or 1 (cap)");
+    mods.n_cap += op == attnkit_score_mod::CAP, n_add += op == attnkit_score_mod::ADD;
+  }
+  TORCH_CHECK(n_add == mods.n_add && mods.n_cap == static_cast<int64_t>(caps.size()),
+              "score mod ops: one dist vector per add, one cap per cap");
+  if (sinks.numel()) {
+    TORCH_CHECK(sinks.numel() == Hq && sinks.is_contiguous(), "sinks: expected (Hq,)");
+    mods.sinks = sinks.data_ptr<T>();
+  }
+  return mods;
+}
+
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                 int64_t q_offset, int64_t kv_offset, int64_t block_q, int64_t block_k,
                                 const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
                                 const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout,
                                 int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra,
-                                const at::Tensor& bad) {
+                                const at::Tensor& bad, const at::Tensor& bias, const at::Tensor& dist, int64_t dmin,
+                                c10::IntArrayRef ops, c10::ArrayRef<double> caps, const at::Tensor& sinks) {
   for (auto* t : {&q, &k, &v, &grid, &bad}) check(*t, "q, k, v, the tile grid and the key flags");
   TORCH_CHECK(bad.numel() == 0 || (bad.scalar_type() == at::kByte && bad.numel() == k.size(0) * k.size(1) * k.size(2)),
               "key flags: expected an empty or a uint8 (B, Hkv, Tk) tensor");
@@ -373,24 +424,36 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   auto hit = bad.numel() ? at::zeros({q.size(0), q.size(1), q.size(2)}, bad.options()) : at::empty({0}, bad.options());
   MaskSpec m = make_spec(grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_forward", [&] {
-    forward_impl<scalar_t>(q, k, v, out, lse, bad, hit, scale, q_offset, kv_offset, block_q, block_k, m);
+    auto mods = make_mods<scalar_t>(bias, dist, dmin, ops, caps, sinks, q.size(1));
+    forward_impl<scalar_t>(q, k, v, out, lse, bad, hit, scale, q_offset, kv_offset, block_q, block_k, m, mods);
   });
   return {out, lse, hit};
 }
 
+// Returns dq, dk, dv, and with score modifiers d_dist (B, n_add, Hq, ndist) (summed over B by the
+// caller) and, when need_dbias, dbias (B, Hq, Tq, Tk) (reduced to the bias's shape by the caller).
 std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& delta, double scale,
                                  int64_t q_offset, int64_t kv_offset, int64_t block_q, int64_t block_k,
                                  const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
                                  const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout,
-                                 int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra) {
+                                 int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra,
+                                 const at::Tensor& bias, const at::Tensor& dist, int64_t dmin, c10::IntArrayRef ops,
+                                 c10::ArrayRef<double> caps, const at::Tensor& sinks, bool need_dist, bool need_dbias) {
   for (auto* t : {&q, &k, &v, &dout, &lse, &delta, &grid}) check(*t, "backward inputs");
   auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+  const int64_t B = q.size(0), Hq = q.size(1);
+  auto d_dist = need_dist && dist.numel() ? at::zeros({B, dist.size(0), Hq, dist.size(2)}, q.options())
+                                          : at::empty({0}, q.options());
+  auto dbias = need_dbias ? at::zeros({B, Hq, q.size(2), k.size(2)}, q.options()) : at::empty({0}, q.options());
   MaskSpec m = make_spec(grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnkit_native_backward", [&] {
-    backward_impl<scalar_t>(q, k, v, dout, lse, delta, dq, dk, dv, scale, q_offset, kv_offset, block_q, block_k, m);
+    auto mods = make_mods<scalar_t>(bias, dist, dmin, ops, caps, sinks, Hq);
+    backward_impl<scalar_t>(q, k, v, dout, lse, delta, dq, dk, dv, scale, q_offset, kv_offset, block_q, block_k, m,
+                            mods, d_dist.numel() ? d_dist.data_ptr<scalar_t>() : nullptr,
+                            need_dbias ? dbias.data_ptr<scalar_t>() : nullptr);
   });
-  return {dq, dk, dv};
+  return {dq, dk, dv, d_dist, dbias};
 }
 
 }  // namespace
@@ -399,10 +462,12 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
 TORCH_LIBRARY(attnkit_native, m) {
   m.def("forward(Tensor q, Tensor k, Tensor v, float scale, int q_offset, int kv_offset, int block_q, int block_k, "
         "Tensor grid, int[] band, Tensor lengths, Tensor valid, Tensor doc, Tensor layout, int layout_bs, "
-        "Tensor extra_index, Tensor extra, Tensor bad) -> Tensor[]");
+        "Tensor extra_index, Tensor extra, Tensor bad, Tensor bias, Tensor dist, int dmin, int[] ops, float[] caps, "
+        "Tensor sinks) -> Tensor[]");
   m.def("backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, float scale, int q_offset, "
         "int kv_offset, int block_q, int block_k, Tensor grid, int[] band, Tensor lengths, Tensor valid, Tensor doc, "
-        "Tensor layout, int layout_bs, Tensor extra_index, Tensor extra) -> Tensor[]");
+        "Tensor layout, int layout_bs, Tensor extra_index, Tensor extra, Tensor bias, Tensor dist, int dmin, int[] ops, "
+        "float[] caps, Tensor sinks, bool need_dist, bool need_dbias) -> Tensor[]");
   m.impl("forward", c10::DispatchKey::CPU, TORCH_FN(forward));
   m.impl("backward", c10::DispatchKey::CPU, TORCH_FN(backward));
 }

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..inputs import AttentionInputs
-from ..masks import BlockStatus, Causal, Document, KeyPadding, Mask, Padding, SlidingWindow, as_mask
+from ..masks import BlockStatus, Mask, as_mask
 from .comm import Ring, all_to_all_heads_to_seq, all_to_all_seq_to_heads, gather_descriptors
 from .layout import SequenceLayout
 from .ring import BlockPair, RingPlan, ring_attention
@@ -32,10 +32,10 @@ __all__ = ["context_parallel_attention", "explain_context_parallel", "ContextPar
 
 STRATEGIES = ("auto", "ring", "ulysses")
 
-# Masks whose mask_mod reads absolute positions only: handed to per-pair attention() calls as they
-# are, so backends keep their structure (SDPA's is_causal, the band of a window). Any other mask is
-# wrapped in _SequenceFrame, which evaluates it in the frame of the whole sequence.
-_POSITIONAL = (Causal, SlidingWindow, KeyPadding, Padding, Document)
+# Masks whose mask_mod reads absolute positions only (Mask.offset_free) are handed to per-pair
+# attention() calls as they are, so backends keep their structure (SDPA's is_causal, the band of a
+# window). Any other mask is wrapped in _SequenceFrame, which evaluates it in the frame of the whole
+# sequence.
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
@@ -267,7 +267,7 @@ def _ring_plan(plan: ContextParallelPlan, ring: Ring, mask, scale, backend, opti
     P, rank = ring.world, ring.rank
     steps = tuple(tuple(_pairs(plan.layout, rank, (rank - s) % P, mask)[0]) for s in range(plan.steps))
     lengths = tuple(plan.layout.local_len((rank - s) % P) for s in range(plan.steps))
-    block_mask = mask if mask is None or type(mask) in _POSITIONAL else _SequenceFrame(mask)
+    block_mask = mask if mask is None or mask.offset_free else _SequenceFrame(mask)
     return RingPlan(ring, plan.steps, steps, lengths, mask, block_mask, scale, backend, options)
 
 

@@ -3,10 +3,12 @@
 ``base`` holds the :class:`Mask` protocol, its structure API and ``And``/``Or``; ``positional``
 the masks defined by positions and a few integers or index vectors; ``tensor`` the masks given as
 data (``Dense``, ``Custom``); ``sparse`` block layouts and global tokens; ``support`` the mask forms
-a backend declares it honours (:class:`MaskSupport`).
+a backend declares it honours (:class:`MaskSupport`); ``export`` the structure as data a kernel
+reads (:func:`tile_grid`, :func:`mask_params`).
 """
 
 from .base import UNBOUNDED, And, Band, BlockStatus, Mask, Or, Range, as_mask
+from .export import MaskParams, Tiles, mask_params, tile_grid
 from .positional import Causal, Document, KeyPadding, Padding, SlidingWindow
 from .sparse import BlockSparse, GlobalTokens, longformer
 from .support import MaskSupport
@@ -33,4 +35,8 @@ __all__ = [
     "as_mask",
     "MaskSupport",
     "from_key_padding_mask",
+    "Tiles",
+    "MaskParams",
+    "tile_grid",
+    "mask_params",
 ]

@@ -174,6 +174,23 @@ class Mask:
         """True when the mask is exactly ``Causal()`` (possibly repeated, or ``SlidingWindow(None, 0)``)."""
         return False
 
+    #: True when ``mask_mod`` reads absolute positions only, never the call's offsets (positional
+    #: masks): a caller may evaluate it in any frame (context parallelism hands it on as it is).
+    offset_free: bool = False
+
+    def tile_grid(self, tiles) -> Tensor:
+        """The ``(nQ, nK)`` uint8 :class:`BlockStatus` grid of a :class:`~attnkit.masks.export.Tiles`
+        tiling, over every batch row and head. The base version evaluates strips of query tiles;
+        structured masks compute it from their parameters with a few tensor operations."""
+        from .export import evaluated_grid
+
+        return evaluated_grid(self, tiles)
+
+    def export_params(self, params, batch_size: int):
+        """``params`` (a :class:`~attnkit.masks.export.MaskParams`) with this conjunct's positional
+        parameters added; the base version lists the mask in ``rest`` (evaluated by ``mask_mod``)."""
+        return params.with_rest(self)
+
     def structure_key(self) -> str:
         """A short stable name of the mask's structure, e.g. ``"Causal"`` or ``"And(Causal,KeyPadding)"``
         (for measured tables: masks of the same structure share measurements)."""
@@ -379,6 +396,10 @@ class _Combination(Mask):
     def query_independent(self):  # type: ignore[override]
         return all(p.query_independent for p in self.parts)
 
+    @property
+    def offset_free(self):  # type: ignore[override]
+        return all(p.offset_free for p in self.parts)
+
     def structure_key(self):
         return f"{type(self).__name__}({','.join(sorted({p.structure_key() for p in self.parts}))})"
 
@@ -410,6 +431,12 @@ class And(_Combination):
 
     def is_causal(self):
         return all(p.is_causal() for p in self.parts)
+
+    def tile_grid(self, tiles):
+        grid = self.parts[0].tile_grid(tiles)
+        for part in self.parts[1:]:  # EMPTY < PARTIAL < FULL: the AND is the min
+            grid = torch.minimum(grid, part.tile_grid(tiles))
+        return grid
 
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
         keep = self.parts[0].mask_mod(b, h, q_idx, kv_idx, q_offset=q_offset, kv_offset=kv_offset)
@@ -450,6 +477,12 @@ class Or(_Combination):
             return self, None
         glob = globs[0] if len(globs) == 1 else GlobalTokens(torch.cat([g.positions for g in globs]))  # their union
         return (others[0] if len(others) == 1 else Or(*others)), glob
+
+    def tile_grid(self, tiles):
+        grid = self.parts[0].tile_grid(tiles)
+        for part in self.parts[1:]:  # the OR is the max
+            grid = torch.maximum(grid, part.tile_grid(tiles))
+        return grid
 
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
         keep = self.parts[0].mask_mod(b, h, q_idx, kv_idx, q_offset=q_offset, kv_offset=kv_offset)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from .._validate import non_negative_int
 from .base import Band, Mask, _as_long_tensor, _status_from_bounds
+from .export import band_grid, document_grid, evaluated_grid, key_grid
 
 __all__ = ["Causal", "SlidingWindow", "KeyPadding", "Padding", "Document"]
 
@@ -24,6 +25,8 @@ class Causal(Mask):
         █████
     """
 
+    offset_free = True
+
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
         return q_idx >= kv_idx
 
@@ -32,6 +35,12 @@ class Causal(Mask):
 
     def is_causal(self):
         return True
+
+    def tile_grid(self, tiles):
+        return band_grid(self.band(), tiles)
+
+    def export_params(self, params, batch_size):
+        return params.with_band(self.band())
 
     def block_status(self, q_range, kv_range, *, q_offset=0, kv_offset=0, batch_size=None, num_heads=None):
         (q0, q1), (k0, k1) = q_range, kv_range
@@ -56,6 +65,8 @@ class SlidingWindow(Mask):
     left: int | None = None
     right: int | None = 0
 
+    offset_free = True
+
     def __post_init__(self):
         for name in ("left", "right"):
             non_negative_int(getattr(self, name), name, owner="SlidingWindow", allow_none=True,
@@ -66,6 +77,12 @@ class SlidingWindow(Mask):
 
     def is_causal(self):
         return self.left is None and self.right == 0
+
+    def tile_grid(self, tiles):
+        return band_grid(self.band(), tiles)
+
+    def export_params(self, params, batch_size):
+        return params.with_band(self.band())
 
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
         keep = torch.ones((), dtype=torch.bool, device=q_idx.device)
@@ -96,6 +113,8 @@ class KeyPadding(Mask):
     _min: int = field(init=False, repr=False)
     _max: int = field(init=False, repr=False)
 
+    offset_free = True
+
     def __post_init__(self):
         lengths = _as_long_tensor(self.lengths, "KeyPadding(lengths)")
         if lengths.dim() != 1 or lengths.numel() == 0:
@@ -118,6 +137,13 @@ class KeyPadding(Mask):
         k0, k1 = kv_range
         return _status_from_bounds(full=k1 <= self._min, empty=k0 >= self._max)
 
+    def tile_grid(self, tiles):
+        positions = torch.arange(tiles.kv_offset + tiles.Tk)
+        return key_grid(positions[None, :] < self.lengths[:, None], tiles)
+
+    def export_params(self, params, batch_size):
+        return params.with_lengths(self.lengths.expand(batch_size) if self.lengths.numel() == 1 else self.lengths)
+
     def __repr__(self):
         return f"KeyPadding(lengths={self.lengths.tolist()})"
 
@@ -134,6 +160,8 @@ class Padding(Mask):
     valid: Tensor
     query_independent = True
 
+    offset_free = True
+
     def __post_init__(self):
         valid = self.valid
         if not isinstance(valid, Tensor) or valid.dtype != torch.bool or valid.dim() != 2:
@@ -147,6 +175,12 @@ class Padding(Mask):
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
         valid = self.valid.to(kv_idx.device)
         return valid[b.clamp(max=valid.shape[0] - 1), kv_idx.clamp(0, valid.shape[1] - 1)]  # batch 1 broadcasts
+
+    def tile_grid(self, tiles):
+        return key_grid(self.valid.cpu(), tiles)
+
+    def export_params(self, params, batch_size):
+        return params.with_valid(self.valid.cpu())
 
     def validate(self, B, H, Tq, Tk, q_offset, kv_offset):
         super().validate(B, H, Tq, Tk, q_offset, kv_offset)
@@ -169,6 +203,8 @@ class Document(Mask):
 
     ids: Tensor
 
+    offset_free = True
+
     def __post_init__(self):
         ids = _as_long_tensor(self.ids, "Document(ids)")
         if ids.dim() == 1:
@@ -182,6 +218,14 @@ class Document(Mask):
         ids = self.ids.to(q_idx.device)
         b = b.clamp(max=ids.shape[0] - 1)
         return ids[b, q_idx] == ids[b, kv_idx]
+
+    def tile_grid(self, tiles):
+        if tiles.q_offset < 0:  # queries before position 0 (validate refuses them; evaluate says how)
+            return evaluated_grid(self, tiles)
+        return document_grid(self.ids.cpu(), tiles)
+
+    def export_params(self, params, batch_size):
+        return params.with_rest(self) if params.doc is not None else replace(params, doc=self.ids.cpu())
 
     def validate(self, B, H, Tq, Tk, q_offset, kv_offset):
         super().validate(B, H, Tq, Tk, q_offset, kv_offset)

@@ -17,13 +17,14 @@ exact element-level Longformer use :func:`longformer` = ``SlidingWindow(w, w) | 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from .._validate import finite_float, non_negative_int, positive_int
 from .base import BlockStatus, Mask, _as_long_tensor
+from .export import EMPTY, PARTIAL, box_counts, status
 from .positional import Causal, SlidingWindow
 
 __all__ = ["BlockSparse", "GlobalTokens", "longformer"]
@@ -39,6 +40,7 @@ class BlockSparse(Mask):
     block_size: int
     _any: Tensor = field(init=False, repr=False)  # summed-area table of layout.any(heads)
     _all: Tensor = field(init=False, repr=False)  # summed-area table of layout.all(heads)
+    _tables: tuple[Tensor, Tensor] = field(init=False, repr=False)  # both as tensors, for tile_grid
 
     def __post_init__(self):
         layout = self.layout
@@ -53,8 +55,10 @@ class BlockSparse(Mask):
         layout = layout.reshape((1,) * (3 - layout.dim()) + tuple(layout.shape)).cpu()
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "num_heads", layout.shape[0])
-        object.__setattr__(self, "_any", _summed_area(layout.any(0)))
-        object.__setattr__(self, "_all", _summed_area(layout.all(0)))
+        tables = (_summed_area_tensor(layout.any(0)), _summed_area_tensor(layout.all(0)))
+        object.__setattr__(self, "_tables", tables)
+        object.__setattr__(self, "_any", tables[0].tolist())  # plain lists: O(1) Python lookups in block_status
+        object.__setattr__(self, "_all", tables[1].tolist())
 
     # -- Mask interface ---------------------------------------------------------------------
     def block_layout(self):
@@ -77,6 +81,25 @@ class BlockSparse(Mask):
         if _box(self._any, r0, r1, c0, c1) == 0:
             return BlockStatus.EMPTY
         return BlockStatus.FULL if _box(self._all, r0, r1, c0, c1) == area else BlockStatus.PARTIAL
+
+    def tile_grid(self, tiles):
+        bs = self.block_size
+        (qa, qb), (ka, kb) = tiles.q_bounds(), tiles.k_bounds()  # first and last position per tile
+        r0, r1 = qa.div(bs, rounding_mode="floor"), qb.div(bs, rounding_mode="floor") + 1
+        c0, c1 = ka.div(bs, rounding_mode="floor"), kb.div(bs, rounding_mode="floor") + 1
+        any_ = box_counts(self._tables[0], r0, r1, c0, c1)
+        all_ = box_counts(self._tables[1], r0, r1, c0, c1)
+        grid = status(all_ == (r1 - r0)[:, None] * (c1 - c0)[None, :], any_ == 0)
+        before = qa < 0  # query tiles reaching before position 0 keep nothing there: never FULL
+        if bool(before.any()):
+            from_zero = box_counts(self._tables[0], torch.zeros_like(r1), r1, c0, c1)
+            grid[before] = torch.where((qb[before, None] < 0) | (from_zero[before] == 0), EMPTY, PARTIAL).to(grid.dtype)
+        return grid
+
+    def export_params(self, params, batch_size):
+        if params.layout is not None:
+            return params.with_rest(self)
+        return replace(params, layout=self.layout, layout_block_size=self.block_size)
 
     def validate(self, B, H, Tq, Tk, q_offset, kv_offset):
         super().validate(B, H, Tq, Tk, q_offset, kv_offset)
@@ -186,10 +209,10 @@ class BlockSparse(Mask):
         return cls(layout, block_size)
 
 
-def _summed_area(x: Tensor) -> list[list[int]]:
+def _summed_area_tensor(x: Tensor) -> Tensor:
     sat = torch.zeros(x.shape[0] + 1, x.shape[1] + 1, dtype=torch.long)
     sat[1:, 1:] = x.long().cumsum(0).cumsum(1)
-    return sat.tolist()  # plain lists: O(1) Python lookups without tensor indexing overhead
+    return sat
 
 
 def _box(sat, r0, r1, c0, c1) -> int:
@@ -235,6 +258,14 @@ class GlobalTokens(Mask):
         if inside(q_range) and q_range[1] - q_range[0] == 1 or inside(kv_range) and kv_range[1] - kv_range[0] == 1:
             return BlockStatus.FULL
         return BlockStatus.PARTIAL if inside(q_range) or inside(kv_range) else BlockStatus.EMPTY
+
+    def tile_grid(self, tiles):
+        (qa, qb), (ka, kb) = tiles.q_bounds(), tiles.k_bounds()
+        pos = self.positions.cpu()
+        q_in = torch.searchsorted(pos, qb + 1) > torch.searchsorted(pos, qa)  # a global query in the tile
+        k_in = torch.searchsorted(pos, kb + 1) > torch.searchsorted(pos, ka)
+        full = (q_in & (qa == qb))[:, None] | (k_in & (ka == kb))[None, :]  # a whole row or column is global
+        return status(full, ~(q_in[:, None] | k_in[None, :]))
 
     def __repr__(self):
         return f"GlobalTokens({self.positions.tolist()})"

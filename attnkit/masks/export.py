@@ -1,0 +1,218 @@
+"""Masks as data a kernel reads: a vectorized tile grid and the positional parameters.
+
+:func:`tile_grid` gives the :class:`~attnkit.masks.BlockStatus` of every (query tile × key tile) of
+a call as one ``uint8`` tensor (0 EMPTY, 1 PARTIAL, 2 FULL). Each mask class computes its own grid
+with a few tensor operations (:meth:`Mask.tile_grid`, over a :class:`Tiles`): a band from two
+bound vectors, key lengths and validity per key tile, document ids per tile range, a block layout
+through its summed-area table; ``And`` is the elementwise min of its parts' grids and ``Or`` the
+max (EMPTY < PARTIAL < FULL). A mask with no structure (``Dense``, ``Custom``) is evaluated one
+strip of query tiles at a time and reduced per tile.
+
+:func:`mask_params` gives one :class:`MaskParams`: the conjuncts' positional parameters (band
+bounds, key lengths, key validity, document ids, a block layout), which a kernel evaluates per
+element from a few integers or index vectors, and the conjuncts it cannot describe that way
+(``rest``, evaluated by ``mask_mod``). Each class contributes its own fields
+(:meth:`Mask.export_params`); nothing outside ``masks/`` asks which class a mask is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from .base import UNBOUNDED, Band, BlockStatus, Mask
+
+__all__ = ["Tiles", "MaskParams", "tile_grid", "mask_params", "EMPTY", "PARTIAL", "FULL"]
+
+EMPTY, PARTIAL, FULL = BlockStatus.EMPTY.value, BlockStatus.PARTIAL.value, BlockStatus.FULL.value
+
+#: Elements evaluated at once by the strip fallback (bounds its temporary memory to ~64 MiB of bools).
+_STRIP_ELEMENTS = 1 << 26
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A call's tiling: queries at absolute positions ``q_offset .. q_offset+Tq-1`` in tiles of
+    ``block_q``, keys likewise, for a call with ``batch_size`` rows and ``num_heads`` query heads."""
+
+    Tq: int
+    Tk: int
+    q_offset: int
+    kv_offset: int
+    block_q: int
+    block_k: int
+    batch_size: int | None = None
+    num_heads: int | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return -(-self.Tq // self.block_q), -(-self.Tk // self.block_k)
+
+    def q_bounds(self) -> tuple[Tensor, Tensor]:
+        """First and last absolute query position of each query tile (int64, ``nQ`` each)."""
+        return _bounds(self.q_offset, self.Tq, self.block_q)
+
+    def k_bounds(self) -> tuple[Tensor, Tensor]:
+        return _bounds(self.kv_offset, self.Tk, self.block_k)
+
+    def per_q_tile(self, values: Tensor, fill) -> Tensor:
+        """``values (rows, positions)`` at the call's query positions as ``(rows, nQ, block_q)``."""
+        return _per_tile(values, self.q_offset, self.Tq, self.block_q, fill)
+
+    def per_k_tile(self, values: Tensor, fill) -> Tensor:
+        return _per_tile(values, self.kv_offset, self.Tk, self.block_k, fill)
+
+
+def _bounds(offset: int, length: int, block: int) -> tuple[Tensor, Tensor]:
+    start = torch.arange(0, length, block, dtype=torch.long) + offset
+    return start, torch.clamp(start + block, max=offset + length) - 1
+
+
+def _per_tile(values: Tensor, start: int, length: int, block: int, fill) -> Tensor:
+    """``values[:, start:start+length]`` as ``(rows, tiles, block)``, the ragged end padded with ``fill``."""
+    chunk = values[:, start : start + length]
+    pad = -length % block
+    if pad:
+        chunk = torch.cat([chunk, chunk.new_full((chunk.shape[0], pad), fill)], dim=1)
+    return chunk.reshape(chunk.shape[0], -1, block)
+
+
+def status(full: Tensor, empty: Tensor) -> Tensor:
+    """The uint8 grid from two bool grids (EMPTY wins over FULL)."""
+    return torch.where(empty, EMPTY, torch.where(full, FULL, PARTIAL)).to(torch.uint8)
+
+
+def band_grid(band: Band, tiles: Tiles) -> Tensor:
+    """``-left <= pos(k) - pos(q) <= right`` per tile (``None`` = unbounded)."""
+    q, k = tiles.q_bounds(), tiles.k_bounds()
+    dmin = k[0][None, :] - q[1][:, None]  # smallest pos(k) - pos(q) in the tile
+    dmax = k[1][None, :] - q[0][:, None]
+    full = torch.ones_like(dmin, dtype=torch.bool)
+    empty = torch.zeros_like(dmin, dtype=torch.bool)
+    if band.left is not None:
+        full &= dmin >= -band.left
+        empty |= dmax < -band.left
+    if band.right is not None:
+        full &= dmax <= band.right
+        empty |= dmin > band.right
+    return status(full, empty)
+
+
+def key_grid(valid: Tensor, tiles: Tiles) -> Tensor:
+    """Grid of a query-independent mask given as ``valid (B, positions)`` bool over key positions."""
+    kept = tiles.per_k_tile(valid, True)  # padding: neither empties nor breaks FULL
+    real = tiles.per_k_tile(torch.ones_like(valid), False)
+    full = kept.all(-1).all(0)
+    empty = ~((kept & real).any(-1).any(0))
+    return status(full, empty)[None, :].expand(tiles.shape[0], -1)
+
+
+def document_grid(ids: Tensor, tiles: Tiles) -> Tensor:
+    """FULL where every query and key of the tile share one id, EMPTY where the tile's query id
+    range and key id range are disjoint (in every batch row)."""
+    big = torch.iinfo(torch.long)
+    qmin = tiles.per_q_tile(ids, big.max).amin(-1)
+    qmax = tiles.per_q_tile(ids, big.min).amax(-1)  # (B, nQ)
+    kmin = tiles.per_k_tile(ids, big.max).amin(-1)
+    kmax = tiles.per_k_tile(ids, big.min).amax(-1)  # (B, nK)
+    full = ((qmin == qmax)[:, :, None] & (kmin == kmax)[:, None, :] & (qmin[:, :, None] == kmin[:, None, :])).all(0)
+    empty = ((qmax[:, :, None] < kmin[:, None, :]) | (kmax[:, None, :] < qmin[:, :, None])).all(0)
+    return status(full, empty)
+
+
+def box_counts(sat: Tensor, r0: Tensor, r1: Tensor, c0: Tensor, c1: Tensor) -> Tensor:
+    """Kept cells of ``[r0, r1) x [c0, c1)`` per (row range, column range) pair from a summed-area
+    table ``sat (R+1, C+1)``: ``(len(r0), len(c0))`` int64, ranges clipped to the table."""
+    R, C = sat.shape[0] - 1, sat.shape[1] - 1
+    r0, r1 = r0.clamp(0, R), r1.clamp(0, R)
+    c0, c1 = c0.clamp(0, C), c1.clamp(0, C)
+    r1, c1 = torch.maximum(r1, r0), torch.maximum(c1, c0)
+    r0, r1, c0, c1 = r0[:, None], r1[:, None], c0[None, :], c1[None, :]  # gather only the (nQ, nK) needed
+    return sat[r1, c1] - sat[r0, c1] - sat[r1, c0] + sat[r0, c0]
+
+
+def evaluated_grid(mask: Mask, tiles: Tiles) -> Tensor:
+    """The grid of any mask by evaluation: strips of whole query tiles against every key, reduced
+    per tile (one ``evaluate`` per strip, never per tile)."""
+    nQ, nK = tiles.shape
+    bq, bk, Tq, Tk = tiles.block_q, tiles.block_k, tiles.Tq, tiles.Tk
+    nb, nh = mask.index_sizes(tiles.batch_size, tiles.num_heads)
+    rows_per_strip = max(1, _STRIP_ELEMENTS // max(1, nb * nh * bq * nK * bk))
+    out = torch.empty(nQ, nK, dtype=torch.uint8)
+    pad_k = nK * bk - Tk
+    for r0 in range(0, nQ, rows_per_strip):
+        r1 = min(r0 + rows_per_strip, nQ)
+        q0, q1 = r0 * bq, min(r1 * bq, Tq)
+        keep = mask.evaluate((tiles.q_offset + q0, tiles.q_offset + q1), (tiles.kv_offset, tiles.kv_offset + Tk),
+                             q_offset=tiles.q_offset, kv_offset=tiles.kv_offset, batch_size=tiles.batch_size,
+                             num_heads=tiles.num_heads).cpu()
+        keep = keep.reshape(-1, q1 - q0, Tk)  # (B*H, n, Tk)
+        pad_q = (r1 - r0) * bq - (q1 - q0)
+        kept = torch.nn.functional.pad(keep, (0, pad_k, 0, pad_q), value=True)  # padding: never breaks FULL
+        seen = torch.nn.functional.pad(keep, (0, pad_k, 0, pad_q), value=False)  # nor makes a tile non-EMPTY
+        shape = (keep.shape[0], r1 - r0, bq, nK, bk)
+        full = kept.view(shape).all(4).all(2).all(0)
+        empty = ~seen.view(shape).any(4).any(2).any(0)
+        out[r0:r1] = status(full, empty)
+    return out
+
+
+def tile_grid(mask: Mask | None, Tq: int, Tk: int, q_offset: int, kv_offset: int, block_q: int, block_k: int,
+              batch_size: int | None = None, num_heads: int | None = None) -> Tensor:
+    """``(ceil(Tq / block_q), ceil(Tk / block_k))`` uint8 on the CPU, contiguous: the status of
+    each tile over every batch row and head (``FULL`` everywhere without a mask)."""
+    tiles = Tiles(Tq, Tk, q_offset, kv_offset, block_q, block_k, batch_size, num_heads)
+    if mask is None:
+        return torch.full(tiles.shape, FULL, dtype=torch.uint8)
+    return mask.tile_grid(tiles).contiguous()
+
+
+@dataclass(frozen=True, eq=False)
+class MaskParams:
+    """A mask's positional parameters, the intersection of its conjuncts' (None: no such part):
+
+    * ``band``: ``-left <= pos(k) - pos(q) <= right`` (``Causal``, ``SlidingWindow``);
+    * ``lengths (B,)`` int64: ``pos(k) < lengths[b]`` (``KeyPadding``);
+    * ``valid (B|1, P)`` bool: ``valid[b, pos(k)]`` (``Padding``);
+    * ``doc (B|1, P)`` int64: ``doc[b, pos(q)] == doc[b, pos(k)]`` (``Document``, the first one);
+    * ``layout (H|1, nQB, nKB)`` bool with ``layout_block_size`` (``BlockSparse``, the first one);
+    * ``rest``: every other conjunct (and any second ``Document``/``BlockSparse``), as masks;
+    * ``beyond_band``: every conjunct the band does not describe alone (for a kernel that takes
+      the band as integers and calls ``mask_mod`` for the rest).
+
+    All tensors on the CPU."""
+
+    band: Band = UNBOUNDED
+    lengths: Tensor | None = None
+    valid: Tensor | None = None
+    doc: Tensor | None = None
+    layout: Tensor | None = None
+    layout_block_size: int = 1
+    rest: tuple[Mask, ...] = field(default=())
+    beyond_band: tuple[Mask, ...] = field(default=())
+
+    def with_band(self, band: Band) -> MaskParams:
+        return replace(self, band=self.band & band)
+
+    def with_lengths(self, lengths: Tensor) -> MaskParams:
+        return replace(self, lengths=lengths if self.lengths is None else torch.minimum(self.lengths, lengths))
+
+    def with_valid(self, valid: Tensor) -> MaskParams:
+        return replace(self, valid=valid if self.valid is None else self.valid & valid)
+
+    def with_rest(self, part: Mask) -> MaskParams:
+        return replace(self, rest=self.rest + (part,))
+
+
+def mask_params(mask: Mask | None, batch_size: int) -> MaskParams:
+    """The :class:`MaskParams` of ``mask`` for a call with ``batch_size`` rows."""
+    params, beyond = MaskParams(), []
+    for part in () if mask is None else mask.conjuncts():
+        params = part.export_params(params, batch_size)
+        alone = part.export_params(MaskParams(), batch_size)
+        if (alone.rest or alone.lengths is not None or alone.valid is not None or alone.doc is not None
+                or alone.layout is not None or alone.band == UNBOUNDED):
+            beyond.append(part)
+    return replace(params, beyond_band=tuple(beyond))
