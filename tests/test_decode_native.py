@@ -239,3 +239,19 @@ def test_vmap_runs_the_twin():
     q, k = torch.randn(2, 1, 4, 1, 16), torch.randn(2, 1, 2, 30, 16)
     f = lambda q, k: attention(q, k, k, mask=Causal(), backend="decode")  # noqa: E731
     torch.testing.assert_close(torch.vmap(f)(q, k), torch.stack([f(q[i], k[i]) for i in range(2)]))
+
+
+def test_decode_declares_the_score_mod_kinds_it_runs():
+    """Relative biases have no kernel form: decode declines them by kind, and the cache is read
+    through its dense conversion by a backend that runs them."""
+    from attnkit.score_mods import RelativeBias
+
+    q = torch.randn(1, 4, 1, 16)
+    k = torch.randn(1, 2, 40, 16)
+    (h, _), _ = _handle("paged", k, k, (40,))
+    mod = RelativeBias(torch.randn(4, 8), max_distance=16)
+    e = explain(q, h, h, mask=Causal(), score_mod=mod)
+    assert e.chosen != "decode" and any("relative_bias" in r for r in e.reasons["decode"]), e.reasons["decode"]
+    out = attention(q, h, h, mask=Causal(), score_mod=mod)
+    ref = attention(q, k, k, mask=Causal(), score_mod=mod, backend="naive")
+    assert torch.allclose(out, ref, atol=1e-5)

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ..inputs import AttentionInputs
 from ..registry import Backend, register_backend
-from .decode_native import kernel_reasons, native_decode, reads_structure
+from .decode_native import KERNEL_SCORE_MOD_KINDS, kernel_reasons, native_decode, reads_structure
 
 __all__ = ["DecodeOptions", "decode_attention", "paged_decode_attention", "MAX_QUERIES"]
 
@@ -310,6 +310,7 @@ class Decode(Backend):
     supports_bias = True
     supports_lse = True
     supports_score_mod = True  # in the native kernel only (extra_reasons says when it cannot run)
+    score_mod_kinds = KERNEL_SCORE_MOD_KINDS
     supports_sinks = True
     Options = DecodeOptions
     #: KV caches read in place (:mod:`attnkit.kv_handle`): int8 values with their scales, pages

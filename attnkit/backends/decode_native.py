@@ -29,9 +29,9 @@ from torch import Tensor
 from ..calibration import DECODE_QUERIES
 from ..inputs import AttentionInputs
 from ..masks import Causal, KeyPadding, Mask, SlidingWindow
-from ..score_mods import ALiBi, SoftCap
 
-__all__ = ["kernel_reasons", "native_decode", "split_tokens", "score_mod_data", "reads_structure"]
+__all__ = ["kernel_reasons", "native_decode", "split_tokens", "score_mod_data", "reads_structure",
+           "KERNEL_SCORE_MOD_KINDS"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EMPTY_F = torch.empty(0)
@@ -52,17 +52,23 @@ def _extension():
     return ext, reason
 
 
-def score_mod_data(score_mod) -> tuple[list[int], list[float], list[Tensor]] | str:
-    """The kernel's form of a score modifier: codes (1 soft-cap, 2 ALiBi), caps and ALiBi slopes,
-    in chain order; or a reason string when a part has no kernel form."""
+#: The score modifier kinds (:class:`~attnkit.score_mods.ScoreModTerm`) the kernel runs.
+KERNEL_SCORE_MOD_KINDS = frozenset({"softcap", "alibi"})
+
+
+def score_mod_data(score_mod) -> tuple[list[int], list[float], list[Tensor | None]] | str:
+    """The kernel's form of a score modifier, read from its data (:meth:`ScoreMod.terms`): codes
+    (1 soft-cap, 2 ALiBi), caps and ALiBi slopes, in chain order; or a reason string when a term
+    has no kernel form."""
     codes, caps, slopes = [], [], []
-    for part in () if score_mod is None else score_mod.parts():
-        if isinstance(part, SoftCap):
-            codes.append(1), caps.append(part.cap), slopes.append(None)
-        elif isinstance(part, ALiBi):
-            codes.append(2), caps.append(0.0), slopes.append(part.slopes)
+    for term in () if score_mod is None else score_mod.terms():
+        if term.kind == "softcap":
+            codes.append(1), caps.append(term.cap), slopes.append(None)
+        elif term.kind == "alibi":
+            codes.append(2), caps.append(0.0), slopes.append(term.slopes)
         else:
-            return f"the native decode kernel applies SoftCap and ALiBi score modifiers, not {part!r}"
+            return (f"the native decode kernel runs the score modifiers {', '.join(sorted(KERNEL_SCORE_MOD_KINDS))}, "
+                    f"not {term.kind} ({term.mod!r})")
     return codes, caps, slopes
 
 

@@ -20,7 +20,7 @@ NAME = "attnkit_native"
 HERE = Path(__file__).resolve().parent
 BUILD_DIR = HERE / "_build"
 STAMP = BUILD_DIR / "stamp.json"
-SOURCES = [HERE / "attention.cpp", HERE / "decode.cpp"]  # attention.cpp includes score_mod.h (a header change needs a rebuild too)
+SOURCES = [HERE / "attention.cpp", HERE / "decode.cpp"]  # attention.cpp includes score_mod.h (rebuild on edits)
 # -fno-trapping-math lets the exp and mask loops vectorize (IEEE inf/NaN semantics are kept).
 CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd"]
 
