@@ -336,7 +336,7 @@ class Decode(Backend):
     def dense_mask_elements(cls, inp: AttentionInputs) -> int:
         """The kernel reads band bounds and key lengths from the mask's structure; any other mask,
         and every mask on the PyTorch-op twin, is materialized ``(B, Hq, Tq, Tk)``."""
-        if inp.mask is None or (reads_structure(inp.mask) and not kernel_reasons(inp)):
+        if inp.mask is None or (reads_structure(inp.mask, inp.B) and not kernel_reasons(inp)):
             return 0
         return inp.B * inp.Hq * inp.Tq * inp.Tk
 

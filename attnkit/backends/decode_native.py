@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..calibration import DECODE_QUERIES
 from ..inputs import AttentionInputs
-from ..masks import Causal, KeyPadding, Mask, SlidingWindow
+from ..masks import Mask, mask_params
 
 __all__ = ["kernel_reasons", "native_decode", "split_tokens", "score_mod_data", "reads_structure",
            "KERNEL_SCORE_MOD_KINDS"]
@@ -115,31 +115,25 @@ def split_tokens(n: int, Hkv: int, threads: int | None = None) -> int:
     return min(_MAX_SPLIT, max(_MIN_SPLIT, -(-per // _SPLIT_ALIGN) * _SPLIT_ALIGN))
 
 
-def reads_structure(mask: Mask | None) -> bool:
-    """True when the kernel reads ``mask`` from its structure alone (band bounds and key lengths),
-    with no keep tensor materialized."""
-    return mask is None or all(isinstance(part, (Causal, SlidingWindow)) or _key_lengths(part) is not None
-                               for part in mask.conjuncts())
-
-
-def _key_lengths(part: Mask) -> Tensor | None:
-    return part.lengths if isinstance(part, KeyPadding) and part.lengths.dim() <= 1 else None
+def reads_structure(mask: Mask | None, batch_size: int = 1) -> bool:
+    """True when the kernel reads ``mask`` from its exported parameters alone (band bounds and key
+    lengths, :func:`~attnkit.masks.mask_params`), with no keep tensor materialized."""
+    if mask is None:
+        return True
+    p = mask_params(mask, batch_size)
+    return p.valid is None and p.doc is None and p.layout is None and not p.rest
 
 
 def _mask_data(mask: Mask | None, inp: AttentionInputs):
     """``(left, right, key_limits, keep)``: band bounds (None = unbounded), per-row key-position
-    limits from ``KeyPadding`` (or None), and a bool keep tensor for any other conjunct (or None)."""
+    limits (or None), and a bool keep tensor when the mask has parts beyond those (or None)."""
     if mask is None:
         return None, None, None, None
-    band = mask.band()  # a correct over-approximation of every conjunct
-    limits = None
-    for part in mask.conjuncts():
-        n = _key_lengths(part)
-        if n is not None:
-            n = (n.expand(inp.B) if n.numel() == 1 else n).tolist()
-            limits = n if limits is None else [min(a, b) for a, b in zip(limits, n)]
-    keep = None if reads_structure(mask) else inp.materialize_mask()
-    return band.left, band.right, limits, keep
+    p = mask_params(mask, inp.B)
+    limits = None if p.lengths is None else p.lengths.expand(inp.B).tolist()
+    exact = p.valid is None and p.doc is None and p.layout is None and not p.rest
+    keep = None if exact else inp.materialize_mask()
+    return p.band.left, p.band.right, limits, keep
 
 
 def native_decode(inp: AttentionInputs, split: int | None = None):
