@@ -10,6 +10,7 @@ reshapes cannot run on zero elements.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..masks.export import EMPTY, FULL, PARTIAL, tile_grid

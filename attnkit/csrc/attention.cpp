@@ -66,18 +66,7 @@ inline float exp_row(float* __restrict x, int64_t n, float shift) {
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) {
     const float a = x[j] - shift;
-    const float xc = std::min(std::max(a, -87.3f), 88.3f);
-    const float fn = std::floor(xc * 1.44269504088896341f + 0.5f);
-    const float r = xc - fn * 0.693359375f + fn * 2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(fn) + 127) << 23;
-    const float e = y * __builtin_bit_cast(float, bits);
+    const float e = attnkit_score_mod::exp_approx(std::min(a, 88.3f));
     x[j] = a < -87.3f ? 0.f : e;
     sum += x[j];
   }

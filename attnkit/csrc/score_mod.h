@@ -39,17 +39,12 @@ struct ScoreMods {
   bool modifies() const { return bias || n_ops; }
 };
 
-// tanh, vectorizable: Cephes' tanhf (a polynomial below 0.625, 1 - 2 / (exp(2|x|) + 1) above,
-// with Cephes' expf polynomial; |error| ~ 2 ulp). The double version calls std::tanh.
-inline float tanh_approx(float x) {
-  const float ax = std::min(std::fabs(x), 9.f);  // tanh(9) rounds to 1 in float
-  const float z = x * x;
-  const float small =
-      ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z -
-       3.33332819422e-1f) * z * x + x;
-  const float a = 2.f * ax;
-  const float fn = std::floor(a * 1.44269504088896341f + 0.5f);
-  const float r = a - fn * 0.693359375f + fn * 2.12194440e-4f;
+// exp(a) for a <= 88.3, vectorizable: Cephes' expf polynomial (|error| ~ 1 ulp); arguments below
+// -87.3 are clamped there (the caller maps them to 0 where it needs exactly 0).
+inline float exp_approx(float a) {
+  const float xc = std::max(a, -87.3f);
+  const float fn = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float r = xc - fn * 0.693359375f + fn * 2.12194440e-4f;
   float y = 1.9875691500e-4f;
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
@@ -58,8 +53,18 @@ inline float tanh_approx(float x) {
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.0f;
   const int32_t bits = (static_cast<int32_t>(fn) + 127) << 23;
-  const float e = y * __builtin_bit_cast(float, bits);  // exp(2|x|)
-  const float large = 1.f - 2.f / (e + 1.f);
+  return y * __builtin_bit_cast(float, bits);
+}
+
+// tanh, vectorizable: Cephes' tanhf (a polynomial below 0.625, 1 - 2 / (exp(2|x|) + 1) above;
+// |error| ~ 2 ulp). The double version calls std::tanh.
+inline float tanh_approx(float x) {
+  const float ax = std::min(std::fabs(x), 9.f);  // tanh(9) rounds to 1 in float
+  const float z = x * x;
+  const float small =
+      ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z -
+       3.33332819422e-1f) * z * x + x;
+  const float large = 1.f - 2.f / (exp_approx(2.f * ax) + 1.f);
   return ax < 0.625f ? small : (x < 0.f ? -large : large);
 }
 inline double tanh_approx(double x) { return std::tanh(x); }
