@@ -230,14 +230,19 @@ def stream(
 
 
 def _serve(model, prompts: list[Tensor], max_new_tokens: int, cache: PagedKVCache, max_batch_size: int,
-           stop_tokens, sampling: dict) -> list[Tensor]:
+           stop_tokens, sampling: dict, prefill_chunk: int | None = None, on_token=None) -> list[Tensor]:
     """Continuous batching over a paged cache: every prompt plus its new tokens (up to and
-    including a stop token)."""
+    including a stop token). Each iteration admits waiting prompts while rows and blocks are free,
+    prefills one chunk of at most ``prefill_chunk`` prompt tokens (None: a whole prompt) of the
+    prompt with the fewest tokens left, then runs
+    one decode step over every row that has finished its prefill, so a long prompt never stalls
+    the running rows for more than one chunk. ``on_token(index, token)`` is called as each token of
+    prompt ``index`` is chosen (streaming per sequence)."""
     stop = set(stop_tokens or ())
     V = model.config.vocab_size
     device = prompts[0].device
     waiting = deque(range(len(prompts)))
-    running: list[dict] = []  # seq, index, tokens (list), seen row
+    running: list[dict] = []  # seq, index, tokens (list), seen row, prefilled (prompt tokens in the cache)
     results: list[Tensor | None] = [None] * len(prompts)
 
     def budget(i: int) -> int:
@@ -257,6 +262,8 @@ def _serve(model, prompts: list[Tensor], max_new_tokens: int, cache: PagedKVCach
         for row, token in zip(rows, tokens):
             row["tokens"].append(token)
             row["seen"][token] = True
+            if on_token is not None:
+                on_token(row["index"], token)
             if token in stop or len(row["tokens"]) == max_new_tokens:
                 finish(row)
                 running.remove(row)
@@ -276,18 +283,27 @@ def _serve(model, prompts: list[Tensor], max_new_tokens: int, cache: PagedKVCach
                 break
             waiting.popleft()
             owed += budget(i)
-            row = {"seq": cache.add_sequence(), "index": i, "tokens": [],
+            row = {"seq": cache.add_sequence(), "index": i, "tokens": [], "prefilled": 0,
                    "seen": torch.zeros(V, dtype=torch.bool, device=device)}
             row["seen"][prompts[i]] = True
             running.append(row)
-            cache.select([row["seq"]])
-            step([row], model(prompts[i][None], cache=cache, logits_to_keep=1)[:, -1])  # prefill alone
-        if not running:
-            continue
-        rows = list(running)
-        cache.select([row["seq"] for row in rows])
-        ids = torch.tensor([[row["tokens"][-1]] for row in rows], device=device)
-        step(rows, model(ids, cache=cache, logits_to_keep=1)[:, -1])  # one decode step, every row
+        # Shortest remaining prompt first: short prompts start streaming while a long one prefills.
+        pending = [row for row in running if row["prefilled"] < len(prompts[row["index"]])]
+        filling = min(pending, key=lambda row: len(prompts[row["index"]]) - row["prefilled"], default=None)
+        if filling is not None:  # one prefill chunk
+            prompt, start = prompts[filling["index"]], filling["prefilled"]
+            end = len(prompt) if prefill_chunk is None else min(len(prompt), start + prefill_chunk)
+            cache.select([filling["seq"]])
+            logits = model(prompt[None, start:end], cache=cache, logits_to_keep=1)[:, -1]
+            filling["prefilled"] = end
+            if end == len(prompt):
+                step([filling], logits)  # its first token
+        rows = [row for row in running if row["tokens"] and row["prefilled"] == len(prompts[row["index"]])
+                and row is not filling]
+        if rows:
+            cache.select([row["seq"] for row in rows])
+            ids = torch.tensor([[row["tokens"][-1]] for row in rows], device=device)
+            step(rows, model(ids, cache=cache, logits_to_keep=1)[:, -1])  # one decode step, every ready row
     return results
 
 
@@ -308,12 +324,17 @@ def _prompts_of(input_ids, valid: Tensor | None) -> list[Tensor]:
 
 @torch.no_grad()
 def _generate_paged(model, input_ids, max_new_tokens, *, cache, quantize_cache, num_blocks, block_size,
-                    max_batch_size, attention_mask, stop_tokens, pad_token_id, **sampling):
+                    max_batch_size, attention_mask, stop_tokens, pad_token_id, prefill_chunk=256, on_token=None,
+                    **sampling):
     if model.is_encoder_decoder:
         raise ValueError("cache: paged caches serve decoder-only models; use cache='static' for an EncoderDecoder.")
     _check_sampling(max_new_tokens, sampling["temperature"], sampling["top_k"], sampling["top_p"],
                     sampling["repetition_penalty"])
     _check_positive_int("max_batch_size", max_batch_size)
+    if prefill_chunk is not None:
+        _check_positive_int("prefill_chunk", prefill_chunk)
+    if on_token is not None and not callable(on_token):
+        raise TypeError(f"on_token: expected a callable on_token(index, token), got {type(on_token).__name__}.")
     valid = None
     if isinstance(input_ids, Tensor):
         _check_ids(input_ids)
@@ -331,7 +352,8 @@ def _generate_paged(model, input_ids, max_new_tokens, *, cache, quantize_cache, 
         per_seq = -(-(max(len(p) for p in prompts) + max_new_tokens) // block_size)
         blocks = num_blocks if num_blocks is not None else per_seq * min(max_batch_size, len(prompts))
         cache = model.make_cache("paged", num_blocks=blocks, block_size=block_size, quantize=quantize_cache)
-    results = _serve(model, prompts, max_new_tokens, cache, max_batch_size, stop_tokens, sampling)
+    results = _serve(model, prompts, max_new_tokens, cache, max_batch_size, stop_tokens, sampling, prefill_chunk,
+                     on_token)
     if not isinstance(input_ids, Tensor):
         return results
     new = [r[len(p):] for r, p in zip(results, prompts)]
@@ -355,12 +377,15 @@ def generate(model, input_ids: Tensor | Sequence[Tensor], max_new_tokens: int = 
     sequences of the longest prompt plus ``max_new_tokens``), ``quantize_cache="int8"`` stores
     the pages in int8. ``input_ids`` may then also be a list of 1-D prompts of any lengths; the
     result is a list of 1-D tensors (each prompt, then its new tokens up to and including a stop
-    token). Other keyword arguments are those of :func:`stream`."""
+    token). Prompts are prefilled ``prefill_chunk`` tokens at a time (default 256; None: whole),
+    one chunk between two decode steps of the running rows; ``on_token(index, token)`` streams
+    each sequence's tokens as they are chosen. Other keyword arguments are those of :func:`stream`."""
     if cache == "paged" or isinstance(cache, PagedKVCache):
         return _generate_paged(model, input_ids, max_new_tokens, cache=cache, quantize_cache=quantize_cache,
                                num_blocks=num_blocks, block_size=block_size, max_batch_size=max_batch_size,
                                attention_mask=kwargs.pop("attention_mask", None),
                                stop_tokens=kwargs.pop("stop_tokens", None), pad_token_id=kwargs.pop("pad_token_id", 0),
+                               prefill_chunk=kwargs.pop("prefill_chunk", 256), on_token=kwargs.pop("on_token", None),
                                **{k: kwargs.pop(k, d) for k, d in _SAMPLING_DEFAULTS.items()}, **_rest(kwargs))
     if num_blocks is not None:
         raise ValueError("num_blocks: applies to cache='paged' only.")

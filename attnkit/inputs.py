@@ -108,8 +108,7 @@ def _read_handle(q, k, v, mask, q_offset, kv_offset, score_mod, kv_finite):
         if score_mod is not None:
             raise ValueError("score_mod: with rows of different lengths attention() evaluates score modifiers per "
                              "group of equal lengths; AttentionInputs cannot. Fix: call attention().")
-        keep = k.row_keep(None if mask is None else as_mask(mask, "mask"), q.shape[2])
-        mask = None if keep is None else Dense(keep)
+        mask = k.row_mask(None if mask is None else as_mask(mask, "mask"), q.shape[2])
     if kv_finite is None:
         kv_finite = k.finite
     return k, k, mask, kv_finite

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .masks import BlockStatus, Mask
+from .masks import BlockStatus, Dense, Mask
 
 __all__ = ["KVHandle", "KV_FORMATS", "dequantize_int8"]
 
@@ -152,6 +152,20 @@ class KVHandle:
         # The mask is held in the entry, so its id cannot be reused while the entry lives.
         key = ("keep", id(mask), Tq, self.lengths, self.device)
         return self.memo(key, lambda: (mask, self._row_keep(mask, Tq)))[1]
+
+    def row_mask(self, mask: Mask | None, Tq: int) -> Mask | None:
+        """:meth:`row_keep` as a ``Dense`` mask, one object per step when memoized: the layers of
+        one forward share it (and with it the dispatcher's cached choice)."""
+        if self.memo is None:
+            keep = self._row_keep(mask, Tq)
+            return None if keep is None else Dense(keep)
+        key = ("mask", id(mask), Tq, self.lengths, self.device)
+
+        def build():
+            keep = self.row_keep(mask, Tq)
+            return mask, None if keep is None else Dense(keep)
+
+        return self.memo(key, build)[1]
 
     def _row_keep(self, mask: Mask | None, Tq: int) -> Tensor | None:
         lengths, slots, device = self.lengths, max(self.lengths), self.device

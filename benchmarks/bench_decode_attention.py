@@ -1,24 +1,24 @@
-"""Decode attention at long context: the split-K decode kernel vs SDPA over a contiguous cache.
+"""Decode attention at long context: the native decode kernel over every cache format vs SDPA and
+the PyTorch-op twin, against this machine's copy bandwidth measured in the same run.
 
-One query token per sequence (B=1 by default), GQA 32 query / 8 key-value heads, D=128, context
-16k. Cases, interleaved in one process (torch.utils.benchmark, median of ``--rounds`` rounds):
+Three sections, each interleaved in one process (torch.utils.benchmark, median of ``--rounds``):
 
-* ``sdpa fp32``     F.scaled_dot_product_attention(enable_gqa=True) over a contiguous float32 cache
-                    — the named baseline every ratio is against;
-* ``decode fp32``   the decode kernel over the same contiguous cache;
-* ``decode bf16``   over a bfloat16 copy (converted segment by segment);
-* ``decode int8``   over an int8 cache with per-token, per-head scales (QuantizedLayerCache storage);
-* ``paged fp32`` / ``paged int8``  over a paged cache (block 16, blocks shuffled), read page-wise.
+1. ``single``: one sequence, one query token, GQA 32/8, D=128, context 16k:
+   ``sdpa fp32`` / ``sdpa bf16`` (F.scaled_dot_product_attention(enable_gqa=True) over a contiguous
+   cache: the baselines), ``native fp32|bf16|int8`` over a contiguous cache (int8: values plus
+   per-token, per-head scales), ``native paged fp32|bf16|int8`` over a paged cache (block 16,
+   blocks shuffled), and ``torch fp32|int8`` (the decode backend's PyTorch-op twin).
+2. ``batch``: 8 sequences with contexts spread over 1k..16k in one paged batch (fp32 and int8),
+   GB/s over the bytes actually read (each sequence's own keys, no padding).
+3. ``mods``: ALiBi and soft-cap decode at Tk=512 (B=1, H=8, D=64): the kernel vs SDPA with the
+   materialized float bias (soft-cap has no SDPA form: SDPA runs ALiBi's bias as the yardstick).
 
-For each case: ms per call (one layer, one token), bytes of K/V (and scales) it must read, the
-achieved GB/s and its share of this machine's copy bandwidth, measured in the same run by a
-STREAM-style triad (``a = b + s * c`` over arrays much larger than the caches: 3 x 4 bytes per
-element). Peak memory per case comes from a fresh process (``--memory``: the peak RSS growth of
-one call over its inputs, Linux only).
-The machine's load average is printed; read the ratios, not the absolute numbers.
+Each row: ms per call (one layer, one token), bytes read, GB/s, % of the triad bandwidth
+(``a = b + s * c`` over arrays much larger than the caches), speed vs the section's baseline.
+Read the ratios, not the absolute numbers; the load average is printed.
 
-    python benchmarks/bench_decode_attention.py                      # the figures (about 1-2 minutes)
-    python benchmarks/bench_decode_attention.py --context 2048 --rounds 2 --memory   # a quick look
+    python benchmarks/bench_decode_attention.py                      # the figures (about 2-3 minutes)
+    python benchmarks/bench_decode_attention.py --context 2048 --rounds 1 --min-run-time 0.05   # smoke
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import gc
-import subprocess
 import sys
 
 import torch
@@ -36,46 +34,109 @@ from torch.utils import benchmark
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's attnkit
 
-from attnkit.backends.decode import decode_attention, paged_decode_attention  # noqa: E402
+from attnkit import Causal, attention  # noqa: E402
+from attnkit.backends.decode import DecodeOptions  # noqa: E402
+from attnkit.backends.decode_native import kernel_reasons  # noqa: E402
 from attnkit.cache import quantize_int8  # noqa: E402
+from attnkit.inputs import AttentionInputs  # noqa: E402
+from attnkit.kv_handle import KVHandle  # noqa: E402
+from attnkit.score_mods import ALiBi, SoftCap  # noqa: E402
 
-CASES = ("sdpa fp32", "decode fp32", "decode bf16", "decode int8", "paged fp32", "paged int8")
 BLOCK = 16
+NATIVE = DecodeOptions(implementation="native")
+TORCH = DecodeOptions(implementation="torch")
 
 
-def build(case: str, B: int, Hq: int, Hkv: int, T: int, D: int, seed: int = 0):
-    """(callable, bytes read per call) for one case."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, 1, D, generator=g)
-    k = torch.randn(B, Hkv, T, D, generator=g)
-    v = torch.randn(B, Hkv, T, D, generator=g)
-    kind, fmt = case.split()
-    if kind == "sdpa":
-        return (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)), 2 * k.numel() * 4
-    if fmt == "bf16":
+def _pool(x, table, B, Hkv):
+    """``x (B, Hkv, T, ...)`` laid out as a pool ``(Hkv, N, BLOCK, ...)`` in ``table``'s pages."""
+    T, shape = x.shape[2], x.shape[3:]
+    nb = -(-T // BLOCK)
+    x = torch.nn.functional.pad(x, (0, 0) * len(shape) + (0, nb * BLOCK - T))
+    pool = torch.zeros(Hkv, int(table.max()) + 1, BLOCK, *shape, dtype=x.dtype)
+    pages = x.reshape(B, Hkv, nb, BLOCK, *shape).transpose(0, 1)  # (Hkv, B, nb, BLOCK, ...)
+    pool[:, table[:, :nb].flatten()] = pages.reshape(Hkv, B * nb, BLOCK, *shape)
+    return pool
+
+
+def cache(fmt: str, dtype: str, k, v, lengths, g):
+    """What attention reads for ``fmt`` ("dense", "paged") and ``dtype`` ("fp32", "bf16", "int8"),
+    and the bytes a decode step must read (each row's own keys, values and scales)."""
+    B, Hkv, T, D = k.shape
+    per_elem = {"fp32": 4, "bf16": 2, "int8": 1}[dtype]
+    nbytes = sum(2 * Hkv * L * (D * per_elem + (4 if dtype == "int8" else 0)) for L in lengths)
+    if dtype == "bf16":
         k, v = k.bfloat16(), v.bfloat16()
-        qb = q.bfloat16()
-        return (lambda: decode_attention(qb, k, v)), 2 * k.numel() * 2
-    scales = {}
-    if fmt == "int8":
+    scales = (None, None)
+    if dtype == "int8":
         (k, ks), (v, vs) = quantize_int8(k), quantize_int8(v)
-        scales = dict(k_scale=ks, v_scale=vs)
-    nbytes = 2 * k.numel() * k.element_size() + sum(s.numel() * 4 for s in scales.values())
-    if kind == "decode":
-        return (lambda: decode_attention(q, k, v, **scales)), nbytes
-    nb = T // BLOCK
+        scales = (ks, vs)
+    if fmt == "dense" and dtype != "int8":
+        return (k, v), nbytes
+    if fmt == "dense":
+        h = KVHandle("int8", k, v, tuple(lengths), torch.float32, True, *scales)
+        return (h, h), nbytes
+    nb = -(-T // BLOCK)
     table = torch.randperm(B * nb, generator=g).view(B, nb)
+    pools = [_pool(x, table, B, Hkv) for x in (k, v) + (scales if dtype == "int8" else ())]
+    kind = "paged-int8" if dtype == "int8" else "paged"
+    h = KVHandle(kind, pools[0], pools[1], tuple(lengths), torch.float32 if dtype == "int8" else k.dtype, True,
+                 *(pools[2:] if dtype == "int8" else (None, None)), block_table=table)
+    return (h, h), nbytes
 
-    def pool(x):
-        shape = x.shape[3:]
-        paged = torch.empty(Hkv, B * nb, BLOCK, *shape, dtype=x.dtype)
-        pages = x.view(B, Hkv, nb, BLOCK, *shape).transpose(0, 1)  # (Hkv, B, nb, BLOCK, ...)
-        paged[:, table.flatten()] = pages.reshape(Hkv, B * nb, BLOCK, *shape)
-        return paged
 
-    kp, vp = pool(k), pool(v)
-    sp = {name: pool(s) for name, s in scales.items()}
-    return (lambda: paged_decode_attention(q, kp, vp, table, **sp)), nbytes
+def single_cases(T: int, Hq: int, Hkv: int, D: int, g):
+    """name -> (callable, bytes read, baseline name)."""
+    q = torch.randn(1, Hq, 1, D, generator=g)
+    k, v = torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g)
+    kb, vb, qb = k.bfloat16(), v.bfloat16(), q.bfloat16()
+    fns = {
+        "sdpa fp32": (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), 2 * k.numel() * 4),
+        "sdpa bf16": (lambda: F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True), 2 * k.numel() * 2),
+    }
+    for fmt in ("dense", "paged"):
+        for dtype in ("fp32", "bf16", "int8"):
+            (hk, hv), nbytes = cache(fmt, dtype, k, v, [T], g)
+            qq = qb if dtype == "bf16" else q
+            name = f"native {'paged ' if fmt == 'paged' else ''}{dtype}"
+            fns[name] = (lambda qq=qq, hk=hk, hv=hv: attention(qq, hk, hv, backend="decode", options=NATIVE), nbytes)
+            if fmt == "dense" and dtype != "bf16":
+                fns[f"torch {dtype}"] = (lambda qq=qq, hk=hk, hv=hv: attention(qq, hk, hv, backend="decode",
+                                                                               options=TORCH), nbytes)
+    return fns, "sdpa fp32"
+
+
+def batch_cases(T: int, Hq: int, Hkv: int, D: int, g, B: int = 8):
+    lengths = [int(x) for x in torch.linspace(T // 16, T, B).round().tolist()]
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    fns = {}
+    for dtype in ("fp32", "int8"):
+        (hk, hv), nbytes = cache("paged", dtype, k, v, lengths, g)
+        fns[f"native paged {dtype} x{B}"] = (lambda hk=hk, hv=hv: attention(q, hk, hv, backend="decode",
+                                                                              options=NATIVE), nbytes)
+    # the one-sequence baseline: the same bytes read by SDPA would need padding to the longest
+    fns[f"sdpa fp32 x{B} padded"] = (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                                     2 * k.numel() * 4)
+    return fns, f"sdpa fp32 x{B} padded", lengths
+
+
+def mods_cases(g, T: int = 512, H: int = 8, D: int = 64):
+    q = torch.randn(1, H, 1, D, generator=g)
+    k, v = torch.randn(1, H, T, D, generator=g), torch.randn(1, H, T, D, generator=g)
+    alibi, cap = ALiBi.geometric(H), SoftCap(30.0)
+    pos = torch.arange(T)
+    bias = -(alibi.slopes.view(H, 1, 1) * (pos[-1] - pos).abs().view(1, 1, T)).unsqueeze(0)  # (1, H, 1, T)
+    nbytes = 2 * k.numel() * 4
+    fns = {
+        "sdpa + alibi bias": (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias), nbytes),
+        "native alibi": (lambda: attention(q, k, v, mask=Causal(), score_mod=alibi, backend="decode"), nbytes),
+        "native soft-cap": (lambda: attention(q, k, v, mask=Causal(), score_mod=cap, backend="decode"), nbytes),
+        "tiled alibi": (lambda: attention(q, k, v, mask=Causal(), score_mod=alibi, backend="tiled"), nbytes),
+    }
+    ref = attention(q, k, v, mask=Causal(), score_mod=alibi, backend="naive")
+    assert (fns["native alibi"][0]() - ref).abs().max() < 1e-5
+    assert (fns["sdpa + alibi bias"][0]() - ref).abs().max() < 1e-5
+    return fns, "sdpa + alibi bias"
 
 
 def triad(n: int):
@@ -83,52 +144,8 @@ def triad(n: int):
     return (lambda: torch.add(b, c, alpha=1.5, out=a)), 3 * n * 4
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-def measure_memory(case: str, args) -> int:
-    """Peak RSS growth (bytes) of one call of ``case`` in a fresh process, over its setup."""
-    out = subprocess.run([sys.executable, __file__, "--one", case, "--context", str(args.context), "--batch",
-                          str(args.batch), "--threads", str(args.threads)], capture_output=True, text=True, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--context", type=int, default=16384)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", default="32/8", help="query/key-value heads")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per case per round")
-    parser.add_argument("--triad-mib", type=int, default=512, help="size of each triad array")
-    parser.add_argument("--memory", action="store_true", help="also measure peak memory per case (fresh processes)")
-    parser.add_argument("--out", default="bench-results/decode_attention.json")
-    parser.add_argument("--one", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    Hq, Hkv = (int(x) for x in args.heads.split("/"))
-    shape = (args.batch, Hq, Hkv, args.context, args.head_dim)
-    if args.one:  # child of --memory: setup, then one call; print the peak RSS growth of the call
-        fn, _ = build(args.one, *shape)
-        gc.collect()
-        with open("/proc/self/clear_refs", "w") as f:  # Linux: reset the peak (VmHWM) to the current RSS
-            f.write("5")
-        base = _status_kib("VmRSS")
-        fn()
-        print((_status_kib("VmHWM") - base) * 1024)
-        return
-    print(f"threads={args.threads} load average={os.getloadavg()} B={args.batch} heads={Hq}/{Hkv} "
-          f"T={args.context} D={args.head_dim}")
-    fns = {case: build(case, *shape) for case in CASES}
-    fns["triad"] = triad(args.triad_mib * 2**20 // 4)
-    ref = fns["sdpa fp32"][0]()
-    for case in CASES[1:]:  # a benchmark of wrong results is worth nothing
-        err = (fns[case][0]().float() - ref).abs().max().item()
-        assert err < (0.05 if "int8" in case or "bf16" in case else 1e-4), (case, err)
+def run_section(title: str, fns: dict, baseline: str, args, bandwidth_fn) -> tuple[list[dict], float]:
+    fns = dict(fns, triad=bandwidth_fn)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(args.rounds):  # interleaved: load on the machine hits every case alike
         for name, (fn, _) in fns.items():
@@ -136,26 +153,66 @@ def main() -> None:
             times[name].append(t.blocked_autorange(min_run_time=args.min_run_time).median)
     med = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
     bandwidth = fns["triad"][1] / med["triad"] / 1e9
-    print(f"copy bandwidth (triad): {bandwidth:.1f} GB/s")
+    print(f"\n== {title} (copy bandwidth, triad: {bandwidth:.1f} GB/s)")
+    print(f"{'case':<24} {'ms/token':>9} {'MB read':>8} {'GB/s':>7} {'% bw':>6} {'vs base':>8}")
     rows = []
-    print(f"{'case':<12} {'ms/token':>9} {'MB read':>8} {'GB/s':>7} {'% bw':>6} {'vs sdpa':>8}")
-    for case in CASES:
-        nbytes = fns[case][1]
-        gbs = nbytes / med[case] / 1e9
-        row = dict(case=case, ms=med[case] * 1e3, bytes=nbytes, gb_per_s=gbs, pct_bandwidth=100 * gbs / bandwidth,
-                   speedup_vs_sdpa=med["sdpa fp32"] / med[case])
-        if args.memory:
-            row["peak_rss_growth_bytes"] = measure_memory(case, args)
+    for name, (_, nbytes) in fns.items():
+        if name == "triad":
+            continue
+        gbs = nbytes / med[name] / 1e9
+        row = dict(case=name, ms=med[name] * 1e3, bytes=nbytes, gb_per_s=gbs, pct_bandwidth=100 * gbs / bandwidth,
+                   speedup_vs_baseline=med[baseline] / med[name])
         rows.append(row)
-        print(f"{case:<12} {row['ms']:9.3f} {nbytes / 1e6:8.1f} {gbs:7.1f} {row['pct_bandwidth']:6.1f} "
-              f"{row['speedup_vs_sdpa']:7.2f}x" + (f"  peak +{row['peak_rss_growth_bytes'] / 2**20:.1f} MiB"
-                                                    if args.memory else ""))
+        print(f"{name:<24} {row['ms']:9.3f} {nbytes / 1e6:8.1f} {gbs:7.1f} {row['pct_bandwidth']:6.1f} "
+              f"{row['speedup_vs_baseline']:7.2f}x")
+    return rows, bandwidth
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--heads", default="32/8", help="query/key-value heads")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per case per round")
+    parser.add_argument("--triad-mib", type=int, default=512, help="size of each triad array")
+    parser.add_argument("--sections", default="single,batch,mods")
+    parser.add_argument("--out", default="bench-results/decode_attention.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    Hq, Hkv = (int(x) for x in args.heads.split("/"))
+    D, T = args.head_dim, args.context
+    probe = torch.zeros(1, Hq, 1, D)
+    reasons = kernel_reasons(AttentionInputs.create(probe, probe, probe))
+    if reasons:
+        sys.exit("the native decode kernel cannot run: " + "; ".join(reasons))
+    print(f"threads={args.threads} load average={os.getloadavg()} heads={Hq}/{Hkv} T={T} D={D}")
+    g = torch.Generator().manual_seed(0)
+    tri = triad(args.triad_mib * 2**20 // 4)
+    result = dict(threads=args.threads, load_average=os.getloadavg(), heads=[Hq, Hkv], context=T, head_dim=D,
+                  rounds=args.rounds, sections={})
+    sections = args.sections.split(",")
+    if "single" in sections:
+        fns, base = single_cases(T, Hq, Hkv, D, g)
+        ref = fns["sdpa fp32"][0]()
+        for name, (fn, _) in fns.items():  # a benchmark of wrong results is worth nothing
+            err = (fn().float() - ref).abs().max().item()
+            assert err < (0.05 if "int8" in name or "bf16" in name else 1e-4), (name, err)
+        rows, bw = run_section(f"one sequence, context {T}", fns, base, args, tri)
+        result["sections"]["single"] = dict(rows=rows, triad_gb_per_s=bw)
+    if "batch" in sections:
+        fns, base, lengths = batch_cases(T, Hq, Hkv, D, g)
+        rows, bw = run_section(f"paged batch of {len(lengths)}, contexts {lengths}", fns, base, args, tri)
+        result["sections"]["batch"] = dict(rows=rows, triad_gb_per_s=bw, lengths=lengths)
+    if "mods" in sections:
+        fns, base = mods_cases(g)
+        rows, bw = run_section("score modifiers at Tk=512, B=1, H=8, D=64", fns, base, args, tri)
+        result["sections"]["mods"] = dict(rows=rows, triad_gb_per_s=bw)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(threads=args.threads, load_average=os.getloadavg(), shape=dict(
-            B=args.batch, Hq=Hq, Hkv=Hkv, T=args.context, D=args.head_dim), triad_gb_per_s=bandwidth, cases=rows,
-            rounds=args.rounds), f, indent=2)
-    print(f"wrote {args.out}")
+        json.dump(result, f, indent=2)
+    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ the machine is shared):
 * ``one-at-a-time``    ``generate(model, p[None], cache="static")`` per prompt — the baseline;
 * ``hf``               HF ``GPT2LMHeadModel.generate()`` on left-padded batches of ``--hf-batch``.
 
-Reported: tokens/s (new tokens / wall time, prefill included), the ratio to ``one-at-a-time``, the
-share of sequences whose tokens equal the baseline's (greedy: they should all match up to float
-ties), peak RSS, and the KV-cache bytes per sequence for the static (padded to the longest),
-paged and paged int8 layouts at these lengths.
+Reported: tokens/s (new tokens / wall time, prefill included), the ratios to ``one-at-a-time``
+and to ``hf``, the share of sequences whose tokens equal the baseline's (greedy: they should all
+match up to float ties), per-token latency p50/p99 of the streaming modes (the gaps between a
+sequence's consecutive tokens, through ``on_token``; prompts are prefilled ``--prefill-chunk``
+tokens at a time between decode steps), peak RSS, and the KV-cache bytes per sequence for the
+static (padded to the longest), paged and paged int8 layouts at these lengths.
 
     python benchmarks/bench_serving.py --modes continuous,continuous-int8   # about 2-3 minutes
     python benchmarks/bench_serving.py --modes one-at-a-time                # about 3-4 minutes
@@ -61,9 +63,12 @@ def run_mode(mode: str, args) -> dict:
 
     hf, model, prompts = build(args)
     start = time.perf_counter()
+    stamps: dict[int, list[float]] = {}  # per sequence: the time each token was chosen
     if mode.startswith("continuous"):
         outs = generate(model, prompts, args.new_tokens, cache="paged", max_batch_size=args.max_batch_size,
-                        block_size=args.block_size, quantize_cache="int8" if mode.endswith("int8") else None)
+                        block_size=args.block_size, quantize_cache="int8" if mode.endswith("int8") else None,
+                        prefill_chunk=args.prefill_chunk,
+                        on_token=lambda i, t: stamps.setdefault(i, []).append(time.perf_counter()))
         new = [o[len(p):] for o, p in zip(outs, prompts)]
     elif mode == "one-at-a-time":
         new = [generate(model, p[None], args.new_tokens, cache="static")[0, len(p):] for p in prompts]
@@ -80,7 +85,13 @@ def run_mode(mode: str, args) -> dict:
                               min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
             new += list(out[:, P:])
     seconds = time.perf_counter() - start
-    return dict(mode=mode, seconds=seconds, new_tokens=sum(len(t) for t in new),
+    # per-token latency: the gaps between a sequence's consecutive tokens (streaming modes only)
+    gaps = sorted(b - a for ts in stamps.values() for a, b in zip(ts, ts[1:]))
+    latency = {f"p{q}_ms": 1e3 * gaps[min(len(gaps) - 1, int(q / 100 * len(gaps)))] for q in (50, 99)} if gaps else {}
+    first = sorted(ts[0] - start for ts in stamps.values())
+    if first:
+        latency["first_token_p50_s"] = first[len(first) // 2]
+    return dict(mode=mode, seconds=seconds, new_tokens=sum(len(t) for t in new), latency=latency,
                 peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 tokens=[t.tolist() for t in new])
 
@@ -106,6 +117,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled between decode steps")
     parser.add_argument("--hf-batch", type=int, default=8, help="prompts per HF generate() call (padded batch)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -138,17 +150,23 @@ def main() -> None:
         if saved.get("settings") == settings:
             previous = saved.get("modes", {})
     results = {**previous, **results}
-    base = results.get("one-at-a-time")
-    print(f"{'mode':<16} {'seconds':>8} {'tokens/s':>9} {'vs one-at-a-time':>17} {'same tokens':>12} {'peak RSS':>9}")
+    base, hf = results.get("one-at-a-time"), results.get("hf")
+    print(f"{'mode':<16} {'seconds':>8} {'tokens/s':>9} {'vs one-at-a-time':>17} {'vs hf':>7} {'same tokens':>12} "
+          f"{'p50 ms':>7} {'p99 ms':>7} {'peak RSS':>9}")
     for mode, r in results.items():
         r["tokens_per_s"] = r["new_tokens"] / r["seconds"]
-        ratio = same = ""
+        ratio = same = vs_hf = ""
         if base is not None:
             r["speedup_vs_one_at_a_time"] = r["tokens_per_s"] / (base["new_tokens"] / base["seconds"])
             r["same_tokens_fraction"] = sum(a == b for a, b in zip(r["tokens"], base["tokens"])) / len(base["tokens"])
             ratio, same = f"{r['speedup_vs_one_at_a_time']:.2f}x", f"{100 * r['same_tokens_fraction']:.0f}%"
-        print(f"{mode:<16} {r['seconds']:8.1f} {r['tokens_per_s']:9.1f} {ratio:>17} {same:>12} "
-              f"{r['peak_rss_bytes'] / 2**30:7.2f} GiB")
+        if hf is not None:
+            r["speedup_vs_hf"] = r["tokens_per_s"] / (hf["new_tokens"] / hf["seconds"])
+            vs_hf = f"{r['speedup_vs_hf']:.2f}x"
+        lat = r.get("latency", {})
+        p50, p99 = (f"{lat[k]:.1f}" if k in lat else "" for k in ("p50_ms", "p99_ms"))
+        print(f"{mode:<16} {r['seconds']:8.1f} {r['tokens_per_s']:9.1f} {ratio:>17} {vs_hf:>7} {same:>12} "
+              f"{p50:>7} {p99:>7} {r['peak_rss_bytes'] / 2**30:7.2f} GiB")
     g = torch.Generator().manual_seed(args.seed)
     lengths = torch.randint(args.min_len, args.max_len + 1, (args.num_seqs,), generator=g).tolist()
     memory = cache_bytes_per_sequence(lengths, args)

@@ -28,10 +28,9 @@ def test_cache_kinds_agree():
 
 
 # HF tokenizers pad on the right by default; both sides must give each row what it gets alone.
-# Paged caches run their own attention, without ALiBi (refused with a clear error).
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("position,cache", [(p, c) for p in ("learned", "rope", "alibi", "sinusoidal")
-                                            for c in ("static", "dynamic", "paged") if (p, c) != ("alibi", "paged")])
+                                            for c in ("static", "dynamic", "paged")])
 def test_padded_batch_equals_each_prompt_alone(position, cache, side):
     model = _gpt(position)
     prompts = [torch.randint(1, 50, (n,)) for n in (7, 3, 5)]

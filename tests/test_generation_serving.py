@@ -125,3 +125,58 @@ def test_readme_serving_example_runs(capsys):
     run_readme_example("### Serving many prompts")
     printed = capsys.readouterr().out
     assert "[13, 48, 20, 11]" in printed and "[6, 6]" in printed and "read in place by decode" in printed
+
+
+STYLES = {  # the attention features of model families, on the tiny GPT
+    "gemma2": dict(position="rope", softcap=2.0, sliding_window=6, norm="rmsnorm"),
+    "gpt-oss": dict(position="rope", sinks=True, sliding_window=6),
+    "alibi": dict(position="alibi"),
+}
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("style", list(STYLES))
+def test_paged_and_int8_serving_of_score_mod_and_sink_models(style, quantize, monkeypatch):
+    """Soft-capping, sinks and ALiBi over paged (int8) pages: served in a ragged batch, every
+    sequence gets what it gets alone; without quantization it equals the static cache; with the
+    native kernel built, decode steps run in it (never a dense copy of the pages)."""
+    from attnkit.backends import decode as decode_backend
+    from attnkit.backends.decode_native import _extension
+
+    model = _gpt(**STYLES[style])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):  # the per-head sink logits: away from their zero init
+                p.copy_(torch.linspace(-1.0, 1.0, p.numel()))
+    calls = []
+    real = decode_backend.native_decode
+    monkeypatch.setattr(decode_backend, "native_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 50, (n,), generator=g) for n in (3, 13, 1, 8)]
+    served = generate(model, prompts, 8, cache="paged", quantize_cache=quantize, max_batch_size=3, block_size=4)
+    for p, got in zip(prompts, served):
+        cache = model.make_cache("paged", num_blocks=16, block_size=4, quantize=quantize)
+        assert torch.equal(generate(model, [p], 8, cache=cache)[0], got)
+        if quantize is None:
+            assert torch.equal(generate(model, p[None], 8)[0], got)
+    assert bool(calls) == (_extension()[0] is not None)
+
+
+def test_chunked_prefill_interleaves_with_decode_and_streams_per_sequence():
+    """Long prompts prefilled a chunk at a time between decode steps give each sequence what it
+    gets with whole-prompt prefill; on_token streams every token of every sequence in order."""
+    model = _gpt("rope")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 50, (n,), generator=g) for n in (40, 2, 23, 7)]
+    whole = generate(model, prompts, 6, cache="paged", block_size=4, prefill_chunk=None)
+    seen: dict[int, list[int]] = {}
+    order = []
+    chunked = generate(model, prompts, 6, cache="paged", block_size=4, prefill_chunk=5,
+                       on_token=lambda i, t: (seen.setdefault(i, []).append(t), order.append(i)))
+    for p, a, b in zip(prompts, whole, chunked):
+        assert torch.equal(a, b) and torch.equal(a[: len(p)], p)
+    for i, out in enumerate(chunked):
+        assert seen[i] == out[len(prompts[i]):].tolist()
+    assert order.index(1) < order.index(0)  # the short prompt streams while the long one still prefills
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        generate(model, prompts, 2, cache="paged", prefill_chunk=0)

@@ -44,6 +44,13 @@ def test_train_then_generate_and_profile(tmp_path, text, capsys):
     assert meta["model_config"]["backend"] == "naive" and meta["train_config"]["precision"] == "bf16"
     assert main(["generate", out, "--prompt", "all the", "--max-new-tokens", "12", "--seed", "1"]) == 0
     assert capsys.readouterr().out.startswith("all the")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("all the\n\nthe men and\nw\n")
+    assert main(["generate", out, "--prompts-file", str(prompts), "--max-new-tokens", "5", "--temperature", "0",
+                 "--cache-quantize", "int8"]) == 0
+    served = sorted(capsys.readouterr().out.splitlines())
+    assert [line.split("]")[0] for line in served] == ["[1", "[3", "[4"], served
+    assert served[0].startswith("[1] all the") and served[1].startswith("[3] the men and")
 
 
 def test_train_on_a_synthetic_task_with_grad_accumulation(tmp_path, capsys):

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from ..inputs import AttentionInputs
 from ..registry import Backend, Work, register_backend
+from .decode_native import KERNEL_SCORE_MOD_KINDS, kernel_reasons, native_decode, reads_structure
 
 __all__ = ["DecodeOptions", "decode_attention", "paged_decode_attention", "MAX_QUERIES"]
 
@@ -60,19 +61,30 @@ _SPLIT = 256
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """``segment_tokens``: keys read (and converted, for bf16/int8 caches) per step of the loop,
-    rounded up to whole pages for paged caches; ``None`` picks about 2 MiB of converted K/V per
-    segment (a float32 cache of up to 8 MiB in one segment). ``split_tokens``: keys per split
-    inside a segment, the unit of the log-sum-exp merge."""
+    """``implementation``: ``"auto"`` runs the native decode kernel
+    (:mod:`attnkit.backends.decode_native`) whenever it can run the call, else the PyTorch ops of
+    this module; ``"torch"`` always runs the PyTorch ops (the kernel's twin); ``"native"`` requires
+    the kernel (``ValueError`` with its reasons otherwise). ``native_split_tokens``: keys per split
+    in the kernel (``None``: from each sequence's length and the thread count).
+
+    For the PyTorch ops: ``segment_tokens``: keys read (and converted, for bf16/int8 caches) per
+    step of the loop, rounded up to whole pages for paged caches; ``None`` picks about 2 MiB of
+    converted K/V per segment (a float32 cache of up to 8 MiB in one segment). ``split_tokens``:
+    keys per split inside a segment, the unit of the log-sum-exp merge."""
 
     segment_tokens: int | None = None
     split_tokens: int = _SPLIT
+    implementation: str = "auto"
+    native_split_tokens: int | None = None
 
     def __post_init__(self):
-        for name in ("segment_tokens", "split_tokens"):
+        for name in ("segment_tokens", "split_tokens", "native_split_tokens"):
             s = getattr(self, name)
             if (s is not None or name == "split_tokens") and (not isinstance(s, int) or isinstance(s, bool) or s < 1):
                 raise ValueError(f"DecodeOptions.{name}: expected a positive int, got {s!r}.")
+        if self.implementation not in ("auto", "native", "torch"):
+            raise ValueError(f"DecodeOptions.implementation: expected 'auto', 'native' or 'torch', got "
+                             f"{self.implementation!r}.")
 
 
 @dataclass
@@ -284,24 +296,34 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tabl
 
 @register_backend
 class DecodeBackend(Backend):
-    """``attention(..., backend="decode")``: :func:`decode_attention` on contiguous K/V.
+    """``attention(..., backend="decode")``: few queries over contiguous K/V or a cache handle.
 
-    Equals the naive backend (same masked softmax, fp32 statistics); any mask (materialized,
-    ``B·Hq·Tq·Tk`` booleans: small when decoding), bias, GQA without expanding K/V, offsets, LSE.
-    Meant for few queries; gradients flow through the PyTorch ops (correct, not memory-optimized)."""
+    Runs the native split-K decode kernel (:mod:`attnkit.backends.decode_native`) whenever it can
+    (inference, float32/bfloat16/float16, ``Tq <= 16``), else :func:`decode_attention` /
+    :func:`paged_decode_attention` in PyTorch ops, its twin. Equals the naive backend (same masked
+    softmax, fp32 statistics); any mask, bias, GQA without expanding K/V, offsets, LSE. Score
+    modifiers (``SoftCap``, ``ALiBi``) and sinks run in the kernel only. Gradients flow through the
+    PyTorch ops (correct, not memory-optimized)."""
 
     name = "decode"
-    work = Work("nothing", half="always", materializes=True)
-    summary = "decode: few queries over long K/V, split-K with LSE merge, GQA without expanding K/V"
+    work = Work("nothing", half="always")  # materializes what dense_mask_elements says
+    summary = "decode: few queries over long K/V or a cache, native split-K kernel (PyTorch-op twin), GQA in place"
     supports_bias = True
     supports_lse = True
+    supports_score_mod = True  # in the native kernel only (extra_reasons says when it cannot run)
+    score_mod_kinds = KERNEL_SCORE_MOD_KINDS
+    supports_sinks = True
     Options = DecodeOptions
     #: KV caches read in place (:mod:`attnkit.kv_handle`): int8 values with their scales, pages
-    #: through the block table, one bounded segment at a time.
+    #: through the block table.
     kv_formats = frozenset({"dense", "int8", "paged", "paged-int8"})
 
     @classmethod
     def extra_reasons(cls, inp: AttentionInputs):
+        if inp.score_mod is not None or inp.sinks is not None:
+            reasons = kernel_reasons(inp)
+            if reasons:
+                yield "applies score_mod and sinks in the native decode kernel only, which cannot run: " + "; ".join(reasons)
         if inp.kv_format == "dense":
             return
         if inp.Tq > MAX_QUERIES:
@@ -312,12 +334,33 @@ class DecodeBackend(Backend):
             yield "reads a cache in place only while it holds finite values (NaN/Inf were written)"
 
     @classmethod
+    def dense_mask_elements(cls, inp: AttentionInputs) -> int:
+        """The kernel reads band bounds and key lengths from the mask's structure; any other mask,
+        and every mask on the PyTorch-op twin, is materialized ``(B, Hq, Tq, Tk)``."""
+        if inp.mask is None or (reads_structure(inp.mask, inp.B) and not kernel_reasons(inp)):
+            return 0
+        return inp.B * inp.Hq * inp.Tq * inp.Tk
+
+    @classmethod
     def describe(cls, inp: AttentionInputs) -> str:
-        return (f"split-K decode over Tk={inp.Tk} keys, {inp.groups} query head(s) per K/V head read together, "
+        reasons = kernel_reasons(inp)
+        how = "native C++ split-K decode kernel" if not reasons else f"PyTorch-op split-K decode ({reasons[0]})"
+        return (f"{how} over Tk={inp.Tk} keys, {inp.groups} query head(s) per K/V head read together, "
                 "fp32 statistics")
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: DecodeOptions | None):
+        implementation = "auto" if options is None else options.implementation
+        if implementation != "torch":
+            reasons = kernel_reasons(inp)
+            if not reasons:
+                return native_decode(inp, None if options is None else options.native_split_tokens)
+            if implementation == "native":
+                raise ValueError("DecodeOptions(implementation='native'): the native decode kernel cannot run this "
+                                 "call: " + "; ".join(reasons) + ". Fix: implementation='auto'.")
+        if inp.score_mod is not None or inp.sinks is not None:
+            raise ValueError("DecodeOptions(implementation='torch'): the PyTorch-op decode applies no score_mod or "
+                             "sinks. Fix: implementation='auto' (the native kernel) or another backend.")
         if inp.kv_format != "dense":
             return _read_cache(inp, options)
         # K/V reach this backend finite (attnkit.backends.nonfinite zeroes NaN/Inf keys first), so

@@ -4,6 +4,7 @@ Examples:
   python -m attnkit generate runs/attnkit --prompt "ROMEO." --max-new-tokens 300 --temperature 0.8 --top-k 40
   python -m attnkit generate runs/attnkit --quantize int8        # int8 linear layers; reports speedup and loss
   python -m attnkit generate runs/attnkit --cache static --cache-quantize int8   # int8 KV cache
+  python -m attnkit generate runs/attnkit --prompts-file prompts.txt --max-batch-size 16   # serve a file of prompts
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic", help="KV cache kind")
     parser.add_argument("--cache-quantize", choices=("none", "int8"), default="none",
                         help="int8: store the KV cache in int8 (per-token, per-head scales; about 4x less memory)")
+    parser.add_argument("--prompts-file", default=None,
+                        help="serve every line of this UTF-8 file as a prompt (continuous batching over a paged "
+                             "cache); each completion is printed as '[line] text' when it finishes")
+    parser.add_argument("--max-batch-size", type=positive_int, default=16,
+                        help="with --prompts-file: sequences decoded together")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quantize", choices=("none", "int8"), default="none",
@@ -71,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = TrainConfig(**{k: v for k, v in tc.items() if k in TrainConfig.__dataclass_fields__})
         quantize_report(model, load_data(cfg.data), cfg, log=lambda m: print(m, file=sys.stderr))
         model = quantize_model_int8(model)
+    if args.prompts_file is not None:
+        return _serve_file(model, args)
     ids = encode(args.prompt)[None].to(args.device)
     sys.stdout.write(args.prompt)
     pending = b""
@@ -82,6 +90,44 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             pending = b""
     sys.stdout.write(decode(pending) + "\n")
+    return 0
+
+
+def _serve_file(model, args) -> int:
+    """Every line of ``--prompts-file`` served by ``generate(cache="paged")``; completions print as
+    they finish (their tokens stream in through ``on_token``)."""
+    from ..generation import generate
+
+    try:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"generate: cannot read --prompts-file {args.prompts_file!r} ({exc}). Give a UTF-8 text "
+                         "file with one prompt per line.") from None
+    prompts = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
+    if not prompts:
+        raise SystemExit(f"generate: --prompts-file {args.prompts_file!r} holds no prompt (every line is empty).")
+    budget = args.max_new_tokens
+    if model.config.position == "learned":
+        budget = min(budget, model.config.max_len - max(len(encode(p)) for _, p in prompts))
+        if budget < 1:
+            raise SystemExit(f"generate: the longest prompt fills learned positions up to max_len="
+                             f"{model.config.max_len}; shorten it.")
+    pieces: dict[int, list[int]] = {}
+
+    def on_token(index: int, token: int) -> None:
+        pieces.setdefault(index, []).append(int(token) % 256)
+        if len(pieces[index]) == budget:  # this sequence is done: print it whole
+            line, text = prompts[index]
+            sys.stdout.write(f"[{line}] {text}{decode(bytes(pieces.pop(index)))}\n")
+            sys.stdout.flush()
+
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    generate(model, [encode(p).to(args.device) for _, p in prompts], budget, cache="paged",
+             quantize_cache=None if args.cache_quantize == "none" else args.cache_quantize,
+             max_batch_size=args.max_batch_size, on_token=on_token, temperature=args.temperature,
+             top_k=args.top_k or None, top_p=args.top_p if args.top_p < 1.0 else None,
+             repetition_penalty=args.repetition_penalty, generator=generator)
     return 0
 
 

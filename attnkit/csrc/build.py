@@ -21,7 +21,7 @@ NAME = "attnkit_native"
 HERE = Path(__file__).resolve().parent
 BUILD_DIR = HERE / "_build"
 STAMP = BUILD_DIR / "stamp.json"
-SOURCES = [HERE / "attention.cpp"]  # includes tiles.h and score_mod.h (ninja tracks the headers)
+SOURCES = [HERE / "attention.cpp", HERE / "decode.cpp"]  # attention.cpp includes tiles.h and score_mod.h (ninja tracks the headers)
 # -fno-trapping-math lets the exp and mask loops vectorize (IEEE inf/NaN semantics are kept). No
 # OpenMP flags: the kernel parallelizes with at::parallel_for on torch's own runtime.
 CFLAGS = ["-O3", "-march=native", "-fno-trapping-math"]

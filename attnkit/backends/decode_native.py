@@ -1,0 +1,189 @@
+"""The native split-K decode kernel (``attnkit/csrc/decode.cpp``) behind the ``decode`` backend.
+
+It computes what :func:`attnkit.backends.decode.decode_attention` computes (the PyTorch-op twin
+and fallback)::
+
+    softmax(q kᵀ · scale + bias -> score modifiers -> masked, sinks) v
+
+in one pass over the cache in C++: parallel over (sequence, K/V head, split of the keys), each
+K/V head read once for its whole query group, bf16/fp16/int8 keys and values converted as they are
+read (int8 scales folded into scores and probabilities), pages read through the block table, the
+splits merged by their log-sum-exp. Rows of a batch hold their own lengths (no padding to the
+longest); a sequence's splits depend on its own length and the thread count only, so it decodes
+bitwise alike alone or in any batch.
+
+What the kernel reads (everything else: :func:`kernel_reasons` says why, and the twin runs):
+
+* masks through their structure: the band bounds (``Causal``, ``SlidingWindow``: only the keys
+  inside the band are read), ``KeyPadding`` lengths, and any other mask materialized as a byte
+  keep tensor (``B·Hq·Tq·Tk`` bytes: small at ``Tq <= 16``);
+* score modifiers ``SoftCap`` and ``ALiBi`` (in chain order), sinks, an additive bias;
+* inference only (no gradients), float32/bfloat16/float16 queries, ``Tq <= 16``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..calibration import DECODE_QUERIES
+from ..inputs import AttentionInputs
+from ..masks import Mask, mask_params
+
+__all__ = ["kernel_reasons", "native_decode", "split_tokens", "score_mod_data", "reads_structure",
+           "KERNEL_SCORE_MOD_KINDS"]
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_EMPTY_F = torch.empty(0)
+_EMPTY_B = torch.empty(0, 1, 1, 1, dtype=torch.bool)
+_EMPTY_L = torch.empty(0, dtype=torch.long)
+# Split sizes: multiples of this many keys, at least _MIN_SPLIT and at most _MAX_SPLIT (a split's
+# partial result is G·Tq·(Dv + 2) floats; bigger splits merge less, smaller ones balance threads).
+_SPLIT_ALIGN, _MIN_SPLIT, _MAX_SPLIT = 256, 256, 4096
+
+
+def _extension():
+    from .native import load_extension  # the one loader of the built extension (imported late: no registration)
+
+    ext, reason = load_extension()
+    if ext is not None and not hasattr(ext, "decode"):
+        return None, ("native extension built without the decode kernel: rebuild with "
+                      "`python -m attnkit.csrc.build`")
+    return ext, reason
+
+
+#: The score modifier kinds (:class:`~attnkit.score_mods.ScoreModTerm`) the kernel runs.
+KERNEL_SCORE_MOD_KINDS = frozenset({"softcap", "alibi"})
+
+
+def score_mod_data(score_mod) -> tuple[list[int], list[float], list[Tensor | None]] | str:
+    """The kernel's form of a score modifier, read from its data (:meth:`ScoreMod.terms`): codes
+    (1 soft-cap, 2 ALiBi), caps and ALiBi slopes, in chain order; or a reason string when a term
+    has no kernel form."""
+    codes, caps, slopes = [], [], []
+    for term in () if score_mod is None else score_mod.terms():
+        if term.kind == "softcap":
+            codes.append(1), caps.append(term.cap), slopes.append(None)
+        elif term.kind == "alibi":
+            codes.append(2), caps.append(0.0), slopes.append(term.slopes)
+        else:
+            return (f"the native decode kernel runs the score modifiers {', '.join(sorted(KERNEL_SCORE_MOD_KINDS))}, "
+                    f"not {term.kind} ({term.mod!r})")
+    return codes, caps, slopes
+
+
+def kernel_reasons(inp: AttentionInputs) -> list[str]:
+    """Why the native decode kernel cannot run ``inp`` ([] = it can)."""
+    if torch.compiler.is_compiling():  # checked first: loading the extension is not traceable
+        return ["the native decode kernel is opaque to torch.compile (the PyTorch-op twin traces)"]
+    reasons = []
+    ext, reason = _extension()
+    if ext is None:
+        reasons.append(reason)
+    if inp.device.type != "cpu":
+        reasons.append(f"the native decode kernel runs on the CPU, not {inp.device.type}")
+    if inp.dtype not in _KERNEL_DTYPES:
+        reasons.append(f"the native decode kernel reads float32/bfloat16/float16 queries, not {inp.dtype}")
+    if _functorch_wrapped(inp.q):
+        reasons.append("the native decode kernel has no torch.func (vmap, grad) rule (the PyTorch-op twin runs)")
+    if inp.Tq > DECODE_QUERIES:
+        reasons.append(f"the native decode kernel runs up to {DECODE_QUERIES} queries, got Tq={inp.Tq}")
+    if inp.requires_grad or (inp.sinks is not None and inp.sinks.requires_grad and torch.is_grad_enabled()):
+        reasons.append("the native decode kernel has no backward pass (inputs require grad)")
+    if inp.score_mod is not None:
+        data = score_mod_data(inp.score_mod)
+        if isinstance(data, str):
+            reasons.append(data)
+        elif torch.is_grad_enabled() and any(t.requires_grad for t in inp.score_mod.parameters()):
+            reasons.append("the native decode kernel has no backward pass (learnable score modifier)")
+    return reasons
+
+
+def _functorch_wrapped(x: Tensor) -> bool:
+    """True for a tensor under a torch.func transform (vmap, grad): the kernel has no batching rule."""
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(check is not None and check(x))
+
+
+def split_tokens(n: int, Hkv: int, threads: int | None = None) -> int:
+    """Keys per split for a sequence whose decode reads ``n`` keys: enough splits that the
+    ``Hkv`` heads of one sequence keep every thread busy, whole multiples of 256 keys. A function
+    of the sequence alone (never of the batch), so batching changes no bit of its result."""
+    threads = torch.get_num_threads() if threads is None else threads
+    splits = max(1, -(-2 * threads // Hkv))
+    per = -(-max(n, 1) // splits)
+    return min(_MAX_SPLIT, max(_MIN_SPLIT, -(-per // _SPLIT_ALIGN) * _SPLIT_ALIGN))
+
+
+def reads_structure(mask: Mask | None, batch_size: int = 1) -> bool:
+    """True when the kernel reads ``mask`` from its exported parameters alone (band bounds and key
+    lengths, :func:`~attnkit.masks.mask_params`), with no keep tensor materialized."""
+    if mask is None:
+        return True
+    p = mask_params(mask, batch_size)
+    return p.valid is None and p.doc is None and p.layout is None and not p.rest
+
+
+def _mask_data(mask: Mask | None, inp: AttentionInputs):
+    """``(left, right, key_limits, keep)``: band bounds (None = unbounded), per-row key-position
+    limits (or None), and a bool keep tensor when the mask has parts beyond those (or None)."""
+    if mask is None:
+        return None, None, None, None
+    p = mask_params(mask, inp.B)
+    limits = None if p.lengths is None else p.lengths.expand(inp.B).tolist()
+    exact = p.valid is None and p.doc is None and p.layout is None and not p.rest
+    keep = None if exact else inp.materialize_mask()
+    return p.band.left, p.band.right, limits, keep
+
+
+def native_decode(inp: AttentionInputs, split: int | None = None):
+    """Run the kernel (``kernel_reasons(inp) == []``): ``out`` or ``(out, lse)`` like a backend."""
+    ext, _ = _extension()
+    handle = inp.k if inp.kv_format != "dense" else None
+    B, Tq, Tk = inp.B, inp.Tq, inp.Tk
+    left, right, limits, keep = _mask_data(inp.mask, inp)
+    kv_offset = inp.kv_offset
+    rows = []
+    for b in range(B):
+        n = Tk if handle is None else handle.lengths[b]
+        # a ragged handle's queries sit at the row's own last positions (its mask is already per row)
+        qpos = n - Tq if handle is not None and handle.ragged else inp.q_offset
+        if limits is not None:
+            n = min(n, limits[b] - kv_offset)
+        lo = 0 if left is None else max(0, qpos - left - kv_offset)
+        hi = n if right is None else min(n, qpos + Tq - 1 + right - kv_offset + 1)
+        hi = max(lo, hi)
+        rows.append((lo, hi, split or split_tokens(hi - lo, inp.Hkv), qpos))
+    rows_t = torch.tensor(rows, dtype=torch.long)
+    if handle is None:
+        k, v, ks, vs, table = inp.k, inp.v, _EMPTY_F, _EMPTY_F, _EMPTY_L
+    else:
+        k, v = handle.k, handle.v
+        ks = _EMPTY_F if handle.k_scale is None else handle.k_scale
+        vs = _EMPTY_F if handle.v_scale is None else handle.v_scale
+        table = _EMPTY_L if handle.block_table is None else handle.block_table
+    k, v = _last_contiguous(k), _last_contiguous(v)
+    keep_t = _EMPTY_B if keep is None else _four(keep, inp)
+    bias = _EMPTY_F.view(0, 1, 1, 1) if inp.bias is None else _four(inp.bias.float(), inp)
+    codes, caps, slopes = score_mod_data(inp.score_mod)
+    slope_t = torch.stack([(s if s is not None else torch.zeros(inp.Hq)).detach().float().expand(inp.Hq)
+                           for s in slopes]).contiguous() if 2 in codes else _EMPTY_F
+    sinks = _EMPTY_F if inp.sinks is None else inp.sinks.detach().float().contiguous()
+    band = [int(left is not None), left or 0, int(right is not None), right or 0]
+    q = inp.q.float().contiguous()
+    out, lse = ext.decode(q, k, v, ks, vs, table, rows_t, kv_offset, inp.scale, band, keep_t, bias, codes, caps,
+                          slope_t, sinks)
+    out = out.to(inp.dtype)
+    return (out, lse) if inp.return_lse else out
+
+
+def _last_contiguous(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _four(x: Tensor, inp: AttentionInputs) -> Tensor:
+    """A mask or bias as a view broadcast to ``(B, Hq, Tq, Tk)`` (strides 0 where broadcast: the
+    kernel indexes it with strides, no copy)."""
+    while x.dim() < 4:
+        x = x.unsqueeze(0)
+    return x.expand(inp.B, inp.Hq, inp.Tq, inp.Tk)

@@ -1,0 +1,415 @@
+// Split-K decode attention for the CPU: few queries (Tq <= 16) over a long KV cache, read in place.
+//
+// Decoding reads the whole cache once per token, so its limit is memory bandwidth. Each work item is
+// one (sequence, K/V head, split of the keys): it reads its keys once for all G * Tq query rows that
+// share the K/V head (GQA), converting each key and value as it is read (bf16/fp16 to float32, int8
+// times its per-token, per-head scale folded into the score and the probability), through the block
+// table for a paged pool (no gather copy). Each split yields a partial result (row max m, softmax
+// mass l, unnormalized output o, FlashDecoding); a second pass merges the splits of a (sequence,
+// head) in order by their log-sum-exp, adding the attention sink of each query head.
+//
+// Batch invariance: a sequence's splits depend on its own key range and the thread count only, and
+// every split is reduced by one thread in a fixed order, so a sequence decoded alone or in a batch
+// gives bitwise-equal output. Rows of a batch hold different lengths (no padding to the longest).
+//
+// Score pipeline per (query, key), positions absolute: s = scale * q.k (* k_scale), + bias, then the
+// score modifiers in order (1: soft-cap c * tanh(s / c); 2: ALiBi s - slope[h] * |pos(q) - pos(k)|),
+// then the mask (band bounds, a byte keep tensor) sets -inf. A row that keeps no key gets output 0
+// and LSE -inf (its sink's logit with sinks). Keys past a sequence's length are never read, and a
+// key that no row keeps contributes no value read, so NaN in unwritten or hidden slots changes
+// nothing.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "tiles.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kChunk = 32;  // keys scored together (a small block of scores per row)
+
+// A key or value row as float32: the row itself for float32, else converted into buf.
+inline const float* as_float(const float* src, float*, int64_t) { return src; }
+inline const float* as_float(const c10::BFloat16* src, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+inline const float* as_float(const c10::Half* src, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+inline const float* as_float(const int8_t* src, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+
+// s[r * kChunk + jj] = q_r . k_jj for R query rows at once: each key vector is loaded once for the R rows.
+template <int R>
+inline void qk_rows(const float* q, int64_t D, const float* const* kr, int64_t n, float* s) {
+  constexpr int64_t w = Vec::size();
+  for (int64_t jj = 0; jj < n; ++jj) {
+    const float* k = kr[jj];
+    Vec acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = Vec(0.f);
+    int64_t c = 0;
+    for (; c + w <= D; c += w) {
+      const Vec kv = Vec::loadu(k + c);
+      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q + r * D + c), kv, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      float lanes[w];
+      acc[r].store(lanes);
+      float t = 0.f;
+      for (int64_t u = 0; u < w; ++u) t += lanes[u];
+      for (int64_t cc = c; cc < D; ++cc) t += q[r * D + cc] * k[cc];
+      s[r * kChunk + jj] = t;
+    }
+  }
+}
+
+inline void qk(const float* q, int64_t M, int64_t D, const float* const* kr, int64_t n, float* s) {
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4) qk_rows<4>(q + r * D, D, kr, n, s + r * kChunk);
+  switch (M - r) {
+    case 3: qk_rows<3>(q + r * D, D, kr, n, s + r * kChunk); break;
+    case 2: qk_rows<2>(q + r * D, D, kr, n, s + r * kChunk); break;
+    case 1: qk_rows<1>(q + r * D, D, kr, n, s + r * kChunk); break;
+    default: break;
+  }
+}
+
+// o += sum over the live keys of p[jj] * v_jj, four vectors of o held in registers per pass.
+inline void pv_row(float* o, const float* p, const float* const* vr, const int64_t* live, int64_t nlive, int64_t Dv) {
+  constexpr int64_t w = Vec::size();
+  int64_t c = 0;
+  for (; c + 4 * w <= Dv; c += 4 * w) {
+    Vec a0 = Vec::loadu(o + c), a1 = Vec::loadu(o + c + w), a2 = Vec::loadu(o + c + 2 * w),
+        a3 = Vec::loadu(o + c + 3 * w);
+    for (int64_t t = 0; t < nlive; ++t) {
+      const Vec pb(p[live[t]]);
+      const float* v = vr[live[t]] + c;
+      a0 = at::vec::fmadd(pb, Vec::loadu(v), a0);
+      a1 = at::vec::fmadd(pb, Vec::loadu(v + w), a1);
+      a2 = at::vec::fmadd(pb, Vec::loadu(v + 2 * w), a2);
+      a3 = at::vec::fmadd(pb, Vec::loadu(v + 3 * w), a3);
+    }
+    a0.store(o + c), a1.store(o + c + w), a2.store(o + c + 2 * w), a3.store(o + c + 3 * w);
+  }
+  for (; c + w <= Dv; c += w) {
+    Vec a = Vec::loadu(o + c);
+    for (int64_t t = 0; t < nlive; ++t) a = at::vec::fmadd(Vec(p[live[t]]), Vec::loadu(vr[live[t]] + c), a);
+    a.store(o + c);
+  }
+  for (; c < Dv; ++c) {
+    float a = o[c];
+    for (int64_t t = 0; t < nlive; ++t) a += p[live[t]] * vr[live[t]][c];
+    o[c] = a;
+  }
+}
+
+// x[i] += a * y[i]
+inline void axpy(float* x, float a, const float* y, int64_t n) {
+  const Vec av(a);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) at::vec::fmadd(av, Vec::loadu(y + i), Vec::loadu(x + i)).store(x + i);
+  for (; i < n; ++i) x[i] += a * y[i];
+}
+
+inline void scale_row(float* x, float a, int64_t n) {
+  const Vec av(a);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) (Vec::loadu(x + i) * av).store(x + i);
+  for (; i < n; ++i) x[i] *= a;
+}
+
+// x[i] = exp(x[i] - shift) in place; returns the sum. The prefill kernel's exp and its fixed 16-lane
+// summation order (tiles.h): the same bits on every ISA; exactly 0 for -inf scores.
+inline float exp_row(float* x, int64_t n, float shift) { return attnkit::exp_row<float, float>(x, n, 1.f, shift, x); }
+
+// Where key j of sequence b, K/V head hk lives: a dense (B, Hkv, S, D) tensor or a paged pool
+// (Hkv, N, bs, D) through the block table (strides in elements; the last dim is contiguous).
+struct Layout {
+  int64_t s0, s1, s2;             // strides of the first three dims
+  const int64_t* table = nullptr;  // (B, nb) block table, or null for dense
+  int64_t table_stride = 0, bs = 1;
+  inline int64_t offset(int64_t b, int64_t hk, int64_t j) const {
+    if (!table) return b * s0 + hk * s1 + j * s2;
+    return hk * s0 + table[b * table_stride + j / bs] * s1 + (j % bs) * s2;
+  }
+};
+
+struct Strided4 {  // a broadcast (B, Hq, Tq, Tk) view: strides in elements (0 where broadcast)
+  int64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  inline int64_t at(int64_t b, int64_t h, int64_t i, int64_t j) const { return b * s0 + h * s1 + i * s2 + j * s3; }
+};
+
+struct Problem {
+  int64_t B, Hq, Hkv, G, Tq, D, Dv, M;  // M = G * Tq rows per K/V head
+  int64_t kv_offset;
+  float scale;
+  const int64_t* rows;  // (B, 4): first key, end key (exclusive), split size, first query position
+  Layout kl, vl, ksl, vsl;
+  const float* q;  // (B, Hq, Tq, D) contiguous
+  bool has_left, has_right;
+  int64_t left, right;
+  const bool* keep = nullptr;
+  Strided4 keep_st;
+  const float* bias = nullptr;
+  Strided4 bias_st;
+  std::vector<int64_t> mod_codes;
+  std::vector<double> mod_caps;
+  const float* slopes = nullptr;  // (n_mods, Hq): row t for mod t (ALiBi)
+};
+
+// One split: keys [j0, j1) of sequence b, K/V head hk; writes m, l (M) and o (M, Dv).
+template <typename KT>
+void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ksp, const float* vsp, int64_t b,
+                   int64_t hk, int64_t j0, int64_t j1, float* m, float* l, float* o, float* work) {
+  const int64_t M = P.M, D = P.D, Dv = P.Dv, Tq = P.Tq;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float* qs = work;                  // (M, D) scaled queries
+  float* s = qs + M * D;             // (M, kChunk) scores, then probabilities
+  float* kbuf = s + M * kChunk;      // (kChunk, D) converted keys
+  float* vbuf = kbuf + kChunk * D;   // (kChunk, Dv) converted values
+  const float* kr[kChunk];
+  const float* vr[kChunk];
+  float kscale[kChunk], vscale[kChunk];
+  int64_t live[kChunk];
+  const int64_t qpos0 = P.rows[b * 4 + 3];
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t g = r / Tq, i = r % Tq;
+    const float* src = P.q + ((b * P.Hq + hk * P.G + g) * Tq + i) * D;
+    for (int64_t c = 0; c < D; ++c) qs[r * D + c] = src[c] * P.scale;
+    m[r] = ninf;
+    l[r] = 0.f;
+  }
+  std::fill(o, o + M * Dv, 0.f);
+  for (int64_t c0 = j0; c0 < j1; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, j1 - c0);
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const int64_t j = c0 + jj;
+      kr[jj] = as_float(kp + P.kl.offset(b, hk, j), kbuf + jj * D, D);
+      if (ksp) kscale[jj] = ksp[P.ksl.offset(b, hk, j)];
+    }
+    qk(qs, M, D, kr, n, s);
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t g = r / Tq, i = r % Tq, h = hk * P.G + g, qp = qpos0 + i;
+      float* row = s + r * kChunk;
+      if (ksp) {
+        for (int64_t jj = 0; jj < n; ++jj) row[jj] *= kscale[jj];
+      }
+      if (P.bias) {
+        for (int64_t jj = 0; jj < n; ++jj) row[jj] += P.bias[P.bias_st.at(b, h, i, c0 + jj)];
+      }
+      for (size_t t = 0; t < P.mod_codes.size(); ++t) {
+        if (P.mod_codes[t] == 1) {
+          const float cap = static_cast<float>(P.mod_caps[t]), inv = 1.f / cap;
+          for (int64_t jj = 0; jj < n; ++jj) row[jj] = cap * std::tanh(row[jj] * inv);
+        } else {
+          const float slope = P.slopes[t * P.Hq + h];
+          for (int64_t jj = 0; jj < n; ++jj) {
+            const int64_t kpos = P.kv_offset + c0 + jj;
+            row[jj] -= slope * static_cast<float>(std::abs(qp - kpos));
+          }
+        }
+      }
+      // keys kv_offset + c0 + jj kept for jj in [lo, hi) by the band
+      int64_t lo = 0, hi = n;
+      const int64_t kpos0 = P.kv_offset + c0;
+      if (P.has_left) lo = std::max(lo, qp - P.left - kpos0);
+      if (P.has_right) hi = std::min(hi, qp + P.right - kpos0 + 1);
+      lo = std::min(std::max(lo, int64_t(0)), n);
+      hi = std::max(std::min(hi, n), lo);
+      std::fill(row, row + lo, ninf);
+      std::fill(row + hi, row + n, ninf);
+      if (P.keep) {
+        for (int64_t jj = lo; jj < hi; ++jj)
+          if (!P.keep[P.keep_st.at(b, h, i, c0 + jj)]) row[jj] = ninf;
+      }
+      float mx = m[r];
+      for (int64_t jj = 0; jj < n; ++jj) mx = std::max(mx, row[jj]);
+      // A row with nothing kept so far keeps max -inf: shift by 0 so exp(-inf) = 0, not NaN.
+      const float shift = mx == ninf ? 0.f : mx;
+      const float sum = exp_row(row, n, shift);
+      const float alpha = std::exp(m[r] - shift);  // 0 while the row had nothing kept
+      if (alpha != 1.f) scale_row(o + r * Dv, alpha, Dv);
+      l[r] = l[r] * alpha + sum;
+      m[r] = mx;
+    }
+    // The values of the keys some row keeps (a key no row keeps is never read), then o += p v.
+    int64_t nlive = 0;
+    for (int64_t jj = 0; jj < n; ++jj) {
+      bool any = false;
+      for (int64_t r = 0; r < M && !any; ++r) any = s[r * kChunk + jj] != 0.f;
+      if (!any) continue;
+      const int64_t j = c0 + jj;
+      live[nlive++] = jj;
+      vr[jj] = as_float(vp + P.vl.offset(b, hk, j), vbuf + jj * Dv, Dv);
+      if (vsp) vscale[jj] = vsp[P.vsl.offset(b, hk, j)];
+    }
+    if (nlive == 0) continue;
+    for (int64_t r = 0; r < M; ++r) {
+      float* row = s + r * kChunk;
+      if (vsp) {
+        for (int64_t t = 0; t < nlive; ++t) row[live[t]] *= vscale[live[t]];
+      }
+      pv_row(o + r * Dv, row, vr, live, nlive, Dv);
+    }
+  }
+}
+
+// k, v (4-d) or their scales (3-d): strides of the first three dims; a paged pool adds the table.
+Layout layout_of(const at::Tensor& x, const at::Tensor& table) {
+  Layout L{};
+  L.s0 = x.stride(0), L.s1 = x.stride(1), L.s2 = x.stride(2);
+  if (table.numel()) L.table = table.data_ptr<int64_t>(), L.table_stride = table.stride(0), L.bs = x.size(2);
+  return L;
+}
+
+Strided4 strides4(const at::Tensor& x) {
+  Strided4 s;
+  s.s0 = x.stride(0), s.s1 = x.stride(1), s.s2 = x.stride(2), s.s3 = x.stride(3);
+  return s;
+}
+
+template <typename KT>
+void run(const Problem& P, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_scale,
+         const at::Tensor& v_scale, float* out, float* lse, const float* sinks) {
+  const int64_t B = P.B, Hkv = P.Hkv, M = P.M, Dv = P.Dv, Tq = P.Tq;
+  // The splits of every sequence, in order: (sequence, first key, end key). No padding.
+  std::vector<int64_t> sb, sj0, sj1, first(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t lo = P.rows[b * 4], hi = P.rows[b * 4 + 1], split = P.rows[b * 4 + 2];
+    first[b] = static_cast<int64_t>(sb.size());
+    for (int64_t j = lo; j < hi; j += split) sb.push_back(b), sj0.push_back(j), sj1.push_back(std::min(hi, j + split));
+  }
+  first[B] = static_cast<int64_t>(sb.size());
+  const int64_t nsplit = first[B];
+  std::vector<float> part_m(nsplit * Hkv * M), part_l(nsplit * Hkv * M), part_o(nsplit * Hkv * M * Dv);
+  const KT* kp = k.data_ptr<KT>();
+  const KT* vp = v.data_ptr<KT>();
+  const float* ksp = k_scale.numel() ? k_scale.data_ptr<float>() : nullptr;
+  const float* vsp = v_scale.numel() ? v_scale.data_ptr<float>() : nullptr;
+  at::parallel_for(0, nsplit * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work(M * P.D + M * kChunk + kChunk * (P.D + Dv));
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t t = w / Hkv, hk = w % Hkv;
+      split_partial<KT>(P, kp, vp, ksp, vsp, sb[t], hk, sj0[t], sj1[t], part_m.data() + w * M,
+                        part_l.data() + w * M, part_o.data() + w * M * Dv, work.data());
+    }
+  });
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / Hkv, hk = w % Hkv;
+      for (int64_t r = 0; r < M; ++r) {
+        const int64_t g = r / Tq, i = r % Tq, h = hk * P.G + g;
+        float mx = sinks ? sinks[h] : ninf;
+        for (int64_t t = first[b]; t < first[b + 1]; ++t) mx = std::max(mx, part_m[(t * Hkv + hk) * M + r]);
+        const float shift = mx == ninf ? 0.f : mx;
+        float l = sinks ? std::exp(sinks[h] - shift) : 0.f;
+        float* ob = out + ((b * P.Hq + h) * Tq + i) * Dv;
+        std::fill(ob, ob + Dv, 0.f);
+        for (int64_t t = first[b]; t < first[b + 1]; ++t) {
+          const int64_t at_ = (t * Hkv + hk) * M + r;
+          if (part_l[at_] == 0.f) continue;  // nothing kept in this split
+          const float wgt = std::exp(part_m[at_] - shift);
+          l += part_l[at_] * wgt;
+          axpy(ob, wgt, part_o.data() + at_ * Dv, Dv);
+        }
+        const float inv = l == 0.f ? 0.f : 1.f / l;
+        scale_row(ob, inv, Dv);
+        lse[(b * P.Hq + h) * Tq + i] = l == 0.f ? ninf : shift + std::log(l);
+      }
+    }
+  });
+}
+
+std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_table,
+                               const at::Tensor& rows, int64_t kv_offset, double scale, c10::IntArrayRef band,
+                               const at::Tensor& keep, const at::Tensor& bias, c10::IntArrayRef mod_codes,
+                               c10::ArrayRef<double> mod_caps, const at::Tensor& slopes, const at::Tensor& sinks) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4,
+              "decode: q must be a contiguous float32 CPU tensor (B, Hq, Tq, D)");
+  const bool paged = block_table.numel() > 0;
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.stride(3) == 1 && v.stride(3) == 1,
+              "decode: k and v must be 4-d with a contiguous last dim");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "decode: k and v must share a dtype");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.size(0) == q.size(0) && rows.size(1) == 4,
+              "decode: rows must be a contiguous int64 (B, 4) tensor");
+  TORCH_CHECK(!paged || (block_table.scalar_type() == at::kLong && block_table.stride(1) == 1),
+              "decode: block_table must be int64 with a contiguous last dim");
+  TORCH_CHECK(k.scalar_type() != at::kChar || (k_scale.numel() && v_scale.numel()),
+              "decode: int8 K/V need k_scale and v_scale");
+  TORCH_CHECK(mod_codes.size() == mod_caps.size(), "decode: one cap per score modifier");
+  Problem P{};
+  P.B = q.size(0), P.Hq = q.size(1), P.Tq = q.size(2), P.D = q.size(3);
+  P.Hkv = paged ? k.size(0) : k.size(1);
+  P.Dv = v.size(3);
+  TORCH_CHECK(P.Hq % P.Hkv == 0, "decode: Hq must be a multiple of Hkv");
+  P.G = P.Hq / P.Hkv, P.M = P.G * P.Tq;
+  P.kv_offset = kv_offset;
+  P.scale = static_cast<float>(scale);
+  P.rows = rows.data_ptr<int64_t>();
+  P.kl = layout_of(k, block_table), P.vl = layout_of(v, block_table);
+  if (k_scale.numel()) {
+    TORCH_CHECK(k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat, "decode: float32 scales");
+    P.ksl = layout_of(k_scale, block_table), P.vsl = layout_of(v_scale, block_table);
+  }
+  P.q = q.data_ptr<float>();
+  P.has_left = band[0] != 0, P.left = band[1], P.has_right = band[2] != 0, P.right = band[3];
+  if (keep.numel()) {
+    TORCH_CHECK(keep.scalar_type() == at::kBool && keep.dim() == 4, "decode: keep must be a 4-d bool tensor");
+    P.keep = keep.data_ptr<bool>(), P.keep_st = strides4(keep);
+  }
+  if (bias.numel()) {
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.dim() == 4, "decode: bias must be a 4-d float32 tensor");
+    P.bias = bias.data_ptr<float>(), P.bias_st = strides4(bias);
+  }
+  P.mod_codes.assign(mod_codes.begin(), mod_codes.end());
+  P.mod_caps.assign(mod_caps.begin(), mod_caps.end());
+  for (int64_t c : P.mod_codes) TORCH_CHECK(c == 1 || c == 2, "decode: score modifier codes are 1 (soft-cap) or 2 (ALiBi)");
+  if (slopes.numel()) {
+    TORCH_CHECK(slopes.scalar_type() == at::kFloat && slopes.is_contiguous() && slopes.size(1) == P.Hq,
+                "decode: slopes must be contiguous float32 (n_mods, Hq)");
+    P.slopes = slopes.data_ptr<float>();
+  }
+  const float* sinkp = nullptr;
+  if (sinks.numel()) {
+    TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.numel() == P.Hq, "decode: sinks must be float32 (Hq,)");
+    sinkp = sinks.data_ptr<float>();
+  }
+  auto out = at::empty({P.B, P.Hq, P.Tq, P.Dv}, q.options());
+  auto lse = at::empty({P.B, P.Hq, P.Tq}, q.options());
+  switch (k.scalar_type()) {
+    case at::kFloat: run<float>(P, k, v, k_scale, v_scale, out.data_ptr<float>(), lse.data_ptr<float>(), sinkp); break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(P, k, v, k_scale, v_scale, out.data_ptr<float>(), lse.data_ptr<float>(), sinkp);
+      break;
+    case at::kHalf: run<c10::Half>(P, k, v, k_scale, v_scale, out.data_ptr<float>(), lse.data_ptr<float>(), sinkp); break;
+    case at::kChar: run<int8_t>(P, k, v, k_scale, v_scale, out.data_ptr<float>(), lse.data_ptr<float>(), sinkp); break;
+    default: TORCH_CHECK(false, "decode: K/V dtype must be float32, bfloat16, float16 or int8, got ", k.scalar_type());
+  }
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(attnkit_native, m) {
+  m.def("decode(Tensor q, Tensor k, Tensor v, Tensor k_scale, Tensor v_scale, Tensor block_table, Tensor rows, "
+        "int kv_offset, float scale, int[] band, Tensor keep, Tensor bias, int[] mod_codes, float[] mod_caps, "
+        "Tensor slopes, Tensor sinks) -> Tensor[]");
+  m.impl("decode", c10::DispatchKey::CPU, TORCH_FN(decode));
+}

@@ -1,0 +1,257 @@
+"""The native decode kernel over every cache format against the float64 oracle: dense fp32/bf16,
+int8, paged and paged-int8 handles; odd and ragged lengths; GQA; Tq 1..16; masks; ALiBi, soft-cap
+and sinks; NaN in unwritten slots; bitwise batch invariance; skipped (with the reason) when the
+extension is not built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit import Causal, KeyPadding, SlidingWindow, attention, explain
+from attnkit.score_mods import ALiBi, SoftCap
+from attnkit.backends.decode import DecodeOptions
+from attnkit.backends.decode_native import _extension, split_tokens
+from attnkit.cache import quantize_int8
+from attnkit.kv_handle import KVHandle
+
+from .reference import FLOOR, keep_grid
+
+_REASON = _extension()[1]
+native = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
+
+FORMATS = ["dense", "int8", "paged", "paged-int8"]
+
+
+def _handle(fmt: str, k, v, lengths, *, block_size=16, seed=0):
+    """K/V ``(B, Hkv, S, D)`` stored as ``fmt``; slots past each row's length (and unused pages)
+    hold NaN, or NaN scales for int8. Returns (what attention reads as k/v, the dense values)."""
+    B, Hkv, S, D = k.shape
+    if fmt == "dense":
+        return (k, v), (k, v)
+    quant = fmt.endswith("int8")
+    parts = []
+    for x in (k, v):
+        if quant:
+            vals, sc = quantize_int8(x)
+            parts.append([vals, sc])
+        else:
+            parts.append([x.clone(), None])
+    dense = [p[0].float() * p[1][..., None] if quant else p[0] for p in parts]
+    for p in parts:  # poison the unwritten slots
+        for b, L in enumerate(lengths):
+            if quant:
+                p[1][b, :, L:] = float("nan")
+            else:
+                p[0][b, :, L:] = float("nan")
+    if not fmt.startswith("paged"):
+        h = KVHandle("int8", parts[0][0], parts[1][0], tuple(lengths), torch.float32, True, parts[0][1], parts[1][1])
+        return (h, h), dense
+    nb = -(-S // block_size)
+    g = torch.Generator().manual_seed(seed)
+    N = B * nb + 3  # spare pages, never referenced
+    table = torch.randperm(N, generator=g)[: B * nb].view(B, nb)
+    pools = []
+    for x in [parts[0][0], parts[1][0]] + ([parts[0][1], parts[1][1]] if quant else []):
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 3) + (0, nb * block_size - S))
+        pool = torch.full((Hkv, N, block_size, *x.shape[3:]), float("nan")) if x.is_floating_point() else \
+            torch.zeros((Hkv, N, block_size, *x.shape[3:]), dtype=x.dtype)
+        pool = pool.to(x.dtype)
+        pool[:, table.flatten()] = x.view(B, Hkv, nb, block_size, *x.shape[3:]).transpose(0, 1).reshape(
+            Hkv, B * nb, block_size, *x.shape[3:])
+        pools.append(pool)
+    h = KVHandle(fmt, pools[0], pools[1], tuple(lengths), k.dtype if not quant else torch.float32, True,
+                 *(pools[2:] if quant else (None, None)), block_table=table)
+    return (h, h), dense
+
+
+def _reference(q, k, v, lengths, mask, score_mod, sinks, dtype):
+    """Per row: attention of its last ``Tq`` positions over its ``L`` keys, every op in ``dtype``."""
+    B, Hq, Tq, D = q.shape
+    Hkv = k.shape[1]
+    outs = []
+    for b, L in enumerate(lengths):
+        qb = q[b:b + 1].to(dtype) * D**-0.5
+        kb = k[b:b + 1, :, :L].to(dtype).repeat_interleave(Hq // Hkv, 1)
+        vb = v[b:b + 1, :, :L].to(dtype).repeat_interleave(Hq // Hkv, 1)
+        s = qb @ kb.transpose(-1, -2)  # (1, Hq, Tq, L)
+        if score_mod is not None:
+            s = score_mod.evaluate(s, (L - Tq, L), (0, L), 1, Hq)
+        keep = keep_grid(mask, 1, Hq, Tq, L, q_offset=L - Tq, kv_offset=0, device=q.device)
+        s = s.masked_fill(~keep, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.to(dtype).view(1, Hq, 1, 1).expand(1, Hq, Tq, 1)], -1)
+            vb = torch.cat([vb, vb.new_zeros(1, Hq, 1, vb.shape[-1])], -2)
+        mx = s.amax(-1, keepdim=True)
+        mx = torch.where(torch.isinf(mx), 0.0, mx)
+        e = torch.exp(s - mx)
+        den = e.sum(-1, keepdim=True)
+        outs.append((e @ vb) / torch.where(den == 0, 1.0, den))
+    return torch.cat(outs)
+
+
+def _check(fmt, dtype, lengths, Tq, Hq=8, Hkv=2, D=40, mask=None, score_mod=None, sinks=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, S = len(lengths), max(lengths)
+    q = torch.randn(B, Hq, Tq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    if fmt == "dense":
+        assert len(set(lengths)) == 1
+    (hk, hv), (dk, dv) = _handle(fmt, k, v, lengths, seed=seed)
+    if fmt.endswith("int8"):
+        q = q.float()
+    out = attention(q, hk, hv, mask=mask, score_mod=score_mod, sinks=sinks, backend="decode",
+                    options=DecodeOptions(implementation="native"))
+    ref = _reference(q, dk, dv, lengths, mask, score_mod, sinks, torch.float64)
+    low = _reference(q, dk, dv, lengths, mask, score_mod, sinks, q.dtype)
+    err, lowp = (out.double() - ref).abs().max().item(), (low.double() - ref).abs().max().item()
+    assert torch.isfinite(out).all()
+    assert err <= 2 * lowp + FLOOR[q.dtype], (err, lowp)
+    return q, (hk, hv), out
+
+
+@native
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("lengths", [(1,), (17,), (1025,), (1025, 17, 1)], ids=lambda x: "L" + "-".join(map(str, x)))
+def test_every_format_matches_float64(fmt, lengths):
+    if fmt == "dense" and len(lengths) > 1:
+        pytest.skip("dense tensors hold one length")
+    Tq = 1
+    _check(fmt, torch.float32, lengths, Tq)
+
+
+@native
+@pytest.mark.parametrize("fmt", ["dense", "paged"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_caches(fmt, dtype):
+    _check(fmt, dtype, (333,) if fmt == "dense" else (333, 40), 3, mask=Causal())
+
+
+@native
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("Tq", [2, 16])
+@pytest.mark.parametrize("mask", [Causal(), SlidingWindow(9, 0), None], ids=["causal", "window", "none"])
+def test_masks_and_queries(fmt, Tq, mask):
+    lengths = (301,) if fmt == "dense" else (301, 37)
+    _check(fmt, torch.float32, lengths, Tq, mask=mask)
+
+
+@native
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("mods", ["alibi", "softcap", "sinks", "all"])
+def test_score_mods_and_sinks(fmt, mods):
+    Hq = 8
+    score_mod = {"alibi": ALiBi.geometric(Hq), "softcap": SoftCap(2.0), "sinks": None,
+                 "all": ALiBi.geometric(Hq) >> SoftCap(3.0)}[mods]
+    sinks = torch.randn(Hq) if mods in ("sinks", "all") else None
+    lengths = (97,) if fmt == "dense" else (97, 30, 5)
+    _check(fmt, torch.float32, lengths, 3, Hq=Hq, mask=Causal(), score_mod=score_mod, sinks=sinks)
+    _check(fmt, torch.float32, lengths, 1, Hq=Hq, mask=SlidingWindow(4, 0), score_mod=score_mod, sinks=sinks)
+
+
+@native
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("heads,D", [((3, 3), 59), ((6, 2), 9), ((5, 1), 224)], ids=["mha-D59", "gqa-D9", "mqa-D224"])
+def test_awkward_heads_and_head_dims(fmt, heads, D):
+    lengths = (37,) if fmt == "dense" else (37, 127)
+    _check(fmt, torch.float32, lengths, 5, Hq=heads[0], Hkv=heads[1], D=D, mask=Causal())
+
+
+@native
+def test_bias_and_masks_without_structure_equal_naive():
+    """A bool keep tensor (any mask) and an additive bias, broadcast over batch and heads."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(2, 4, 3, 16, generator=g), torch.randn(2, 2, 70, 16, generator=g), torch.randn(2, 2, 70, 16, generator=g)
+    keep = torch.rand(2, 1, 3, 70, generator=g) > 0.3
+    bias = torch.randn(1, 4, 3, 70, generator=g)
+    for mask in (keep, Causal() & KeyPadding(torch.tensor([50, 7]))):
+        out = attention(q, k, v, mask=mask, bias=bias, backend="decode", options=DecodeOptions(implementation="native"))
+        ref = attention(q, k, v, mask=mask, bias=bias, backend="naive")
+        assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+
+
+@native
+def test_fully_masked_rows_are_zero_and_key_padding():
+    q = torch.randn(2, 4, 1, 16)
+    k, v = torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 16)
+    mask = KeyPadding(torch.tensor([0, 20]))
+    out, lse = attention(q, k, v, mask=mask, backend="decode", return_lse=True)
+    ref = attention(q, k, v, mask=mask, backend="naive")
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isinf(lse[0]).all()
+    assert torch.allclose(out, ref, atol=1e-6)
+    sinks = torch.randn(4)  # a row that sees nothing keeps only its sink: output 0, LSE = sink
+    out, lse = attention(q, k, v, mask=mask, sinks=sinks, backend="decode", return_lse=True)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.allclose(lse[0, :, 0], sinks)
+
+
+@native
+@pytest.mark.parametrize("fmt", ["paged", "paged-int8", "int8"])
+def test_batch_invariance_is_bitwise(fmt):
+    """A sequence decoded alone or in a ragged batch gives the same bits (same kernel, same shapes
+    per sequence: its splits depend on its own length only)."""
+    lengths = (1500, 17, 700, 1, 4100)
+    g = torch.Generator().manual_seed(3)
+    Hq, Hkv, D, Tq = 8, 2, 64, 1
+    B, S = len(lengths), max(lengths)
+    q = torch.randn(B, Hq, Tq, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    (h, _), _ = _handle(fmt, k, v, lengths)
+    batch = attention(q, h, h, mask=Causal(), backend="decode", options=DecodeOptions(implementation="native"))
+    for b in range(B):
+        one = h.rows([b])
+        alone = attention(q[b:b + 1], one, one, mask=Causal(), backend="decode",
+                          options=DecodeOptions(implementation="native"))
+        assert torch.equal(alone, batch[b:b + 1]), b
+
+
+def test_split_size_depends_on_the_sequence_only():
+    assert split_tokens(16384, 8, threads=2) == 4096
+    assert split_tokens(1, 8, threads=2) == 256
+    assert split_tokens(16384, 8, threads=64) == 1024
+    assert split_tokens(1000, 8, threads=64) % 256 == 0
+
+
+@native
+def test_auto_reads_caches_with_the_kernel_and_explain_says_so():
+    q = torch.randn(2, 8, 1, 32)
+    k, v = torch.randn(2, 2, 40, 32), torch.randn(2, 2, 40, 32)
+    (h, _), _ = _handle("paged-int8", k, v, (40, 40))
+    text = str(explain(q, h, h, mask=Causal(), score_mod=SoftCap(5.0), sinks=torch.zeros(8)))
+    assert "chosen: decode" in text and "native C++ split-K decode kernel" in text, text
+
+
+def test_without_the_kernel_decode_declines_score_mods_with_the_reason(monkeypatch):
+    from attnkit.backends import decode_native
+
+    monkeypatch.setattr(decode_native, "_extension", lambda: (None, "native extension not built: test"))
+    q = torch.randn(1, 4, 1, 16)
+    k = torch.randn(1, 2, 30, 16)
+    text = str(explain(q, k, k, mask=Causal(), score_mod=SoftCap(5.0)))
+    assert "native extension not built: test" in text
+    out = attention(q, k, k, mask=Causal(), backend="decode")  # the PyTorch-op twin
+    assert torch.allclose(out, attention(q, k, k, mask=Causal(), backend="naive"), atol=1e-6)
+
+
+def test_vmap_runs_the_twin():
+    """The kernel has no vmap rule: under torch.func, decode runs its PyTorch-op twin (under
+    torch.compile too: the kernel declines while tracing)."""
+    q, k = torch.randn(2, 1, 4, 1, 16), torch.randn(2, 1, 2, 30, 16)
+    f = lambda q, k: attention(q, k, k, mask=Causal(), backend="decode")  # noqa: E731
+    torch.testing.assert_close(torch.vmap(f)(q, k), torch.stack([f(q[i], k[i]) for i in range(2)]))
+
+
+def test_decode_declares_the_score_mod_kinds_it_runs():
+    """Relative biases have no kernel form: decode declines them by kind, and the cache is read
+    through its dense conversion by a backend that runs them."""
+    from attnkit.score_mods import RelativeBias
+
+    q = torch.randn(1, 4, 1, 16)
+    k = torch.randn(1, 2, 40, 16)
+    (h, _), _ = _handle("paged", k, k, (40,))
+    mod = RelativeBias(torch.randn(4, 8), max_distance=16)
+    e = explain(q, h, h, mask=Causal(), score_mod=mod)
+    assert e.chosen != "decode" and any("relative_bias" in r for r in e.reasons["decode"]), e.reasons["decode"]
+    out = attention(q, h, h, mask=Causal(), score_mod=mod)
+    ref = attention(q, k, k, mask=Causal(), score_mod=mod, backend="naive")
+    assert torch.allclose(out, ref, atol=1e-5)
