@@ -366,8 +366,8 @@ def probe_constants() -> dict:
             if not impl.exact or getattr(impl, "compiles", False):
                 continue
             try:
-                inp = next((i for m in tiny_masks if impl.can_run(i := AttentionInputs.create(tiny, tiny, tiny, mask=m))),
-                           None)
+                inp = next((i for m in tiny_masks
+                            if impl.can_run(i := AttentionInputs.create(tiny, tiny, tiny, mask=m))), None)
                 if inp is None:
                     continue
                 overhead[name] = hardware.best_seconds(lambda: impl.forward(inp, None), 5)

@@ -27,8 +27,8 @@ from .inputs import AttentionInputs
 from .masks import Mask
 from .registry import Backend, Work, get_backend, list_backends, registered_names
 
-__all__ = ["NoBackendError", "select", "resolve", "resolve_call", "explain", "use_backend", "priority", "Explanation", "Work",
-           "builtin_order", "estimated_seconds", "kept_fraction", "autotune"]
+__all__ = ["NoBackendError", "select", "resolve", "resolve_call", "explain", "use_backend", "priority", "Explanation",
+           "Work", "builtin_order", "estimated_seconds", "kept_fraction", "autotune"]
 
 _SCOPED: ContextVar[tuple[str, ...] | None] = ContextVar("attnkit_backend", default=None)
 
@@ -224,8 +224,9 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
        for this device, dtype, mask kind, pass, heads and head dim: its ranking at the nearest
        measured length, where the leaders differ beyond the measured noise.
     2. Otherwise the built-in order (:func:`builtin_order`, from each backend's declared ``work``:
-       fused kernels before loops of PyTorch ops over the same tiles) sorted by the cost model (:func:`estimated_seconds`), whose constants are
-       probed on this machine on first use (:func:`attnkit.calibration.machine_constants`).
+       fused kernels before loops of PyTorch ops over the same tiles) sorted by the cost model
+       (:func:`estimated_seconds`), whose constants are probed on this machine on first use
+       (:func:`attnkit.calibration.machine_constants`).
     3. Backends that would materialize more than MATERIALIZE_LIMIT mask elements go after the
        others; backends registered later and not modelled come next; ``naive`` last.
 

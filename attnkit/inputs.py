@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .kv_handle import KVHandle
-from .masks import Dense, Mask, as_mask
+from .masks import Mask, as_mask
 from .score_mods import ScoreMod, as_score_mod, check_sinks
 
 __all__ = ["AttentionInputs", "FLOAT_DTYPES", "split_additive_mask"]
@@ -53,7 +53,8 @@ def _sdpa_arguments(attn_mask, is_causal, mask, bias, q_offset, kv_offset):
         return attn_mask, bias, q_offset, kv_offset
     if attn_mask.is_floating_point():
         if bias is not None:
-            raise ValueError("attn_mask (float, additive) with bias=: expected one of them. Fix: pass bias=attn_mask + bias.")
+            raise ValueError("attn_mask (float, additive) with bias=: expected one of them. "
+                             "Fix: pass bias=attn_mask + bias.")
         return mask, attn_mask, q_offset, kv_offset
     raise TypeError(f"attn_mask: expected dtype torch.bool (True = attend) or a float dtype (added to the scores), "
                     f"got {attn_mask.dtype}.")
@@ -230,7 +231,8 @@ class AttentionInputs:
                 f"Fix: use a number of key/value heads that divides {Hq}."
             )
         if not (Tq and Tk and D and Dv):
-            for name, size in (("Tq (q.shape[2])", Tq), ("Tk (k.shape[2])", Tk), ("D (q.shape[3])", D), ("Dv (v.shape[3])", Dv)):
+            for name, size in (("Tq (q.shape[2])", Tq), ("Tk (k.shape[2])", Tk), ("D (q.shape[3])", D),
+                               ("Dv (v.shape[3])", Dv)):
                 if size == 0:
                     raise ValueError(f"{name}: expected at least 1, got 0. Fix: skip the call for empty inputs.")
         if scale is None:
@@ -246,7 +248,8 @@ class AttentionInputs:
             if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
                 raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}.")
             if not 0.0 <= dropout_p < 1.0:
-                raise ValueError(f"dropout_p: expected a value in [0, 1), got {dropout_p}. Fix: use 0.0 for no dropout.")
+                raise ValueError(f"dropout_p: expected a value in [0, 1), got {dropout_p}. "
+                                 "Fix: use 0.0 for no dropout.")
             dropout_p = float(dropout_p)
         if type(kv_offset) is not int or kv_offset < 0:
             _check_int("kv_offset", kv_offset, minimum=0)
@@ -264,7 +267,8 @@ class AttentionInputs:
             mask.validate(B, Hq, Tq, Tk, q_offset, kv_offset)
         if bias is not None:
             if not isinstance(bias, Tensor):
-                raise TypeError(f"bias: expected a float tensor broadcastable to (B, Hq, Tq, Tk), got {type(bias).__name__}.")
+                raise TypeError(f"bias: expected a float tensor broadcastable to (B, Hq, Tq, Tk), "
+                                f"got {type(bias).__name__}.")
             if not bias.is_floating_point():
                 raise TypeError(
                     f"bias: expected a floating dtype (an additive score bias), got {bias.dtype}. "
@@ -276,8 +280,9 @@ class AttentionInputs:
                 # SDPA documents attn_mask as (..., Tq, Tk); a 1-D (Tk,) or 0-D bias is ambiguous to
                 # read and not what SDPA accepts, so it is refused rather than guessed.
                 raise ValueError(
-                    f"bias: expected at least 2 dims (Tq, Tk) broadcastable to (B, Hq, Tq, Tk) = ({B}, {Hq}, {Tq}, {Tk}), "
-                    f"got shape {tuple(bias.shape)}. Fix: a per-key bias is bias.view(1, 1, 1, Tk); "
+                    f"bias: expected at least 2 dims (Tq, Tk) broadcastable to (B, Hq, Tq, Tk) = "
+                    f"({B}, {Hq}, {Tq}, {Tk}), got shape {tuple(bias.shape)}. "
+                    "Fix: a per-key bias is bias.view(1, 1, 1, Tk); "
                     "a constant changes nothing under softmax (drop it)."
                 )
             try:
@@ -309,7 +314,9 @@ class AttentionInputs:
         self = object.__new__(cls)
         self.__dict__.update(q=q, k=k, v=v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p,
                              q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse,
-                             score_mod=score_mod, sinks=sinks, kv_finite=kv_finite, kv_format=kv_format, B=B, Hq=Hq, Hkv=Hkv, Tq=Tq, Tk=Tk, D=D, Dv=Dv, groups=Hq // Hkv, dtype=dtype, device=device)
+                             score_mod=score_mod, sinks=sinks, kv_finite=kv_finite, kv_format=kv_format,
+                             B=B, Hq=Hq, Hkv=Hkv, Tq=Tq, Tk=Tk, D=D, Dv=Dv, groups=Hq // Hkv, dtype=dtype,
+                             device=device)
         return self
 
     @classmethod
@@ -334,7 +341,8 @@ class AttentionInputs:
     def __repr__(self) -> str:  # shapes, not tensor contents
         return (
             f"AttentionInputs(q={tuple(self.q.shape)}, k={tuple(self.k.shape)}, v={tuple(self.v.shape)}, "
-            f"{self.dtype}, {self.device}, mask={self.mask!r}, bias={None if self.bias is None else tuple(self.bias.shape)}, "
+            f"{self.dtype}, {self.device}, mask={self.mask!r}, "
+            f"bias={None if self.bias is None else tuple(self.bias.shape)}, "
             f"scale={self.scale:g}, dropout_p={self.dropout_p}, q_offset={self.q_offset}, kv_offset={self.kv_offset}, "
             f"return_lse={self.return_lse})"
         )

@@ -244,16 +244,19 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
     if not isinstance(name, str) or not name:
         raise TypeError(f"register_backend: {cls.__name__} needs a class attribute `name` (a non-empty str).")
     if name in _REGISTRY and _REGISTRY[name] is not cls:
-        raise ValueError(f"register_backend: a backend named {name!r} is already registered ({_REGISTRY[name].__name__}).")
+        raise ValueError(f"register_backend: a backend named {name!r} is already registered "
+                         f"({_REGISTRY[name].__name__}).")
     if hasattr(cls, "mask_kinds"):  # the old declaration would be ignored: the backend would accept every mask
         raise TypeError(
             f"register_backend: {cls.__name__}.mask_kinds is no longer read. Fix: declare the mask forms it "
             "honours as mask_support = MaskSupport(...), e.g. MaskSupport('none', 'causal')."
         )
     if not isinstance(cls.mask_support, MaskSupport):
-        raise TypeError(f"register_backend: {cls.__name__}.mask_support must be a MaskSupport, got {cls.mask_support!r}.")
+        raise TypeError(f"register_backend: {cls.__name__}.mask_support must be a MaskSupport, "
+                        f"got {cls.mask_support!r}.")
     if cls.nonfinite not in ("policy", "self"):
-        raise TypeError(f"register_backend: {cls.__name__}.nonfinite must be 'policy' or 'self', got {cls.nonfinite!r}.")
+        raise TypeError(f"register_backend: {cls.__name__}.nonfinite must be 'policy' or 'self', "
+                        f"got {cls.nonfinite!r}.")
     if not isinstance(cls.work, Work):
         raise TypeError(f"register_backend: {cls.__name__}.work must be a Work, got {cls.work!r}.")
     if cls.Options is not None and not is_dataclass(cls.Options):

@@ -188,9 +188,11 @@ class ScoreMod:
             )
         for t in self.parameters():
             if t.device != device:
-                raise ValueError(f"score_mod {self!r}: its tensors are on {t.device}, q is on {device}. Fix: .to(q.device).")
+                raise ValueError(f"score_mod {self!r}: its tensors are on {t.device}, q is on {device}. "
+                                 "Fix: .to(q.device).")
 
-    def evaluate(self, score: Tensor, q_range: tuple[int, int], kv_range: tuple[int, int], B: int = 1, H: int = 1) -> Tensor:
+    def evaluate(self, score: Tensor, q_range: tuple[int, int], kv_range: tuple[int, int], B: int = 1,
+                 H: int = 1) -> Tensor:
         """Apply to ``score`` ``(B|1, H|1, n, m)`` for absolute query/key ranges (one tile or a whole call)."""
         dev = score.device
         b = torch.arange(B, device=dev).view(-1, 1, 1, 1)
@@ -370,7 +372,8 @@ class RelativeBias(ScoreMod):
                              bidirectional=self.bidirectional, mod=self),)
 
     def __repr__(self):
-        return f"RelativeBias(heads={self.table.shape[0]}, buckets={self.table.shape[1]}, bidirectional={self.bidirectional})"
+        return (f"RelativeBias(heads={self.table.shape[0]}, buckets={self.table.shape[1]}, "
+                f"bidirectional={self.bidirectional})")
 
 
 @dataclass(frozen=True)
@@ -385,13 +388,15 @@ class CustomScoreMod(ScoreMod):
 
     def __post_init__(self):
         if not callable(self.fn):
-            raise TypeError(f"CustomScoreMod(fn): expected a callable fn(score, b, h, q_idx, kv_idx), got {type(self.fn).__name__}.")
+            raise TypeError(f"CustomScoreMod(fn): expected a callable fn(score, b, h, q_idx, kv_idx), "
+                            f"got {type(self.fn).__name__}.")
         object.__setattr__(self, "params", tuple(self.params))
 
     def apply(self, score, b, h, q_idx, kv_idx):
         out = self.fn(score, b, h, q_idx, kv_idx)
         if not isinstance(out, Tensor) or not out.is_floating_point():
-            raise TypeError(f"score_mod: CustomScoreMod({self.name}) returned {type(out).__name__}; expected a float tensor.")
+            raise TypeError(f"score_mod: CustomScoreMod({self.name}) returned {type(out).__name__}; "
+                            "expected a float tensor.")
         if out.shape != score.shape:  # a broadcast would silently grow the output (or fail deep in a kernel)
             raise ValueError(
                 f"score_mod: CustomScoreMod({self.name}) returned shape {tuple(out.shape)} for scores of shape "
@@ -461,7 +466,8 @@ def as_score_mod(mod, name: str = "score_mod") -> ScoreMod:
 def check_sinks(sinks, H: int, device: torch.device) -> Tensor:
     """Validate ``attention(..., sinks=)``: a float ``(Hq,)`` tensor of per-head sink logits."""
     if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
-        raise TypeError(f"sinks: expected a float tensor (Hq,) of per-head logits, got {getattr(sinks, 'dtype', type(sinks).__name__)}.")
+        raise TypeError(f"sinks: expected a float tensor (Hq,) of per-head logits, "
+                        f"got {getattr(sinks, 'dtype', type(sinks).__name__)}.")
     if sinks.shape != (H,):
         raise ValueError(f"sinks: expected shape ({H},) (one logit per query head), got {tuple(sinks.shape)}.")
     if sinks.device != device:

@@ -167,15 +167,15 @@ def _merge_segments(q: Tensor, segments: Iterator[_Segment], G: int, scale: floa
         s = s.view(P1, P2, M, n, c).transpose(2, 3)  # (P1, P2, n, M, c)
         m = s.amax(-1, keepdim=True)  # raw split max: -inf for a fully masked split
         p = torch.exp(s - _finite(m))
-        l = p.sum(-1, keepdim=True)
+        mass = p.sum(-1, keepdim=True)
         if seg.v_scale is not None:
             p.mul_(seg.v_scale.view(P1, P2, n, 1, c))
         o = torch.matmul(p, v.reshape(P1, P2, n, c, v.shape[-1]))  # (P1, P2, n, M, Dv): one bmm over splits
-        part = _combine((m, l, o), None, dim=2) if n > 1 else (m[:, :, 0], l[:, :, 0], o[:, :, 0])
+        part = _combine((m, mass, o), None, dim=2) if n > 1 else (m[:, :, 0], mass[:, :, 0], o[:, :, 0])
         state = part if state is None else _combine(state, part)
-    m, l, o = state
-    out = o / torch.where(l == 0, 1.0, l)
-    lse = (torch.log(l) + _finite(m)).squeeze(-1)  # log(0) = -inf for fully masked rows
+    m, mass, o = state
+    out = o / torch.where(mass == 0, 1.0, mass)
+    lse = (torch.log(mass) + _finite(m)).squeeze(-1)  # log(0) = -inf for fully masked rows
     return out, lse
 
 
@@ -247,8 +247,9 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, *, keep: Tensor | None = N
 
 
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, *,
-                           keep: Tensor | None = None, bias: Tensor | None = None, scale: float | None = None, k_scale: Tensor | None = None,
-                           v_scale: Tensor | None = None, options: DecodeOptions | None = None,
+                           keep: Tensor | None = None, bias: Tensor | None = None, scale: float | None = None,
+                           k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                           options: DecodeOptions | None = None,
                            return_lse: bool = False, keys_finite: bool = False):
     """Attention of ``q (B, Hq, Tq, D)`` over a paged cache: pools ``k_pool (Hkv, N, bs, D)``,
     ``v_pool (Hkv, N, bs, Dv)`` (int8 with scales ``(Hkv, N, bs)``), and ``block_table (B, nb)``
@@ -323,11 +324,13 @@ class DecodeBackend(Backend):
         if inp.score_mod is not None or inp.sinks is not None:
             reasons = kernel_reasons(inp)
             if reasons:
-                yield "applies score_mod and sinks in the native decode kernel only, which cannot run: " + "; ".join(reasons)
+                yield ("applies score_mod and sinks in the native decode kernel only, which cannot run: "
+                       + "; ".join(reasons))
         if inp.kv_format == "dense":
             return
         if inp.Tq > MAX_QUERIES:
-            yield f"reads a cache in place for up to {MAX_QUERIES} queries, got Tq={inp.Tq} (a prefill: dense is faster)"
+            yield (f"reads a cache in place for up to {MAX_QUERIES} queries, got Tq={inp.Tq} "
+                   "(a prefill: dense is faster)")
         if inp.requires_grad:
             yield "reads a cache in place for inference only (the inputs require grad)"
         if inp.kv_finite is not True:

@@ -6,8 +6,9 @@ skip (EMPTY), run unmasked (FULL) or run through the ``mask_mod`` (PARTIAL) is b
 own structure (:func:`attnkit.masks.tile_grid`: a few tensor operations per mask class
 masks, no Tq x Tk evaluation), cached per (mask, Tq, Tk, offsets, device). A ``bias`` and attnkit's
 score modifiers (ALiBi, soft-cap, relative biases, custom) become one Flex ``score_mod``, applied
-before the mask; sinks are not taken; GQA is native (``enable_gqa``). The NaN/Inf contract is kept by :mod:`attnkit.backends.nonfinite`
-(Flex runs on finite q, K, V). Flex marks fully masked rows with output 0 and LSE -inf, attnkit's
+before the mask; sinks are not taken; GQA is native (``enable_gqa``). The NaN/Inf contract is kept
+by :mod:`attnkit.backends.nonfinite` (Flex runs on finite q, K, V). Flex marks fully masked rows
+with output 0 and LSE -inf, attnkit's
 contract too.
 
 ``flex_attention`` is compiled once per device with dynamic shapes: the first call compiles (tens
@@ -187,7 +188,8 @@ class FlexBackend(Backend):
     name = "flex"
     work = Work("tiles", (128, 128), half="always", fused=True)
     reason_contexts = (_CPU_ALLOWED,)
-    summary = "torch FlexAttention, compiled (dynamic shapes): any mask via mask_mod + a BlockMask from attnkit's structure"
+    summary = ("torch FlexAttention, compiled (dynamic shapes): any mask via mask_mod + a BlockMask from attnkit's "
+               "structure")
     devices = frozenset({"cpu", "cuda"})
     supports_bias = True
     supports_lse = True

@@ -98,8 +98,8 @@ def hash_buckets(k: Tensor, options: LSHOptions) -> Tensor:
         rot = torch.randn(D, options.n_hashes, nb // 2, generator=gen)
     elif tuple(rot.shape) != (D, options.n_hashes, nb // 2):
         raise ValueError(
-            f"LSHOptions(rotations=...): expected shape (D, n_hashes, n_buckets // 2) = {(D, options.n_hashes, nb // 2)}, "
-            f"got {tuple(rot.shape)}."
+            f"LSHOptions(rotations=...): expected shape (D, n_hashes, n_buckets // 2) = "
+            f"{(D, options.n_hashes, nb // 2)}, got {tuple(rot.shape)}."
         )
     rotated = torch.einsum("bhtd,drk->bhrtk", k.detach().float(), rot.to(k.device, torch.float32))
     return torch.cat([rotated, -rotated], dim=-1).argmax(dim=-1)  # (B, H, R, T)

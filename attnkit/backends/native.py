@@ -80,7 +80,8 @@ class NativeOptions:
             if value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or not 8 <= value <= 4096:
-                raise ValueError(f"NativeOptions({name}={value!r}): expected an int in 8..4096 or None, e.g. {name}=128.")
+                raise ValueError(f"NativeOptions({name}={value!r}): expected an int in 8..4096 or None, "
+                                 f"e.g. {name}=128.")
 
 
 @functools.lru_cache(maxsize=1)
@@ -88,7 +89,8 @@ def load_extension():
     """``(module, None)`` when the built extension loads, else ``(None, reason)``."""
     path = csrc_build.library_path()
     if not path.exists():
-        return None, f"native extension not built: run `python -m attnkit.csrc.build` (or `make install`); no {path.name}"
+        return None, (f"native extension not built: run `python -m attnkit.csrc.build` (or `make install`); "
+                      f"no {path.name}")
     try:
         stamp = json.loads(csrc_build.STAMP.read_text())
     except (OSError, ValueError):
@@ -158,7 +160,8 @@ class _Plan:
     block_k: int
 
 
-def _build_plan(mask: Mask | None, B: int, H: int, Tq: int, Tk: int, q_offset: int, kv_offset: int, bq: int, bk: int) -> _Plan:
+def _build_plan(mask: Mask | None, B: int, H: int, Tq: int, Tk: int, q_offset: int, kv_offset: int,
+                bq: int, bk: int) -> _Plan:
     grid = tile_grid(mask, Tq, Tk, q_offset, kv_offset, bq, bk, B, H)
     params = mask_params(mask, B)
     extra_index, extra = _EMPTY_LONG, _EMPTY_BYTE

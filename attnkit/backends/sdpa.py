@@ -34,7 +34,8 @@ NONE, CAUSAL, DENSE = "none", "causal", "dense"
 @register_backend
 class SDPABackend(Backend):
     name = "sdpa"
-    work = Work("tiles", (1, 1), half="always", fused=True)  # is_causal skips the upper triangle; a dense mask skips nothing
+    # is_causal skips the upper triangle; a dense mask skips nothing
+    work = Work("tiles", (1, 1), half="always", fused=True)
     summary = "torch.nn.functional.scaled_dot_product_attention (fused flash/efficient/math kernels)"
     supports_dropout = True
     supports_bias = True
@@ -66,7 +67,8 @@ class SDPABackend(Backend):
             DENSE: f"a materialized ({inp.Tq}, {inp.Tk}) bool mask",
         }[cls.plan(inp)]
         if inp.bias is not None:
-            how += " and the bias as a float attn_mask" if inp.mask is None or cls.plan(inp) == NONE else " folded with the bias"
+            how += (" and the bias as a float attn_mask" if inp.mask is None or cls.plan(inp) == NONE
+                    else " folded with the bias")
         gqa = f", enable_gqa for {inp.Hq}/{inp.Hkv} heads" if inp.groups > 1 else ""
         return f"F.scaled_dot_product_attention with {how}{gqa}"
 

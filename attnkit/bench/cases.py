@@ -86,8 +86,9 @@ class BenchConfig:
 
 
 # BenchConfig field -> the `attnkit bench` flag that sets it (for error messages)
-_FLAGS = {"head_dim": "--head-dim", "time_budget_s": "--time-budget", "run_budget_s": "--budget", "memory_budget_bytes": "--memory-budget",
-          "min_run_time": "--min-run-time", "error_rows": "BenchConfig.error_rows", "block": "BenchConfig.block"}
+_FLAGS = {"head_dim": "--head-dim", "time_budget_s": "--time-budget", "run_budget_s": "--budget",
+          "memory_budget_bytes": "--memory-budget", "min_run_time": "--min-run-time",
+          "error_rows": "BenchConfig.error_rows", "block": "BenchConfig.block"}
 
 
 def _flag(field_name: str) -> str:

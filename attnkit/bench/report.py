@@ -98,8 +98,8 @@ def terminal_table(results: dict, markdown: bool = False, group_skips: bool = Fa
                                 f"{r['error']:.1e} {'abs' if r['exact'] else 'rel'}"])
         else:
             skipped.append(head + [r["status"] + ": " + (r["group"] if group_skips else r["reason"])])
-    out = format_table(rows, ["dtype", "pass", "mask", "n", "backend", "median ms", "IQR ms", "runs", "peak mem", "GFLOP/s",
-                        "% peak", "error"], markdown, right=frozenset({3, 5, 6, 7, 8, 9, 10, 11}))
+    out = format_table(rows, ["dtype", "pass", "mask", "n", "backend", "median ms", "IQR ms", "runs", "peak mem",
+                              "GFLOP/s", "% peak", "error"], markdown, right=frozenset({3, 5, 6, 7, 8, 9, 10, 11}))
     if skipped and group_skips:
         groups: dict[tuple[str, str], list[str]] = {}
         for dtype, passes, mask, n, name, why in skipped:
@@ -198,7 +198,8 @@ def auto_summary(rows: list[dict], limit: float = 1.10) -> str:
         return "no cells"
     ratios = [r["auto_over_best"] for r in rows]
     over = sum(x > limit for x in ratios)
-    return f"median {statistics.median(ratios):.2f}, max {max(ratios):.2f} over {len(ratios)} cells ({over} over {limit:.2f})"
+    return (f"median {statistics.median(ratios):.2f}, max {max(ratios):.2f} over {len(ratios)} cells "
+            f"({over} over {limit:.2f})")
 
 
 def auto_table(results: dict, markdown: bool = False) -> str:
@@ -305,7 +306,8 @@ def write_markdown(results: dict, out_dir: Path, plots: list[Path], claims: str 
         f"and the interquartile range is shown from {MIN_RUNS_FOR_IQR} runs. A shared or busy machine makes "
         "these noisy: compare ratios within one run, and repeat.",
         f"* Peak memory: {results['memory_method']}.",
-        f"* GFLOP/s: {results['flops_convention']}; % peak: {results.get('pct_of_peak_convention', 'of the matmul peak')}.",
+        f"* GFLOP/s: {results['flops_convention']}; "
+        f"% peak: {results.get('pct_of_peak_convention', 'of the matmul peak')}.",
         f"* Error: {results['error_convention']}.",
         "* All figures: [results.json](results.json).",
         "",

@@ -159,8 +159,10 @@ def run_sweep(config: BenchConfig, progress: Callable[[Iterable], Iterable] | No
         "matmul_peak_gflops": peaks,
         "pct_of_peak_convention": "% of max(matmul peak of the case dtype, float32 matmul peak); "
                                   "none for approximate backends and where a kernel outran that peak",
-        "flops_convention": "useful (kept pairs) exact-attention FLOPs: 4*B*H*n^2*D*density forward, x3.5 forward+backward",
-        "error_convention": f"forward output on the last {config.error_rows} query rows vs naive float64: exact backends max abs, approximate relative (Frobenius)",
+        "flops_convention": "useful (kept pairs) exact-attention FLOPs: 4*B*H*n^2*D*density forward, "
+                            "x3.5 forward+backward",
+        "error_convention": f"forward output on the last {config.error_rows} query rows vs naive float64: "
+                            "exact backends max abs, approximate relative (Frobenius)",
         "elapsed_s": time.perf_counter() - start,
         "results": rows,
     }
@@ -180,7 +182,8 @@ def sweep_names(config: BenchConfig) -> list[str]:
     if config.backends is not None:
         for name in config.backends:
             if name != "auto" and name not in registry:
-                raise ValueError(f"--backends: unknown backend {name!r}; expected 'auto' or some of {sorted(registry)}.")
+                raise ValueError(f"--backends: unknown backend {name!r}; "
+                                 f"expected 'auto' or some of {sorted(registry)}.")
         return list(config.backends)
     return [name for name, impl in registry.items() if not getattr(impl, "compiles", False)] + ["auto"]
 
@@ -265,7 +268,8 @@ def _run_case(case, config, registry, dtype, peak, memory, measured) -> dict:
         err, err_kind = _error(holder.pop(), impl.exact, q, k, v, mask, config.error_rows)
         m = _time(fn, config.min_run_time)
     except Exception as exc:  # a backend bug must not end the sweep: record it
-        return {**asdict(case), "status": "error", "reason": f"{type(exc).__name__}: {exc}", "group": type(exc).__name__}
+        return {**asdict(case), "status": "error", "reason": f"{type(exc).__name__}: {exc}",
+                "group": type(exc).__name__}
     measured.setdefault(case.series, {})[n] = m.median
     flops = useful_flops(config, n, dens, case.passes)
     gflops = flops / m.median / 1e9

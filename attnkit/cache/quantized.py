@@ -8,8 +8,9 @@ with its own float32 scale ``s = max|x| / 127``, so the error of every element i
 ``update`` returns a :class:`~attnkit.kv_handle.KVHandle` (format ``"int8"``); the decode kernel
 reads the int8 values segment by segment and folds the scales into the scores and the
 probabilities (:mod:`attnkit.backends.decode`); no full-precision copy of the cache is made.
-Other backends read the handle's dequantized copy. The first call over an empty cache (the prefill) attends its own keys in full precision;
-every later token reads the int8 cache (the error is measured on real weights in the tests:
+Other backends read the handle's dequantized copy. The first call over an empty cache (the
+prefill) attends its own keys in full precision; every later token reads the int8 cache (the
+error is measured on real weights in the tests:
 ``tests/test_quantized_cache.py``).
 
 :class:`QuantizedLayerCache` is the static (``max_len``: preallocated, written in place) or

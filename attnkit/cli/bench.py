@@ -82,8 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"sliding window width, also for Longformer/BigBird (default {d.window})")
     parser.add_argument("--time-budget", type=float, default=None,
                         help=f"skip a case predicted (from the shorter lengths) to take longer than this many seconds "
-                             f"per call (default {d.time_budget_s:g} s; {CALIBRATE_TIME_BUDGET_S:g} s when calibrating); "
-                             "raise it to measure long sequences")
+                             f"per call (default {d.time_budget_s:g} s; {CALIBRATE_TIME_BUDGET_S:g} s when "
+                             "calibrating); raise it to measure long sequences")
     parser.add_argument("--memory-budget", type=float, default=d.memory_budget_bytes / 2**30,
                         help=f"skip a case predicted to need more than this many GiB "
                              f"(default {d.memory_budget_bytes / 2**30:g} GiB)")

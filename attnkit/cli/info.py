@@ -152,7 +152,8 @@ def backend_table() -> str:
             missing.append(f"  {row['name']}: {avail.removeprefix('no: ')}")
             avail = "no*"
         devices = "all" if set(c["devices"]) == ALL_DEVICES else ",".join(c["devices"])
-        dtypes = "all" if len(c["dtypes"]) == len(FLOAT_DTYPES) else ",".join(d.replace("float", "f") for d in c["dtypes"])
+        dtypes = ("all" if len(c["dtypes"]) == len(FLOAT_DTYPES)
+                  else ",".join(d.replace("float", "f") for d in c["dtypes"]))
         rows.append([row["name"], avail, "exact" if c["exact"] else "approx", devices, dtypes,
                      row["masks"].replace(",", ", "), ", ".join(flags)])
     legend = (f"masks: those each backend accepts (its own reasons, as explain() reports them, at T={PROBE_LENGTH})"

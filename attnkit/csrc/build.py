@@ -6,8 +6,9 @@ into ``attnkit/csrc/_build/``, and writes a stamp naming the torch version and t
 set flags it was built for; a copy on a CPU lacking any of those flags declines instead of dying
 with SIGILL. No OpenMP runtime is linked: the parallel loops run on torch's own (at::parallel_for),
 and the tile products call oneDNN's micro-kernel through ``at::native::cpublas::brgemm``, which every
-torch CPU build exports (no BLAS symbol of one torch build is required). On a build error it prints the compiler's message and exits 1 (the ``native``
-backend then declines with the reason "native extension not built: ...").
+torch CPU build exports (no BLAS symbol of one torch build is required). On a build error it
+prints the compiler's message and exits 1 (the ``native`` backend then declines with the reason
+"native extension not built: ...").
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ NAME = "attnkit_native"
 HERE = Path(__file__).resolve().parent
 BUILD_DIR = HERE / "_build"
 STAMP = BUILD_DIR / "stamp.json"
-SOURCES = [HERE / "attention.cpp", HERE / "decode.cpp"]  # attention.cpp includes tiles.h and score_mod.h (ninja tracks the headers)
+# attention.cpp includes tiles.h and score_mod.h (ninja tracks the headers)
+SOURCES = [HERE / "attention.cpp", HERE / "decode.cpp"]
 # -fno-trapping-math lets the exp and mask loops vectorize (IEEE inf/NaN semantics are kept). No
 # OpenMP flags: the kernel parallelizes with at::parallel_for on torch's own runtime.
 CFLAGS = ["-O3", "-march=native", "-fno-trapping-math"]

@@ -148,7 +148,8 @@ def _check_local(q, k, v, dropout_p) -> AttentionInputs:
             f"positions of q and k/v; got {q.shape[2]} query and {k.shape[2]} key positions on this rank."
         )
     if dropout_p:
-        raise ValueError(f"dropout_p: context_parallel_attention computes exact attention; got {dropout_p}. Fix: pass 0.0.")
+        raise ValueError(f"dropout_p: context_parallel_attention computes exact attention; got {dropout_p}. "
+                         "Fix: pass 0.0.")
     return inp
 
 

@@ -67,7 +67,8 @@ class SequenceLayout:
             position = stop
         for r, rank in enumerate(segments):
             if not rank:
-                raise ValueError(f"SequenceLayout(segments): rank {r} holds no positions; every rank needs at least one.")
+                raise ValueError(f"SequenceLayout(segments): rank {r} holds no positions; "
+                                 "every rank needs at least one.")
         object.__setattr__(self, "segments", segments)
 
     # -- constructors ------------------------------------------------------------------------

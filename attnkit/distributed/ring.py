@@ -140,7 +140,8 @@ def _pair_backward(plan: RingPlan, p: BlockPair, q, k, v, do, lse, delta, dq, dk
             if status is not BlockStatus.FULL:
                 keep = plan.mask.evaluate((a, a + n), kv_abs, q_offset=0, kv_offset=0, device=q.device, batch_size=B,
                                           num_heads=Hq)
-                keep = keep.reshape(keep.shape[0], Hkv, G, n, t1 - t0) if keep.shape[1] == Hq and G > 1 else keep.unsqueeze(2)
+                keep = (keep.reshape(keep.shape[0], Hkv, G, n, t1 - t0) if keep.shape[1] == Hq and G > 1
+                        else keep.unsqueeze(2))
                 prob = prob.masked_fill(~keep, 0.0)
             dv_b[:, :, :, t0:t1] += torch.matmul(prob.transpose(-1, -2), doc).sum(2, keepdim=True)
             ds = prob * (torch.matmul(doc, vt.transpose(-1, -2)) - delta_c) * plan.scale  # (B, Hkv, G, n, ck)

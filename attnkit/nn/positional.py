@@ -76,7 +76,8 @@ class LearnedPositionalEmbedding(nn.Embedding):
     def forward(self, positions: Tensor) -> Tensor:
         positions = _check_positions(positions)
         # A host read of the positions: eager only (traced, the embedding's own index check remains).
-        if positions.numel() and not torch.compiler.is_compiling() and (int(positions.min()) < 0 or int(positions.max()) >= self.num_embeddings):
+        if positions.numel() and not torch.compiler.is_compiling() and (
+                int(positions.min()) < 0 or int(positions.max()) >= self.num_embeddings):
             raise ValueError(
                 f"positions: learned position embeddings cover 0..{self.num_embeddings - 1} (max_len="
                 f"{self.num_embeddings}), got positions {int(positions.min())}..{int(positions.max())}. Fix: raise "

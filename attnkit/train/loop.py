@@ -79,8 +79,9 @@ def train(cfg: TrainConfig, model_config=None, *, stop_at: int | None = None,
     With ``cfg.resume`` the stored training config applies, except the fields named in ``given``
     (the flags given explicitly; None means every field whose value differs from the
     ``TrainConfig`` default) and the settings of the invocation itself (``out``, ``device``,
-    ``progress``, ``log_every``, ``profile``, ``quantize``), which always come from ``cfg``. Resuming a finished run (``steps`` equal to its step) trains nothing
-    and writes nothing: evaluation and ``quantize`` are read-only there."""
+    ``progress``, ``log_every``, ``profile``, ``quantize``), which always come from ``cfg``. Resuming
+    a finished run (``steps`` equal to its step) trains nothing and writes nothing: evaluation and
+    ``quantize`` are read-only there."""
     ctx = setup_distributed(cfg.device)
     try:
         with StopSignals() as stop:

@@ -86,8 +86,10 @@ class KernelizedBackend(Backend):
     mask_support = MaskSupport("none", "per_key")
 
     @classmethod
-    def feature_maps(cls, options, head_dim: int, scale: float, device=None) -> tuple[FeatureFn, KeyFeatureFn, int, int]:
-        """``(queries, keys, chunk, segment)``, also for :class:`~attnkit.backends.kernelized.state.RecurrentState`."""
+    def feature_maps(cls, options, head_dim: int, scale: float,
+                     device=None) -> tuple[FeatureFn, KeyFeatureFn, int, int]:
+        """``(queries, keys, chunk, segment)``, also for
+        :class:`~attnkit.backends.kernelized.state.RecurrentState`."""
         raise NotImplementedError
 
     @classmethod

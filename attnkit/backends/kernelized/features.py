@@ -37,7 +37,8 @@ def favor_logits(x: Tensor, projection: Tensor, scale: float) -> Tensor:
     """``wᵀx' - |x'|²/2`` with ``x' = x · scale^½`` for each random feature ``w`` (rows of
     ``projection``), so that ``E[exp(logit(q)) exp(logit(k))] = exp(scale · qᵀk)``."""
     x = x * math.sqrt(scale)
-    return torch.matmul(x, projection.transpose(-2, -1).to(x.dtype)) - 0.5 * (x * x).sum(-1, keepdim=True)  # (B, H, T, M)
+    # (B, H, T, M)
+    return torch.matmul(x, projection.transpose(-2, -1).to(x.dtype)) - 0.5 * (x * x).sum(-1, keepdim=True)
 
 
 def favor_query_features(x: Tensor, projection: Tensor, scale: float) -> Tensor:

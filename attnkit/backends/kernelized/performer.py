@@ -11,8 +11,8 @@ Naive twin: ``kernelized.ops.quadratic_attention(φ(Q), φ(K), V, keep)``; the k
 itself is tested to be unbiased. Numerically stabilized: query features are divided by their row
 max and key features by a per-head running max (constants that cancel; in causal mode the max of
 a segment may include later keys, which only rounding can notice — gradients into the future are
-exactly 0), so large-norm inputs stay finite. Causal attention and O(1) decoding share linear attention's prefix sums and
-:class:`~attnkit.backends.kernelized.state.RecurrentState`.
+exactly 0), so large-norm inputs stay finite. Causal attention and O(1) decoding share linear
+attention's prefix sums and :class:`~attnkit.backends.kernelized.state.RecurrentState`.
 
 The projection ``W`` is data: the backend is stateless, a module holds ``W`` (a buffer, see
 :class:`PerformerProjection`, which can redraw it) and passes it as
@@ -91,7 +91,8 @@ class PerformerOptions:
         """The projection to use for ``head_dim``, checked."""
         if self.projection is None:
             gen = torch.Generator().manual_seed(self.seed)
-            return draw_projection(self.num_features, head_dim, orthogonal=self.orthogonal, generator=gen, device=device)
+            return draw_projection(self.num_features, head_dim, orthogonal=self.orthogonal, generator=gen,
+                                   device=device)
         if self.projection.shape[1] != head_dim:
             raise ValueError(
                 f"PerformerOptions(projection=...): shape {tuple(self.projection.shape)} has head_dim "
@@ -113,7 +114,8 @@ class PerformerProjection(nn.Module):
         self.num_features, self.head_dim, self.orthogonal = num_features, head_dim, orthogonal
         self.redraw_interval = redraw_interval
         self.calls = 0
-        self.register_buffer("projection", draw_projection(num_features, head_dim, orthogonal=orthogonal, generator=generator))
+        self.register_buffer("projection", draw_projection(num_features, head_dim, orthogonal=orthogonal,
+                                                           generator=generator))
 
     @torch.no_grad()
     def redraw(self, generator: torch.Generator | None = None) -> None:
