@@ -140,7 +140,8 @@ def main() -> None:
     if "decode" in sections:
         r = decode_overhead(rounds, min_run)
         us, over = r["us"], r["overhead_us"]
-        print(f"decode B=1 H=8 Tq=1 Tk=512 D=64 causal, 1 thread: auto chose {r['chosen']}; direct {us['direct']:.1f} us")
+        print(f"decode B=1 H=8 Tq=1 Tk=512 D=64 causal, 1 thread: auto chose {r['chosen']}; "
+              f"direct {us['direct']:.1f} us")
         print(f"  plain tensors:  auto {us['auto']:.1f} us, overhead {over['auto']:.1f} us (includes the NaN/Inf "
               "policy's finiteness sums over q, K and V: part of the contract)")
         print(f"  kv_finite=True: auto {us['auto kv_finite']:.1f} us, overhead {over['auto kv_finite']:.1f} us "

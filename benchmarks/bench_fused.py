@@ -155,7 +155,8 @@ def run_figures(args) -> dict:
     if "causal" in want:
         n = s["causal"]
         q, k, v = rand(n, grad=True)
-        tm = interleaved({"native": train("native", q, k, v, Causal()), "sdpa": sdpa_train(q, k, v, is_causal=True)}, r, t)
+        tm = interleaved({"native": train("native", q, k, v, Causal()), "sdpa": sdpa_train(q, k, v, is_causal=True)},
+                         r, t)
         report(f"causal fp32 fwd+bwd n={n}", {**tm, "native/sdpa time": tm["native"] / tm["sdpa"]})
 
     if "window" in want:
@@ -166,7 +167,8 @@ def run_figures(args) -> dict:
         q, k, v = rand(n)
         density = m["bigbird"].density(n, n)
         tm = interleaved({"native": fwd("native", q, k, v, m["bigbird"]),
-                          "block_sparse": fwd("block_sparse", q, k, v, m["bigbird"]), "sdpa dense": sdpa_fwd(q, k, v)}, r, t)
+                          "block_sparse": fwd("block_sparse", q, k, v, m["bigbird"]),
+                          "sdpa dense": sdpa_fwd(q, k, v)}, r, t)
         qg, kg, vg = rand(n, grad=True)
         tr = interleaved({"native": train("native", qg, kg, vg, m["bigbird"]),
                           "block_sparse": train("block_sparse", qg, kg, vg, m["bigbird"])}, 1, t)
@@ -180,7 +182,8 @@ def run_figures(args) -> dict:
         keep = m["doc"].materialize(n, n)
         tm = interleaved({"native": train("native", qg, kg, vg, m["doc"]),
                           "sdpa+mask": sdpa_train(qg, kg, vg, attn_mask=keep)}, r, t)
-        report(f"document {s['doc'][0]}x{s['doc'][1]} fwd+bwd n={n}", {**tm, "native speedup": tm["sdpa+mask"] / tm["native"]})
+        report(f"document {s['doc'][0]}x{s['doc'][1]} fwd+bwd n={n}",
+               {**tm, "native speedup": tm["sdpa+mask"] / tm["native"]})
 
     if "bf16" in want:
         bf16(s, r, t, report)
@@ -217,7 +220,8 @@ def window(s, m, r, t, report, no_flex: bool):
         else:
             entry["flex first call (compile + build) s"] = time.perf_counter() - start
             flex._STATE["block_masks"].clear()
-            build = once(lambda: flex.block_mask(m["window"], attnkit.inputs.AttentionInputs.create(q, k, v, mask=m["window"])))
+            build = once(lambda: flex.block_mask(m["window"],
+                                                 attnkit.inputs.AttentionInputs.create(q, k, v, mask=m["window"])))
             entry["flex BlockMask build s (not in the steady state)"] = build
             fwd("flex", q, k, v, m["window"])()  # the BlockMask cached again
             fns["flex"] = fwd("flex", q, k, v, m["window"])
@@ -247,10 +251,12 @@ def bf16(s, r, t, report):
     tm = interleaved({"native": fwd("native", q, k, v, Causal()), "sdpa": sdpa_fwd(q, k, v, is_causal=True),
                       "sdpa fp32": sdpa_fwd(q32, k32, v32, is_causal=True)}, r, t)
     f = flops(n, 0.5, "forward")
-    report(f"bf16 causal fwd n={n}", {**tm, "native path": path, "native speed / sdpa bf16 speed": tm["sdpa"] / tm["native"],
+    report(f"bf16 causal fwd n={n}", {**tm, "native path": path,
+                                      "native speed / sdpa bf16 speed": tm["sdpa"] / tm["native"],
                                       "native speed / sdpa fp32 speed": tm["sdpa fp32"] / tm["native"],
                                       "matmul peak GFLOP/s": {d: p / 1e9 for d, p in peak.items()},
-                                      "% of bf16 matmul peak": {b: 100 * f / x / peak["bfloat16"] for b, x in tm.items()}})
+                                      "% of bf16 matmul peak": {b: 100 * f / x / peak["bfloat16"]
+                                                                for b, x in tm.items()}})
     q, k, v = (x.requires_grad_(True) for x in (q, k, v))
     q32, k32, v32 = (x.detach().float().requires_grad_(True) for x in (q, k, v))
     tm = interleaved({"native": train("native", q, k, v, Causal()), "sdpa": sdpa_train(q, k, v, is_causal=True),
@@ -259,7 +265,8 @@ def bf16(s, r, t, report):
     report(f"bf16 causal fwd+bwd n={n}", {**tm, "native path": path,
                                           "native speed / sdpa bf16 speed": tm["sdpa"] / tm["native"],
                                           "native speed / sdpa fp32 speed": tm["sdpa fp32"] / tm["native"],
-                                          "% of bf16 matmul peak": {b: 100 * f / x / peak["bfloat16"] for b, x in tm.items()}})
+                                          "% of bf16 matmul peak": {b: 100 * f / x / peak["bfloat16"]
+                                                                    for b, x in tm.items()}})
 
 
 def flex_build(s, report):
@@ -278,7 +285,8 @@ def flex_build(s, report):
     try:
         for length in range(1000, 1101, 25):
             qq, kk, vv = rand(length)
-            entry[f"flex causal fwd n={length} s (first includes the compile)"] = once(fwd("flex", qq, kk, vv, Causal()))
+            entry[f"flex causal fwd n={length} s (first includes the compile)"] = once(
+                fwd("flex", qq, kk, vv, Causal()))
     except RuntimeError as exc:
         entry["flex error"] = str(exc)[:300]
     entry["recompiles over lengths 1000..1100 (5 lengths)"] = counters["stats"]["unique_graphs"] - before
@@ -286,7 +294,8 @@ def flex_build(s, report):
     report("flex", entry)
 
 
-MEMORY_CASES = ("native-window-train", "sdpa-window-train", "native-doc-train", "sdpa-doc-train", "native-causal-train", "sdpa-causal-train")
+MEMORY_CASES = ("native-window-train", "sdpa-window-train", "native-doc-train", "sdpa-doc-train", "native-causal-train",
+                "sdpa-causal-train")
 
 
 def one_case(name: str, quick: bool) -> None:

@@ -89,12 +89,14 @@ def main() -> None:
                load_average=load, evaluations_cache_on=evaluations["on"], evaluations_cache_off=evaluations["off"],
                forward_ms_cache_on=statistics.median(on) * 1e3, forward_ms_cache_off=statistics.median(off) * 1e3,
                ratio_off_over_on=statistics.median(ratios), one_materialize_ms=statistics.median(single) * 1e3,
-               chosen_backend=attnkit.explain(torch.empty(args.batch, 4, args.length, 64), torch.empty(args.batch, 4, args.length, 64),
+               chosen_backend=attnkit.explain(torch.empty(args.batch, 4, args.length, 64),
+                                              torch.empty(args.batch, 4, args.length, 64),
                                               torch.empty(args.batch, 4, args.length, 64),
                                               mask=Causal() & Padding(valid)).chosen)
-    print(f"torch {torch.__version__}, {row['threads']} threads, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
-          f"medians of {args.repeats} interleaved rounds")
-    print(f"padded GPT forward B={args.batch} T={args.length} layers={args.layers} (attention: {row['chosen_backend']})")
+    print(f"torch {torch.__version__}, {row['threads']} threads, "
+          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; medians of {args.repeats} interleaved rounds")
+    print(f"padded GPT forward B={args.batch} T={args.length} layers={args.layers} "
+          f"(attention: {row['chosen_backend']})")
     print(f"  mask evaluations per forward: cache on {evaluations['on']}, off {evaluations['off']}")
     print(f"  forward ms: cache on {row['forward_ms_cache_on']:.2f}, off {row['forward_ms_cache_off']:.2f}, "
           f"off/on {row['ratio_off_over_on']:.3f}; one materialize {row['one_materialize_ms']:.3f} ms")

@@ -99,7 +99,8 @@ def recompiles(args):
         grads = torch.autograd.grad(out.sum(), (q, k, v))
         ref = step(q, k, v, cu, longest)
         ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
-        worst = max([worst, float((out - ref).abs().max())] + [float((a - b).abs().max()) for a, b in zip(grads, ref_grads)])
+        worst = max([worst, float((out - ref).abs().max())]
+                    + [float((a - b).abs().max()) for a, b in zip(grads, ref_grads)])
     graphs = counters["stats"]["unique_graphs"]
     print(f"\nrecompiles: {args.batches} random batches (1000..1100 tokens, 2..8 sequences), backend={backend}, "
           f"torch.compile(dynamic=True, backend={args.compile_backend!r}): {graphs} graph(s) compiled, "
@@ -166,7 +167,8 @@ def main():
     parser.add_argument("--sections", default="attention,recompiles,hf",
                         help="comma-separated: attention (the timings), recompiles, hf")
     parser.add_argument("--batches", type=int, default=20, help="random batches of the recompiles section")
-    parser.add_argument("--compile-backend", default="aot_eager", help="torch.compile backend of the recompiles section")
+    parser.add_argument("--compile-backend", default="aot_eager",
+                        help="torch.compile backend of the recompiles section")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sections = set(args.sections.split(","))

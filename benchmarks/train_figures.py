@@ -114,15 +114,21 @@ def main() -> int:
 
     save()
     d, q, pr, dd, ds = fig["default"], fig["int8"], fig["precision"], fig["ddp"], fig["distill"]
-    print(f"""
-| figure | result |
-|---|---|
-| default run | {d['steps']} steps in {d['seconds']:.0f} s; train loss {d['first_loss']:.2f} -> eval {d['final_eval']['loss']:.3f} (ppl {d['final_eval']['perplexity']:.2f}); {d['tokens_per_s']:.0f} tok/s |
-| bf16 autocast vs fp32 | {pr['bf16_over_fp32']:.2f}x tokens/s (fp32 {pr['fp32_tokens_per_s']}, bf16 {pr['bf16_tokens_per_s']}) |
-| DDP 2 procs vs 1 | {dd['two_over_one']:.2f}x tokens/s; max per-step loss difference {dd['max_abs_loss_diff']:.1e} |
-| int8 dynamic | {q['speedup']:.2f}x forward; eval loss {q['fp32_loss']:.4f} -> {q['int8_loss']:.4f} ({q['loss_delta']:+.4f}); {q['fp32_bytes'] / 2**20:.2f} -> {q['int8_bytes'] / 2**20:.2f} MiB |
-| distillation | teacher {ds['teacher_loss']:.3f} ({ds['teacher_params'] / 1e6:.2f}M params) / student {ds['student_loss']:.3f} ({ds['student_params'] / 1e6:.2f}M) / same student without teacher {ds['student_alone_loss']:.3f} |
-""", flush=True)
+    print("\n"
+          "| figure | result |\n"
+          "|---|---|\n"
+          f"| default run | {d['steps']} steps in {d['seconds']:.0f} s; train loss {d['first_loss']:.2f} -> "
+          f"eval {d['final_eval']['loss']:.3f} (ppl {d['final_eval']['perplexity']:.2f}); "
+          f"{d['tokens_per_s']:.0f} tok/s |\n"
+          f"| bf16 autocast vs fp32 | {pr['bf16_over_fp32']:.2f}x tokens/s (fp32 {pr['fp32_tokens_per_s']}, "
+          f"bf16 {pr['bf16_tokens_per_s']}) |\n"
+          f"| DDP 2 procs vs 1 | {dd['two_over_one']:.2f}x tokens/s; "
+          f"max per-step loss difference {dd['max_abs_loss_diff']:.1e} |\n"
+          f"| int8 dynamic | {q['speedup']:.2f}x forward; eval loss {q['fp32_loss']:.4f} -> {q['int8_loss']:.4f} "
+          f"({q['loss_delta']:+.4f}); {q['fp32_bytes'] / 2**20:.2f} -> {q['int8_bytes'] / 2**20:.2f} MiB |\n"
+          f"| distillation | teacher {ds['teacher_loss']:.3f} ({ds['teacher_params'] / 1e6:.2f}M params) / "
+          f"student {ds['student_loss']:.3f} ({ds['student_params'] / 1e6:.2f}M) / "
+          f"same student without teacher {ds['student_alone_loss']:.3f} |\n", flush=True)
     return 0
 
 
