@@ -37,5 +37,5 @@ def pytest_report_header(config):
     """Print the rotating hypothesis seed, so a failure can be replayed."""
     from .reference import DEVICE, HYPOTHESIS_CI, ROTATING_SEED
 
-    return (f"attnkit tests on {DEVICE}; hypothesis {'ci' if HYPOTHESIS_CI else 'dev'} profile (ATTNKIT_HYPOTHESIS_PROFILE), "
-            f"rotating seed: ATTNKIT_HYPOTHESIS_SEED={ROTATING_SEED}")
+    return (f"attnkit tests on {DEVICE}; hypothesis {'ci' if HYPOTHESIS_CI else 'dev'} profile "
+            f"(ATTNKIT_HYPOTHESIS_PROFILE), rotating seed: ATTNKIT_HYPOTHESIS_SEED={ROTATING_SEED}")

@@ -32,15 +32,16 @@ def check_against_reference(backend, q, k, v, *, mask=None, bias=None, options=N
         max_error(out_d, r_out_d), max_error(n_out, r_out_d))
     assert torch.equal(torch.isinf(lse), torch.isinf(r_lse)), "fully masked rows must have LSE -inf"
     fin = ~torch.isinf(r_lse)
-    assert flash_rule_ok(max_error(lse_d[fin], r_lse_d[fin]), max_error(n_lse[fin], r_lse_d[fin]), factor=2, dtype=torch.float32)
+    assert flash_rule_ok(max_error(lse_d[fin], r_lse_d[fin]), max_error(n_lse[fin], r_lse_d[fin]), factor=2,
+                         dtype=torch.float32)
     if not grads:
         return out, lse
     g = torch.Generator().manual_seed(1)
     w = torch.randn(out.shape, generator=g, dtype=torch.float64)
     inputs = [x for x in (q, k, v, bias) if x is not None and x.requires_grad]
 
-    def grads_of(o, l):
-        loss = (o.double() * w).sum() + 0.5 * l.double().masked_fill(~fin, 0).sum()
+    def grads_of(o, ls):
+        loss = (o.double() * w).sum() + 0.5 * ls.double().masked_fill(~fin, 0).sum()
         return torch.autograd.grad(loss, inputs)
 
     n_out, n_lse = reference_attention_lowp(q, k, v, mask=mask, bias=bias, q_offset=q_offset, kv_offset=kv_offset)
@@ -48,5 +49,6 @@ def check_against_reference(backend, q, k, v, *, mask=None, bias=None, options=N
     for a, n, r in zip(got, naive, ref):
         a, n, r = a.detach(), n.detach(), r.detach()
         assert torch.isfinite(a).all()
-        assert flash_rule_ok(max_error(a, r), max_error(n, r), factor=3, dtype=dtype), (max_error(a, r), max_error(n, r))
+        assert flash_rule_ok(max_error(a, r), max_error(n, r), factor=3, dtype=dtype), (
+            max_error(a, r), max_error(n, r))
     return out, lse

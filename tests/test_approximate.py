@@ -182,7 +182,8 @@ def test_performer_projection_module_redraw():
 def test_recurrent_decode_equals_causal_forward(backend):
     q, k, v = qkv(Tq=21, Tk=21)
     w = draw_projection(32, 8, dtype=torch.float64)
-    opts = LinearOptions(chunk=4, segment=8) if backend == "linear" else PerformerOptions(projection=w, chunk=4, segment=8)
+    opts = (LinearOptions(chunk=4, segment=8) if backend == "linear"
+            else PerformerOptions(projection=w, chunk=4, segment=8))
     full = attnkit.attention(q, k, v, mask=Causal(), backend=backend, options=opts)
     state = RecurrentState.create(backend, head_dim=8, options=opts)
     outs = [state.step(q[:, :, :13], k[:, :, :13], v[:, :, :13])]  # prefill
@@ -312,7 +313,8 @@ def test_finite_for_large_norm_inputs(backend, mask):
     q, k, v = qkv(B=1, Hq=2, Hkv=2, Tq=40, Tk=40, D=16, dtype=torch.float32)
     q, k = (x.mul(100.0).requires_grad_() for x in (q, k))
     v.requires_grad_()
-    options = {"lsh": lsh.LSHOptions(bucket_size=8), "performer": PerformerOptions(num_features=32, chunk=8)}.get(backend)
+    options = {"lsh": lsh.LSHOptions(bucket_size=8),
+               "performer": PerformerOptions(num_features=32, chunk=8)}.get(backend)
     out = attnkit.attention(q, k, v, mask=mask, backend=backend, options=options)
     assert torch.isfinite(out).all()
     out.square().sum().backward()

@@ -83,7 +83,8 @@ CONSTRUCTION = [
 ]
 
 
-@pytest.mark.parametrize("fn,error,name", [c[1:] for c in CASES + CONSTRUCTION], ids=[c[0] for c in CASES + CONSTRUCTION])
+@pytest.mark.parametrize("fn,error,name", [c[1:] for c in CASES + CONSTRUCTION],
+                         ids=[c[0] for c in CASES + CONSTRUCTION])
 def test_bad_input_raises_clear_error(fn, error, name):
     with pytest.raises(error) as info:
         fn()

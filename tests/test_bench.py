@@ -20,8 +20,8 @@ TINY = ["--lengths", "16,32", "--heads", "2", "--head-dim", "8", "--window", "8"
 def tiny_run(tmp_path_factory):
     """One tiny sweep through the CLI, shared by the schema and output tests."""
     out = tmp_path_factory.mktemp("bench")
-    code = main(["bench", *TINY, "--backends", "naive,sdpa,tiled,linear,auto", "--masks", "none,causal,window,bigbird,padding",
-                 "--out", str(out)])
+    code = main(["bench", *TINY, "--backends", "naive,sdpa,tiled,linear,auto",
+                 "--masks", "none,causal,window,bigbird,padding", "--out", str(out)])
     assert code == 0
     return out, json.loads((out / "results.json").read_text())
 
@@ -153,7 +153,8 @@ def test_build_calibration_pools_block_sparse_patterns():
             {"status": "ok", "backend": b, "exact": True, "n": 256, "mask": m, "dtype": "float32", "passes": "forward",
              "median_s": t}
             for b, m, t in [("sdpa", "bigbird", 1.0), ("block_sparse", "bigbird", 0.5),
-                            ("sdpa", "longformer", 1.0), ("block_sparse", "longformer", 2.0), ("linear", "bigbird", 0.1)]
+                            ("sdpa", "longformer", 1.0), ("block_sparse", "longformer", 2.0),
+                            ("linear", "bigbird", 0.1)]
         ],
     }
     results["results"][-1]["exact"] = False
@@ -366,8 +367,10 @@ def test_auto_vs_best_plot_has_one_panel_per_pass(tmp_path):
     pytest.importorskip("matplotlib")
     from attnkit.bench.plots import _auto_over_best
 
-    rows = [{"n": n, "mask": m, "dtype": d, "passes": p, "best": "sdpa", "auto_chose": "sdpa", "auto_over_best": 1.0 + n / 1e4}
-            for n in (256, 1024) for m in ("causal", "window") for d in ("float32", "bfloat16") for p in ("forward", "train")]
+    rows = [{"n": n, "mask": m, "dtype": d, "passes": p, "best": "sdpa", "auto_chose": "sdpa",
+             "auto_over_best": 1.0 + n / 1e4}
+            for n in (256, 1024) for m in ("causal", "window") for d in ("float32", "bfloat16")
+            for p in ("forward", "train")]
     path = _auto_over_best({"auto_verification": rows, "results": []}, tmp_path / "auto.png")
     assert path is not None and path.stat().st_size > 1000
     assert _auto_over_best({"results": []}, tmp_path / "none.png") is None

@@ -42,7 +42,8 @@ def test_info_explains_choice(capsys):
     assert main(["info", "--shape", "1,8,1024,64", "--mask", "causal"]) == 0
     out = capsys.readouterr().out
     chosen = out.split("chosen: ")[1].split()[0]
-    # a kernel that fuses or skips masked tiles (tiled stands in when native is not built); which one the cost model says
+    # a kernel that fuses or skips masked tiles (tiled stands in when native is not built); which one
+    # the cost model says
     assert chosen in ("sdpa", "native", "tiled") and "naive" in out
     assert out.count("policy") == 1  # the policy is said once
 

@@ -25,7 +25,9 @@ from attnkit import Causal, Custom, Document, KeyPadding, SlidingWindow
 from attnkit.inputs import AttentionInputs
 from attnkit.masks import BlockSparse
 
-from .reference import DEVICE, device_unavailable, flash_rule_ok, max_error, reference_attention, reference_attention_lowp
+from .reference import (
+    DEVICE, device_unavailable, flash_rule_ok, max_error, reference_attention, reference_attention_lowp,
+)
 
 if device_unavailable():
     pytest.skip(device_unavailable(), allow_module_level=True)
@@ -169,7 +171,8 @@ def check_flash_rule(out, grads, lowp, ref, dtype):
     """Assert flash-attn's rule: output within 2x, gradients within 3x the low-precision reference's error."""
     (lp_out, lp_grads), (ref_out, ref_grads) = lowp, ref
     err, lp_err = max_error(out, ref_out), max_error(lp_out, ref_out)
-    assert flash_rule_ok(err, lp_err, factor=2, dtype=dtype), f"out error {err:.3g} vs low-precision reference {lp_err:.3g}"
+    assert flash_rule_ok(err, lp_err, factor=2, dtype=dtype), (
+        f"out error {err:.3g} vs low-precision reference {lp_err:.3g}")
     for name, g, lg, rg in zip("qkv", grads, lp_grads, ref_grads):
         assert g is not None and torch.isfinite(g).all(), f"d{name} missing or not finite"
         err, lp_err = max_error(g, rg), max_error(lg, rg)

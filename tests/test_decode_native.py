@@ -162,7 +162,8 @@ def test_awkward_heads_and_head_dims(fmt, heads, D):
 def test_bias_and_masks_without_structure_equal_naive():
     """A bool keep tensor (any mask) and an additive bias, broadcast over batch and heads."""
     g = torch.Generator().manual_seed(5)
-    q, k, v = torch.randn(2, 4, 3, 16, generator=g), torch.randn(2, 2, 70, 16, generator=g), torch.randn(2, 2, 70, 16, generator=g)
+    q, k, v = (torch.randn(2, 4, 3, 16, generator=g), torch.randn(2, 2, 70, 16, generator=g),
+               torch.randn(2, 2, 70, 16, generator=g))
     keep = torch.rand(2, 1, 3, 70, generator=g) > 0.3
     bias = torch.randn(1, 4, 3, 70, generator=g)
     for mask in (keep, Causal() & KeyPadding(torch.tensor([50, 7]))):

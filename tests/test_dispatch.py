@@ -294,10 +294,12 @@ def test_calibration_from_another_machine_is_ignored_with_one_warning(tmp_path, 
     path = tmp_path / "cal.json"
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(path))
     key = calibration.entry_key("cpu", "float32", "none", "forward", heads=2, head_dim=8)
-    calibration.save({"entries": {key: [{"n": 32, "order": ["naive", "sdpa"], "times": {"naive": 1e-4, "sdpa": 1e-3}}]}})
+    calibration.save({"entries": {key: [{"n": 32, "order": ["naive", "sdpa"],
+                                         "times": {"naive": 1e-4, "sdpa": 1e-3}}]}})
     x = torch.randn(1, 2, 32, 8)
     assert attnkit.explain(x, x, x).chosen == "naive"
-    assert attnkit.explain(torch.randn(1, 3, 32, 8), torch.randn(1, 3, 32, 8), torch.randn(1, 3, 32, 8)).chosen != "naive"
+    assert attnkit.explain(torch.randn(1, 3, 32, 8), torch.randn(1, 3, 32, 8),
+                           torch.randn(1, 3, 32, 8)).chosen != "naive"
     data = json.loads(path.read_text())
     data["machine_id"]["cpu"] = "Another CPU 9000"
     path.write_text(json.dumps(data))

@@ -26,7 +26,8 @@ def ran(monkeypatch):
     """The names of the backends attention() runs, in order."""
     names: list[str] = []
     real = nonfinite.run
-    monkeypatch.setattr(nonfinite, "run", lambda impl, inp, options: names.append(impl.name) or real(impl, inp, options))
+    monkeypatch.setattr(nonfinite, "run",
+                        lambda impl, inp, options: names.append(impl.name) or real(impl, inp, options))
     monkeypatch.setattr(dispatch, "_CALLS", {})
     return names
 
@@ -34,7 +35,8 @@ def ran(monkeypatch):
 def test_a_repeated_call_is_validated_and_selected_once(ran, monkeypatch):
     created = []
     real = AttentionInputs.create
-    monkeypatch.setattr(AttentionInputs, "create", lambda *a, **kw: created.append(a[0].device.type != "meta") or real(*a, **kw))
+    monkeypatch.setattr(AttentionInputs, "create",
+                        lambda *a, **kw: created.append(a[0].device.type != "meta") or real(*a, **kw))
     mask = Causal() & SlidingWindow(6, 0)
     outs = [attnkit.attention(q, kv, kv, mask=Causal() & SlidingWindow(6, 0)) for _ in range(3)]
     assert sum(created) == 1 and len(set(ran)) == 1
@@ -66,7 +68,8 @@ def test_a_new_calibration_changes_the_next_call(ran, tmp_path, monkeypatch):
     assert ran[-1] == "sdpa"
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(tmp_path / "cal.json"))
     key = calibration.entry_key("cpu", "float32", "none", "forward", heads=2, head_dim=8)
-    calibration.save({"entries": {key: [{"n": 11, "order": ["naive", "sdpa"], "times": {"naive": 1e-5, "sdpa": 1e-3}}]}})
+    calibration.save({"entries": {key: [{"n": 11, "order": ["naive", "sdpa"],
+                                         "times": {"naive": 1e-5, "sdpa": 1e-3}}]}})
     attnkit.attention(q, kv, kv)
     assert ran[-1] == "naive"
     (tmp_path / "cal.json").unlink()

@@ -15,7 +15,9 @@ from attnkit import Causal, Dense, KeyPadding, SlidingWindow
 from attnkit.cache import DynamicLayerCache
 from attnkit.inputs import AttentionInputs
 
-from .reference import DEVICE, device_unavailable, flash_rule_ok, max_error, reference_attention, reference_attention_lowp
+from .reference import (
+    DEVICE, device_unavailable, flash_rule_ok, max_error, reference_attention, reference_attention_lowp,
+)
 
 if device_unavailable():
     pytest.skip(device_unavailable(), allow_module_level=True)
@@ -58,7 +60,8 @@ WINDOWS = [(-1, -1), (-1, 0), (16, 0), (7, 12), (0, 0)]
 @pytest.mark.parametrize("left,right", WINDOWS)
 def test_window_semantics_match_flash_attn(Tq, Tk, left, right):
     """Our bottom-right SlidingWindow / Causal keep exactly flash-attn's window_size=(left, right)."""
-    mask = None if (left, right) == (-1, -1) else SlidingWindow(None if left < 0 else left, None if right < 0 else right)
+    mask = (None if (left, right) == (-1, -1)
+            else SlidingWindow(None if left < 0 else left, None if right < 0 else right))
     ours = torch.ones(1, 1, Tq, Tk, dtype=torch.bool) if mask is None else mask.materialize(Tq, Tk)
     assert torch.equal(ours.expand(1, 1, Tq, Tk), local_keep(Tq, Tk, left, right))
     if (left, right) == (-1, 0):
@@ -78,7 +81,8 @@ def _check(backend, q, k, v, do, **kwargs):
     out = attnkit.attention(*leaves, backend=backend, **kwargs)
     out.backward(do)
     results = {}
-    for name, fn, cast in (("lowp", reference_attention_lowp, lambda x: x), ("ref", reference_attention, torch.Tensor.double)):
+    for name, fn, cast in (("lowp", reference_attention_lowp, lambda x: x),
+                           ("ref", reference_attention, torch.Tensor.double)):
         ls = [cast(x.detach()).requires_grad_(True) for x in (q, k, v)]
         o, _ = fn(*ls, **kwargs)
         o.backward(do.to(o.dtype))
@@ -145,7 +149,8 @@ def test_varlen_padding_equals_each_sequence_alone(mode, causal):
 KP_LENGTHS = random_lengths(41, 3, "third", seed=3).tolist()
 
 
-@pytest.mark.parametrize("backend,D,Tq,Tk", _accepting(lambda D, Tq, Tk: dict(mask=KeyPadding(KP_LENGTHS)), [(32, 29, 41)]))
+@pytest.mark.parametrize("backend,D,Tq,Tk",
+                         _accepting(lambda D, Tq, Tk: dict(mask=KeyPadding(KP_LENGTHS)), [(32, 29, 41)]))
 def test_key_padding_matches_flash_padding(backend, D, Tq, Tk):
     """KeyPadding(lengths) keeps what flash-attn's key_padding_mask keeps (queries all real)."""
     B = len(KP_LENGTHS)
@@ -179,5 +184,6 @@ def test_kv_cache_append_equals_full_forward(Tnew, window):
         k_pad[b, :, n:n + Tnew], v_pad[b, :, n:n + Tnew] = k[b, :, P:], v[b, :, P:]
     out = attnkit.attention(q[:, :, P:], k_pad, v_pad, mask=Dense(keep.to(DEVICE)))
     for b, n in enumerate(cache_lens.tolist()):
-        alone = attnkit.attention(q[b:b + 1, :, P:], k_pad[b:b + 1, :, :n + Tnew], v_pad[b:b + 1, :, :n + Tnew], mask=mask)
+        alone = attnkit.attention(q[b:b + 1, :, P:], k_pad[b:b + 1, :, :n + Tnew], v_pad[b:b + 1, :, :n + Tnew],
+                                  mask=mask)
         torch.testing.assert_close(out[b:b + 1], alone, atol=2e-6, rtol=0)

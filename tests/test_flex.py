@@ -43,7 +43,8 @@ MASKS = {
 def test_masks_gqa_and_ragged_blocks_match_reference(name):
     """Tq=200, Tk=260: neither a multiple of Flex's 128 block; GQA 4/2."""
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(2, 4, 200, 32, generator=g), torch.randn(2, 2, 260, 32, generator=g), torch.randn(2, 2, 260, 32, generator=g)
+    q, k, v = (torch.randn(2, 4, 200, 32, generator=g), torch.randn(2, 2, 260, 32, generator=g),
+               torch.randn(2, 2, 260, 32, generator=g))
     mask = MASKS[name]
     out = attnkit.attention(q, k, v, mask=mask, backend="flex", options=EAGER)
     ref, _ = reference_attention(q, k, v, mask=mask)
@@ -135,7 +136,8 @@ def test_compiled_once_over_lengths_1000_to_1100():
         ref, _ = reference_attention(q, k, v, mask=Causal())
         assert max_error(out, ref) < 1e-5
     assert counters["stats"]["unique_graphs"] - before <= 2
-    assert "compiled for cpu already" in attnkit.get_backend("flex").describe(attnkit.inputs.AttentionInputs.create(q, k, v))
+    assert "compiled for cpu already" in attnkit.get_backend("flex").describe(
+        attnkit.inputs.AttentionInputs.create(q, k, v))
 
 
 @pytest.mark.slow
@@ -177,7 +179,8 @@ def test_score_mods_are_flex_score_mods():
     from attnkit.score_mods import ALiBi, RelativeBias, SoftCap
 
     g = torch.Generator().manual_seed(3)
-    q, k, v = torch.randn(2, 4, 50, 16, generator=g), torch.randn(2, 2, 90, 16, generator=g), torch.randn(2, 2, 90, 16, generator=g)
+    q, k, v = (torch.randn(2, 4, 50, 16, generator=g), torch.randn(2, 2, 90, 16, generator=g),
+               torch.randn(2, 2, 90, 16, generator=g))
     relative = RelativeBias(torch.randn(4, 16, generator=g), max_distance=32, bidirectional=False)
     kw = dict(mask=Causal() & KeyPadding([90, 70]), bias=torch.randn(1, 4, 1, 90, generator=g), q_offset=30,
               score_mod=ALiBi.geometric(4) >> SoftCap(2.0) >> relative)
@@ -192,7 +195,8 @@ def test_score_mods_compile():
     from attnkit.score_mods import ALiBi, SoftCap
 
     g = torch.Generator().manual_seed(3)
-    q, k, v = torch.randn(2, 4, 50, 16, generator=g), torch.randn(2, 2, 90, 16, generator=g), torch.randn(2, 2, 90, 16, generator=g)
+    q, k, v = (torch.randn(2, 4, 50, 16, generator=g), torch.randn(2, 2, 90, 16, generator=g),
+               torch.randn(2, 2, 90, 16, generator=g))
     kw = dict(mask=Causal(), q_offset=30, score_mod=ALiBi.geometric(4) >> SoftCap(2.0))
     ref = attnkit.attention(q, k, v, backend="naive", **kw)
     assert max_error(attnkit.attention(q, k, v, backend="flex", **kw), ref) < 1e-5

@@ -45,7 +45,8 @@ def test_gqa_and_dropout_keywords_as_in_sdpa():
     q, k, v = _qkv(Hq=4, Hkv=2)
     torch.testing.assert_close(attnkit.attention(q, k, v, is_causal=True, enable_gqa=True),
                                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-    torch.testing.assert_close(attnkit.attention(q, k, v, dropout_p=0.0), F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    torch.testing.assert_close(attnkit.attention(q, k, v, dropout_p=0.0),
+                               F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -120,7 +121,8 @@ def test_top_left_causal_with_bias_and_fewer_queries(bias_shape):
     bias = torch.randn(bias_shape)
     expected = attnkit.attention(q, k, v, mask=Causal(), q_offset=0, bias=bias, backend="naive")
     for backend in ("sdpa", "auto"):
-        torch.testing.assert_close(attnkit.attention(q, k, v, mask=Causal(), q_offset=0, bias=bias, backend=backend), expected)
+        torch.testing.assert_close(attnkit.attention(q, k, v, mask=Causal(), q_offset=0, bias=bias, backend=backend),
+                                   expected)
     torch.testing.assert_close(attnkit.attention(q, k, v, is_causal=True, bias=bias), expected)
 
 

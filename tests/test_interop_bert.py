@@ -62,7 +62,8 @@ def assert_matches(hidden, hf_hidden, keep, what):
         assert err[keep].max().item() <= ATOL, f"{what}: hidden state {i} differs by {err[keep].max().item()}"
         assert torch.isfinite(got).all(), f"{what}: layer {i} has non-finite values"
         scale = want.abs().max().item()
-        assert err[~keep].max().item() <= 1e-4 * scale, f"{what}: padded positions of layer {i}: {err[~keep].max().item()}"
+        assert err[~keep].max().item() <= 1e-4 * scale, (
+            f"{what}: padded positions of layer {i}: {err[~keep].max().item()}")
 
 
 def run_ours(model, encoded, input_ids=None):

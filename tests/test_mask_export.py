@@ -60,7 +60,8 @@ def test_mask_params_gather_positional_parameters():
     doc = torch.arange(64) // 9
     layout = BlockSparse.bigbird(8, 8, seed=0)
     custom = Custom(lambda b, h, q, k: q != k)
-    mask = Causal() & SlidingWindow(7, 3) & KeyPadding([40, 50]) & KeyPadding([45, 20]) & Document(doc) & layout & custom
+    mask = (Causal() & SlidingWindow(7, 3) & KeyPadding([40, 50]) & KeyPadding([45, 20])
+            & Document(doc) & layout & custom)
     p = mask_params(mask, 2)
     assert (p.band.left, p.band.right) == (7, 0)
     assert p.lengths.tolist() == [40, 20] and torch.equal(p.doc, doc[None]) and p.layout is layout.layout

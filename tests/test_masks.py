@@ -118,8 +118,10 @@ def test_block_status_is_consistent_with_materialize(mask, q0, q_len, k0, k_len)
 
 
 @pytest.mark.parametrize("build, match", [
-    (lambda: KeyPadding([1.5, 2.7]), r"KeyPadding\(lengths\)=\[1\.5, 2\.7\]: expected integers, got dtype torch\.float32"),
-    (lambda: KeyPadding([True, False]), r"KeyPadding\(lengths\)=\[True, False\]: expected integers, got dtype torch\.bool"),
+    (lambda: KeyPadding([1.5, 2.7]),
+     r"KeyPadding\(lengths\)=\[1\.5, 2\.7\]: expected integers, got dtype torch\.float32"),
+    (lambda: KeyPadding([True, False]),
+     r"KeyPadding\(lengths\)=\[True, False\]: expected integers, got dtype torch\.bool"),
     (lambda: KeyPadding(torch.tensor([True])), r"KeyPadding\(lengths\)=\[True\]: expected integers"),
     (lambda: Document([[0.0, 1.0]]), r"Document\(ids\)=\[\[0\.0, 1\.0\]\]: expected integers"),
     (lambda: KeyPadding("ab"), r"KeyPadding\(lengths\): expected a sequence of ints"),

@@ -56,7 +56,8 @@ def test_bigbird_is_seeded_and_has_window_global_random():
 
 
 def test_causal_patterns_are_lower_triangular_and_causal():
-    for mask in (BlockSparse.fixed(8, 4, stride=4), BlockSparse.strided(8, 4, stride=3), BlockSparse.bigbird(8, 4, causal=True)):
+    for mask in (BlockSparse.fixed(8, 4, stride=4), BlockSparse.strided(8, 4, stride=3),
+                 BlockSparse.bigbird(8, 4, causal=True)):
         assert mask.is_causal() is False and Causal() in mask.conjuncts() and mask.block_layout() is not None
         keep = mask.materialize(32, 32)[0, 0]
         assert not torch.triu(keep, diagonal=1).any()

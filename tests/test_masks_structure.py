@@ -113,7 +113,8 @@ def test_block_status_is_sound_over_every_batch_and_head(mask, q0, k0, n, m):
 
 
 _G = torch.Generator().manual_seed(1)
-Q, K, V = torch.randn(B, H, T, 8, generator=_G), torch.randn(B, 1, T, 8, generator=_G), torch.randn(B, 1, T, 8, generator=_G)
+Q, K, V = (torch.randn(B, H, T, 8, generator=_G), torch.randn(B, 1, T, 8, generator=_G),
+           torch.randn(B, 1, T, 8, generator=_G))
 
 
 @st.composite
@@ -124,7 +125,8 @@ def structured_trees(draw):
     kind = draw(st.sampled_from(["band", "band_globals", "layout", "plain"]))
     if kind.startswith("band"):
         tree = tree & SlidingWindow(draw(st.integers(0, 6)), draw(st.integers(0, 3)))
-        return tree | GlobalTokens(draw(st.lists(st.integers(0, T - 1), max_size=3))) if kind == "band_globals" else tree
+        return (tree | GlobalTokens(draw(st.lists(st.integers(0, T - 1), max_size=3))) if kind == "band_globals"
+                else tree)
     if kind == "layout":
         return tree & BlockSparse.bigbird(T // 4, 4, seed=draw(st.integers(0, 3)), random_blocks=1)
     return tree
@@ -156,7 +158,8 @@ def test_structure_of_known_masks():
     causal_lf = longformer(3, [0], causal=True)
     assert causal_lf.split_globals()[1] is None and not causal_lf.band().bounded  # global keys far left
     assert (KeyPadding([3]) & Padding(VALID)).query_independent and not (KeyPadding([3]) & Causal()).query_independent
-    assert Custom(lambda b, h, q, k: q >= k).depends_on_batch and (Causal() & Custom(lambda b, h, q, k: q >= k)).depends_on_head
+    assert Custom(lambda b, h, q, k: q >= k).depends_on_batch and (
+        Causal() & Custom(lambda b, h, q, k: q >= k)).depends_on_head
 
 
 def test_structure_key_tells_combinations_apart_for_calibration():
@@ -164,7 +167,8 @@ def test_structure_key_tells_combinations_apart_for_calibration():
         None, Causal(), Causal() & KeyPadding([3]), Causal() & Document(IDS), KeyPadding([3]) & Causal(),
         SlidingWindow(4, 0) | GlobalTokens([0]),
     )}
-    assert kinds == {"none", "Causal", "And(Causal,KeyPadding)", "And(Causal,Document)", "Or(GlobalTokens,SlidingWindow)"}
+    assert kinds == {"none", "Causal", "And(Causal,KeyPadding)", "And(Causal,Document)",
+                     "Or(GlobalTokens,SlidingWindow)"}
 
 
 # -- Custom masks see every b and h (FlexAttention's contract) ------------------------------------------------

@@ -36,7 +36,8 @@ def test_gqa_shapes_and_backend_from_config(monkeypatch):
     assert layer.qkv_proj.out_features == (8 + 2 * 2) * 8
     naive, ran = attnkit.get_backend("naive"), []
     forward = naive.forward
-    monkeypatch.setattr(naive, "forward", classmethod(lambda cls, inp, options: ran.append(inp.Hkv) or forward(inp, options)))
+    monkeypatch.setattr(naive, "forward",
+                        classmethod(lambda cls, inp, options: ran.append(inp.Hkv) or forward(inp, options)))
     out = layer(torch.randn(2, 5, 64), mask=Causal())  # sdpa is what auto would pick here
     assert out.shape == (2, 5, 64)
     assert ran == [2]  # the configured backend ran, once, with the unrepeated K/V heads
@@ -62,7 +63,8 @@ def test_the_configured_backend_actually_runs(backend, monkeypatch):
     (dict(head_dim=True), ValueError, r"AttentionConfig\(head_dim=True\): expected a positive int or None"),
     (dict(bias="no"), TypeError, r"AttentionConfig\(bias='no'\): expected True or False, got str"),
     (dict(kv_dim=0, cross_attention=True), ValueError, r"AttentionConfig\(kv_dim=0\): expected a positive int"),
-    (dict(rope_base=0.0, position="rope"), ValueError, r"AttentionConfig\(rope_base=0.0\): expected a finite number > 0"),
+    (dict(rope_base=0.0, position="rope"), ValueError,
+     r"AttentionConfig\(rope_base=0.0\): expected a finite number > 0"),
     (dict(rope_base=float("nan")), ValueError, "rope_base"),
     (dict(dropout=float("nan")), ValueError, r"AttentionConfig\(dropout=nan\): expected a finite number"),
     (dict(backend="sdpa", backend_options=attnkit.backends.naive.NaiveOptions()), TypeError,

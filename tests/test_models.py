@@ -76,7 +76,8 @@ def test_seq2seq_shapes_and_source_padding():
 
 @pytest.mark.parametrize("position", ["sincos2d", "learned", "none"])
 def test_vit_shapes(position):
-    cfg = ViTConfig(embed_dim=32, num_layers=2, num_heads=4, image_size=16, patch_size=4, num_classes=7, position=position)
+    cfg = ViTConfig(embed_dim=32, num_layers=2, num_heads=4, image_size=16, patch_size=4, num_classes=7,
+                    position=position)
     model = ViT(cfg)
     assert model.features(torch.randn(3, 3, 16, 16)).shape == (3, 17, 32)
     assert model(torch.randn(3, 3, 16, 16)).shape == (3, 7)

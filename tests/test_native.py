@@ -55,7 +55,7 @@ def _check(mask, *, B=2, Hq=4, Hkv=2, Tq=T, Tk=T, D=24, Dv=16, dtype=torch.float
     assert torch.equal(torch.isfinite(lse), finite) and max_error(lse.detach()[finite], ref_lse[finite]) < tol
     do = torch.randn(out.shape, generator=g, dtype=dtype)
     dl = torch.randn(lse.shape, generator=g, dtype=dtype)
-    loss = lambda o, l: (o * do).sum() + (torch.where(finite, l, 0) * dl).sum()  # noqa: E731
+    loss = lambda o, ls: (o * do).sum() + (torch.where(finite, ls, 0) * dl).sum()  # noqa: E731
     grads = torch.autograd.grad(loss(out, lse), (q, k, v))
     ref_grads = torch.autograd.grad(loss(ref, ref_lse), (q, k, v))
     for name, a, b in zip("qkv", grads, ref_grads):
@@ -71,7 +71,8 @@ def test_every_mask_kind_matches_reference(name):
 
 
 @needs_build
-@pytest.mark.parametrize("q_offset,kv_offset,Tq,Tk", [(None, 0, 40, T), (None, 0, T, 60), (100, 30, 37, 90), (5, 0, 1, 61)])
+@pytest.mark.parametrize("q_offset,kv_offset,Tq,Tk",
+                         [(None, 0, 40, T), (None, 0, T, 60), (100, 30, 37, 90), (5, 0, 1, 61)])
 def test_offsets_and_lengths(q_offset, kv_offset, Tq, Tk):
     for mask in (Causal(), SlidingWindow(7, 0) & KeyPadding([80, 200]), Custom(lambda b, h, q, k: q - k != 2)):
         _check(mask, Tq=Tq, Tk=Tk, q_offset=q_offset, kv_offset=kv_offset, block=(16, 32))

@@ -108,7 +108,8 @@ def test_kv_finite_skips_the_scan_and_changes_nothing(backend, monkeypatch):
     want = attnkit.attention(q, k, v, mask=mask, backend=backend)
     reads = []
     original = torch.Tensor.sum
-    monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, **kw: reads.append(self.shape) or original(self, *a, **kw))
+    monkeypatch.setattr(torch.Tensor, "sum",
+                        lambda self, *a, **kw: reads.append(self.shape) or original(self, *a, **kw))
     got = attnkit.attention(q, k, v, mask=mask, backend=backend, kv_finite=True)
     monkeypatch.undo()
     assert torch.equal(got, want)

@@ -50,7 +50,8 @@ def test_packed_prefill_then_decode_equals_full_attention(held):
         torch.testing.assert_close(out[cu[i]:cu[i + 1]], ref)
     for t in range(steps):  # decoding continues per sequence, rows of different lengths
         pos = [h + p + t for h, p in zip(held, prompts)]
-        qt, kt, vt = (torch.stack([s[i][n] for s, n in zip(seqs_data, pos)])[:, :, None] for i in range(3))  # (B, H, 1, D)
+        # (B, H, 1, D)
+        qt, kt, vt = (torch.stack([s[i][n] for s, n in zip(seqs_data, pos)])[:, :, None] for i in range(3))
         hk, hv, _ = layer.update(kt, vt)
         got = attnkit.attention(qt, hk, hv, mask=Causal())
         for row, (s, n) in enumerate(zip(seqs_data, pos)):

@@ -231,7 +231,8 @@ def check_backend(backend: str, call, mask, qkv, do, *, skip_known_wrong=True) -
         dtype = qkv[0].dtype
         assert flash_rule_ok(max_error(out, ref), 0.0, factor=2, dtype=dtype), (backend, mask, max_error(out, ref))
         for name, g, rg in zip("qkv", grads, ref_grads):
-            assert flash_rule_ok(max_error(g, rg), 0.0, factor=3, dtype=dtype), (backend, mask, f"d{name}", max_error(g, rg))
+            assert flash_rule_ok(max_error(g, rg), 0.0, factor=3, dtype=dtype), (
+                backend, mask, f"d{name}", max_error(g, rg))
         return True
     options, twin = approximate_case(backend, call, mask, *qkv)
     out = attnkit.attention(*qkv, backend=backend, options=options, **kwargs)
@@ -305,10 +306,11 @@ def test_score_mod_nan_where_the_mask_hides_the_pair(family, data):
     kwargs = dict(mask=mask, **positions(call))
     ref, ref_grads = grads_of(lambda q, k, v: reference_attention(q, k, v, **kwargs)[0], qkv, do)
     for backend in SCORE_MOD_BACKENDS:
-        if attnkit.get_backend(backend).not_supported_reasons(AttentionInputs.create(*qkv, score_mod=hidden_nan, **kwargs)):
+        if attnkit.get_backend(backend).not_supported_reasons(
+                AttentionInputs.create(*qkv, score_mod=hidden_nan, **kwargs)):
             continue
-        out, grads = grads_of(lambda q, k, v: attnkit.attention(q, k, v, backend=backend, score_mod=hidden_nan, **kwargs),
-                              qkv, do)
+        out, grads = grads_of(
+            lambda q, k, v: attnkit.attention(q, k, v, backend=backend, score_mod=hidden_nan, **kwargs), qkv, do)
         assert torch.isfinite(out).all() and flash_rule_ok(max_error(out, ref), 0.0, factor=2, dtype=torch.float64), (
             backend, mask, max_error(out, ref))
         for name, g, rg in zip("qkv", grads, ref_grads):

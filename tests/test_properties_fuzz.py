@@ -21,7 +21,8 @@ import attnkit
 from attnkit.inputs import AttentionInputs
 
 from .reference import (
-    DEVICE, HYPOTHESIS_CI, ROTATING_SEED, device_unavailable, flash_rule_ok, keep_grid, max_error, reference_attention, reference_attention_lowp,
+    DEVICE, HYPOTHESIS_CI, ROTATING_SEED, device_unavailable, flash_rule_ok, keep_grid, max_error, reference_attention,
+    reference_attention_lowp,
 )
 from .test_properties import FAMILIES, calls, mask_trees
 
@@ -93,7 +94,8 @@ def examples(draw, backend):
                   v=(call["B"], call["Hkv"], call["Tk"], call["Dv"]))
     views = {name: draw(layouts(shape)) for name, shape in shapes.items()}
     bias_shape = draw(st.sampled_from([None, None, (1, 1, 1, call["Tk"]), (call["B"], 1, call["Tq"], call["Tk"]),
-                                       (1, call["Hq"], call["Tq"], call["Tk"]), (call["B"], call["Hq"], 1, call["Tk"])]))
+                                       (1, call["Hq"], call["Tq"], call["Tk"]),
+                                       (call["B"], call["Hq"], 1, call["Tk"])]))
     scale = draw(st.sampled_from([None, None, 0.5, 1.7, 0.0, -0.4]))
     return dict(call=call, mask=mask, dtype=dtype, views=views, bias_shape=bias_shape, scale=scale,
                 seed=draw(st.integers(0, 2**16)))
@@ -121,7 +123,8 @@ def _run(fn, bases, views, bias, do, cast=None):
     b = None if bias is None else cast(bias.detach()).clone().requires_grad_(True)
     out, lse = fn(*(view(leaf) for view, leaf in zip(views, leaves)), b)
     out.backward(do.to(out.dtype))
-    return out.detach(), None if lse is None else lse.detach(), [x.grad for x in leaves] + ([] if b is None else [b.grad])
+    return (out.detach(), None if lse is None else lse.detach(),
+            [x.grad for x in leaves] + ([] if b is None else [b.grad]))
 
 
 def _magnitudes(qkv, do, scale) -> dict[str, float]:
@@ -304,7 +307,8 @@ NAN_CONTRACT_XFAIL: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("backend", [
-    pytest.param(b, marks=pytest.mark.xfail(strict=True, reason=NAN_CONTRACT_XFAIL[b])) if b in NAN_CONTRACT_XFAIL else b
+    pytest.param(b, marks=pytest.mark.xfail(strict=True, reason=NAN_CONTRACT_XFAIL[b]))
+    if b in NAN_CONTRACT_XFAIL else b
     for b in EXACT
 ])
 @settings(max_examples=100, derandomize=True, phases=[Phase.generate], **COMMON)

@@ -297,12 +297,14 @@ def test_rows_whose_window_reaches_no_key_have_the_sink_as_lse(backend):
     (an LSE merge of such a row with another chunk must count the sink's mass)."""
     g = torch.Generator().manual_seed(6)
     Tq, Tk, Hq = 21, 13, 6
-    q, k, v = torch.randn(1, Hq, Tq, 8, generator=g), torch.randn(1, 3, Tk, 8, generator=g), torch.randn(1, 3, Tk, 8, generator=g)
+    q, k, v = (torch.randn(1, Hq, Tq, 8, generator=g), torch.randn(1, 3, Tk, 8, generator=g),
+               torch.randn(1, 3, Tk, 8, generator=g))
     sinks = torch.randn(Hq, generator=g, dtype=torch.float64).float().requires_grad_()
     mask = SlidingWindow(3, 0) if backend != "block_sparse" else BlockSparse.bigbird(8, 4) & SlidingWindow(3, 0)
     kw = dict(mask=mask, sinks=sinks, q_offset=9, kv_offset=0, return_lse=True)
     out, lse = attnkit.attention(q, k, v, backend=backend, options=OPTIONS.get(backend), **kw)
-    ref, ref_lse = attnkit.attention(q.double(), k.double(), v.double(), backend="naive", **{**kw, "sinks": sinks.double()})
+    ref, ref_lse = attnkit.attention(q.double(), k.double(), v.double(), backend="naive",
+                                     **{**kw, "sinks": sinks.double()})
     blind = torch.arange(Tq) + 9 - 3 > Tk - 1  # the window starts after the last key
     n = int(blind.sum())
     assert 0 < n < Tq and torch.equal(out[:, :, blind], torch.zeros_like(out[:, :, blind]))
@@ -347,7 +349,8 @@ def test_a_modifier_nan_only_where_the_mask_hides_the_pair_changes_nothing(backe
         seen = torch.isfinite(ref_lse)
         assert torch.equal(seen, torch.isfinite(lse)) and (lse - ref_lse)[seen].abs().max() < 1e-5
         w = torch.randn(out.shape, generator=g)
-        for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v))):
+        for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)),
+                        torch.autograd.grad((ref * w).sum(), (q, k, v))):
             assert torch.isfinite(a).all() and (a - b).abs().max() < 1e-4
 
 

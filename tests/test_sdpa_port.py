@@ -95,7 +95,8 @@ def _scale_call():
 
 @pytest.mark.parametrize("backend,scale", [
     pytest.param(p.values[0], scale, id=p.id, marks=p.marks) for scale in SCALES
-    for p in backends_for("test_scale_edge_cases", lambda: (*_scale_call()[:3], dict(_scale_call()[3], scale=scale)), scale)
+    for p in backends_for("test_scale_edge_cases", lambda: (*_scale_call()[:3], dict(_scale_call()[3], scale=scale)),
+                          scale)
 ])
 def test_scale_edge_cases(backend, scale):
     """scale = 0 averages the visible values uniformly; negative, tiny and large scales follow the

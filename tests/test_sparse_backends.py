@@ -45,7 +45,8 @@ def test_block_sparse_flash_rule(name, dtype):
     check_against_reference("block_sparse", q, k, v, mask=BLOCK_MASKS[name])
 
 
-@pytest.mark.parametrize("backend,mask", [("sliding_window", SlidingWindow(4, 1)), ("block_sparse", BLOCK_MASKS["bigbird"])])
+@pytest.mark.parametrize("backend,mask", [("sliding_window", SlidingWindow(4, 1)),
+                                          ("block_sparse", BLOCK_MASKS["bigbird"])])
 @pytest.mark.parametrize("Tq,Tk,D", [(1, 1, 8), (1, 70, 59), (17, 40, 21), (40, 17, 8)])
 def test_awkward_shapes_and_offsets(backend, mask, Tq, Tk, D):
     q, k, v = make_qkv(1, 9, 3, Tq, Tk, D)

@@ -45,7 +45,8 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path):
 
 def test_checkpoint_holds_only_safetensors_and_json_and_loads_without_pickle(tmp_path, monkeypatch):
     out = tmp_path / "run"
-    train(tiny_train_config(out, steps=2, data=_text_file(tmp_path)), LSTMConfig(embed_dim=8, hidden_dim=8, num_layers=1))
+    train(tiny_train_config(out, steps=2, data=_text_file(tmp_path)),
+          LSTMConfig(embed_dim=8, hidden_dim=8, num_layers=1))
     ckpt = resolve_checkpoint(str(out))
     assert sorted(os.listdir(ckpt)) == ["meta.json", "model.safetensors", "state.safetensors"]
 

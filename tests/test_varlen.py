@@ -43,7 +43,8 @@ def _per_sequence(fn, q, k, v, cu_q, cu_k, *, width=None, fill=0.0):
 
 SAME = ([1, 17, 37, 0, 5], None)
 DIFFERENT = ([1, 3, 17, 2, 4], [5, 3, 37, 9, 0])  # Tq < Tk, Tq == Tk, and a sequence with no keys
-MASKS = {"none": None, "causal": Causal(), "window": SlidingWindow(3, 1), "window-or-causal": Causal() | SlidingWindow(0, 2)}
+MASKS = {"none": None, "causal": Causal(), "window": SlidingWindow(3, 1),
+         "window-or-causal": Causal() | SlidingWindow(0, 2)}
 
 
 def _backends():
