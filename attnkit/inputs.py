@@ -267,7 +267,7 @@ class AttentionInputs:
             mask.validate(B, Hq, Tq, Tk, q_offset, kv_offset)
         if bias is not None:
             if not isinstance(bias, Tensor):
-                raise TypeError(f"bias: expected a float tensor broadcastable to (B, Hq, Tq, Tk), "
+                raise TypeError("bias: expected a float tensor broadcastable to (B, Hq, Tq, Tk), "
                                 f"got {type(bias).__name__}.")
             if not bias.is_floating_point():
                 raise TypeError(
@@ -280,7 +280,7 @@ class AttentionInputs:
                 # SDPA documents attn_mask as (..., Tq, Tk); a 1-D (Tk,) or 0-D bias is ambiguous to
                 # read and not what SDPA accepts, so it is refused rather than guessed.
                 raise ValueError(
-                    f"bias: expected at least 2 dims (Tq, Tk) broadcastable to (B, Hq, Tq, Tk) = "
+                    "bias: expected at least 2 dims (Tq, Tk) broadcastable to (B, Hq, Tq, Tk) = "
                     f"({B}, {Hq}, {Tq}, {Tk}), got shape {tuple(bias.shape)}. "
                     "Fix: a per-key bias is bias.view(1, 1, 1, Tk); "
                     "a constant changes nothing under softmax (drop it)."

@@ -191,8 +191,8 @@ class ScoreMod:
                 raise ValueError(f"score_mod {self!r}: its tensors are on {t.device}, q is on {device}. "
                                  "Fix: .to(q.device).")
 
-    def evaluate(self, score: Tensor, q_range: tuple[int, int], kv_range: tuple[int, int], B: int = 1,
-                 H: int = 1) -> Tensor:
+    def evaluate(self, score: Tensor, q_range: tuple[int, int], kv_range: tuple[int, int],
+                 B: int = 1, H: int = 1) -> Tensor:
         """Apply to ``score`` ``(B|1, H|1, n, m)`` for absolute query/key ranges (one tile or a whole call)."""
         dev = score.device
         b = torch.arange(B, device=dev).view(-1, 1, 1, 1)
@@ -388,7 +388,7 @@ class CustomScoreMod(ScoreMod):
 
     def __post_init__(self):
         if not callable(self.fn):
-            raise TypeError(f"CustomScoreMod(fn): expected a callable fn(score, b, h, q_idx, kv_idx), "
+            raise TypeError("CustomScoreMod(fn): expected a callable fn(score, b, h, q_idx, kv_idx), "
                             f"got {type(self.fn).__name__}.")
         object.__setattr__(self, "params", tuple(self.params))
 
@@ -466,7 +466,7 @@ def as_score_mod(mod, name: str = "score_mod") -> ScoreMod:
 def check_sinks(sinks, H: int, device: torch.device) -> Tensor:
     """Validate ``attention(..., sinks=)``: a float ``(Hq,)`` tensor of per-head sink logits."""
     if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
-        raise TypeError(f"sinks: expected a float tensor (Hq,) of per-head logits, "
+        raise TypeError("sinks: expected a float tensor (Hq,) of per-head logits, "
                         f"got {getattr(sinks, 'dtype', type(sinks).__name__)}.")
     if sinks.shape != (H,):
         raise ValueError(f"sinks: expected shape ({H},) (one logit per query head), got {tuple(sinks.shape)}.")

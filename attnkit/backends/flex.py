@@ -8,8 +8,7 @@ masks, no Tq x Tk evaluation), cached per (mask, Tq, Tk, offsets, device). A ``b
 score modifiers (ALiBi, soft-cap, relative biases, custom) become one Flex ``score_mod``, applied
 before the mask; sinks are not taken; GQA is native (``enable_gqa``). The NaN/Inf contract is kept
 by :mod:`attnkit.backends.nonfinite` (Flex runs on finite q, K, V). Flex marks fully masked rows
-with output 0 and LSE -inf, attnkit's
-contract too.
+with output 0 and LSE -inf, attnkit's contract too.
 
 ``flex_attention`` is compiled once per device with dynamic shapes: the first call compiles (tens
 of seconds on a CPU, see ``describe``), and a new length reuses the compiled kernel. Where torch

@@ -98,7 +98,7 @@ def hash_buckets(k: Tensor, options: LSHOptions) -> Tensor:
         rot = torch.randn(D, options.n_hashes, nb // 2, generator=gen)
     elif tuple(rot.shape) != (D, options.n_hashes, nb // 2):
         raise ValueError(
-            f"LSHOptions(rotations=...): expected shape (D, n_hashes, n_buckets // 2) = "
+            "LSHOptions(rotations=...): expected shape (D, n_hashes, n_buckets // 2) = "
             f"{(D, options.n_hashes, nb // 2)}, got {tuple(rot.shape)}."
         )
     rotated = torch.einsum("bhtd,drk->bhrtk", k.detach().float(), rot.to(k.device, torch.float32))

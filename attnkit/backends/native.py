@@ -89,7 +89,7 @@ def load_extension():
     """``(module, None)`` when the built extension loads, else ``(None, reason)``."""
     path = csrc_build.library_path()
     if not path.exists():
-        return None, (f"native extension not built: run `python -m attnkit.csrc.build` (or `make install`); "
+        return None, ("native extension not built: run `python -m attnkit.csrc.build` (or `make install`); "
                       f"no {path.name}")
     try:
         stamp = json.loads(csrc_build.STAMP.read_text())

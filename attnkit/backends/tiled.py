@@ -69,8 +69,8 @@ class _Plan:
         B, Hkv, G, n, m = s5.shape
         q_range = (self.q_offset + q0, self.q_offset + q1)
         kv_range = (self.kv_offset + k0, self.kv_offset + k1)
-        return self.score_mod.evaluate(s5.reshape(B, Hkv * G, n, m), q_range, kv_range, B,
-                                       Hkv * G).view(B, Hkv, G, n, m)
+        return self.score_mod.evaluate(s5.reshape(B, Hkv * G, n, m), q_range, kv_range,
+                                       B, Hkv * G).view(B, Hkv, G, n, m)
 
     def tiles(self, Tq: int, Tk: int):
         """Yield ``(q0, q1, [(k0, k1, status), ...])`` per query tile, EMPTY key tiles left out."""
