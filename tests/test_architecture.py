@@ -22,17 +22,8 @@ import_graph = sys.modules.setdefault("import_graph", importlib.util.module_from
 _spec.loader.exec_module(import_graph)
 
 # Known exceptions, each with the change that removes it. Keep this empty: a new entry is a design decision.
-PENDING_UPWARD = {
-    # the second training loop, becoming a strategy of train/loop.py (then it lives in train/)
-    ("attnkit.distributed.training", f"attnkit.train.{m}")
-    for m in ("checkpoint", "config", "data", "distributed", "evaluate", "loop", "modeling")
-}
-PENDING_CIRCLES = [
-    lambda circle: circle == ["attnkit.distributed.training", "attnkit.train.loop"],  # the same second loop
-    # Mask methods build their subclasses (Or.split_globals -> GlobalTokens, as_mask -> Dense) through
-    # function-level imports inside masks/; moving as_mask beside Dense and the split into sparse.py removes it
-    lambda circle: all(m.startswith("attnkit.masks.") for m in circle),
-]
+PENDING_UPWARD: set[tuple[str, str]] = set()
+PENDING_CIRCLES: list = []
 
 
 def test_imports_point_down_the_layers_and_form_no_circle():

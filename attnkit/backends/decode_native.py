@@ -26,12 +26,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..calibration import DECODE_QUERIES
 from ..inputs import AttentionInputs
 from ..masks import Mask, mask_params
 
 __all__ = ["kernel_reasons", "native_decode", "split_tokens", "score_mod_data", "reads_structure",
-           "KERNEL_SCORE_MOD_KINDS"]
+           "KERNEL_SCORE_MOD_KINDS", "KERNEL_MAX_QUERIES"]
+
+#: The most queries one decode-kernel call takes (speculative and chunked decode); more is a prefill.
+KERNEL_MAX_QUERIES = 16
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EMPTY_F = torch.empty(0)
@@ -86,8 +88,8 @@ def kernel_reasons(inp: AttentionInputs) -> list[str]:
         reasons.append(f"the native decode kernel reads float32/bfloat16/float16 queries, not {inp.dtype}")
     if _functorch_wrapped(inp.q):
         reasons.append("the native decode kernel has no torch.func (vmap, grad) rule (the PyTorch-op twin runs)")
-    if inp.Tq > DECODE_QUERIES:
-        reasons.append(f"the native decode kernel runs up to {DECODE_QUERIES} queries, got Tq={inp.Tq}")
+    if inp.Tq > KERNEL_MAX_QUERIES:
+        reasons.append(f"the native decode kernel runs up to {KERNEL_MAX_QUERIES} queries, got Tq={inp.Tq}")
     if inp.requires_grad or (inp.sinks is not None and inp.sinks.requires_grad and torch.is_grad_enabled()):
         reasons.append("the native decode kernel has no backward pass (inputs require grad)")
     if inp.score_mod is not None:

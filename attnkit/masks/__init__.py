@@ -7,12 +7,13 @@ a backend declares it honours (:class:`MaskSupport`); ``export`` the structure a
 reads (:func:`tile_grid`, :func:`mask_params`).
 """
 
-from .base import UNBOUNDED, And, Band, BlockStatus, Mask, Or, Range, as_mask
+from .base import And, Dense, Mask, Or, as_mask
+from .structure import UNBOUNDED, Band, BlockStatus, Range
 from .export import MaskParams, Tiles, mask_params, tile_grid
 from .positional import Causal, Document, KeyPadding, Padding, SlidingWindow
 from .sparse import BlockSparse, GlobalTokens, longformer
 from .support import MaskSupport
-from .tensor import Custom, Dense, from_key_padding_mask
+from .tensor import Custom, from_key_padding_mask
 
 __all__ = [
     "BlockStatus",

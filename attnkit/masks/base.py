@@ -33,7 +33,6 @@ Additive biases (ALiBi, relative positions) are not masks: pass them as ``bias=`
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 from dataclasses import dataclass
 
@@ -41,40 +40,12 @@ import torch
 from torch import Tensor
 
 from .._validate import non_negative_int, positive_int
+from .export import evaluated_grid
+from .structure import UNBOUNDED, Band, BlockStatus, Range
 
-__all__ = ["BlockStatus", "Band", "Mask", "And", "Or", "as_mask"]
-
-
-class BlockStatus(enum.Enum):
-    """What a mask keeps inside a (query range × key range) tile."""
-
-    EMPTY = 0  # nothing kept: skip the tile
-    PARTIAL = 1  # some kept: evaluate the mask
-    FULL = 2  # everything kept: no mask needed
+__all__ = ["BlockStatus", "Band", "Mask", "Dense", "And", "Or", "as_mask"]
 
 
-Range = tuple[int, int]  # half-open [start, stop) of absolute positions
-
-
-@dataclass(frozen=True)
-class Band:
-    """Bounds on ``pos(k) - pos(q)`` that every kept pair satisfies: ``-left <= pos(k) - pos(q) <= right``
-    (inclusive; ``None`` = unbounded on that side). ``Causal()`` is ``Band(None, 0)``."""
-
-    left: int | None
-    right: int | None
-
-    @property
-    def bounded(self) -> bool:
-        """True when both sides are finite (a sliding window that a banded kernel can exploit)."""
-        return self.left is not None and self.right is not None
-
-    def __and__(self, other: Band) -> Band:
-        tighter = lambda a, b: b if a is None else a if b is None else min(a, b)  # noqa: E731
-        return Band(tighter(self.left, other.left), tighter(self.right, other.right))
-
-
-UNBOUNDED = Band(None, None)
 
 #: Largest keep-tensor (bytes) that ``materialize`` keeps on the mask for the next call.
 _CACHE_BYTES = 2**24
@@ -167,6 +138,11 @@ class Mask:
         """``(core, globals)`` for ``core | GlobalTokens(...)`` (Longformer), else ``(self, None)``."""
         return self, None
 
+    def global_positions(self) -> Tensor | None:
+        """The positions of the global tokens when this mask is a set of global tokens (their rows and
+        columns kept), else None."""
+        return None
+
     def block_layout(self) -> Mask | None:
         """The ``BlockSparse`` conjunct that bounds this mask, or None."""
         return None
@@ -183,8 +159,6 @@ class Mask:
         """The ``(nQ, nK)`` uint8 :class:`BlockStatus` grid of a :class:`~attnkit.masks.export.Tiles`
         tiling, over every batch row and head. The base version evaluates strips of query tiles;
         structured masks compute it from their parameters with a few tensor operations."""
-        from .export import evaluated_grid
-
         return evaluated_grid(self, tiles)
 
     def export_params(self, params, batch_size: int):
@@ -371,32 +345,59 @@ def _tensor_digest(t: Tensor) -> tuple:
     return (str(t.dtype), tuple(t.shape), sums[0] % (1 << 64), sums[1] % (1 << 64))
 
 
-def _status_from_bounds(full: bool, empty: bool) -> BlockStatus:
-    if empty:
-        return BlockStatus.EMPTY
-    return BlockStatus.FULL if full else BlockStatus.PARTIAL
+@dataclass(frozen=True, eq=False)
+class Dense(Mask):
+    """An explicit boolean keep-tensor broadcastable to ``(B, H, Tq, Tk)`` (True = attend).
 
+    Unlike the positional masks it is relative to the call: row ``i`` is the call's ``i``-th query."""
 
-def _as_long_tensor(values, name: str) -> Tensor:
-    """``values`` (ints, nested lists of ints, an integer tensor) as a long tensor; floats and bools
-    are refused (a length of 2.7 or True is a bug upstream, not something to round)."""
-    if isinstance(values, Tensor):
-        tensor = values
-    else:
-        try:
-            tensor = torch.as_tensor(values if isinstance(values, (list, tuple)) else list(values))
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise TypeError(f"{name}: expected a sequence of ints or an integer tensor, got {values!r}.") from exc
-    if tensor.numel() == 0:  # no values: nothing to round (torch.as_tensor([]) is float32)
-        return tensor.long()
-    if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
-        shown = repr(values.tolist() if isinstance(values, Tensor) else values)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise TypeError(
-            f"{name}={shown}: expected integers, got dtype {tensor.dtype}. "
-            "Fix: pass whole numbers (e.g. `lengths.long()` after checking they are integral)."
-        )
-    return tensor.long()
+    keep: Tensor
+
+    def __post_init__(self):
+        keep = self.keep
+        if not isinstance(keep, Tensor):
+            raise TypeError(f"Dense(keep): expected a torch.bool tensor, got {type(keep).__name__}.")
+        if keep.dtype != torch.bool:
+            raise TypeError(
+                f"Dense(keep): expected dtype torch.bool (True = attend), got {keep.dtype}. Fix: for an additive "
+                "float mask pass it as bias=; for nn.MultiheadAttention's True=ignore masks use "
+                "attnkit.from_key_padding_mask or `~mask`."
+            )
+        if keep.dim() < 2 or keep.dim() > 4:
+            raise ValueError(
+                f"Dense(keep): expected 2 to 4 dims broadcastable to (B, H, Tq, Tk), got shape {tuple(keep.shape)}."
+            )
+        keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
+        object.__setattr__(self, "keep", keep)
+        object.__setattr__(self, "batch_size", keep.shape[0])
+        object.__setattr__(self, "num_heads", keep.shape[1])
+        object.__setattr__(self, "query_independent", keep.shape[2] == 1)
+
+    def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
+        keep = self.keep.to(q_idx.device)
+        b = b if keep.shape[0] > 1 else b * 0  # broadcast dims: And() may pass indices of a larger batch
+        h = h if keep.shape[1] > 1 else h * 0
+        i = (q_idx - q_offset).clamp(max=keep.shape[2] - 1) if keep.shape[2] > 1 else q_idx * 0
+        j = (kv_idx - kv_offset).clamp(max=keep.shape[3] - 1) if keep.shape[3] > 1 else kv_idx * 0
+        return keep[b, h, i, j]
+
+    def evaluate(self, q_range, kv_range, *, q_offset, kv_offset, device=None, batch_size=None, num_heads=None):
+        whole_q = q_range == (q_offset, q_offset + self.keep.shape[2])
+        if whole_q and kv_range == (kv_offset, kv_offset + self.keep.shape[3]):
+            return self.keep if device is None else self.keep.to(device)  # the whole call: no gather
+        return super().evaluate(q_range, kv_range, q_offset=q_offset, kv_offset=kv_offset, device=device,
+                                batch_size=batch_size, num_heads=num_heads)
+
+    def validate(self, B, H, Tq, Tk, q_offset, kv_offset):
+        super().validate(B, H, Tq, Tk, q_offset, kv_offset)
+        if self.keep.shape[2] not in (1, Tq) or self.keep.shape[3] not in (1, Tk):
+            raise ValueError(
+                f"mask: a bool tensor of shape {tuple(self.keep.shape)} does not broadcast to (B, H, Tq, Tk) = "
+                f"({B}, {H}, {Tq}, {Tk}). Fix: give its last two dims as (Tq, Tk) = ({Tq}, {Tk}) or 1."
+            )
+
+    def __repr__(self):
+        return f"Dense(keep=<{tuple(self.keep.shape)}>)"
 
 
 class _Combination(Mask):
@@ -515,13 +516,12 @@ class Or(_Combination):
         return Band(loosest([b.left for b in bands]), loosest([b.right for b in bands]))
 
     def split_globals(self):
-        from .sparse import GlobalTokens
-
-        globs = [p for p in self.parts if isinstance(p, GlobalTokens)]
-        others = [p for p in self.parts if not isinstance(p, GlobalTokens)]
+        globs = [p for p in self.parts if p.global_positions() is not None]
+        others = [p for p in self.parts if p.global_positions() is None]
         if not globs or not others:
             return self, None
-        glob = globs[0] if len(globs) == 1 else GlobalTokens(torch.cat([g.positions for g in globs]))  # their union
+        union = torch.cat([g.global_positions() for g in globs])
+        glob = globs[0] if len(globs) == 1 else type(globs[0])(union)  # the global tokens of every part
         return (others[0] if len(others) == 1 else Or(*others)), glob
 
     def tile_grid(self, tiles):
@@ -554,8 +554,6 @@ def as_mask(mask, name: str = "mask") -> Mask:
     if isinstance(mask, Mask):
         return mask
     if isinstance(mask, Tensor):
-        from .tensor import Dense
-
         if mask.dtype != torch.bool:
             raise TypeError(
                 f"{name}: a tensor mask must have dtype torch.bool (True = attend), got {mask.dtype}. "

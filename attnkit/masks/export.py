@@ -18,11 +18,15 @@ element from a few integers or index vectors, and the conjuncts it cannot descri
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from .base import UNBOUNDED, Band, BlockStatus, Mask
+from .structure import UNBOUNDED, Band, BlockStatus
+
+if TYPE_CHECKING:
+    from .base import Mask
 
 __all__ = ["Tiles", "MaskParams", "tile_grid", "mask_params", "EMPTY", "PARTIAL", "FULL"]
 

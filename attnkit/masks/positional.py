@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 from .._validate import non_negative_int
-from .base import Band, Mask, _as_long_tensor, _status_from_bounds
+from .base import Mask
+from .structure import Band, _as_long_tensor, _status_from_bounds
 from .export import band_grid, document_grid, evaluated_grid, key_grid
 
 __all__ = ["Causal", "SlidingWindow", "KeyPadding", "Padding", "Document"]

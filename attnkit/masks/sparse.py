@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from .._validate import finite_float, non_negative_int, positive_int
-from .base import BlockStatus, Mask, _as_long_tensor
+from .base import Mask
+from .structure import BlockStatus, _as_long_tensor
 from .export import EMPTY, PARTIAL, box_counts, status
 from .positional import Causal, SlidingWindow
 
@@ -50,7 +51,9 @@ class BlockSparse(Mask):
                 f"{getattr(layout, 'dtype', type(layout).__name__)}. Fix: pass layout.bool()."
             )
         if layout.dim() not in (2, 3) or layout.numel() == 0:
-            raise ValueError(f"BlockSparse(layout): expected shape (nQB, nKB) or (H, nQB, nKB), got {tuple(layout.shape)}.")
+            raise ValueError(
+                f"BlockSparse(layout): expected shape (nQB, nKB) or (H, nQB, nKB), got {tuple(layout.shape)}."
+            )
         positive_int(self.block_size, "block_size", owner="BlockSparse", fix="pass e.g. block_size=64")
         layout = layout.reshape((1,) * (3 - layout.dim()) + tuple(layout.shape)).cpu()
         object.__setattr__(self, "layout", layout)
@@ -132,7 +135,8 @@ class BlockSparse(Mask):
         return super().to_string(Tq, Tk, head=head, **kwargs)
 
     def __repr__(self):
-        return f"BlockSparse(layout=<{tuple(self.layout.shape)}>, block_size={self.block_size}, density={self.density():.3f})"
+        return (f"BlockSparse(layout=<{tuple(self.layout.shape)}>, block_size={self.block_size}, "
+                f"density={self.density():.3f})")
 
     # -- pattern builders -------------------------------------------------------------------
     @classmethod
@@ -193,10 +197,12 @@ class BlockSparse(Mask):
         return cls._finish(layout, block_size, causal)
 
     @classmethod
-    def random(cls, num_blocks: int, block_size: int, *, density: float = 0.1, seed: int = 0, causal: bool = False) -> Mask:
+    def random(cls, num_blocks: int, block_size: int, *, density: float = 0.1, seed: int = 0,
+               causal: bool = False) -> Mask:
         """Each block on with probability ``density`` (seeded); the diagonal is always on."""
         n = positive_int(num_blocks, "num_blocks")
-        finite_float(density, "density", owner="BlockSparse.random", low=0.0, high=1.0, fix="pass a probability such as 0.1")
+        finite_float(density, "density", owner="BlockSparse.random", low=0.0, high=1.0,
+                     fix="pass a probability such as 0.1")
         gen = torch.Generator().manual_seed(seed)
         layout = (torch.rand(n, n, generator=gen) < density) | torch.eye(n, dtype=torch.bool)
         return cls._finish(layout, block_size, causal)
@@ -247,6 +253,9 @@ class GlobalTokens(Mask):
             raise ValueError(f"GlobalTokens(positions): expected non-negative positions, got {pos.tolist()}.")
         object.__setattr__(self, "positions", pos)
         object.__setattr__(self, "_sorted", tuple(pos.tolist()))
+
+    def global_positions(self) -> Tensor:
+        return self.positions
 
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
         pos = self.positions.to(q_idx.device)

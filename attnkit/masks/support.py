@@ -40,7 +40,8 @@ def _band(mask: Mask) -> bool:
 _FORMS: dict[str, tuple[str, str, Callable[[Mask | None], bool]]] = {
     "any": ("any mask", "", lambda m: True),
     "none": ("no mask", "", lambda m: m is None),
-    "causal": ("causal", "Causal(), also repeated, or SlidingWindow(None, 0)", lambda m: m is not None and m.is_causal()),
+    "causal": ("causal", "Causal(), also repeated, or SlidingWindow(None, 0)",
+               lambda m: m is not None and m.is_causal()),
     "per_key": ("per-key", "masks that are causal and/or the same for every query (KeyPadding, Padding, "
                 "Dense (B|1, H|1, 1, Tk)) and their And: it sums over keys and cannot drop single pairs",
                 lambda m: m is not None and _per_key(m)),

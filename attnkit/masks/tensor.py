@@ -8,63 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Mask
+from .base import Dense, Mask
 
 __all__ = ["Dense", "Custom", "from_key_padding_mask"]
-
-
-@dataclass(frozen=True, eq=False)
-class Dense(Mask):
-    """An explicit boolean keep-tensor broadcastable to ``(B, H, Tq, Tk)`` (True = attend).
-
-    Unlike the positional masks it is relative to the call: row ``i`` is the call's ``i``-th query."""
-
-    keep: Tensor
-
-    def __post_init__(self):
-        keep = self.keep
-        if not isinstance(keep, Tensor):
-            raise TypeError(f"Dense(keep): expected a torch.bool tensor, got {type(keep).__name__}.")
-        if keep.dtype != torch.bool:
-            raise TypeError(
-                f"Dense(keep): expected dtype torch.bool (True = attend), got {keep.dtype}. Fix: for an additive "
-                "float mask pass it as bias=; for nn.MultiheadAttention's True=ignore masks use "
-                "attnkit.from_key_padding_mask or `~mask`."
-            )
-        if keep.dim() < 2 or keep.dim() > 4:
-            raise ValueError(
-                f"Dense(keep): expected 2 to 4 dims broadcastable to (B, H, Tq, Tk), got shape {tuple(keep.shape)}."
-            )
-        keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
-        object.__setattr__(self, "keep", keep)
-        object.__setattr__(self, "batch_size", keep.shape[0])
-        object.__setattr__(self, "num_heads", keep.shape[1])
-        object.__setattr__(self, "query_independent", keep.shape[2] == 1)
-
-    def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
-        keep = self.keep.to(q_idx.device)
-        b = b if keep.shape[0] > 1 else b * 0  # broadcast dims: And() may pass indices of a larger batch
-        h = h if keep.shape[1] > 1 else h * 0
-        i = (q_idx - q_offset).clamp(max=keep.shape[2] - 1) if keep.shape[2] > 1 else q_idx * 0
-        j = (kv_idx - kv_offset).clamp(max=keep.shape[3] - 1) if keep.shape[3] > 1 else kv_idx * 0
-        return keep[b, h, i, j]
-
-    def evaluate(self, q_range, kv_range, *, q_offset, kv_offset, device=None, batch_size=None, num_heads=None):
-        if q_range == (q_offset, q_offset + self.keep.shape[2]) and kv_range == (kv_offset, kv_offset + self.keep.shape[3]):
-            return self.keep if device is None else self.keep.to(device)  # the whole call: no gather
-        return super().evaluate(q_range, kv_range, q_offset=q_offset, kv_offset=kv_offset, device=device,
-                                batch_size=batch_size, num_heads=num_heads)
-
-    def validate(self, B, H, Tq, Tk, q_offset, kv_offset):
-        super().validate(B, H, Tq, Tk, q_offset, kv_offset)
-        if self.keep.shape[2] not in (1, Tq) or self.keep.shape[3] not in (1, Tk):
-            raise ValueError(
-                f"mask: a bool tensor of shape {tuple(self.keep.shape)} does not broadcast to (B, H, Tq, Tk) = "
-                f"({B}, {H}, {Tq}, {Tk}). Fix: give its last two dims as (Tq, Tk) = ({Tq}, {Tk}) or 1."
-            )
-
-    def __repr__(self):
-        return f"Dense(keep=<{tuple(self.keep.shape)}>)"
 
 
 @dataclass(frozen=True, eq=False)
