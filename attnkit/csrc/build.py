@@ -24,9 +24,11 @@ BUILD_DIR = HERE / "_build"
 STAMP = BUILD_DIR / "stamp.json"
 # attention.cpp includes tiles.h and score_mod.h (ninja tracks the headers)
 SOURCES = [HERE / "attention.cpp", HERE / "decode.cpp"]
-# -fno-trapping-math lets the exp and mask loops vectorize (IEEE inf/NaN semantics are kept). No
-# OpenMP flags: the kernel parallelizes with at::parallel_for on torch's own runtime.
-CFLAGS = ["-O3", "-march=native", "-fno-trapping-math"]
+# -fno-trapping-math lets the exp and mask loops vectorize (IEEE inf/NaN semantics are kept).
+# -fopenmp: at::parallel_for is a header template; on torch's OpenMP builds its `omp parallel`
+# region is compiled into this library, and without the flag every parallel loop would run on one
+# thread. No OpenMP runtime is linked: the region runs on the one torch already loaded.
+CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 
 
 def library_path() -> Path:
