@@ -286,3 +286,22 @@ def test_build_failure_exits_non_zero_with_the_error(monkeypatch, capsys):
     monkeypatch.setattr(build, "build", fail)
     assert build.main() == 1
     assert "something the compiler said" in capsys.readouterr().err
+
+
+@needs_build
+def test_parallel_loops_are_compiled_as_openmp_regions_on_an_openmp_torch():
+    """``at::parallel_for`` is a header template: on a torch whose ATen parallel backend is OpenMP its
+    ``omp parallel`` region must be compiled into the extension (built with -fopenmp), or every
+    kernel loop silently runs on one thread. The region calls the runtime torch has already loaded."""
+    import shutil
+    import subprocess
+
+    from attnkit.csrc import build
+
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch's ATen parallel backend is not OpenMP here")
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no `nm` (binutils) to list the extension's symbols")
+    symbols = subprocess.run([nm, "-D", str(build.library_path())], capture_output=True, text=True, check=True).stdout
+    assert "GOMP_parallel" in symbols, "the native kernel's parallel loops were compiled without -fopenmp"
