@@ -36,46 +36,74 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kChunk = 32;  // keys scored together (a small block of scores per row)
+using attnkit::kLanes;
+constexpr int64_t kChunk = 64;  // keys scored together (a small block of scores per row)
 
-// A key or value row as float32: the row itself for float32, else converted into buf.
+// The kernel's vector code is plain fixed-width loops (kLanes = 16 floats, as in tiles.h) that the
+// compiler maps onto the machine's registers: ATen's Vectorized<float> is its scalar fallback in an
+// extension (no CPU_CAPABILITY is defined here), and the fixed lane count keeps every summation order
+// the same on every ISA.
+
+// A key or value row as float32: the row itself for float32, else converted into buf (bf16 and fp16
+// through their bits, so the loops vectorize).
 inline const float* as_float(const float* src, float*, int64_t) { return src; }
-inline const float* as_float(const c10::BFloat16* src, float* buf, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+inline const float* as_float(const c10::BFloat16* src, float* __restrict buf, int64_t n) {
+  const uint16_t* __restrict s = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) buf[i] = __builtin_bit_cast(float, uint32_t(s[i]) << 16);
   return buf;
 }
-inline const float* as_float(const c10::Half* src, float* buf, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+inline const float* as_float(const c10::Half* src, float* __restrict buf, int64_t n) {
+  const uint16_t* __restrict s = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(__builtin_bit_cast(_Float16, s[i]));
   return buf;
 }
-inline const float* as_float(const int8_t* src, float* buf, int64_t n) {
+inline const float* as_float(const int8_t* __restrict src, float* __restrict buf, int64_t n) {
   for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
   return buf;
 }
 
-// s[r * kChunk + jj] = q_r . k_jj for R query rows at once: each key vector is loaded once for the R rows.
-template <int R>
-inline void qk_rows(const float* q, int64_t D, const float* const* kr, int64_t n, float* s) {
-  constexpr int64_t w = Vec::size();
-  for (int64_t jj = 0; jj < n; ++jj) {
-    const float* k = kr[jj];
-    Vec acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = Vec(0.f);
-    int64_t c = 0;
-    for (; c + w <= D; c += w) {
-      const Vec kv = Vec::loadu(k + c);
-      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q + r * D + c), kv, acc[r]);
-    }
+// 16 floats in the machine's vector registers (one zmm, two ymm): GCC's generic vector type, so the
+// compiler vectorizes the lane dimension (plain loops got gathers and spills).
+typedef float V16 __attribute__((vector_size(64)));
+inline V16 load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// s[r * kChunk + j] = q_r . k_j for R query rows and J keys at once: 16-lane partial sums over the
+// head dim (lane u takes dims u, u + 16, ...; the tail dims add into lanes 0..), then attnkit's fixed
+// pairwise lane tree. The order depends on D only: never on the batch, the data or the ISA.
+template <int R, int J>
+inline void qk_block(const float* __restrict q, int64_t D, const float* const* kr, float* __restrict s) {
+  const float* k[J];
+  for (int j = 0; j < J; ++j) k[j] = kr[j];
+  V16 acc[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) acc[r][j] = V16{};
+  int64_t c = 0;
+  for (; c + kLanes <= D; c += kLanes) {
+    V16 kv[J];
+    for (int j = 0; j < J; ++j) kv[j] = load16(k[j] + c);
     for (int r = 0; r < R; ++r) {
-      float lanes[w];
-      acc[r].store(lanes);
-      float t = 0.f;
-      for (int64_t u = 0; u < w; ++u) t += lanes[u];
-      for (int64_t cc = c; cc < D; ++cc) t += q[r * D + cc] * k[cc];
-      s[r * kChunk + jj] = t;
+      const V16 qv = load16(q + r * D + c);
+      for (int j = 0; j < J; ++j) acc[r][j] += qv * kv[j];
     }
   }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) {
+      float lanes[kLanes];
+      std::memcpy(lanes, &acc[r][j], sizeof lanes);
+      for (int64_t u = 0; c + u < D; ++u) lanes[u] = std::fma(q[r * D + c + u], k[j][c + u], lanes[u]);
+      s[r * kChunk + j] = attnkit::lane_sum(lanes);
+    }
+}
+
+template <int R>
+inline void qk_rows(const float* q, int64_t D, const float* const* kr, int64_t n, float* s) {
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) qk_block<R, 2>(q, D, kr + j, s + j);
+  if (j < n) qk_block<R, 1>(q, D, kr + j, s + j);
 }
 
 inline void qk(const float* q, int64_t M, int64_t D, const float* const* kr, int64_t n, float* s) {
@@ -89,49 +117,63 @@ inline void qk(const float* q, int64_t M, int64_t D, const float* const* kr, int
   }
 }
 
-// o += sum over the live keys of p[jj] * v_jj, four vectors of o held in registers per pass.
-inline void pv_row(float* o, const float* p, const float* const* vr, const int64_t* live, int64_t nlive, int64_t Dv) {
-  constexpr int64_t w = Vec::size();
-  int64_t c = 0;
-  for (; c + 4 * w <= Dv; c += 4 * w) {
-    Vec a0 = Vec::loadu(o + c), a1 = Vec::loadu(o + c + w), a2 = Vec::loadu(o + c + 2 * w),
-        a3 = Vec::loadu(o + c + 3 * w);
+// o[r] += sum over the live keys (in order) of p[r][t] * v_t for R rows: W columns of the R rows
+// held in registers while the keys stream through. Each output is one chain over the keys, in order.
+template <int R, int W>
+inline void pv_cols(float* __restrict o, int64_t Dv, const float* __restrict p, const float* const* vr,
+                    const int64_t* live, int64_t nlive, int64_t c) {
+  if constexpr (W % kLanes == 0) {
+    constexpr int N = W / kLanes;
+    V16 acc[R][N];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < N; ++u) acc[r][u] = load16(o + r * Dv + c + u * kLanes);
     for (int64_t t = 0; t < nlive; ++t) {
-      const Vec pb(p[live[t]]);
       const float* v = vr[live[t]] + c;
-      a0 = at::vec::fmadd(pb, Vec::loadu(v), a0);
-      a1 = at::vec::fmadd(pb, Vec::loadu(v + w), a1);
-      a2 = at::vec::fmadd(pb, Vec::loadu(v + 2 * w), a2);
-      a3 = at::vec::fmadd(pb, Vec::loadu(v + 3 * w), a3);
+      V16 vv[N];
+      for (int u = 0; u < N; ++u) vv[u] = load16(v + u * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float pr = p[r * kChunk + live[t]];
+        for (int u = 0; u < N; ++u) acc[r][u] += pr * vv[u];
+      }
     }
-    a0.store(o + c), a1.store(o + c + w), a2.store(o + c + 2 * w), a3.store(o + c + 3 * w);
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < N; ++u) std::memcpy(o + r * Dv + c + u * kLanes, &acc[r][u], sizeof(V16));
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < W; ++u) {
+        float a = o[r * Dv + c + u];
+        for (int64_t t = 0; t < nlive; ++t) a = std::fma(p[r * kChunk + live[t]], vr[live[t]][c + u], a);
+        o[r * Dv + c + u] = a;
+      }
   }
-  for (; c + w <= Dv; c += w) {
-    Vec a = Vec::loadu(o + c);
-    for (int64_t t = 0; t < nlive; ++t) a = at::vec::fmadd(Vec(p[live[t]]), Vec::loadu(vr[live[t]] + c), a);
-    a.store(o + c);
-  }
-  for (; c < Dv; ++c) {
-    float a = o[c];
-    for (int64_t t = 0; t < nlive; ++t) a += p[live[t]] * vr[live[t]][c];
-    o[c] = a;
+}
+
+template <int R>
+inline void pv_rows(float* o, int64_t Dv, const float* p, const float* const* vr, const int64_t* live, int64_t nlive) {
+  int64_t c = 0;
+  for (; c + 2 * kLanes <= Dv; c += 2 * kLanes) pv_cols<R, 2 * kLanes>(o, Dv, p, vr, live, nlive, c);
+  for (; c + kLanes <= Dv; c += kLanes) pv_cols<R, kLanes>(o, Dv, p, vr, live, nlive, c);
+  for (; c < Dv; ++c) pv_cols<R, 1>(o, Dv, p, vr, live, nlive, c);
+}
+
+inline void pv(float* o, int64_t M, int64_t Dv, const float* p, const float* const* vr, const int64_t* live,
+               int64_t nlive) {
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4) pv_rows<4>(o + r * Dv, Dv, p + r * kChunk, vr, live, nlive);
+  switch (M - r) {
+    case 3: pv_rows<3>(o + r * Dv, Dv, p + r * kChunk, vr, live, nlive); break;
+    case 2: pv_rows<2>(o + r * Dv, Dv, p + r * kChunk, vr, live, nlive); break;
+    case 1: pv_rows<1>(o + r * Dv, Dv, p + r * kChunk, vr, live, nlive); break;
+    default: break;
   }
 }
 
 // x[i] += a * y[i]
-inline void axpy(float* x, float a, const float* y, int64_t n) {
-  const Vec av(a);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) at::vec::fmadd(av, Vec::loadu(y + i), Vec::loadu(x + i)).store(x + i);
-  for (; i < n; ++i) x[i] += a * y[i];
+inline void axpy(float* __restrict x, float a, const float* __restrict y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = std::fma(a, y[i], x[i]);
 }
 
-inline void scale_row(float* x, float a, int64_t n) {
-  const Vec av(a);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) (Vec::loadu(x + i) * av).store(x + i);
-  for (; i < n; ++i) x[i] *= a;
-}
+inline void scale_row(float* x, float a, int64_t n) { attnkit::scale_row(x, n, a); }
 
 // x[i] = exp(x[i] - shift) in place; returns the sum. The prefill kernel's exp and its fixed 16-lane
 // summation order (tiles.h): the same bits on every ISA; exactly 0 for -inf scores.
@@ -143,9 +185,19 @@ struct Layout {
   int64_t s0, s1, s2;             // strides of the first three dims
   const int64_t* table = nullptr;  // (B, nb) block table, or null for dense
   int64_t table_stride = 0, bs = 1;
-  inline int64_t offset(int64_t b, int64_t hk, int64_t j) const {
-    if (!table) return b * s0 + hk * s1 + j * s2;
-    return hk * s0 + table[b * table_stride + j / bs] * s1 + (j % bs) * s2;
+  // off[i]: where key j0 + i lives, for i < n (one division per call, not one per key)
+  inline void offsets(int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t* off) const {
+    if (!table) {
+      const int64_t base = b * s0 + hk * s1 + j0 * s2;
+      for (int64_t i = 0; i < n; ++i) off[i] = base + i * s2;
+      return;
+    }
+    const int64_t* row = table + b * table_stride;
+    int64_t blk = j0 / bs, in = j0 % bs;
+    for (int64_t i = 0; i < n; ++i) {
+      off[i] = hk * s0 + row[blk] * s1 + in * s2;
+      if (++in == bs) in = 0, ++blk;
+    }
   }
 };
 
@@ -185,7 +237,7 @@ void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ks
   const float* kr[kChunk];
   const float* vr[kChunk];
   float kscale[kChunk], vscale[kChunk];
-  int64_t live[kChunk];
+  int64_t live[kChunk], koff[kChunk], voff[kChunk], vsoff[kChunk];
   const int64_t qpos0 = P.rows[b * 4 + 3];
   for (int64_t r = 0; r < M; ++r) {
     const int64_t g = r / Tq, i = r % Tq;
@@ -197,10 +249,11 @@ void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ks
   std::fill(o, o + M * Dv, 0.f);
   for (int64_t c0 = j0; c0 < j1; c0 += kChunk) {
     const int64_t n = std::min(kChunk, j1 - c0);
-    for (int64_t jj = 0; jj < n; ++jj) {
-      const int64_t j = c0 + jj;
-      kr[jj] = as_float(kp + P.kl.offset(b, hk, j), kbuf + jj * D, D);
-      if (ksp) kscale[jj] = ksp[P.ksl.offset(b, hk, j)];
+    P.kl.offsets(b, hk, c0, n, koff);
+    for (int64_t jj = 0; jj < n; ++jj) kr[jj] = as_float(kp + koff[jj], kbuf + jj * D, D);
+    if (ksp) {
+      P.ksl.offsets(b, hk, c0, n, koff);
+      for (int64_t jj = 0; jj < n; ++jj) kscale[jj] = ksp[koff[jj]];
     }
     qk(qs, M, D, kr, n, s);
     for (int64_t r = 0; r < M; ++r) {
@@ -237,8 +290,7 @@ void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ks
         for (int64_t jj = lo; jj < hi; ++jj)
           if (!P.keep[P.keep_st.at(b, h, i, c0 + jj)]) row[jj] = ninf;
       }
-      float mx = m[r];
-      for (int64_t jj = 0; jj < n; ++jj) mx = std::max(mx, row[jj]);
+      const float mx = attnkit::row_max(row, n, m[r]);
       // A row with nothing kept so far keeps max -inf: shift by 0 so exp(-inf) = 0, not NaN.
       const float shift = mx == ninf ? 0.f : mx;
       const float sum = exp_row(row, n, shift);
@@ -252,20 +304,21 @@ void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ks
     for (int64_t jj = 0; jj < n; ++jj) {
       bool any = false;
       for (int64_t r = 0; r < M && !any; ++r) any = s[r * kChunk + jj] != 0.f;
-      if (!any) continue;
-      const int64_t j = c0 + jj;
-      live[nlive++] = jj;
-      vr[jj] = as_float(vp + P.vl.offset(b, hk, j), vbuf + jj * Dv, Dv);
-      if (vsp) vscale[jj] = vsp[P.vsl.offset(b, hk, j)];
+      if (any) live[nlive++] = jj;
     }
     if (nlive == 0) continue;
-    for (int64_t r = 0; r < M; ++r) {
-      float* row = s + r * kChunk;
-      if (vsp) {
-        for (int64_t t = 0; t < nlive; ++t) row[live[t]] *= vscale[live[t]];
-      }
-      pv_row(o + r * Dv, row, vr, live, nlive, Dv);
+    P.vl.offsets(b, hk, c0, n, voff);
+    if (vsp) P.vsl.offsets(b, hk, c0, n, vsoff);
+    for (int64_t t = 0; t < nlive; ++t) {
+      const int64_t jj = live[t];
+      vr[jj] = as_float(vp + voff[jj], vbuf + jj * Dv, Dv);
+      if (vsp) vscale[jj] = vsp[vsoff[jj]];
     }
+    if (vsp) {
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t t = 0; t < nlive; ++t) s[r * kChunk + live[t]] *= vscale[live[t]];
+    }
+    pv(o, M, Dv, s, vr, live, nlive);
   }
 }
 
