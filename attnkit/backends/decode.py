@@ -307,7 +307,7 @@ class DecodeBackend(Backend):
     PyTorch ops (correct, not memory-optimized)."""
 
     name = "decode"
-    work = Work("nothing", half="always")  # materializes what dense_mask_elements says
+    work = Work("nothing", half="always", materializes=True)  # its PyTorch-op twin builds (Tq, Tk) scores
     summary = "decode: few queries over long K/V or a cache, native split-K kernel (PyTorch-op twin), GQA in place"
     supports_bias = True
     supports_lse = True
