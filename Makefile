@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 # The native CPU kernel (attnkit/csrc): compiled with the machine's C++ compiler. Without one the
 # step says why and install goes on (the `native` backend then declines; everything else runs).
 NATIVE := attnkit/csrc/_build/stamp.json
-$(NATIVE): attnkit/csrc/attention.cpp attnkit/csrc/build.py $(VENV)/.installed
+$(NATIVE): $(wildcard attnkit/csrc/*.cpp attnkit/csrc/*.h) attnkit/csrc/build.py $(VENV)/.installed
 	-$(PY) -m attnkit.csrc.build  # "-": attnkit works without the kernel; build.py prints the real error and exits 1
 
 install: $(VENV)/.installed $(NATIVE)
