@@ -256,3 +256,22 @@ def test_vmap_over_keys_alone_takes_the_sync_free_form():
 def test_every_builtin_backend_declares_who_keeps_the_contract():
     for name, impl in attnkit.list_backends().items():
         assert impl.capabilities()["nonfinite"] in ("policy", "self"), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_finiteness_sum_flags_nan_and_inf_in_every_dtype(dtype):
+    """bfloat16 sums in its own dtype (float32's range), float16 in float32: a NaN or an Inf anywhere
+    in q, K or V reads as non-finite, and large finite values that a float16 sum would overflow do not."""
+    from attnkit.backends.nonfinite import all_finite
+    from attnkit.cache.layers import all_finite as tokens_finite
+
+    big = 6e4 if dtype == torch.float16 else 1e30
+    q, k, v = (torch.full((1, 2, 64, 8), big, dtype=dtype) for _ in range(3))
+    assert all_finite(AttentionInputs.create(q, k, v)) and tokens_finite(k, v)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for which in range(3):
+            x = [t.clone() for t in (q, k, v)]
+            x[which][0, 1, 33, 5] = bad
+            assert not all_finite(AttentionInputs.create(*x)), (bad, which)
+            if which:
+                assert not tokens_finite(x[1], x[2]), (bad, which)

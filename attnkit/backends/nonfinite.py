@@ -69,9 +69,10 @@ def host_may_branch(inp: AttentionInputs) -> bool:
 
 def all_finite(inp: AttentionInputs) -> bool:
     """Whether q (and K, V unless ``inp.kv_finite``) hold finite values only: one read-only sum each
-    (accumulated in float32 for float16/bfloat16 inputs). An overflowing sum answers False (the slow
-    path then finds every entry finite: correct, only slower)."""
-    if inp.dtype in (torch.float16, torch.bfloat16):  # their own sums would overflow at 65504 (fp16)
+    (accumulated in float32 for float16 inputs, whose own sum would overflow at 65504; bfloat16 has
+    float32's range and its own sum is 30x faster than a float32-typed one on the CPU). An overflowing
+    sum answers False (the slow path then finds every entry finite: correct, only slower)."""
+    if inp.dtype == torch.float16:
         total = inp.q.sum(dtype=torch.float32).item()
         if not inp.kv_finite:
             total += inp.k.sum(dtype=torch.float32).item() + inp.v.sum(dtype=torch.float32).item()
