@@ -103,7 +103,9 @@ def _mask_class(inp: AttentionInputs) -> str:
 
 
 def _work_terms(name: str, impl: type[Backend], inp: AttentionInputs) -> tuple[float, float, float]:
-    """(GEMM FLOPs, materialized mask elements, loop ops) of one forward call of ``impl`` on ``inp``."""
+    """(work, materialized mask elements, loop ops) of one forward call of ``impl`` on ``inp``. The
+    work is the GEMM FLOPs, or for decoding (a few queries over a cache: its time is reading K and V
+    once, whatever the number of queries) the bytes of the keys and values it reads."""
     work = impl.work
     materialized = impl.dense_mask_elements(inp)
     if work.materializes and inp.mask is not None:
@@ -117,7 +119,20 @@ def _work_terms(name: str, impl: type[Backend], inp: AttentionInputs) -> tuple[f
         fraction = kept_fraction(inp, work.tile)
     scores = fraction * inp.Tq * inp.Tk * inp.B * inp.Hq
     tiles = scores / (work.tile[0] * work.tile[1]) if work.loop_ops else 0.0
+    if _mask_class(inp) == "decode":
+        keys = fraction * inp.Tk * inp.B * inp.Hkv
+        return keys * (inp.D + inp.Dv) * _stored_bytes(inp.k), float(materialized), tiles * work.loop_ops
     return 2.0 * scores * (inp.D + inp.Dv), float(materialized), tiles * work.loop_ops
+
+
+def _stored_bytes(k) -> float:
+    """Bytes per stored key element: the tensor's, or a KV handle's storage (int8 values plus a
+    float32 scale per vector)."""
+    store = getattr(k, "k", k)  # a KVHandle keeps its storage in .k
+    size = store.element_size()
+    if getattr(k, "k_scale", None) is not None:
+        size += 4 / store.shape[-1]
+    return float(size)
 
 
 @functools.lru_cache(maxsize=4)
@@ -136,7 +151,8 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     ``overhead + flops / rate + mask bytes / bandwidth + loop ops * op cost``, where ``rate`` is the
     backend's own rate on the probe's reference problem of the same mask class (measured time less
     the other terms), scaled by the machine's half/float32 GEMM ratio for backends that compute in
-    half precision, and tripled flops for training."""
+    half precision, and tripled flops for training. For decoding the work is the K/V bytes read and
+    the rate the backend's bytes per second on the decode reference (a cache larger than the CPU's)."""
     impl = list_backends().get(name)
     overhead = constants["backend_seconds"].get(name)
     measured = constants["reference_seconds"].get(name, {})
@@ -145,7 +161,11 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     bandwidth, op = constants["bandwidth_gbs"] * 1e9, constants["op_seconds"]
     cls = _mask_class(inp)
     if cls not in measured:  # a class the backend cannot run at the reference: its slowest measured rate
-        cls = max(measured, key=measured.get)
+        # (of the same kind of work: decoding's rate is in bytes, the other classes' in FLOPs)
+        same = [c for c in measured if (c == "decode") == (cls == "decode")]
+        if not same:
+            return None
+        cls = max(same, key=measured.get)
     ref = _reference_inputs(calibration.generation())[cls]
     flops_ref, mat_ref, loops_ref = _work_terms(name, impl, ref)
     compute_ref = max(measured[cls] - overhead - mat_ref * _MASK_BYTES / bandwidth - loops_ref * op,
@@ -153,7 +173,7 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     rate = flops_ref / compute_ref
     work = impl.work
     dtype = str(inp.dtype).removeprefix("torch.")
-    if dtype != "float32" and work.half != "never":
+    if dtype != "float32" and work.half != "never" and cls != "decode":  # decoding's work is bytes, not GEMMs
         gemm = constants["gemm_gflops"]
         ratio = gemm.get(dtype, gemm["float32"]) / gemm["float32"]
         rate *= max(ratio, 1.0) if work.half == "when_fast" else ratio

@@ -284,7 +284,9 @@ def test_the_real_probe_measures_every_exact_backend(tmp_path, monkeypatch):
     constants = calibration.probe_constants()
     assert calibration._constants_problem(constants) is None
     for name in ("sdpa", "naive"):
-        assert constants["backend_seconds"][name] > 0 and constants["reference_seconds"][name]
+        assert constants["backend_seconds"][name] > 0
+    assert set(constants["reference_seconds"]["sdpa"]) == {"causal", "band", "layout", "decode"}
+    assert "naive" not in constants["reference_seconds"]  # never ranked by cost: its references are not timed
 
 
 def test_calibration_from_another_machine_is_ignored_with_one_warning(tmp_path, monkeypatch):
@@ -370,3 +372,24 @@ def test_autotune_real_timing_picks_a_candidate_and_skips_dropout(monkeypatch):
         assert len(dispatch._TUNED) == 1
     with pytest.raises(TypeError, match="autotune"):
         attnkit.autotune("yes")
+
+
+def test_decoding_is_modelled_by_the_bytes_it_reads(monkeypatch):
+    """A few queries over a cache cost the K/V bytes they read, at each backend's measured bytes per
+    second: the estimate grows with the keys and the stored element size, not with the queries, and
+    the backend that reads faster on the reference leads at long contexts."""
+    from attnkit import dispatch
+
+    _with_constants(monkeypatch, _faster("decode", 3.0))
+    constants = calibration.machine_constants()
+    over = constants["backend_seconds"]["decode"]  # the per-call part, beside the bytes
+    # no mask: no mask bytes beside the cache's
+    est = lambda *a, **kw: dispatch.estimated_seconds("decode", _meta_inputs(*a, None, **kw), constants) - over  # noqa: E731
+    base = est(1, 4, 1, 64, Tk=8192)
+    assert est(1, 4, 1, 64, Tk=16384) == pytest.approx(2 * base, rel=1e-6)
+    assert est(1, 4, 16, 64, Tk=8192) == pytest.approx(base, rel=1e-6)
+    assert est(1, 4, 1, 64, Tk=8192, dtype=torch.bfloat16) == pytest.approx(base / 2, rel=1e-6)
+    long = _meta_inputs(1, 8, 1, 64, Causal(), Tk=32768)
+    assert priority(long)[0] == "decode"
+    _with_constants(monkeypatch, _faster("sdpa", 3.0))
+    assert priority(long)[0] == "sdpa"
