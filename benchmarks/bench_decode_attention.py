@@ -5,7 +5,8 @@ Three sections, each interleaved in one process (torch.utils.benchmark, median o
 
 1. ``single``: one sequence, one query token, GQA 32/8, D=128, context 16k:
    ``sdpa fp32`` / ``sdpa bf16`` (F.scaled_dot_product_attention(enable_gqa=True) over a contiguous
-   cache: the baselines), ``native fp32|bf16|int8`` over a contiguous cache (int8: values plus
+   cache: the baselines), ``auto fp32|bf16`` (``attention(q, k, v, kv_finite=True)``: what a static
+   cache runs, the backend auto picks), ``native fp32|bf16|int8`` over a contiguous cache (int8: values plus
    per-token, per-head scales), ``native paged fp32|bf16|int8`` over a paged cache (block 16,
    blocks shuffled), and ``torch fp32|int8`` (the decode backend's PyTorch-op twin).
 2. ``batch``: 8 sequences with contexts spread over 1k..16k in one paged batch (fp32 and int8),
@@ -38,6 +39,7 @@ from attnkit import Causal, attention  # noqa: E402
 from attnkit.backends.decode import DecodeOptions  # noqa: E402
 from attnkit.backends.decode_native import kernel_reasons  # noqa: E402
 from attnkit.cache import quantize_int8  # noqa: E402
+from attnkit.dispatch import select  # noqa: E402
 from attnkit.inputs import AttentionInputs  # noqa: E402
 from attnkit.kv_handle import KVHandle  # noqa: E402
 from attnkit.score_mods import ALiBi, SoftCap  # noqa: E402
@@ -84,6 +86,10 @@ def cache(fmt: str, dtype: str, k, v, lengths, g):
     return (h, h), nbytes
 
 
+def _chosen(q, k, v) -> str:
+    return select(AttentionInputs.create(q, k, v, kv_finite=True)).name
+
+
 def single_cases(T: int, Hq: int, Hkv: int, D: int, g):
     """name -> (callable, bytes read, baseline name)."""
     q = torch.randn(1, Hq, 1, D, generator=g)
@@ -92,6 +98,9 @@ def single_cases(T: int, Hq: int, Hkv: int, D: int, g):
     fns = {
         "sdpa fp32": (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), 2 * k.numel() * 4),
         "sdpa bf16": (lambda: F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True), 2 * k.numel() * 2),
+        # what a model's static cache runs: attention() with kv_finite=True and backend="auto"
+        f"auto fp32 ({_chosen(q, k, v)})": (lambda: attention(q, k, v, kv_finite=True), 2 * k.numel() * 4),
+        f"auto bf16 ({_chosen(qb, kb, vb)})": (lambda: attention(qb, kb, vb, kv_finite=True), 2 * k.numel() * 2),
     }
     for fmt in ("dense", "paged"):
         for dtype in ("fp32", "bf16", "int8"):
