@@ -21,11 +21,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling as _is_compiling
 
 from . import calibration
 from .inputs import AttentionInputs
 from .masks import Mask
 from .registry import Backend, Work, get_backend, list_backends, registered_names
+from .registry import names_now
 
 __all__ = ["NoBackendError", "select", "resolve", "resolve_call", "explain", "use_backend", "priority", "Explanation",
            "Work", "builtin_order", "estimated_seconds", "kept_fraction", "autotune"]
@@ -316,10 +318,10 @@ def resolve(inp: AttentionInputs, backend: str = "auto") -> tuple[type[Backend],
 
 # -- the per-call cache of attention()'s hot path -------------------------------------------------
 
-_CALLS: dict = {}  # call key -> (backend, AttentionInputs fields without q, k, v)
+_CALLS: dict = {}  # call key -> (backend, AttentionInputs fields without q, k, v, generation, registered names)
 _CALLS_SIZE = 512
 _CALLS_STATE: list = [None]  # (calibration generation, registered names) the cache was filled under
-_CONTEXT_VARS: list = [()]  # the registered backends' reason_contexts, read with the state above
+_CONTEXT_VARS: list = [((), ())]  # (registered names, their backends' reason_contexts)
 _VALUE_HASHED: dict = {}  # mask type -> whether it hashes by value (no tensor held alive by a key)
 
 
@@ -343,20 +345,21 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
     and validated inputs, cached per call class: shapes, dtypes, devices, mask, offsets, scale,
     dropout, LSE, ``kv_finite``, whether gradients are needed, the backend asked for and the scope
     (``use_backend``, autotuning, each backend's ``reason_contexts``). A hit skips validation and
-    selection, both pure functions of that key; the cache is emptied when the calibration, the
-    machine constants or the registry change. Anything else goes through
-    :meth:`AttentionInputs.create` and :func:`resolve` as before."""
-    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or torch.compiler.is_compiling():
+    selection, both pure functions of that key (strides are not in it: neither reads them). Each
+    entry remembers the calibration generation (table and machine constants) and the registry it
+    was decided under and is used only while both still hold, so a choice never outlives a new
+    calibration or backend, even one made while another thread recalibrated. Anything else goes
+    through :meth:`AttentionInputs.create` and :func:`resolve` as before."""
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or _is_compiling():
         return _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
-    names = registered_names()
-    state = (calibration.generation(), names)
-    if _CALLS_STATE[0] != state:
-        _CALLS.clear()
-        _CALLS_STATE[0] = state
-        known = list_backends()
-        _CONTEXT_VARS[0] = tuple(var for name in names for var in known[name].reason_contexts)
+    generation, names = calibration.generation(), names_now()
     contexts = _CONTEXT_VARS[0]
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if contexts[0] is not names:
+        known = list_backends()
+        names = names_now()
+        contexts = _CONTEXT_VARS[0] = (names, tuple(var for name in names for var in known[name].reason_contexts))
+    contexts = contexts[1]
+    grad = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, mask, scale,
            dropout_p, q_offset, kv_offset, return_lse, kv_finite, grad, backend, _SCOPED.get(), _AUTOTUNE[0],
            contexts and tuple([var.get() for var in contexts]),
@@ -366,17 +369,18 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
         hit = _CALLS.get(key)
     except (TypeError, RuntimeError):  # an unhashable or tensor-valued argument (a scale tensor): no cache
         return _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
-    if hit is not None:
+    if hit is not None and hit[2] == generation and hit[3] is names:
         return hit[0], AttentionInputs.trusted(hit[1], q, k, v)
     impl, inp = _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
     if mask is not None and not (isinstance(mask, Mask) and _value_keyed(mask)):
         return impl, inp  # not stored: an entry would keep the mask's tensors alive (and equals no other mask)
-    if len(_CALLS) >= _CALLS_SIZE:
-        _CALLS.clear()
+    if _CALLS_STATE[0] != (generation, names) or len(_CALLS) >= _CALLS_SIZE:
+        _CALLS.clear()  # entries of an older generation or registry can never hit again
+        _CALLS_STATE[0] = (generation, names)
     fields = dict(inp.__dict__)
     for name in ("q", "k", "v"):
         del fields[name]
-    _CALLS[key] = (impl, fields)
+    _CALLS[key] = (impl, fields, generation, names)
     return impl, inp
 
 

@@ -14,6 +14,8 @@ from .masks import Mask
 __all__ = ["attention", "attention_weights"]
 
 _AUTOCAST_FROM = (torch.float32, torch.float16, torch.bfloat16)  # dtypes autocast recasts (not float64)
+# Whether autocast is on for any device: one C call, where reading ``q.device.type`` alone costs more.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
 def attention(
@@ -113,7 +115,8 @@ def attention(
     """
     if enable_gqa is not True and not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa: expected True or False, got {type(enable_gqa).__name__} {enable_gqa!r}.")
-    if isinstance(q, Tensor) and q.dtype in _AUTOCAST_FROM and torch.is_autocast_enabled(q.device.type):
+    if (isinstance(q, Tensor) and q.dtype in _AUTOCAST_FROM and _any_autocast()
+            and torch.is_autocast_enabled(q.device.type)):
         dtype = torch.get_autocast_dtype(q.device.type)
         cast = lambda t: t if t.dtype == dtype else t.to(dtype)  # noqa: E731
         with torch.autocast(q.device.type, enabled=False):

@@ -325,7 +325,9 @@ class AttentionInputs:
         validated for tensors of the same shapes, dtypes and devices and the same other arguments:
         no validation (the dispatcher's per-shape-class cache of ``attention()`` calls)."""
         self = object.__new__(cls)
-        self.__dict__.update(fields, q=q, k=k, v=v)
+        own = self.__dict__
+        own.update(fields)
+        own["q"], own["k"], own["v"] = q, k, v  # item stores: no keyword dict built per call
         return self
 
     def dense(self) -> AttentionInputs:

@@ -282,6 +282,12 @@ def registered_names() -> tuple[str, ...]:
     return _NAMES[0]
 
 
+def names_now() -> tuple[str, ...]:
+    """:func:`registered_names` without loading the built-in backends first (an empty tuple until
+    they are): a per-call cache compares it by identity, and a new registration replaces it."""
+    return _NAMES[0]
+
+
 def get_backend(name: str) -> type[Backend]:
     """The backend registered as ``name``; ``ValueError`` listing the known names otherwise."""
     if not isinstance(name, str):

@@ -132,3 +132,36 @@ def test_scopes_and_reason_contexts_are_part_of_the_key(ran, monkeypatch):
         attnkit.attention(q, kv, kv)
     attnkit.attention(q, kv, kv)
     assert ran == ["sdpa", "scoped", "sdpa", "tiled", "sdpa"]
+
+
+def test_a_hit_runs_what_a_fresh_select_chooses(ran):
+    from attnkit.dispatch import select
+
+    cases = [dict(), dict(mask=Causal()), dict(mask=Causal() & SlidingWindow(6, 0)), dict(mask=Causal(), q_offset=19),
+             dict(return_lse=True), dict(kv_finite=True), dict(mask=SlidingWindow(3, 2), scale=0.5)]
+    for kwargs in cases:
+        for _ in range(2):  # a miss, then a hit
+            attnkit.attention(q, kv, kv, **kwargs)
+        fresh = select(AttentionInputs.create(q, kv, kv, **kwargs)).name
+        assert ran[-2:] == [fresh, fresh], kwargs
+    for Tk in (1, 5, 300):  # decode and prefill shapes
+        k = torch.randn(1, 2, Tk, 8)
+        for _ in range(2):
+            attnkit.attention(q[:, :, :1], k, k, mask=Causal(), kv_finite=True)
+        assert ran[-1] == select(AttentionInputs.create(q[:, :, :1], k, k, mask=Causal(), kv_finite=True)).name
+
+
+def test_an_entry_decided_under_an_older_calibration_is_never_used(ran):
+    """A thread that decided under the previous calibration may store its entry after another
+    thread's recalibration emptied the cache: the entry names its generation, and is not used."""
+    attnkit.attention(q, kv, kv)
+    assert ran[-1] == "sdpa"
+    key, (impl, fields, generation, names) = next(iter(dispatch._CALLS.items()))
+    dispatch._CALLS[key] = (attnkit.list_backends()["naive"], fields, generation, names)  # as if naive won then
+    attnkit.attention(q, kv, kv)
+    assert ran[-1] == "naive"  # same generation: the entry is used
+    calibration._GENERATION[0] += 1  # a recalibration that has not emptied the cache yet
+    dispatch._CALLS[key] = (attnkit.list_backends()["naive"], fields, generation, names)
+    attnkit.attention(q, kv, kv)
+    assert ran[-1] == "sdpa"
+    assert all(entry[2] == calibration.generation() for entry in dispatch._CALLS.values())

@@ -260,8 +260,9 @@ def test_every_builtin_backend_declares_who_keeps_the_contract():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_the_finiteness_sum_flags_nan_and_inf_in_every_dtype(dtype):
-    """bfloat16 sums in its own dtype (float32's range), float16 in float32: a NaN or an Inf anywhere
-    in q, K or V reads as non-finite, and large finite values that a float16 sum would overflow do not."""
+    """bfloat16 sums in its own dtype (float32's range), float16 in float32 where its own sum overflows:
+    a NaN or an Inf anywhere in q, K or V reads as non-finite, and large finite values that a float16
+    sum would overflow do not."""
     from attnkit.backends.nonfinite import all_finite
     from attnkit.cache.layers import all_finite as tokens_finite
 
@@ -275,3 +276,15 @@ def test_the_finiteness_sum_flags_nan_and_inf_in_every_dtype(dtype):
             assert not all_finite(AttentionInputs.create(*x)), (bad, which)
             if which:
                 assert not tokens_finite(x[1], x[2]), (bad, which)
+
+
+def test_a_float16_sum_past_its_range_is_looked_at_again_before_the_slow_path(monkeypatch):
+    q, k, v = (x.abs() * 200 + 100 for x in _qkv(dtype=torch.float16))  # each sum far past 65504
+    assert torch.isinf(k.sum()) and torch.isinf(q.sum())
+    assert nonfinite.all_finite(AttentionInputs.create(q, k, v))  # finite: the float32 sums say so
+    slow = []
+    monkeypatch.setattr(nonfinite, "_exact", lambda *a, **kw: slow.append(1))
+    attnkit.attention(q, k, v, backend="naive")
+    assert not slow
+    k[0, 0, 0, 0] = INF
+    assert not nonfinite.all_finite(AttentionInputs.create(q, k, v))

@@ -59,7 +59,7 @@ def run(impl, inp: AttentionInputs, options):
 
 def host_may_branch(inp: AttentionInputs) -> bool:
     """True when reading one value on the host is free: CPU tensors, eager, outside ``torch.func``."""
-    if inp.device.type != "cpu" or torch.compiler.is_compiling():
+    if not inp.q.is_cpu or torch.compiler.is_compiling():  # is_cpu: no device object built per call
         return False
     if not torch._C._are_functorch_transforms_active():  # no transform: no wrapped tensor (the hot path)
         return True
@@ -68,19 +68,24 @@ def host_may_branch(inp: AttentionInputs) -> bool:
 
 
 def all_finite(inp: AttentionInputs) -> bool:
-    """Whether q (and K, V unless ``inp.kv_finite``) hold finite values only: one read-only sum each
-    (accumulated in float32 for float16 inputs, whose own sum would overflow at 65504; bfloat16 has
-    float32's range and its own sum is 30x faster than a float32-typed one on the CPU). An overflowing
-    sum answers False (the slow path then finds every entry finite: correct, only slower)."""
-    if inp.dtype == torch.float16:
-        total = inp.q.sum(dtype=torch.float32).item()
-        if not inp.kv_finite:
-            total += inp.k.sum(dtype=torch.float32).item() + inp.v.sum(dtype=torch.float32).item()
-    else:  # plain sums (float32/64 accumulate in their own dtype): the cheapest call per decode step
-        total = inp.q.sum().item()
-        if not inp.kv_finite:
-            total += inp.k.sum().item() + inp.v.sum().item()
-    return math.isfinite(total)
+    """Whether q (and K, V unless ``inp.kv_finite``) hold finite values only: one read-only sum each,
+    the cheapest full read PyTorch has (a NaN or Inf entry makes any sum NaN or Inf, whatever the
+    order of the additions). Each sum is taken in its tensor's dtype (bfloat16 has float32's range,
+    and its own sum is much faster than a float32-typed one on the CPU); a float16 sum past 65504 is
+    taken again in float32 before the answer is False. A sum that overflows anyway answers False: the slow path then finds every entry
+    finite (correct, only slower)."""
+    if not math.isfinite(inp.q.sum().item()) and not _finite_float32(inp.q):
+        return False
+    if inp.kv_finite:
+        return True
+    k, v = inp.k, inp.v
+    return ((math.isfinite(k.sum().item()) or _finite_float32(k))
+            and (math.isfinite(v.sum().item()) or _finite_float32(v)))
+
+
+def _finite_float32(x: Tensor) -> bool:
+    """The second look of :func:`all_finite` at a float16 tensor whose own sum overflowed."""
+    return x.dtype == torch.float16 and math.isfinite(x.sum(dtype=torch.float32).item())
 
 
 def _exact(impl, inp: AttentionInputs, options, host: bool):
