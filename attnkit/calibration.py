@@ -2,9 +2,11 @@
 table of measured rankings.
 
 **Machine constants** (:func:`machine_constants`): GEMM rate per dtype, memory bandwidth, the cost
-of one PyTorch op and each backend's per-call overhead, probed once on first use (well under a
-second) and cached in ``machine.json`` beside the table, per machine and torch version. The cost
-model in :mod:`attnkit.dispatch` reads them; nothing there is a figure from one machine.
+of one PyTorch op and each backend's per-call overhead, probed on first use (well under a second)
+and cached in ``machine.json`` beside the table, per machine, torch version, thread count and native
+build; probed again when the build changes, when a quick re-check on loading finds them measured
+under load, and at the start of ``python -m attnkit bench``. The cost model in
+:mod:`attnkit.dispatch` reads them; nothing there is a figure from one machine.
 
 **The table** (written by ``python -m attnkit bench``): every exact backend timed per
 (device, dtype, mask kind, pass, heads, head dim) over a range of lengths; for each measured length,
@@ -29,6 +31,7 @@ A lookup takes the measured length nearest to the input's ``n = sqrt(Tq * Tk)`` 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import math
 import os
@@ -43,7 +46,7 @@ from .inputs import AttentionInputs
 from .masks import Mask
 
 __all__ = ["calibration_path", "load", "reload", "save", "preferred", "describe", "entry_key", "mask_kind",
-           "machine_constants", "constants_path", "generation"]
+           "machine_constants", "constants_path", "generation", "reprobe", "build_stamp"]
 
 VERSION = 2
 
@@ -275,6 +278,9 @@ CONSTANTS_VERSION = 2
 _CONSTANTS: list = [None]
 _GENERATION = [0]
 _PROBE_LOCK = threading.Lock()
+#: A stored constant this many times slower than the quick re-check on loading it says it was
+#: probed while the machine was busy: the constants are probed again.
+RECHECK_FACTOR = 3.0
 
 
 def constants_path() -> Path:
@@ -286,9 +292,14 @@ def machine_constants() -> dict:
     """This machine's constants for the cost model (see :func:`attnkit.hardware.probe_rates`) plus
     ``backend_seconds``: each exact backend's time for a tiny call (its per-call overhead).
 
-    Probed once on first use and cached per machine and torch version in :func:`constants_path`
-    (written atomically; an unreadable or corrupt file is probed again and replaced, an unwritable
-    directory only costs the probe in each process)."""
+    Probed on first use and cached in :func:`constants_path` (written atomically), one entry per
+    thread count, for this machine, torch version and native build (:func:`build_stamp`). A cached
+    entry is used while its build stamp is current and a quick re-check (a few milliseconds,
+    :func:`attnkit.hardware.quick_rates`) finds none of its rates :data:`RECHECK_FACTOR` times
+    slower than now (constants probed under load): otherwise the constants are probed again and
+    the entry replaced. A corrupt file, or one from another machine or torch version, is ignored
+    with a one-line ``RuntimeWarning`` and replaced; an unwritable directory only costs the probe
+    in each process. ``python -m attnkit bench`` probes afresh at its start (:func:`reprobe`)."""
     if _CONSTANTS[0] is None:
         with _PROBE_LOCK:  # threads starting together probe once
             if _CONSTANTS[0] is None:
@@ -301,23 +312,92 @@ def constants_loaded() -> bool:
     return _CONSTANTS[0] is not None
 
 
-def _load_or_probe() -> dict:
-    fingerprint = json.dumps(hardware.machine_id(), sort_keys=True)
+def reprobe() -> dict:
+    """Probe the machine constants now, whatever is cached, store them (:func:`constants_path`) and
+    use them from the next decision on (the calibration job runs this first)."""
+    with _PROBE_LOCK:
+        constants = _load_or_probe(fresh=True)
+        _CONSTANTS[0] = constants
+        _GENERATION[0] += 1  # decisions taken from the old constants are forgotten
+    return constants
+
+
+def build_stamp() -> str:
+    """Which native build the constants describe: a digest of the build's stamp
+    (``attnkit/csrc/_build/stamp.json``, rewritten by each build) and the library's modification
+    time; ``"none"`` when the extension is not built. A rebuilt kernel runs at another speed."""
+    from .csrc import build as csrc_build
+
+    try:
+        data = csrc_build.STAMP.read_bytes() + str(csrc_build.library_path().stat().st_mtime_ns).encode()
+    except OSError:
+        return "none"
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _load_or_probe(fresh: bool = False) -> dict:
+    here = hardware.machine_id()
+    machine = {key: value for key, value in here.items() if key != "threads"}
+    threads, build = str(here["threads"]), build_stamp()
     path = constants_path()
-    try:
-        cached = json.loads(path.read_text())
-        if cached.get("version") == CONSTANTS_VERSION and cached.get("machine") == fingerprint:
-            constants = cached["constants"]
-            if _constants_problem(constants) is None:
-                return constants
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
-        pass
+    entries = _stored_entries(path, machine)
+    entry = entries.get(threads)
+    if not fresh and entry is not None and entry.get("build") == build:
+        problem = _constants_problem(entry.get("constants"))
+        if problem is not None:
+            _constants_ignored(path, f"the entry for {threads} thread(s) is unusable: {problem}")
+        elif _probed_under_load(entry["constants"]) is None:
+            return entry["constants"]
     constants = probe_constants()
+    entries[threads] = {"build": build, "constants": constants}
     try:
-        _write(path, json.dumps({"version": CONSTANTS_VERSION, "machine": fingerprint, "constants": constants}))
+        _write(path, json.dumps({"version": CONSTANTS_VERSION, "machine": machine, "entries": entries}))
     except OSError:
         pass
     return constants
+
+
+def _stored_entries(path: Path, machine: dict) -> dict:
+    """The usable entries of the constants file (thread count -> entry), ``{}`` when there is no
+    file; a file that cannot be used, or one from another machine or torch version, is ignored
+    with one warning (it is replaced by the next probe's)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        _constants_ignored(path, f"unreadable or not JSON ({str(exc).splitlines()[0] if str(exc) else exc!r})")
+        return {}
+    if not isinstance(data, dict) or data.get("version") != CONSTANTS_VERSION:
+        version = data.get("version") if isinstance(data, dict) else None
+        _constants_ignored(path, f"version {version!r}, this attnkit reads version {CONSTANTS_VERSION}")
+        return {}
+    theirs, entries = data.get("machine"), data.get("entries")
+    if not isinstance(theirs, dict) or not isinstance(entries, dict) or not all(
+            isinstance(e, dict) for e in entries.values()):
+        _constants_ignored(path, "'machine' or 'entries' is missing or not an object")
+        return {}
+    if theirs != machine:
+        diff = ", ".join(f"{k} {theirs.get(k)!r} here {v!r}" for k, v in machine.items() if theirs.get(k) != v)
+        _constants_ignored(path, f"probed on another machine or torch version ({diff or theirs!r})")
+        return {}
+    return dict(entries)
+
+
+def _constants_ignored(path: Path, problem: str) -> None:
+    warnings.warn(f"calibration: ignoring the machine constants in {path}: {problem}; this machine is probed "
+                  "again and the file replaced.", RuntimeWarning, stacklevel=2)
+
+
+def _probed_under_load(constants: dict) -> str | None:
+    """Which stored constant the quick re-check finds :data:`RECHECK_FACTOR` times slower than
+    now, or None (a busy machine now makes the re-check slower, never the stored values wrong)."""
+    now = hardware.quick_rates()
+    if constants["op_seconds"] > RECHECK_FACTOR * now["op_seconds"]:
+        return "op_seconds"
+    if constants["tile_gflops"] * RECHECK_FACTOR < now["tile_gflops"]:
+        return "tile_gflops"
+    return None
 
 
 def _constants_problem(c) -> str | None:

@@ -19,7 +19,7 @@ import torch
 
 from ._compat import assume_constant_result
 
-__all__ = ["half_matmul_is_fast", "matmul_rate", "machine_id", "probe_rates", "best_seconds"]
+__all__ = ["half_matmul_is_fast", "matmul_rate", "machine_id", "probe_rates", "quick_rates", "best_seconds"]
 
 _SIZE = 256  # a 256^3 product: about 3 ms at the slowest rate seen, microseconds at the fastest
 
@@ -91,11 +91,18 @@ def probe_rates() -> dict:
         gemm = {"float32": matmul_rate(torch.float32, 256)}
         for dtype in (torch.bfloat16, torch.float16):
             gemm[str(dtype).removeprefix("torch.")] = matmul_rate(dtype, 128, repeats=2)
-        a, b = torch.randn(64, 64), torch.randn(64, 64)
-        tile = 2 * 64**3 / best_seconds(lambda: torch.matmul(a, b), 20) / 1e9
         src, dst = torch.ones(2**23), torch.empty(2**23)  # 32 MiB each, preallocated: no page faults timed
         bandwidth = 2 * src.numel() * 4 / best_seconds(lambda: dst.copy_(src), 3) / 1e9
+    return {"gemm_gflops": gemm, "bandwidth_gbs": bandwidth, **quick_rates(tiles=20, op_repeats=3)}
+
+
+def quick_rates(tiles: int = 5, op_repeats: int = 2) -> dict:
+    """``tile_gflops`` and ``op_seconds`` of :func:`probe_rates` alone, from fewer repeats: a few
+    milliseconds, to re-check stored constants against (the best of the repeats, as the probe)."""
+    with torch.inference_mode():
+        a, b = torch.randn(64, 64), torch.randn(64, 64)
+        tile = 2 * 64**3 / best_seconds(lambda: torch.matmul(a, b), tiles) / 1e9
         x = torch.zeros(1)
         ops = 200
-        op = best_seconds(lambda: [torch.add(x, x) for _ in range(ops)], 3) / ops
-    return {"gemm_gflops": gemm, "tile_gflops": tile, "bandwidth_gbs": bandwidth, "op_seconds": op}
+        op = best_seconds(lambda: [torch.add(x, x) for _ in range(ops)], op_repeats) / ops
+    return {"tile_gflops": tile, "op_seconds": op}

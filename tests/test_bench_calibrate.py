@@ -28,8 +28,12 @@ def table_path(tmp_path, monkeypatch):
     calibration.reload()
 
 
-def test_the_default_run_writes_the_table_and_reports_auto_before_and_after(table_path, tmp_path, capsys):
+def test_the_default_run_writes_the_table_and_reports_auto_before_and_after(table_path, tmp_path, capsys, monkeypatch):
+    probed = []
+    monkeypatch.setattr(calibration, "probe_constants", lambda real=calibration.probe_constants: probed.append(1)
+                        or real())
     assert main(["bench", *TINY, "--out", str(tmp_path / "out")]) == 0
+    assert len(probed) == 1  # the constants probed afresh at its start (and used throughout)
     out, err = capsys.readouterr()
     assert "cases" in err and "estimated" in err  # said before it starts
     data = json.loads(table_path.read_text())
@@ -59,7 +63,8 @@ def test_verification_past_its_budget_takes_the_sweeps_times(table_path):
     assert point["auto_chose"] == "sdpa" and point["auto_over_best"] == 2.0 and not point["timed"]
 
 
-def test_measuring_only_leaves_the_table_alone(table_path, tmp_path, capsys):
+def test_measuring_only_leaves_the_table_alone(table_path, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(calibration, "reprobe", lambda: pytest.fail("a run that measures only re-probed"))
     assert main(["bench", *TINY, "--no-calibrate", "--out", str(tmp_path)]) == 0
     assert not table_path.exists()
     assert main(["bench", *TINY, "--backends", "naive,sdpa,auto", "--out", str(tmp_path)]) == 0

@@ -258,28 +258,6 @@ def test_priority_is_cached_per_shape_class_with_exact_offsets(monkeypatch):
     assert len(calls) == 2
 
 
-def test_machine_constants_are_probed_once_and_cached_per_machine(tmp_path, monkeypatch):
-    import json
-
-    monkeypatch.setenv("ATTNKIT_CALIBRATION", str(tmp_path / "cal.json"))
-    calibration.reload(constants=True)
-    probes = []
-    fake = uniform_constants(overhead=3e-5)
-    monkeypatch.setattr(calibration, "probe_constants", lambda: probes.append(1) or json.loads(json.dumps(fake)))
-    assert calibration.machine_constants()["backend_seconds"] == fake["backend_seconds"]
-    calibration.reload(constants=True)
-    assert calibration.machine_constants() == fake and len(probes) == 1  # read back, not probed again
-    stored = json.loads(calibration.constants_path().read_text())
-    stored["machine"] = stored["machine"].replace('"torch": "', '"torch": "0.0-other-')
-    calibration.constants_path().write_text(json.dumps(stored))
-    calibration.reload(constants=True)
-    calibration.machine_constants()
-    assert len(probes) == 2  # another torch version: probed again
-    calibration.constants_path().write_text("{ not json")
-    calibration.reload(constants=True)
-    assert calibration.machine_constants() == fake and len(probes) == 3  # corrupt: probed, replaced
-
-
 def test_the_real_probe_measures_every_exact_backend(tmp_path, monkeypatch):
     constants = calibration.probe_constants()
     assert calibration._constants_problem(constants) is None

@@ -172,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out}: exists and is not a directory; "
                          "name a directory (it is created if missing)")
     sweep_names(config)  # unknown backend names are refused before anything is measured
+    if calibrate:  # the cost model's constants measured now, not kept from a probe taken under load
+        calibration.reprobe()
     command = command_line(f"{getattr(args, '_prog', 'attnkit')} bench", getattr(args, "_argv", None) or [])
     print(estimate_line(config, calibrate), file=sys.stderr, flush=True)
     results = run_sweep(config, progress=_progress(args.no_progress))  # checks the backend names first
