@@ -276,6 +276,7 @@ def describe(inp: AttentionInputs) -> str:
 
 CONSTANTS_VERSION = 2
 _CONSTANTS: list = [None]
+_CONSTANTS_THREADS: list = [None]  # the thread count _CONSTANTS were loaded for (None: set from outside)
 _GENERATION = [0]
 _PROBE_LOCK = threading.Lock()
 #: A stored constant this many times slower than the quick re-check on loading it says it was
@@ -290,7 +291,8 @@ def constants_path() -> Path:
 
 def machine_constants() -> dict:
     """This machine's constants for the cost model (see :func:`attnkit.hardware.probe_rates`) plus
-    ``backend_seconds``: each exact backend's time for a tiny call (its per-call overhead).
+    ``backend_seconds``: each exact backend's time for a tiny call (its per-call overhead), for the
+    current ``torch.get_num_threads()`` (a new count loads, or probes, its own).
 
     Probed on first use and cached in :func:`constants_path` (written atomically), one entry per
     thread count, for this machine, torch version and native build (:func:`build_stamp`). A cached
@@ -300,10 +302,14 @@ def machine_constants() -> dict:
     the entry replaced. A corrupt file, or one from another machine or torch version, is ignored
     with a one-line ``RuntimeWarning`` and replaced; an unwritable directory only costs the probe
     in each process. ``python -m attnkit bench`` probes afresh at its start (:func:`reprobe`)."""
-    if _CONSTANTS[0] is None:
+    threads = torch.get_num_threads()
+    if _CONSTANTS[0] is None or _CONSTANTS_THREADS[0] not in (None, threads):
         with _PROBE_LOCK:  # threads starting together probe once
-            if _CONSTANTS[0] is None:
+            if _CONSTANTS[0] is None or _CONSTANTS_THREADS[0] not in (None, threads):
+                if _CONSTANTS[0] is not None:  # torch.set_num_threads since: decisions taken from them are forgotten
+                    _GENERATION[0] += 1
                 _CONSTANTS[0] = _load_or_probe()
+                _CONSTANTS_THREADS[0] = threads
     return _CONSTANTS[0]
 
 
@@ -317,7 +323,7 @@ def reprobe() -> dict:
     use them from the next decision on (the calibration job runs this first)."""
     with _PROBE_LOCK:
         constants = _load_or_probe(fresh=True)
-        _CONSTANTS[0] = constants
+        _CONSTANTS[0], _CONSTANTS_THREADS[0] = constants, torch.get_num_threads()
         _GENERATION[0] += 1  # decisions taken from the old constants are forgotten
     return constants
 

@@ -254,8 +254,8 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
 
     The order is cached per shape class (:func:`_shape_class`): a decode loop pays a dict lookup.
     Each backend's reasons are still checked on every call."""
-    state = (calibration.generation(), registered_names())
-    if _CACHE_STATE[0] != state:  # a new table, new constants or a new backend: decide afresh
+    state = (calibration.generation(), registered_names(), torch.get_num_threads())
+    if _CACHE_STATE[0] != state:  # a new table, new constants, a new backend or thread count: decide afresh
         _PRIORITY_CACHE.clear()
         _IDENTITY_CACHE.clear()
         _CACHE_STATE[0] = state
@@ -343,8 +343,9 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
                  backend: str) -> tuple[type[Backend], AttentionInputs]:
     """``attention()``'s common call (dense tensors, no bias, score modifier or sinks): the backend
     and validated inputs, cached per call class: shapes, dtypes, devices, mask, offsets, scale,
-    dropout, LSE, ``kv_finite``, whether gradients are needed, the backend asked for and the scope
-    (``use_backend``, autotuning, each backend's ``reason_contexts``). A hit skips validation and
+    dropout, LSE, ``kv_finite``, whether gradients are needed, the backend asked for, the scope
+    (``use_backend``, autotuning, each backend's ``reason_contexts``) and the thread count (the
+    machine constants are per count). A hit skips validation and
     selection, both pure functions of that key (strides are not in it: neither reads them). Each
     entry remembers the calibration generation (table and machine constants) and the registry it
     was decided under and is used only while both still hold, so a choice never outlives a new
@@ -362,7 +363,7 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
     grad = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, mask, scale,
            dropout_p, q_offset, kv_offset, return_lse, kv_finite, grad, backend, _SCOPED.get(), _AUTOTUNE[0],
-           contexts and tuple([var.get() for var in contexts]),
+           contexts and tuple([var.get() for var in contexts]), torch.get_num_threads(),  # the constants' count
            # 1 == True == 1.0 as keys: the types too, so a call validation would refuse never hits
            type(scale), type(dropout_p), type(q_offset), type(kv_offset), type(return_lse), type(kv_finite))
     try:

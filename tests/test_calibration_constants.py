@@ -159,3 +159,35 @@ def test_reprobe_measures_now_and_forgets_decisions_taken_from_the_old_constants
     assert calibration.reprobe() == FAKE and len(probes) == 2
     assert calibration.generation() != generation and calibration.machine_constants() == FAKE
     assert len(probes) == 2
+
+
+def test_a_new_thread_count_takes_its_own_constants_and_decides_afresh(probes, monkeypatch):
+    from attnkit import dispatch
+
+    def probe():
+        probes.append(1)
+        constants = uniform_constants(overhead=1e-5 * torch.get_num_threads())
+        if torch.get_num_threads() > 1:  # another count, another winner
+            constants["backend_seconds"]["tiled"] = 1e-9
+            constants["reference_seconds"]["tiled"] = {c: 1e-7 for c in ("causal", "band", "layout", "decode")}
+        return constants
+
+    monkeypatch.setattr(calibration, "probe_constants", probe)
+    monkeypatch.setattr(dispatch, "_CALLS", {})
+    ran = []
+    monkeypatch.setattr(attnkit.list_backends()["tiled"], "forward",
+                        classmethod(lambda cls, inp, options: ran.append(cls.name) or inp.q.clone()))
+    threads = torch.get_num_threads()
+    x = torch.randn(1, 2, 16, 8)
+    attnkit.attention(x, x, x, mask=attnkit.Causal())
+    one = calibration.machine_constants()["backend_seconds"]["sdpa"]
+    try:
+        torch.set_num_threads(threads + 1)
+        attnkit.attention(x, x, x, mask=attnkit.Causal())  # no reload: the count alone
+        now = calibration.machine_constants()["backend_seconds"]["sdpa"]
+        assert now == pytest.approx(one * (threads + 1) / threads)
+        assert ran == ["tiled"]
+    finally:
+        torch.set_num_threads(threads)
+    attnkit.attention(x, x, x, mask=attnkit.Causal())
+    assert ran == ["tiled"] and len(probes) == 2
