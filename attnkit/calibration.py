@@ -274,7 +274,7 @@ def describe(inp: AttentionInputs) -> str:
 
 # -- probed machine constants ---------------------------------------------------------------------
 
-CONSTANTS_VERSION = 2
+CONSTANTS_VERSION = 3  # 3: one entry per thread count, each with its native build stamp
 _CONSTANTS: list = [None]
 _CONSTANTS_THREADS: list = [None]  # the thread count _CONSTANTS were loaded for (None: set from outside)
 _GENERATION = [0]
@@ -374,9 +374,10 @@ def _stored_entries(path: Path, machine: dict) -> dict:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         _constants_ignored(path, f"unreadable or not JSON ({str(exc).splitlines()[0] if str(exc) else exc!r})")
         return {}
-    if not isinstance(data, dict) or data.get("version") != CONSTANTS_VERSION:
-        version = data.get("version") if isinstance(data, dict) else None
-        _constants_ignored(path, f"version {version!r}, this attnkit reads version {CONSTANTS_VERSION}")
+    version = data.get("version") if isinstance(data, dict) else None
+    if version != CONSTANTS_VERSION:
+        if not (type(version) is int and 0 < version < CONSTANTS_VERSION):  # an older attnkit's: replaced quietly
+            _constants_ignored(path, f"version {version!r}, this attnkit reads version {CONSTANTS_VERSION}")
         return {}
     theirs, entries = data.get("machine"), data.get("entries")
     if not isinstance(theirs, dict) or not isinstance(entries, dict) or not all(

@@ -99,8 +99,8 @@ def test_the_real_quick_recheck_is_quick_and_agrees_with_the_probe():
     assert now["tile_gflops"] > 0 and now["op_seconds"] > 0
 
 
-@pytest.mark.parametrize("content", ["{ not json", "[1, 2]", '{"version": 2, "machine": 3, "entries": {}}',
-                                     '{"version": 1, "machine": "{}", "constants": {}}'])
+@pytest.mark.parametrize("content", ["{ not json", "[1, 2]", '{"version": 3, "machine": 3, "entries": {}}',
+                                     '{"version": 99, "machine": {}, "entries": {}}', '{"version": "3"}'])
 def test_a_corrupt_file_is_refused_with_one_line_and_no_call_breaks(probes, content):
     path = calibration.constants_path()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -191,3 +191,11 @@ def test_a_new_thread_count_takes_its_own_constants_and_decides_afresh(probes, m
         torch.set_num_threads(threads)
     attnkit.attention(x, x, x, mask=attnkit.Causal())
     assert ran == ["tiled"] and len(probes) == 2
+
+
+def test_an_older_attnkits_file_is_replaced_quietly(probes):
+    path = calibration.constants_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": 1, "machine": "{}", "constants": FAKE}))
+    assert _fresh() == FAKE and len(probes) == 1  # no warning (an upgrade), probed
+    assert json.loads(path.read_text())["version"] == calibration.CONSTANTS_VERSION

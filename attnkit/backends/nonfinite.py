@@ -72,8 +72,8 @@ def all_finite(inp: AttentionInputs) -> bool:
     the cheapest full read PyTorch has (a NaN or Inf entry makes any sum NaN or Inf, whatever the
     order of the additions). Each sum is taken in its tensor's dtype (bfloat16 has float32's range,
     and its own sum is much faster than a float32-typed one on the CPU); a float16 sum past 65504 is
-    taken again in float32 before the answer is False. A sum that overflows anyway answers False: the slow path then finds every entry
-    finite (correct, only slower)."""
+    taken again in float32 before the answer is False. A sum that overflows anyway answers False:
+    the slow path then finds every entry finite (correct, only slower)."""
     if not math.isfinite(inp.q.sum().item()) and not _finite_float32(inp.q):
         return False
     if inp.kv_finite:
