@@ -26,6 +26,7 @@ from torch.compiler import is_compiling as _is_compiling
 from . import calibration
 from .inputs import AttentionInputs
 from .masks import Mask
+from .masks.export import value_keyed
 from .registry import Backend, Work, get_backend, list_backends, registered_names
 from .registry import names_now
 
@@ -262,7 +263,7 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
     key = _shape_class(inp)
     # A mask holding tensors (padding lengths, a layout, a dense bool) hashes by identity: such
     # entries go to a small cache (a forward's layers share one mask), so few of them stay alive.
-    cache, size = ((_PRIORITY_CACHE, _PRIORITY_CACHE_SIZE) if inp.mask is None or _value_keyed(inp.mask)
+    cache, size = ((_PRIORITY_CACHE, _PRIORITY_CACHE_SIZE) if inp.mask is None or value_keyed(inp.mask)
                    else (_IDENTITY_CACHE, _IDENTITY_CACHE_SIZE))
     try:
         return cache[key]
@@ -322,21 +323,6 @@ _CALLS: dict = {}  # call key -> (backend, AttentionInputs fields without q, k, 
 _CALLS_SIZE = 512
 _CALLS_STATE: list = [None]  # (calibration generation, registered names) the cache was filled under
 _CONTEXT_VARS: list = [((), ())]  # (registered names, their backends' reason_contexts)
-_VALUE_HASHED: dict = {}  # mask type -> whether it hashes by value (no tensor held alive by a key)
-
-
-def _value_keyed(mask) -> bool:
-    """True when every leaf of ``mask`` compares and hashes by value (``Causal``, ``SlidingWindow``),
-    so a cache keyed on it holds no tensor alive; masks that hold tensors (padding lengths, layouts,
-    dense bools) hash by identity and take the validating path."""
-    for leaf in mask.leaves():
-        kind = type(leaf)
-        known = _VALUE_HASHED.get(kind)
-        if known is None:
-            known = _VALUE_HASHED[kind] = kind.__hash__ is not object.__hash__
-        if not known:
-            return False
-    return True
 
 
 def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite,
@@ -373,7 +359,7 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
     if hit is not None and hit[2] == generation and hit[3] is names:
         return hit[0], AttentionInputs.trusted(hit[1], q, k, v)
     impl, inp = _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
-    if mask is not None and not (isinstance(mask, Mask) and _value_keyed(mask)):
+    if mask is not None and not (isinstance(mask, Mask) and value_keyed(mask)):
         return impl, inp  # not stored: an entry would keep the mask's tensors alive (and equals no other mask)
     if _CALLS_STATE[0] != (generation, names) or len(_CALLS) >= _CALLS_SIZE:
         _CALLS.clear()  # entries of an older generation or registry can never hit again

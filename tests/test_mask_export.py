@@ -69,3 +69,17 @@ def test_mask_params_gather_positional_parameters():
     assert len(p.beyond_band) == 5  # everything but the two band conjuncts
     assert mask_params(None, 3).rest == () and mask_params(None, 3).band.left is None
     assert mask_params(KeyPadding([5]), 3).lengths.tolist() == [5, 5, 5]
+
+
+def test_mask_params_of_a_value_mask_are_computed_once_per_batch_size():
+    from attnkit.masks import export
+
+    export._PARAMS.clear()
+    window = Causal() & SlidingWindow(5, 0)
+    first = mask_params(window, 2)
+    assert mask_params(Causal() & SlidingWindow(5, 0), 2) is first  # an equal mask shares the entry
+    assert vars(first) == vars(export._mask_params(window, 2))
+    assert mask_params(window, 3) is not first and mask_params(SlidingWindow(5, 1) & Causal(), 2) is not first
+    padded = Causal() & KeyPadding(torch.tensor([3, 4]))  # holds a tensor: never stored
+    assert mask_params(padded, 2).lengths.tolist() == [3, 4]
+    assert all(not any(isinstance(leaf, KeyPadding) for leaf in key[0].leaves()) for key in export._PARAMS)

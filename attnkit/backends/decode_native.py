@@ -39,6 +39,7 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EMPTY_F = torch.empty(0)
 _EMPTY_B = torch.empty(0, 1, 1, 1, dtype=torch.bool)
 _EMPTY_L = torch.empty(0, dtype=torch.long)
+_EMPTY_BIAS = _EMPTY_F.view(0, 1, 1, 1)
 # Split sizes: multiples of this many keys, at least _MIN_SPLIT and at most _MAX_SPLIT (a split's
 # partial result is G·Tq·(Dv + 2) floats; bigger splits merge less, smaller ones balance threads).
 _SPLIT_ALIGN, _MIN_SPLIT, _MAX_SPLIT = 256, 256, 4096
@@ -156,7 +157,7 @@ def native_decode(inp: AttentionInputs, split: int | None = None):
         hi = n if right is None else min(n, qpos + Tq - 1 + right - kv_offset + 1)
         hi = max(lo, hi)
         rows.append((lo, hi, split or split_tokens(hi - lo, inp.Hkv), qpos))
-    rows_t = torch.tensor(rows, dtype=torch.long)
+    rows_t = _rows_tensor(tuple(rows))
     if handle is None:
         k, v, ks, vs, table = inp.k, inp.v, _EMPTY_F, _EMPTY_F, _EMPTY_L
     else:
@@ -166,7 +167,7 @@ def native_decode(inp: AttentionInputs, split: int | None = None):
         table = _EMPTY_L if handle.block_table is None else handle.block_table
     k, v = _last_contiguous(k), _last_contiguous(v)
     keep_t = _EMPTY_B if keep is None else _four(keep, inp)
-    bias = _EMPTY_F.view(0, 1, 1, 1) if inp.bias is None else _four(inp.bias.float(), inp)
+    bias = _EMPTY_BIAS if inp.bias is None else _four(inp.bias.float(), inp)
     codes, caps, slopes = score_mod_data(inp.score_mod)
     slope_t = torch.stack([(s if s is not None else torch.zeros(inp.Hq)).detach().float().expand(inp.Hq)
                            for s in slopes]).contiguous() if 2 in codes else _EMPTY_F
@@ -175,8 +176,24 @@ def native_decode(inp: AttentionInputs, split: int | None = None):
     q = inp.q.float().contiguous()
     out, lse = ext.decode(q, k, v, ks, vs, table, rows_t, kv_offset, inp.scale, band, keep_t, bias, codes, caps,
                           slope_t, sinks)
-    out = out.to(inp.dtype)
+    if out.dtype != inp.dtype:
+        out = out.to(inp.dtype)
     return (out, lse) if inp.return_lse else out
+
+
+_ROWS: dict = {}  # rows -> their (B, 4) int64 tensor, which the kernel only reads
+_ROWS_SIZE = 64
+
+
+def _rows_tensor(rows: tuple) -> Tensor:
+    """The kernel's ``rows`` argument, built once per distinct rows (a decode loop repeats them per
+    layer, and a dense call per step): building a tensor from a list costs microseconds."""
+    found = _ROWS.get(rows)
+    if found is None:
+        if len(_ROWS) >= _ROWS_SIZE:
+            _ROWS.clear()
+        found = _ROWS[rows] = torch.tensor(rows, dtype=torch.long)
+    return found
 
 
 def _last_contiguous(x: Tensor) -> Tensor:

@@ -28,7 +28,7 @@ from .structure import UNBOUNDED, Band, BlockStatus
 if TYPE_CHECKING:
     from .base import Mask
 
-__all__ = ["Tiles", "MaskParams", "tile_grid", "mask_params", "EMPTY", "PARTIAL", "FULL"]
+__all__ = ["Tiles", "MaskParams", "tile_grid", "mask_params", "value_keyed", "EMPTY", "PARTIAL", "FULL"]
 
 EMPTY, PARTIAL, FULL = BlockStatus.EMPTY.value, BlockStatus.PARTIAL.value, BlockStatus.FULL.value
 
@@ -211,10 +211,51 @@ class MaskParams:
         return replace(self, rest=self.rest + (part,))
 
 
+_VALUE_HASHED: dict = {}  # mask type -> whether it hashes by value
+
+
+def value_keyed(mask: Mask) -> bool:
+    """True when every leaf of ``mask`` compares and hashes by value (``Causal``, ``SlidingWindow``),
+    so a cache keyed on it holds no tensor alive and equal masks share entries; masks that hold
+    tensors (padding lengths, layouts, dense bools) hash by identity."""
+    for leaf in mask.leaves():
+        kind = type(leaf)
+        known = _VALUE_HASHED.get(kind)
+        if known is None:
+            known = _VALUE_HASHED[kind] = kind.__hash__ is not object.__hash__
+        if not known:
+            return False
+    return True
+
+
+_PARAMS: dict = {}  # (mask, batch size) -> MaskParams, for value-keyed masks whose parameters hold no tensor
+_PARAMS_SIZE = 256
+_NO_PARAMS = MaskParams()
+
+
 def mask_params(mask: Mask | None, batch_size: int) -> MaskParams:
-    """The :class:`MaskParams` of ``mask`` for a call with ``batch_size`` rows."""
+    """The :class:`MaskParams` of ``mask`` for a call with ``batch_size`` rows. Computed once per
+    batch size for a mask that compares by value and exports no tensor (``Causal``,
+    ``SlidingWindow`` and their conjunctions: decoding asks per layer per token); the result is
+    immutable and shared."""
+    if mask is None:
+        return _NO_PARAMS
+    keyed = value_keyed(mask)
+    if keyed:
+        found = _PARAMS.get((mask, batch_size))
+        if found is not None:
+            return found
+    params = _mask_params(mask, batch_size)
+    if keyed and params.lengths is None and params.valid is None and params.doc is None and params.layout is None:
+        if len(_PARAMS) >= _PARAMS_SIZE:
+            _PARAMS.clear()
+        _PARAMS[(mask, batch_size)] = params
+    return params
+
+
+def _mask_params(mask: Mask, batch_size: int) -> MaskParams:
     params, beyond = MaskParams(), []
-    for part in () if mask is None else mask.conjuncts():
+    for part in mask.conjuncts():
         params = part.export_params(params, batch_size)
         alone = part.export_params(MaskParams(), batch_size)
         if (alone.rest or alone.lengths is not None or alone.valid is not None or alone.doc is not None
