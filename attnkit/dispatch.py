@@ -331,9 +331,8 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
     and validated inputs, cached per call class: shapes, dtypes, devices, mask, offsets, scale,
     dropout, LSE, ``kv_finite``, whether gradients are needed, the backend asked for, the scope
     (``use_backend``, autotuning, each backend's ``reason_contexts``) and the thread count (the
-    machine constants are per count). A hit skips validation and
-    selection, both pure functions of that key (strides are not in it: neither reads them). Each
-    entry remembers the calibration generation (table and machine constants) and the registry it
+    machine constants are per count). A hit skips validation and selection, both pure functions of
+    that key (strides are not in it: neither reads them). Each entry remembers the calibration generation (table and machine constants) and the registry it
     was decided under and is used only while both still hold, so a choice never outlives a new
     calibration or backend, even one made while another thread recalibrated. Anything else goes
     through :meth:`AttentionInputs.create` and :func:`resolve` as before."""
