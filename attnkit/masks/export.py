@@ -238,6 +238,8 @@ def mask_params(mask: Mask | None, batch_size: int) -> MaskParams:
     batch size for a mask that compares by value and exports no tensor (``Causal``,
     ``SlidingWindow`` and their conjunctions: decoding asks per layer per token); the result is
     immutable and shared."""
+    if torch.compiler.is_compiling():  # traced: no global cache (a traced store could not be replayed)
+        return MaskParams() if mask is None else _mask_params(mask, batch_size)
     if mask is None:
         return _NO_PARAMS
     keyed = value_keyed(mask)
