@@ -332,10 +332,11 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
     dropout, LSE, ``kv_finite``, whether gradients are needed, the backend asked for, the scope
     (``use_backend``, autotuning, each backend's ``reason_contexts``) and the thread count (the
     machine constants are per count). A hit skips validation and selection, both pure functions of
-    that key (strides are not in it: neither reads them). Each entry remembers the calibration generation (table and machine constants) and the registry it
-    was decided under and is used only while both still hold, so a choice never outlives a new
-    calibration or backend, even one made while another thread recalibrated. Anything else goes
-    through :meth:`AttentionInputs.create` and :func:`resolve` as before."""
+    that key (strides are not in it: neither reads them). Each entry remembers the calibration
+    generation (table and machine constants) and the registry it was decided under and is used only
+    while both still hold, so a choice never outlives a new calibration or backend, even one made
+    while another thread recalibrated. Anything else goes through :meth:`AttentionInputs.create`
+    and :func:`resolve` as before."""
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or _is_compiling():
         return _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
     generation, names = calibration.generation(), names_now()
