@@ -115,7 +115,7 @@ def attention(
     """
     if enable_gqa is not True and not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa: expected True or False, got {type(enable_gqa).__name__} {enable_gqa!r}.")
-    if (isinstance(q, Tensor) and q.dtype in _AUTOCAST_FROM and _any_autocast()
+    if (_any_autocast() and isinstance(q, Tensor) and q.dtype in _AUTOCAST_FROM
             and torch.is_autocast_enabled(q.device.type)):
         dtype = torch.get_autocast_dtype(q.device.type)
         cast = lambda t: t if t.dtype == dtype else t.to(dtype)  # noqa: E731
