@@ -288,3 +288,19 @@ def test_a_float16_sum_past_its_range_is_looked_at_again_before_the_slow_path(mo
     assert not slow
     k[0, 0, 0, 0] = INF
     assert not nonfinite.all_finite(AttentionInputs.create(q, k, v))
+
+
+def test_a_tensor_passed_as_several_of_q_k_v_is_read_once(monkeypatch):
+    x, other, _ = _qkv(Tq=T, Tk=T, Dh=D)
+    x = x[:, :HKV]
+    reads = []
+    original = torch.Tensor.sum
+    monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, **kw: reads.append(self) or original(self, *a, **kw))
+    assert nonfinite.all_finite(AttentionInputs.create(x, x, x))
+    assert len(reads) == 1
+    assert nonfinite.all_finite(AttentionInputs.create(x, other, other)) and len(reads) == 3
+    monkeypatch.undo()
+    x[0, 1, 2, 3] = NAN
+    assert not nonfinite.all_finite(AttentionInputs.create(x, x, x))
+    assert not nonfinite.all_finite(AttentionInputs.create(other, x, x))
+    assert not nonfinite.all_finite(AttentionInputs.create(other, other, x))

@@ -68,24 +68,25 @@ def host_may_branch(inp: AttentionInputs) -> bool:
 
 
 def all_finite(inp: AttentionInputs) -> bool:
-    """Whether q (and K, V unless ``inp.kv_finite``) hold finite values only: one read-only sum each,
-    the cheapest full read PyTorch has (a NaN or Inf entry makes any sum NaN or Inf, whatever the
-    order of the additions). Each sum is taken in its tensor's dtype (bfloat16 has float32's range,
-    and its own sum is much faster than a float32-typed one on the CPU); a float16 sum past 65504 is
-    taken again in float32 before the answer is False. A sum that overflows anyway answers False:
-    the slow path then finds every entry finite (correct, only slower)."""
-    if not math.isfinite(inp.q.sum().item()) and not _finite_float32(inp.q):
+    """Whether q (and K, V unless ``inp.kv_finite``) hold finite values only: one read-only sum of
+    each distinct tensor (``attention(x, x, x)`` reads x once), the cheapest full read PyTorch has (a
+    NaN or Inf entry makes any sum NaN or Inf, whatever the order of the additions)."""
+    q = inp.q
+    if not _finite(q):
         return False
     if inp.kv_finite:
         return True
     k, v = inp.k, inp.v
-    return ((math.isfinite(k.sum().item()) or _finite_float32(k))
-            and (math.isfinite(v.sum().item()) or _finite_float32(v)))
+    return (k is q or _finite(k)) and (v is k or v is q or _finite(v))
 
 
-def _finite_float32(x: Tensor) -> bool:
-    """The second look of :func:`all_finite` at a float16 tensor whose own sum overflowed."""
-    return x.dtype == torch.float16 and math.isfinite(x.sum(dtype=torch.float32).item())
+def _finite(x: Tensor) -> bool:
+    """One tensor's sum is finite. Taken in its dtype (bfloat16 has float32's range, and its own sum
+    is much faster than a float32-typed one on the CPU); a float16 sum past 65504 is taken again in
+    float32. A sum that overflows anyway reads as non-finite: the slow path then finds every entry
+    finite (correct, only slower)."""
+    return math.isfinite(x.sum().item()) or (x.dtype == torch.float16
+                                             and math.isfinite(x.sum(dtype=torch.float32).item()))
 
 
 def _exact(impl, inp: AttentionInputs, options, host: bool):
