@@ -319,7 +319,7 @@ def resolve(inp: AttentionInputs, backend: str = "auto") -> tuple[type[Backend],
 
 # -- the per-call cache of attention()'s hot path -------------------------------------------------
 
-_CALLS: dict = {}  # call key -> (backend, AttentionInputs fields without q, k, v, generation, registered names)
+_CALLS: dict = {}  # call key -> (backend, AttentionInputs.cache_fields(), generation, registered names)
 _CALLS_SIZE = 512
 _CALLS_STATE: list = [None]  # (calibration generation, registered names) the cache was filled under
 _CONTEXT_VARS: list = [((), ())]  # (registered names, their backends' reason_contexts)
@@ -346,7 +346,7 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
         names = names_now()
         contexts = _CONTEXT_VARS[0] = (names, tuple(var for name in names for var in known[name].reason_contexts))
     contexts = contexts[1]
-    grad = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, mask, scale,
            dropout_p, q_offset, kv_offset, return_lse, kv_finite, grad, backend, _SCOPED.get(), _AUTOTUNE[0],
            contexts and tuple([var.get() for var in contexts]), torch.get_num_threads(),  # the constants' count
@@ -364,10 +364,7 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
     if _CALLS_STATE[0] != (generation, names) or len(_CALLS) >= _CALLS_SIZE:
         _CALLS.clear()  # entries of an older generation or registry can never hit again
         _CALLS_STATE[0] = (generation, names)
-    fields = dict(inp.__dict__)
-    for name in ("q", "k", "v"):
-        del fields[name]
-    _CALLS[key] = (impl, fields, generation, names)
+    _CALLS[key] = (impl, inp.cache_fields(), generation, names)
     return impl, inp
 
 

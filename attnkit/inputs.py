@@ -321,14 +321,20 @@ class AttentionInputs:
 
     @classmethod
     def trusted(cls, fields: dict, q: Tensor, k: Tensor, v: Tensor) -> AttentionInputs:
-        """Inputs from ``fields`` (an instance's ``__dict__`` without q, k, v) that :meth:`create`
-        validated for tensors of the same shapes, dtypes and devices and the same other arguments:
-        no validation (the dispatcher's per-shape-class cache of ``attention()`` calls)."""
+        """Inputs from ``fields`` (an instance's ``__dict__``, q, k and v in it replaced by None:
+        see :meth:`cache_fields`) that :meth:`create` validated for tensors of the same shapes, dtypes and
+        devices and the same other arguments: no validation (the dispatcher's per-shape-class cache
+        of ``attention()`` calls)."""
         self = object.__new__(cls)
         own = self.__dict__
-        own.update(fields)
-        own["q"], own["k"], own["v"] = q, k, v  # item stores: no keyword dict built per call
+        own.update(fields)  # its keys include q, k, v: the stores below grow nothing
+        own["q"], own["k"], own["v"] = q, k, v
         return self
+
+    def cache_fields(self) -> dict:
+        """What :meth:`trusted` takes: the instance's ``__dict__`` with q, k and v set to None (a
+        cache of it keeps no tensor alive)."""
+        return {**self.__dict__, "q": None, "k": None, "v": None}
 
     def dense(self) -> AttentionInputs:
         """These inputs with a KV handle replaced by contiguous K/V in the query dtype (the one

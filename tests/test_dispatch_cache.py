@@ -165,3 +165,19 @@ def test_an_entry_decided_under_an_older_calibration_is_never_used(ran):
     attnkit.attention(q, kv, kv)
     assert ran[-1] == "sdpa"
     assert all(entry[2] == calibration.generation() for entry in dispatch._CALLS.values())
+
+
+def test_an_entry_keeps_no_tensor_of_its_call_alive(ran):
+    import gc
+    import weakref
+
+    x = torch.randn(1, 2, 5, 8)
+    attnkit.attention(x, kv, kv, mask=Causal())
+    assert not any(isinstance(value, torch.Tensor) for entry in dispatch._CALLS.values() for value in entry[1].values())
+    gone = weakref.ref(x)
+    del x
+    gc.collect()
+    assert gone() is None
+    y = torch.randn(1, 2, 5, 8)
+    torch.testing.assert_close(attnkit.attention(y, kv, kv, mask=Causal()),  # the hit runs on this call's tensors
+                               attnkit.attention(y, kv, kv, mask=Causal(), backend="naive"))
