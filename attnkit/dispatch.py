@@ -27,8 +27,7 @@ from . import calibration
 from .inputs import AttentionInputs
 from .masks import Mask
 from .masks.export import value_keyed
-from .registry import Backend, Work, get_backend, list_backends, registered_names
-from .registry import names_now
+from .registry import Backend, Work, get_backend, list_backends, names_now, registered_names
 
 __all__ = ["NoBackendError", "select", "resolve", "resolve_call", "explain", "use_backend", "priority", "Explanation",
            "Work", "builtin_order", "estimated_seconds", "kept_fraction", "autotune"]

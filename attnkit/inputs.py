@@ -321,10 +321,10 @@ class AttentionInputs:
 
     @classmethod
     def trusted(cls, fields: dict, q: Tensor, k: Tensor, v: Tensor) -> AttentionInputs:
-        """Inputs from ``fields`` (an instance's ``__dict__``, q, k and v in it replaced by None:
-        see :meth:`cache_fields`) that :meth:`create` validated for tensors of the same shapes, dtypes and
-        devices and the same other arguments: no validation (the dispatcher's per-shape-class cache
-        of ``attention()`` calls)."""
+        """Inputs from ``fields`` (an instance's ``__dict__`` with q, k and v set to None:
+        :meth:`cache_fields`) that :meth:`create` validated for tensors of the same shapes, dtypes
+        and devices and the same other arguments: no validation (the dispatcher's per-shape-class
+        cache of ``attention()`` calls)."""
         self = object.__new__(cls)
         own = self.__dict__
         own.update(fields)  # its keys include q, k, v: the stores below grow nothing
