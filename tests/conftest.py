@@ -17,6 +17,7 @@ def _no_user_calibration(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(tmp_path_factory.getbasetemp() / "no-calibration.json"))
     calibration.reload()
     monkeypatch.setattr(calibration, "_CONSTANTS", [uniform_constants()])
+    monkeypatch.setattr(calibration, "_CONSTANTS_THREADS", [None])  # kept whatever the thread count
     yield
     calibration.reload()
 
