@@ -154,7 +154,7 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     backend's own rate on the probe's reference problem of the same mask class (measured time less
     the other terms), scaled by the machine's half/float32 GEMM ratio for backends that compute in
     half precision, and tripled flops for training. For decoding the work is the K/V bytes read and
-    the rate the backend's bytes per second on the decode reference (a cache larger than the CPU's)."""
+    the rate the backend's bytes per second on the decode reference (8 MiB each of K and V)."""
     impl = list_backends().get(name)
     overhead = constants["backend_seconds"].get(name)
     measured = constants["reference_seconds"].get(name, {})

@@ -99,7 +99,8 @@ def test_the_real_quick_recheck_is_quick_and_agrees_with_the_probe():
     assert now["tile_gflops"] > 0 and now["op_seconds"] > 0
 
 
-@pytest.mark.parametrize("content", ["{ not json", "[1, 2]", '{"version": 3, "machine": 3, "entries": {}}',
+@pytest.mark.parametrize("content", ["{ not json", "[1, 2]",
+                                     '{"version": %d, "machine": 3, "entries": {}}' % calibration.CONSTANTS_VERSION,
                                      '{"version": 99, "machine": {}, "entries": {}}', '{"version": "3"}'])
 def test_a_corrupt_file_is_refused_with_one_line_and_no_call_breaks(probes, content):
     path = calibration.constants_path()
