@@ -307,9 +307,10 @@ struct Layout {
     }
     const int64_t* row = table + b * table_stride;
     int64_t blk = j0 / bs, in = j0 % bs;
-    for (int64_t i = 0; i < n; ++i) {
-      off[i] = hk * s0 + row[blk] * s1 + in * s2;
-      if (++in == bs) in = 0, ++blk;
+    for (int64_t i = 0; i < n; ++blk, in = 0) {  // block by block
+      const int64_t base = hk * s0 + row[blk] * s1, m = std::min(bs - in, n - i);
+      for (int64_t t = 0; t < m; ++t) off[i + t] = base + (in + t) * s2;
+      i += m;
     }
   }
 };
@@ -336,6 +337,18 @@ struct Problem {
   std::vector<double> mod_caps;
   const float* slopes = nullptr;  // (n_mods, Hq): row t for mod t (ALiBi)
 };
+
+// Prefetches the cache lines holding elements [j0, j0 + n) of a per-key float array (the int8
+// scales), each line once; off: scratch for n offsets.
+inline void prefetch_lines(const Layout& L, const float* base, int64_t b, int64_t hk, int64_t j0, int64_t n,
+                           int64_t* off) {
+  L.offsets(b, hk, j0, n, off);
+  uintptr_t last = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uintptr_t line = reinterpret_cast<uintptr_t>(base + off[i]) >> 6;
+    if (line != last) prefetch(base + off[i], 1), last = line;
+  }
+}
 
 // n rounded up to a multiple of kLanes
 inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
@@ -377,6 +390,10 @@ void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ks
     for (int64_t jj = 0; jj < kChunk; ++jj) {
       pfk[jj] = jj < n1 ? kn[jj] : nullptr;
       pfv[jj] = jj < n ? vp + voff[jj] : nullptr;
+    }
+    if (ksp) {  // the next chunk's scales (a line per 16 keys, or per block of a paged pool)
+      prefetch_lines(P.ksl, ksp, b, hk, c0 + kChunk, n1, koff);
+      prefetch_lines(P.vsl, vsp, b, hk, c0 + kChunk, n1, koff);
     }
     if (ksp) {
       P.ksl.offsets(b, hk, c0, n, koff);
