@@ -29,98 +29,212 @@
 #include "tiles.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <immintrin.h>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using attnkit::kLanes;
 constexpr int64_t kChunk = 64;  // keys scored together (a small block of scores per row)
+static_assert(kChunk % kLanes == 0 && kChunk <= 64, "a chunk is whole 16-key blocks, its live keys one 64-bit mask");
 
-// The kernel's vector code is plain fixed-width loops (kLanes = 16 floats, as in tiles.h) that the
-// compiler maps onto the machine's registers: ATen's Vectorized<float> is its scalar fallback in an
-// extension (no CPU_CAPABILITY is defined here), and the fixed lane count keeps every summation order
-// the same on every ISA.
-
-// A key or value row as float32: the row itself for float32, else converted into buf (bf16 and fp16
-// through their bits, so the loops vectorize).
-inline const float* as_float(const float* src, float*, int64_t) { return src; }
-inline const float* as_float(const c10::BFloat16* src, float* __restrict buf, int64_t n) {
-  const uint16_t* __restrict s = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) buf[i] = __builtin_bit_cast(float, uint32_t(s[i]) << 16);
-  return buf;
-}
-inline const float* as_float(const c10::Half* src, float* __restrict buf, int64_t n) {
-  const uint16_t* __restrict s = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(__builtin_bit_cast(_Float16, s[i]));
-  return buf;
-}
-inline const float* as_float(const int8_t* __restrict src, float* __restrict buf, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
-  return buf;
-}
-
-// 16 floats in the machine's vector registers (one zmm, two ymm): GCC's generic vector type, so the
-// compiler vectorizes the lane dimension (plain loops got gathers and spills).
+// The kernel's vector code is GCC's generic 16-float vectors (kLanes, as in tiles.h) that the
+// compiler maps onto the machine's registers (one zmm, two ymm): ATen's Vectorized<float> is its
+// scalar fallback in an extension (no CPU_CAPABILITY is defined here), plain loops compiled to
+// gathers, and the fixed lane count keeps every summation order the same on every ISA.
 typedef float V16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+typedef uint32_t U16 __attribute__((vector_size(64)));
+
+// 16 elements of a key or value row as float32, converted in registers: bf16 and fp16 through
+// their bits, int8 exactly (its scale is applied to the score and the probability). The
+// conversions are exact, so the instruction set changes no bit; x86 intrinsics where GCC's generic
+// conversions compile to scalar code.
 inline V16 load16(const float* p) {
   V16 v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+inline V16 load16(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<V16>(_mm512_slli_epi32(w, 16));
+#else
+  typedef uint16_t H __attribute__((vector_size(32)));
+  H h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<V16>(__builtin_convertvector(h, U16) << 16);
+#endif
+}
+inline V16 load16(const c10::Half* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<V16>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + 1));
+  V16 v;
+  std::memcpy(&v, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  return v;
+#else
+  typedef _Float16 H __attribute__((vector_size(32)));
+  H h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, V16);
+#endif
+}
+inline V16 load16(const int8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<V16>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
+  V16 v;
+  std::memcpy(&v, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  return v;
+#else
+  typedef int8_t H __attribute__((vector_size(16)));
+  H h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(__builtin_convertvector(h, I16), V16);
+#endif
+}
+// The first n < 16 elements, the other lanes 0 (nothing past the row is read: AVX-512 masked loads,
+// else a copy).
+template <typename T>
+inline V16 load_part(const T* p, int64_t n) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const uint32_t mask = (1u << n) - 1u;
+  if constexpr (std::is_same_v<T, float>) {
+    return reinterpret_cast<V16>(_mm512_maskz_loadu_ps(static_cast<__mmask16>(mask), p));
+  } else if constexpr (sizeof(T) == 2) {
+    const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>(mask), p);
+    T t[kLanes];
+    std::memcpy(static_cast<void*>(t), &h, sizeof t);
+    return load16(t);
+  } else {
+    const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>(mask), p);
+    T t[kLanes];
+    std::memcpy(static_cast<void*>(t), &b, sizeof t);
+    return load16(t);
+  }
+#else
+  T t[kLanes];
+  std::memset(static_cast<void*>(t), 0, sizeof t);
+  std::memcpy(static_cast<void*>(t), p, n * sizeof(T));
+  return load16(t);
+#endif
+}
 
-// s[r * kChunk + j] = q_r . k_j for R query rows and J keys at once: 16-lane partial sums over the
-// head dim (lane u takes dims u, u + 16, ...; the tail dims add into lanes 0..), then attnkit's fixed
-// pairwise lane tree. The order depends on D only: never on the batch, the data or the ISA.
-template <int R, int J>
-inline void qk_block(const float* __restrict q, int64_t D, const float* const* kr, float* __restrict s) {
-  const float* k[J];
-  for (int j = 0; j < J; ++j) k[j] = kr[j];
-  V16 acc[R][J];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) acc[r][j] = V16{};
-  int64_t c = 0;
-  for (; c + kLanes <= D; c += kLanes) {
-    V16 kv[J];
-    for (int j = 0; j < J; ++j) kv[j] = load16(k[j] + c);
+// Pulls the n bytes at p toward the cache (L2) ahead of their use: a hint that never faults and
+// changes no result, given only rows the kernel reads.
+inline void prefetch(const void* p, int64_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(c + b, 0, 2);
+}
+
+// Lane shuffles of two vectors (lanes 0..15 of a, 16..31 of b).
+template <int... I>
+inline V16 pick(V16 a, V16 b) {
+  return __builtin_shuffle(a, b, I16{I...});
+}
+
+// out[r] = the 16 lane partials of q_r . k over the head dim for R query rows and one key: lane u
+// takes dims u, u + 16, ... in order, the tail dims add into lanes 0... The rows of q are padded
+// with zeros to a multiple of 16 (row stride ld); a tail lane past D adds 0 * 0. The key is read
+// once, straight through (several rows read in interleaved pieces ran at half the memory speed),
+// and each 16 of its elements are converted once for all R rows.
+template <int R, typename KT>
+inline void qk_lanes(const float* __restrict q, int64_t ld, int64_t D, const KT* __restrict k, V16* __restrict out) {
+  V16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = V16{};
+  for (int64_t c = 0; c < D; c += kLanes) {
+    const V16 kv = c + kLanes <= D ? load16(k + c) : load_part(k + c, D - c);
+    for (int r = 0; r < R; ++r) acc[r] += load16(q + r * ld + c) * kv;
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+// The scores of R query rows against 16 keys (kr[0..nk), the rest of the lanes unused):
+// out[r] lane j = q_r . k_j: the lane partials of qk_lanes, then the fixed pairwise lane tree of
+// attnkit::lane_sum (u + 8, then + 4, + 2, + 1) run on 16 keys at once with shuffles. The order
+// depends on D only: never on the batch, the data or the ISA. Every four keys, two tree levels
+// leave one vector per row (4 lanes per key).
+template <int R, typename KT>
+inline void qk16(const float* __restrict q, int64_t ld, int64_t D, const KT* const* kr, int nk, V16* out) {
+  V16 quad[R][4];
+  for (int j0 = 0; j0 < kLanes; j0 += 4) {
+    if (j0 >= nk) {
+      for (int r = 0; r < R; ++r) quad[r][j0 / 4] = V16{};
+      continue;
+    }
+    V16 acc[4][R];
+    for (int j = 0; j < 4; ++j) qk_lanes<R>(q, ld, D, kr[j0 + j < nk ? j0 + j : j0], acc[j]);  // past nk: unused
     for (int r = 0; r < R; ++r) {
-      const V16 qv = load16(q + r * D + c);
-      for (int j = 0; j < J; ++j) acc[r][j] += qv * kv[j];
+      // level u + 8: keys (0, 1) and (2, 3) -> 8 lanes each
+      const V16 h01 = pick<0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23>(acc[0][r], acc[1][r]) +
+                      pick<8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31>(acc[0][r], acc[1][r]);
+      const V16 h23 = pick<0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23>(acc[2][r], acc[3][r]) +
+                      pick<8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31>(acc[2][r], acc[3][r]);
+      // level u + 4: keys 0..3 -> 4 lanes each
+      quad[r][j0 / 4] = pick<0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27>(h01, h23) +
+                        pick<4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31>(h01, h23);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) {
-      float lanes[kLanes];
-      std::memcpy(lanes, &acc[r][j], sizeof lanes);
-      for (int64_t u = 0; c + u < D; ++u) lanes[u] = std::fma(q[r * D + c + u], k[j][c + u], lanes[u]);
-      s[r * kChunk + j] = attnkit::lane_sum(lanes);
-    }
-}
-
-template <int R>
-inline void qk_rows(const float* q, int64_t D, const float* const* kr, int64_t n, float* s) {
-  int64_t j = 0;
-  for (; j + 2 <= n; j += 2) qk_block<R, 2>(q, D, kr + j, s + j);
-  if (j < n) qk_block<R, 1>(q, D, kr + j, s + j);
-}
-
-inline void qk(const float* q, int64_t M, int64_t D, const float* const* kr, int64_t n, float* s) {
-  int64_t r = 0;
-  for (; r + 4 <= M; r += 4) qk_rows<4>(q + r * D, D, kr, n, s + r * kChunk);
-  switch (M - r) {
-    case 3: qk_rows<3>(q + r * D, D, kr, n, s + r * kChunk); break;
-    case 2: qk_rows<2>(q + r * D, D, kr, n, s + r * kChunk); break;
-    case 1: qk_rows<1>(q + r * D, D, kr, n, s + r * kChunk); break;
-    default: break;
+  for (int r = 0; r < R; ++r) {
+    // level u + 2: keys 0..7 and 8..15 -> 2 lanes each; level u + 1: lane j = key j
+    const V16 a = pick<0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29>(quad[r][0], quad[r][1]) +
+                  pick<2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31>(quad[r][0], quad[r][1]);
+    const V16 b = pick<0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29>(quad[r][2], quad[r][3]) +
+                  pick<2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31>(quad[r][2], quad[r][3]);
+    out[r] = pick<0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30>(a, b) +
+             pick<1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31>(a, b);
   }
 }
+
+// s[r * kChunk + j] = q_r . k_j for the M rows and n <= kChunk keys of a chunk (qk16 per 16 keys
+// and up to 4 rows; the lanes past n are written and unused). pa, pb: kChunk rows to prefetch
+// meanwhile (na, nb bytes each; null entries skipped), 16 keys' rows before each 16 keys are scored
+// (measured: faster than spreading them key by key or issuing the whole chunk's at once).
+template <typename KT>
+inline void qk(const float* q, int64_t ld, int64_t M, int64_t D, const KT* const* kr, int64_t n, float* s,
+               const void* const* pa, int64_t na, const void* const* pb, int64_t nb) {
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const int nk = static_cast<int>(std::min<int64_t>(kLanes, n - j));
+    for (int u = 0; u < kLanes; ++u) {
+      if (pa[j + u]) prefetch(pa[j + u], na);
+      if (pb[j + u]) prefetch(pb[j + u], nb);
+    }
+    V16 out[4];
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) {
+      qk16<4>(q + r * ld, ld, D, kr + j, nk, out);
+      for (int i = 0; i < 4; ++i) std::memcpy(s + (r + i) * kChunk + j, &out[i], sizeof(V16));
+    }
+    const int rest = static_cast<int>(M - r);
+    if (rest == 3) qk16<3>(q + r * ld, ld, D, kr + j, nk, out);
+    if (rest == 2) qk16<2>(q + r * ld, ld, D, kr + j, nk, out);
+    if (rest == 1) qk16<1>(q + r * ld, ld, D, kr + j, nk, out);
+    for (int i = 0; i < rest; ++i) std::memcpy(s + (r + i) * kChunk + j, &out[i], sizeof(V16));
+  }
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
 
 // o[r] += sum over the live keys (in order) of p[r][t] * v_t for R rows: W columns of the R rows
 // held in registers while the keys stream through. Each output is one chain over the keys, in order.
-template <int R, int W>
-inline void pv_cols(float* __restrict o, int64_t Dv, const float* __restrict p, const float* const* vr,
+template <int R, int W, typename KT>
+inline void pv_cols(float* __restrict o, int64_t Dv, const float* __restrict p, const KT* const* vr,
                     const int64_t* live, int64_t nlive, int64_t c) {
   if constexpr (W % kLanes == 0) {
     constexpr int N = W / kLanes;
@@ -128,7 +242,7 @@ inline void pv_cols(float* __restrict o, int64_t Dv, const float* __restrict p, 
     for (int r = 0; r < R; ++r)
       for (int u = 0; u < N; ++u) acc[r][u] = load16(o + r * Dv + c + u * kLanes);
     for (int64_t t = 0; t < nlive; ++t) {
-      const float* v = vr[live[t]] + c;
+      const KT* v = vr[live[t]] + c;
       V16 vv[N];
       for (int u = 0; u < N; ++u) vv[u] = load16(v + u * kLanes);
       for (int r = 0; r < R; ++r) {
@@ -142,21 +256,23 @@ inline void pv_cols(float* __restrict o, int64_t Dv, const float* __restrict p, 
     for (int r = 0; r < R; ++r)
       for (int u = 0; u < W; ++u) {
         float a = o[r * Dv + c + u];
-        for (int64_t t = 0; t < nlive; ++t) a = std::fma(p[r * kChunk + live[t]], vr[live[t]][c + u], a);
+        for (int64_t t = 0; t < nlive; ++t) a = std::fma(p[r * kChunk + live[t]], to_float(vr[live[t]][c + u]), a);
         o[r * Dv + c + u] = a;
       }
   }
 }
 
-template <int R>
-inline void pv_rows(float* o, int64_t Dv, const float* p, const float* const* vr, const int64_t* live, int64_t nlive) {
+template <int R, typename KT>
+inline void pv_rows(float* o, int64_t Dv, const float* p, const KT* const* vr, const int64_t* live, int64_t nlive) {
   int64_t c = 0;
+  for (; c + 4 * kLanes <= Dv; c += 4 * kLanes) pv_cols<R, 4 * kLanes>(o, Dv, p, vr, live, nlive, c);
   for (; c + 2 * kLanes <= Dv; c += 2 * kLanes) pv_cols<R, 2 * kLanes>(o, Dv, p, vr, live, nlive, c);
   for (; c + kLanes <= Dv; c += kLanes) pv_cols<R, kLanes>(o, Dv, p, vr, live, nlive, c);
   for (; c < Dv; ++c) pv_cols<R, 1>(o, Dv, p, vr, live, nlive, c);
 }
 
-inline void pv(float* o, int64_t M, int64_t Dv, const float* p, const float* const* vr, const int64_t* live,
+template <typename KT>
+inline void pv(float* o, int64_t M, int64_t Dv, const float* p, const KT* const* vr, const int64_t* live,
                int64_t nlive) {
   int64_t r = 0;
   for (; r + 4 <= M; r += 4) pv_rows<4>(o + r * Dv, Dv, p + r * kChunk, vr, live, nlive);
@@ -194,9 +310,10 @@ struct Layout {
     }
     const int64_t* row = table + b * table_stride;
     int64_t blk = j0 / bs, in = j0 % bs;
-    for (int64_t i = 0; i < n; ++i) {
-      off[i] = hk * s0 + row[blk] * s1 + in * s2;
-      if (++in == bs) in = 0, ++blk;
+    for (int64_t i = 0; i < n; ++blk, in = 0) {  // block by block
+      const int64_t base = hk * s0 + row[blk] * s1, m = std::min(bs - in, n - i);
+      for (int64_t t = 0; t < m; ++t) off[i + t] = base + (in + t) * s2;
+      i += m;
     }
   }
 };
@@ -224,38 +341,67 @@ struct Problem {
   const float* slopes = nullptr;  // (n_mods, Hq): row t for mod t (ALiBi)
 };
 
+// Prefetches the cache lines holding elements [j0, j0 + n) of a per-key float array (the int8
+// scales), each line once; off: scratch for n offsets.
+inline void prefetch_lines(const Layout& L, const float* base, int64_t b, int64_t hk, int64_t j0, int64_t n,
+                           int64_t* off) {
+  L.offsets(b, hk, j0, n, off);
+  uintptr_t last = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uintptr_t line = reinterpret_cast<uintptr_t>(base + off[i]) >> 6;
+    if (line != last) prefetch(base + off[i], 1), last = line;
+  }
+}
+
+// n rounded up to a multiple of kLanes
+inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
 // One split: keys [j0, j1) of sequence b, K/V head hk; writes m, l (M) and o (M, Dv).
 template <typename KT>
 void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ksp, const float* vsp, int64_t b,
                    int64_t hk, int64_t j0, int64_t j1, float* m, float* l, float* o, float* work) {
   const int64_t M = P.M, D = P.D, Dv = P.Dv, Tq = P.Tq;
   const float ninf = -std::numeric_limits<float>::infinity();
-  float* qs = work;                  // (M, D) scaled queries
-  float* s = qs + M * D;             // (M, kChunk) scores, then probabilities
-  float* kbuf = s + M * kChunk;      // (kChunk, D) converted keys
-  float* vbuf = kbuf + kChunk * D;   // (kChunk, Dv) converted values
-  const float* kr[kChunk];
-  const float* vr[kChunk];
+  const int64_t ld = padded(D);
+  float* qs = work;         // (M, ld) scaled queries, zero past D
+  float* s = qs + M * ld;   // (M, kChunk) scores, then probabilities
+  const KT* kr[kChunk];
+  const KT* kn[kChunk];  // the next chunk's keys
+  const KT* vr[kChunk];
+  const void* pfk[kChunk];  // rows prefetched while a chunk is scored: the next chunk's keys
+  const void* pfv[kChunk];  // and this chunk's values
   float kscale[kChunk], vscale[kChunk];
   int64_t live[kChunk], koff[kChunk], voff[kChunk], vsoff[kChunk];
   const int64_t qpos0 = P.rows[b * 4 + 3];
   for (int64_t r = 0; r < M; ++r) {
     const int64_t g = r / Tq, i = r % Tq;
     const float* src = P.q + ((b * P.Hq + hk * P.G + g) * Tq + i) * D;
-    for (int64_t c = 0; c < D; ++c) qs[r * D + c] = src[c] * P.scale;
+    for (int64_t c = 0; c < D; ++c) qs[r * ld + c] = src[c] * P.scale;
+    std::fill(qs + r * ld + D, qs + (r + 1) * ld, 0.f);
     m[r] = ninf;
     l[r] = 0.f;
   }
   std::fill(o, o + M * Dv, 0.f);
+  P.kl.offsets(b, hk, j0, std::min(kChunk, j1 - j0), koff);
+  for (int64_t jj = 0; jj < std::min(kChunk, j1 - j0); ++jj) kn[jj] = kp + koff[jj];
   for (int64_t c0 = j0; c0 < j1; c0 += kChunk) {
-    const int64_t n = std::min(kChunk, j1 - c0);
-    P.kl.offsets(b, hk, c0, n, koff);
-    for (int64_t jj = 0; jj < n; ++jj) kr[jj] = as_float(kp + koff[jj], kbuf + jj * D, D);
+    const int64_t n = std::min(kChunk, j1 - c0), n1 = std::max<int64_t>(0, std::min(kChunk, j1 - c0 - kChunk));
+    std::copy(kn, kn + n, kr);
+    P.kl.offsets(b, hk, c0 + kChunk, n1, koff);
+    for (int64_t jj = 0; jj < n1; ++jj) kn[jj] = kp + koff[jj];
+    P.vl.offsets(b, hk, c0, n, voff);
+    for (int64_t jj = 0; jj < kChunk; ++jj) {
+      pfk[jj] = jj < n1 ? kn[jj] : nullptr;
+      pfv[jj] = jj < n ? vp + voff[jj] : nullptr;
+    }
+    // the next chunk's scales (a line per 16 keys, or per block of a paged pool)
+    if (ksp) prefetch_lines(P.ksl, ksp, b, hk, c0 + kChunk, n1, koff);
+    if (vsp) prefetch_lines(P.vsl, vsp, b, hk, c0 + kChunk, n1, koff);
     if (ksp) {
       P.ksl.offsets(b, hk, c0, n, koff);
       for (int64_t jj = 0; jj < n; ++jj) kscale[jj] = ksp[koff[jj]];
     }
-    qk(qs, M, D, kr, n, s);
+    qk(qs, ld, M, D, kr, n, s, pfk, D * int64_t(sizeof(KT)), pfv, Dv * int64_t(sizeof(KT)));
     for (int64_t r = 0; r < M; ++r) {
       const int64_t g = r / Tq, i = r % Tq, h = hk * P.G + g, qp = qpos0 + i;
       float* row = s + r * kChunk;
@@ -300,21 +446,27 @@ void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ks
       m[r] = mx;
     }
     // The values of the keys some row keeps (a key no row keeps is never read), then o += p v.
-    int64_t nlive = 0;
-    for (int64_t jj = 0; jj < n; ++jj) {
-      bool any = false;
-      for (int64_t r = 0; r < M && !any; ++r) any = s[r * kChunk + jj] != 0.f;
-      if (any) live[nlive++] = jj;
+    // Bit jj of kept: some row's probability of key jj is not 0.
+    uint64_t kept = 0;
+    for (int64_t j = 0; j < n; j += kLanes) {
+      I16 any = I16{};
+      for (int64_t r = 0; r < M; ++r) any |= load16(s + r * kChunk + j) != V16{};
+      for (int u = 0; u < kLanes; ++u) kept |= uint64_t(any[u] != 0) << (j + u);
     }
-    if (nlive == 0) continue;
-    P.vl.offsets(b, hk, c0, n, voff);
+    if (n < kChunk) kept &= (uint64_t(1) << n) - 1;  // the lanes past n hold no score
+    if (kept == 0) continue;
+    int64_t nlive = 0;
+    for (uint64_t bits = kept; bits; bits &= bits - 1) live[nlive++] = __builtin_ctzll(bits);
     if (vsp) P.vsl.offsets(b, hk, c0, n, vsoff);
     for (int64_t t = 0; t < nlive; ++t) {
       const int64_t jj = live[t];
-      vr[jj] = as_float(vp + voff[jj], vbuf + jj * Dv, Dv);
+      vr[jj] = vp + voff[jj];
       if (vsp) vscale[jj] = vsp[vsoff[jj]];
     }
-    if (vsp) {
+    if (vsp && nlive == n) {
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t jj = 0; jj < n; ++jj) s[r * kChunk + jj] *= vscale[jj];
+    } else if (vsp) {
       for (int64_t r = 0; r < M; ++r)
         for (int64_t t = 0; t < nlive; ++t) s[r * kChunk + live[t]] *= vscale[live[t]];
     }
@@ -354,10 +506,18 @@ void run(const Problem& P, const at::Tensor& k, const at::Tensor& v, const at::T
   const KT* vp = v.data_ptr<KT>();
   const float* ksp = k_scale.numel() ? k_scale.data_ptr<float>() : nullptr;
   const float* vsp = v_scale.numel() ? v_scale.data_ptr<float>() : nullptr;
-  at::parallel_for(0, nsplit * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work(M * P.D + M * kChunk + kChunk * (P.D + Dv));
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t t = w / Hkv, hk = w % Hkv;
+  // Work items (split, head), longest split first, taken by the threads as they come free: the
+  // order and the thread that reduces an item change no bit of its result.
+  std::vector<int64_t> order(nsplit);
+  for (int64_t t = 0; t < nsplit; ++t) order[t] = t;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return sj1[a] - sj0[a] > sj1[b] - sj0[b]; });
+  const int64_t items = nsplit * Hkv;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    std::vector<float> work(M * padded(P.D) + M * kChunk);
+    for (int64_t i = next++; i < items; i = next++) {
+      const int64_t t = order[i / Hkv], hk = i % Hkv, w = t * Hkv + hk;
       split_partial<KT>(P, kp, vp, ksp, vsp, sb[t], hk, sj0[t], sj1[t], part_m.data() + w * M,
                         part_l.data() + w * M, part_o.data() + w * M * Dv, work.data());
     }
