@@ -107,10 +107,13 @@ def single_cases(T: int, Hq: int, Hkv: int, D: int, g):
             (hk, hv), nbytes = cache(fmt, dtype, k, v, [T], g)
             qq = qb if dtype == "bf16" else q
             name = f"native {'paged ' if fmt == 'paged' else ''}{dtype}"
-            fns[name] = (lambda qq=qq, hk=hk, hv=hv: attention(qq, hk, hv, backend="decode", options=NATIVE), nbytes)
+            # kv_finite=True: what a cache passes (its handles say so themselves); plain tensors would
+            # add the NaN/Inf policy's finiteness sum over K and V to every call
+            fns[name] = (lambda qq=qq, hk=hk, hv=hv: attention(qq, hk, hv, backend="decode", options=NATIVE,
+                                                               kv_finite=True), nbytes)
             if fmt == "dense" and dtype != "bf16":
                 fns[f"torch {dtype}"] = (lambda qq=qq, hk=hk, hv=hv: attention(qq, hk, hv, backend="decode",
-                                                                               options=TORCH), nbytes)
+                                                                               options=TORCH, kv_finite=True), nbytes)
     return fns, "sdpa fp32"
 
 
