@@ -105,6 +105,9 @@ def load() -> dict | None:
     if data.get("machine_id") != here:
         theirs = data.get("machine_id") or {}
         diff = ", ".join(f"{k} {theirs.get(k)!r} here {v!r}" for k, v in here.items() if theirs.get(k) != v)
+        if all(theirs.get(k) == v for k, v in here.items() if k != "threads"):
+            return _ignored(path, f"measured with {theirs.get('threads')} threads, this process runs "
+                                  f"{here.get('threads')} (torch.set_num_threads); a table holds one thread count")
         return _ignored(path, f"measured on another machine or torch version ({diff})")
     return data
 

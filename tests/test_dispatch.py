@@ -371,3 +371,21 @@ def test_decoding_is_modelled_by_the_bytes_it_reads(monkeypatch):
     assert priority(long)[0] == "decode"
     _with_constants(monkeypatch, _faster("sdpa", 3.0))
     assert priority(long)[0] == "sdpa"
+
+
+def test_a_table_of_another_thread_count_says_so(tmp_path, monkeypatch):
+    import json
+
+    path = tmp_path / "cal.json"
+    monkeypatch.setenv("ATTNKIT_CALIBRATION", str(path))
+    key = calibration.entry_key("cpu", "float32", "none", "forward", heads=2, head_dim=8)
+    calibration.save({"entries": {key: [{"n": 32, "order": ["naive", "sdpa"],
+                                         "times": {"naive": 1e-4, "sdpa": 1e-3}}]}})
+    data = json.loads(path.read_text())
+    here = data["machine_id"]["threads"]
+    data["machine_id"]["threads"] = here + 3
+    path.write_text(json.dumps(data))
+    calibration.reload()
+    x = torch.randn(1, 2, 32, 8)
+    with pytest.warns(RuntimeWarning, match=f"measured with {here + 3} threads, this process runs {here}"):
+        assert attnkit.explain(x, x, x).chosen != "naive"
