@@ -277,8 +277,9 @@ def describe(inp: AttentionInputs) -> str:
 
 # -- probed machine constants ---------------------------------------------------------------------
 
-# 3: one entry per thread count, each with its native build stamp; 4: the decode reference reads 4096 keys
-CONSTANTS_VERSION = 4
+# 3: one entry per thread count, each with its native build stamp; 4: the decode reference reads 4096 keys;
+# 5: each backend's half-precision times on the causal reference
+CONSTANTS_VERSION = 5
 _CONSTANTS: list = [None]
 _CONSTANTS_THREADS: list = [None]  # the thread count _CONSTANTS were loaded for (None: set from outside)
 _GENERATION = [0]
@@ -414,7 +415,8 @@ def _probed_under_load(constants: dict) -> str | None:
 def _constants_problem(c) -> str | None:
     try:
         numbers = [*c["gemm_gflops"].values(), c["tile_gflops"], c["bandwidth_gbs"], c["op_seconds"],
-                   *c["backend_seconds"].values(), *(t for r in c["reference_seconds"].values() for t in r.values())]
+                   *c["backend_seconds"].values(), *(t for r in c["reference_seconds"].values() for t in r.values()),
+                   *(t for r in c["half_reference_seconds"].values() for t in r.values())]
     except (TypeError, KeyError, AttributeError):
         return "missing fields"
     return None if all(_positive_number(x) for x in numbers) else "a constant is not a positive number"
@@ -442,7 +444,8 @@ def reference_problems() -> dict:
 def probe_constants() -> dict:
     """Measure the constants now (well under a second): the machine's rates, then each exact,
     available backend on a tiny input (``backend_seconds``: its per-call overhead) and on the
-    reference problem of each mask class it can run (``reference_seconds[backend][class]``)."""
+    reference problem of each mask class it can run (``reference_seconds[backend][class]``), and
+    on the causal reference in bfloat16 and float16 (``half_reference_seconds[backend][dtype]``)."""
     from .masks import BlockSparse, Causal, SlidingWindow
     from .registry import list_backends
 
@@ -451,7 +454,7 @@ def probe_constants() -> dict:
     tiny_masks = [None, Causal() & SlidingWindow(8, 0), BlockSparse.bigbird(2, 16, window=1, global_blocks=1,
                                                                              random_blocks=0)]
     problems = {cls: (_random(shape), mask) for cls, (shape, mask) in reference_problems().items()}
-    overhead, reference = {}, {}
+    overhead, reference, half = {}, {}, {}
     with torch.no_grad():
         for name, impl in list_backends().items():
             if not impl.exact or getattr(impl, "compiles", False):
@@ -466,10 +469,19 @@ def probe_constants() -> dict:
                     inp = AttentionInputs.create(q, k, v, mask=mask)
                     if impl.can_run(inp):
                         reference.setdefault(name, {})[cls] = hardware.best_seconds(lambda: impl.forward(inp, None), 3)
+                # Its own speed in half precision (a kernel's bf16 path need not follow the GEMM rates):
+                # the causal reference again in each half dtype.
+                (q, k, v), mask = problems["causal"]
+                for dtype in (torch.bfloat16, torch.float16) if name in reference and impl.work.half != "never" else ():
+                    inp = AttentionInputs.create(q.to(dtype), k.to(dtype), v.to(dtype), mask=mask)
+                    if impl.can_run(inp):
+                        half.setdefault(name, {})[str(dtype).removeprefix("torch.")] = hardware.best_seconds(
+                            lambda: impl.forward(inp, None), 3)
             except Exception:  # a backend that fails here is not ranked by cost; its reasons decide
                 continue
     constants["backend_seconds"] = overhead
     constants["reference_seconds"] = reference
+    constants["half_reference_seconds"] = half
     return constants
 
 

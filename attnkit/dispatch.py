@@ -152,9 +152,10 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
 
     ``overhead + flops / rate + mask bytes / bandwidth + loop ops * op cost``, where ``rate`` is the
     backend's own rate on the probe's reference problem of the same mask class (measured time less
-    the other terms), scaled by the machine's half/float32 GEMM ratio for backends that compute in
-    half precision, and tripled flops for training. For decoding the work is the K/V bytes read and
-    the rate the backend's bytes per second on the decode reference (8 MiB each of K and V)."""
+    the other terms), scaled for half-precision inputs by the backend's own half/float32 speed on the
+    causal reference (else the machine's GEMM ratio), and tripled flops for training. For decoding
+    the work is the K/V bytes read and the rate the backend's bytes per second on the decode
+    reference (8 MiB each of K and V)."""
     impl = list_backends().get(name)
     overhead = constants["backend_seconds"].get(name)
     measured = constants["reference_seconds"].get(name, {})
@@ -176,9 +177,14 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     work = impl.work
     dtype = str(inp.dtype).removeprefix("torch.")
     if dtype != "float32" and work.half != "never" and cls != "decode":  # decoding's work is bytes, not GEMMs
-        gemm = constants["gemm_gflops"]
-        ratio = gemm.get(dtype, gemm["float32"]) / gemm["float32"]
-        rate *= max(ratio, 1.0) if work.half == "when_fast" else ratio
+        half = constants.get("half_reference_seconds", {}).get(name, {}).get(dtype)
+        single = measured.get("causal")
+        if half and single:  # this backend's own half/float32 speed, measured on the causal reference
+            rate *= max(single - overhead, 0.1 * single) / max(half - overhead, 0.1 * half)
+        else:  # the machine's GEMM rates
+            gemm = constants["gemm_gflops"]
+            ratio = gemm.get(dtype, gemm["float32"]) / gemm["float32"]
+            rate *= max(ratio, 1.0) if work.half == "when_fast" else ratio
     flops, materialized, loops = _work_terms(name, impl, inp)
     passes = _TRAIN_FLOPS if inp.requires_grad else 1.0
     return overhead + passes * (flops / rate + loops * op) + materialized * _MASK_BYTES / bandwidth

@@ -389,3 +389,23 @@ def test_a_table_of_another_thread_count_says_so(tmp_path, monkeypatch):
     x = torch.randn(1, 2, 32, 8)
     with pytest.warns(RuntimeWarning, match=f"measured with {here + 3} threads, this process runs {here}"):
         assert attnkit.explain(x, x, x).chosen != "naive"
+
+
+def test_half_precision_follows_each_backends_own_measured_speed(monkeypatch):
+    """A backend whose bfloat16 path is slower than its float32 one on this machine (a kernel that does
+    not use the fast half GEMMs) is priced by that measurement, not by the machine's GEMM ratio."""
+    if "native" not in attnkit.list_backends() or not attnkit.list_backends()["native"].available():
+        pytest.skip("native kernel not built")
+    constants = _faster("native", 1.0)
+    for name, times in constants["half_reference_seconds"].items():
+        times["bfloat16"] = constants["reference_seconds"][name]["causal"]
+    inp = _meta_inputs(1, 8, 512, 64, Causal(), dtype=torch.bfloat16)
+    _with_constants(monkeypatch, constants)
+    order = [n for n in priority(inp) if n in ("native", "sdpa")]
+    assert order == ["sdpa", "native"]  # equal speeds: the built-in order
+    constants = {**constants, "half_reference_seconds": {**constants["half_reference_seconds"]}}
+    constants["half_reference_seconds"]["sdpa"] = {"bfloat16": 3 * constants["reference_seconds"]["sdpa"]["causal"]}
+    _with_constants(monkeypatch, constants)
+    assert [n for n in priority(inp) if n in ("native", "sdpa")] == ["native", "sdpa"]
+    fp32 = _meta_inputs(1, 8, 512, 64, Causal())
+    assert [n for n in priority(fp32) if n in ("native", "sdpa")] == ["sdpa", "native"]  # float32 unchanged
