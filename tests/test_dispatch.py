@@ -267,15 +267,21 @@ def test_the_real_probe_measures_every_exact_backend(tmp_path, monkeypatch):
     assert "naive" not in constants["reference_seconds"]  # never ranked by cost: its references are not timed
 
 
-def test_calibration_from_another_machine_is_ignored_with_one_warning(tmp_path, monkeypatch):
-    import json
-    import warnings
-
+def _table_preferring_naive(tmp_path, monkeypatch):
+    """A calibration table (this machine) ranking naive first at (2 heads, head dim 8, n=32); its path."""
     path = tmp_path / "cal.json"
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(path))
     key = calibration.entry_key("cpu", "float32", "none", "forward", heads=2, head_dim=8)
     calibration.save({"entries": {key: [{"n": 32, "order": ["naive", "sdpa"],
                                          "times": {"naive": 1e-4, "sdpa": 1e-3}}]}})
+    return path
+
+
+def test_calibration_from_another_machine_is_ignored_with_one_warning(tmp_path, monkeypatch):
+    import json
+    import warnings
+
+    path = _table_preferring_naive(tmp_path, monkeypatch)
     x = torch.randn(1, 2, 32, 8)
     assert attnkit.explain(x, x, x).chosen == "naive"
     assert attnkit.explain(torch.randn(1, 3, 32, 8), torch.randn(1, 3, 32, 8),
@@ -376,11 +382,7 @@ def test_decoding_is_modelled_by_the_bytes_it_reads(monkeypatch):
 def test_a_table_of_another_thread_count_says_so(tmp_path, monkeypatch):
     import json
 
-    path = tmp_path / "cal.json"
-    monkeypatch.setenv("ATTNKIT_CALIBRATION", str(path))
-    key = calibration.entry_key("cpu", "float32", "none", "forward", heads=2, head_dim=8)
-    calibration.save({"entries": {key: [{"n": 32, "order": ["naive", "sdpa"],
-                                         "times": {"naive": 1e-4, "sdpa": 1e-3}}]}})
+    path = _table_preferring_naive(tmp_path, monkeypatch)
     data = json.loads(path.read_text())
     here = data["machine_id"]["threads"]
     data["machine_id"]["threads"] = here + 3
