@@ -225,7 +225,7 @@ _DTYPE_NAMES: dict = {}
 
 def _point(inp: AttentionInputs) -> tuple[str, dict] | None:
     table = _table()
-    if not table:
+    if not table or inp.Tq <= DECODE_QUERIES:  # the table times Tq == Tk: decoding is the cost model's
         return None
     dtype = _DTYPE_NAMES.get(inp.dtype)
     if dtype is None:
@@ -258,6 +258,9 @@ def describe(inp: AttentionInputs) -> str:
         if _table() is None:
             return (f"no calibration on this machine ({where}): the cost model from probed machine constants "
                     "decides; run `python -m attnkit bench` to measure")
+        if inp.Tq <= DECODE_QUERIES:
+            return (f"decoding ({inp.Tq} queries): the calibration table times Tq == Tk only, the cost model "
+                    "decides (K/V bytes at each backend's measured rate)")
         return "calibration has no entry for this device/dtype/mask kind/pass/heads/head dim: the cost model decides"
     key, point = found
     device, dtype, kind, passes, heads, dim = key.split("|")

@@ -411,3 +411,14 @@ def test_half_precision_follows_each_backends_own_measured_speed(monkeypatch):
     assert [n for n in priority(inp) if n in ("native", "sdpa")] == ["native", "sdpa"]
     fp32 = _meta_inputs(1, 8, 512, 64, Causal())
     assert [n for n in priority(fp32) if n in ("native", "sdpa")] == ["sdpa", "native"]  # float32 unchanged
+
+
+def test_the_calibration_table_does_not_rank_decoding(tmp_path, monkeypatch):
+    """The table times square problems (Tq == Tk); a decode step (a few queries over many keys) is left
+    to the cost model, whatever the table says at the length sqrt(Tq * Tk) would map to."""
+    _table_preferring_naive(tmp_path, monkeypatch)
+    square = torch.randn(1, 2, 32, 8)
+    assert attnkit.explain(square, square, square).chosen == "naive"
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1024, 8)  # sqrt(1 * 1024) = 32: the table's point
+    e = attnkit.explain(q, k, k)
+    assert e.chosen != "naive" and "decoding (1 queries)" in e.measured
