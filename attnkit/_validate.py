@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 __all__ = ["positive_int", "non_negative_int", "finite_float", "check_bool", "padding_mask", "check_int_at_least"]
@@ -121,3 +122,13 @@ def padding_mask(attention_mask, batch: int, length: int, what: str = "T", *, ne
                 "Fix: drop those rows, or give them a start token."
             )
     return valid
+
+
+def sum_finite(x: Tensor) -> bool:
+    """Whether ``x`` holds finite values only, from one read-only sum (a NaN or Inf entry makes any
+    sum NaN or Inf, whatever the order of the additions). Taken in its dtype (bfloat16 has float32's
+    range, and its own sum is much faster than a float32-typed one on the CPU); a float16 sum past
+    65504 is taken again in float32. A sum that overflows anyway reads as non-finite: the NaN/Inf
+    policy's slow path then finds every entry finite (correct, only slower)."""
+    return math.isfinite(x.sum().item()) or (x.dtype == torch.float16
+                                             and math.isfinite(x.sum(dtype=torch.float32).item()))

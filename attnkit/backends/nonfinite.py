@@ -32,11 +32,11 @@ per tile itself (the way to make that form free) declares ``nonfinite = "self"``
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 from torch import Tensor
 
+from .._validate import sum_finite
 from ..inputs import AttentionInputs
 from ._common import finite_rows, nonfinite_queries, poison_rows, zero_keys
 
@@ -72,21 +72,12 @@ def all_finite(inp: AttentionInputs) -> bool:
     each distinct tensor (``attention(x, x, x)`` reads x once), the cheapest full read PyTorch has (a
     NaN or Inf entry makes any sum NaN or Inf, whatever the order of the additions)."""
     q = inp.q
-    if not _finite(q):
+    if not sum_finite(q):
         return False
     if inp.kv_finite:
         return True
     k, v = inp.k, inp.v
-    return (k is q or _finite(k)) and (v is k or v is q or _finite(v))
-
-
-def _finite(x: Tensor) -> bool:
-    """One tensor's sum is finite. Taken in its dtype (bfloat16 has float32's range, and its own sum
-    is much faster than a float32-typed one on the CPU); a float16 sum past 65504 is taken again in
-    float32. A sum that overflows anyway reads as non-finite: the slow path then finds every entry
-    finite (correct, only slower)."""
-    return math.isfinite(x.sum().item()) or (x.dtype == torch.float16
-                                             and math.isfinite(x.sum(dtype=torch.float32).item()))
+    return (k is q or sum_finite(k)) and (v is k or v is q or sum_finite(v))
 
 
 def _exact(impl, inp: AttentionInputs, options, host: bool):

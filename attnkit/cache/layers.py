@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .._validate import positive_int
+from .._validate import positive_int, sum_finite
 
 __all__ = [
     "LayerCache",
@@ -80,12 +80,9 @@ def _check_index(index: Tensor, batch_size: int | None) -> Tensor:
 
 
 def all_finite(k: Tensor, v: Tensor) -> bool:
-    """Whether the new tokens are finite: one sum over them only (never the whole cache) and one
-    host sync. NaN/Inf make the sum non-finite; finite values so large that it overflows read as
-    non-finite too, which only costs the NaN/Inf policy its scan (never a wrong result). float16
-    sums in float32 (its own range ends at 65504); bfloat16 has float32's range and sums in its own."""
-    acc = torch.float32 if k.dtype == torch.float16 else None
-    return bool(torch.isfinite(k.sum(dtype=acc).float() + v.sum(dtype=acc).float()))
+    """Whether the new tokens are finite: one sum of each over them only (never the whole cache),
+    :func:`~attnkit._validate.sum_finite`."""
+    return sum_finite(k) and sum_finite(v)
 
 
 def atomic(update):
