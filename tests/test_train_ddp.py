@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,9 +36,18 @@ def test_two_process_ddp_matches_one_process(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "attnkit", "train", *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert '"world": 2' in proc.stdout
+    # Its own session: on a timeout the whole group (torchrun and its workers) is killed, so no worker
+    # left holding the output pipes can keep the test waiting.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail("two-process training did not finish in 240 s:\n" + out[-2000:] + err[-4000:])
+    assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    assert '"world": 2' in out
     two = read_losses(tmp_path / "two")
     one = [r["loss"] for r in single["history"]]
     assert len(two) == len(one) == 4
