@@ -19,6 +19,8 @@ import math
 import torch
 from torch import Tensor
 
+from .csrc import loader
+
 __all__ = ["positive_int", "non_negative_int", "finite_float", "check_bool", "padding_mask", "check_int_at_least"]
 
 
@@ -124,11 +126,16 @@ def padding_mask(attention_mask, batch: int, length: int, what: str = "T", *, ne
     return valid
 
 
-def sum_finite(x: Tensor) -> bool:
-    """Whether ``x`` holds finite values only, from one read-only sum (a NaN or Inf entry makes any
-    sum NaN or Inf, whatever the order of the additions). Taken in its dtype (bfloat16 has float32's
-    range, and its own sum is much faster than a float32-typed one on the CPU); a float16 sum past
-    65504 is taken again in float32. A sum that overflows anyway reads as non-finite: the NaN/Inf
-    policy's slow path then finds every entry finite (correct, only slower)."""
+def finite_only(x: Tensor) -> bool:
+    """Whether ``x`` holds finite values only. With the built extension, a dense CPU tensor is
+    read once in C, a bit test per element (:func:`attnkit.csrc.loader.fastpath`). Otherwise one
+    read-only sum (a NaN or Inf entry makes any sum NaN or Inf, whatever the order of the
+    additions), taken in its dtype (bfloat16 has float32's range, and its own sum is much faster than
+    a float32-typed one on the CPU); a float16 sum past 65504 is taken again in float32. A sum that
+    overflows anyway reads as non-finite: the NaN/Inf policy's slow path then finds every entry
+    finite (correct, only slower)."""
+    found = loader.finite(x)
+    if found is not None:
+        return found
     return math.isfinite(x.sum().item()) or (x.dtype == torch.float16
                                              and math.isfinite(x.sum(dtype=torch.float32).item()))

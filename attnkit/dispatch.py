@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.compiler import is_compiling as _is_compiling
 
 from . import calibration
+from .csrc import loader
 from .inputs import AttentionInputs
 from .masks import Mask
 from .masks.export import value_keyed
@@ -341,9 +342,19 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
     generation (table and machine constants) and the registry it was decided under and is used only
     while both still hold, so a choice never outlives a new calibration or backend, even one made
     while another thread recalibrated. Anything else goes through :meth:`AttentionInputs.create`
-    and :func:`resolve` as before."""
-    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or _is_compiling():
+    and :func:`resolve` as before. The tensors' part of the key is one C call with the built
+    extension (:func:`attnkit.csrc.loader.fastpath`)."""
+    if _is_compiling():
         return _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
+    # Shapes, dtypes, devices, whether gradients are needed and the thread count (the machine
+    # constants are per count): one C call with the built extension, else read here.
+    tensors = loader.key(q, k, v)
+    if tensors is None:
+        if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+            return _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
+        tensors = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                   torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+                   torch.get_num_threads())
     generation, names = calibration.generation(), names_now()
     contexts = _CONTEXT_VARS[0]
     if contexts[0] is not names:
@@ -351,10 +362,8 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
         names = names_now()
         contexts = _CONTEXT_VARS[0] = (names, tuple(var for name in names for var in known[name].reason_contexts))
     contexts = contexts[1]
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, mask, scale,
-           dropout_p, q_offset, kv_offset, return_lse, kv_finite, grad, backend, _SCOPED.get(), _AUTOTUNE[0],
-           contexts and tuple([var.get() for var in contexts]), torch.get_num_threads(),  # the constants' count
+    key = (tensors, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend, _SCOPED.get(),
+           _AUTOTUNE[0], contexts and tuple([var.get() for var in contexts]),
            # 1 == True == 1.0 as keys: the types too, so a call validation would refuse never hits
            type(scale), type(dropout_p), type(q_offset), type(kv_offset), type(return_lse), type(kv_finite))
     try:

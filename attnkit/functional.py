@@ -87,7 +87,7 @@ def attention(
         enable_gqa: accepted for SDPA compatibility; grouped K/V heads are always supported.
         kv_finite: ``True`` vouches that every entry of ``k`` and ``v`` is finite (a KV cache that
             checks each token as it is written), so the call skips its finiteness scan of K/V.
-            ``None`` (default): K/V are scanned (one read-only sum each). Passing True for K/V that
+            ``None`` (default): K/V are scanned (one read each). Passing True for K/V that
             do hold NaN/Inf voids the guarantee below for the rows that may not see them.
 
     K/V from a KV cache: ``k`` and ``v`` may both be the :class:`~attnkit.kv_handle.KVHandle` an int8
@@ -103,7 +103,7 @@ def attention(
         ±Inf, or weight 0 for a key whose score is -Inf). NaN/Inf in what a row may not see
         (masked keys, keys only later queries see, padding) changes nothing in that row, and a
         row with no allowed key is 0 whatever its inputs hold. ``scale`` NaN/±Inf is refused.
-        Finite inputs pay one read-only sum over q, K and V for this (see
+        Finite inputs pay one read-only scan of q, K and V for this (see
         :mod:`attnkit.backends.nonfinite`); only a call whose inputs hold NaN/Inf takes the slow path.
 
     Returns:

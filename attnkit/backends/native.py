@@ -43,13 +43,12 @@ backward; traced, nothing is read on the host (the NaN/Inf flags are computed un
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..csrc import build as csrc_build
+from ..csrc import build as csrc_build, loader
 from ..hardware import half_matmul_is_fast
 from ..inputs import AttentionInputs
 from ..masks import And, Mask, mask_params
@@ -87,23 +86,10 @@ class NativeOptions:
 @functools.lru_cache(maxsize=1)
 def load_extension():
     """``(module, None)`` when the built extension loads, else ``(None, reason)``."""
-    path = csrc_build.library_path()
-    if not path.exists():
-        return None, ("native extension not built: run `python -m attnkit.csrc.build` (or `make install`); "
-                      f"no {path.name}")
+    reason = loader.load_library()
+    if reason is not None:
+        return None, reason
     try:
-        stamp = json.loads(csrc_build.STAMP.read_text())
-    except (OSError, ValueError):
-        stamp = {}
-    if stamp.get("torch") != torch.__version__:
-        return None, (f"native extension not built for this torch: built against {stamp.get('torch')}, running "
-                      f"{torch.__version__}; rebuild with `python -m attnkit.csrc.build`")
-    missing = set(stamp.get("cpu_flags", ())) - csrc_build.cpu_flags()
-    if missing and csrc_build.cpu_flags():
-        return None, (f"native extension built for another CPU: this one lacks {', '.join(sorted(missing)[:6])}; "
-                      "rebuild here with `python -m attnkit.csrc.build`")
-    try:
-        torch.ops.load_library(str(path))
         native_ops.register()  # fake kernels and autograd: traceable by torch.compile
         return getattr(torch.ops, csrc_build.NAME), None
     except (ImportError, OSError, RuntimeError) as exc:

@@ -10,10 +10,11 @@ The contract (README, "NaN and Inf stay where they belong"):
 A backend declares ``nonfinite = "policy"`` (the default: this module keeps the contract for it)
 or ``"self"`` (its kernel keeps it itself). For a ``"policy"`` backend, :func:`run`:
 
-1. **Finite inputs (the common case) cost one read-only reduction**: a sum of q, K and V (K and V
-   skipped when the caller vouches for them with ``kv_finite=True``, as a cache that checks each
-   token when it is written does). A finite sum proves every entry finite; the backend then runs
-   on the inputs as given, with no copy and no per-row work.
+1. **Finite inputs (the common case) cost one read-only scan** of q, K and V (K and V skipped
+   when the caller vouches for them with ``kv_finite=True``, as a cache that checks each token when
+   it is written does): :func:`attnkit._validate.finite_only`, a bit test per element in C with the
+   built extension, else a sum (a finite sum proves every entry finite). The backend then runs on
+   the inputs as given, with no copy and no per-row work.
 2. **Otherwise the exact slow path**: the query rows and keys holding NaN/Inf are zeroed, the same
    backend runs on the zeroed tensors (same shapes, same GEMMs, so every other row is bitwise what
    it would have been), and the rows that may attend a flagged key (the mask evaluated at the
@@ -36,7 +37,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from .._validate import sum_finite
+from .._validate import finite_only
 from ..inputs import AttentionInputs
 from ._common import finite_rows, nonfinite_queries, poison_rows, zero_keys
 
@@ -68,16 +69,15 @@ def host_may_branch(inp: AttentionInputs) -> bool:
 
 
 def all_finite(inp: AttentionInputs) -> bool:
-    """Whether q (and K, V unless ``inp.kv_finite``) hold finite values only: one read-only sum of
-    each distinct tensor (``attention(x, x, x)`` reads x once), the cheapest full read PyTorch has (a
-    NaN or Inf entry makes any sum NaN or Inf, whatever the order of the additions)."""
+    """Whether q (and K, V unless ``inp.kv_finite``) hold finite values only: one read-only scan of
+    each distinct tensor (``attention(x, x, x)`` reads x once), :func:`attnkit._validate.finite_only`."""
     q = inp.q
-    if not sum_finite(q):
+    if not finite_only(q):
         return False
     if inp.kv_finite:
         return True
     k, v = inp.k, inp.v
-    return (k is q or sum_finite(k)) and (v is k or v is q or sum_finite(v))
+    return (k is q or finite_only(k)) and (v is k or v is q or finite_only(v))
 
 
 def _exact(impl, inp: AttentionInputs, options, host: bool):

@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .._validate import positive_int, sum_finite
+from .._validate import positive_int, finite_only
 
 __all__ = [
     "LayerCache",
@@ -81,8 +81,8 @@ def _check_index(index: Tensor, batch_size: int | None) -> Tensor:
 
 def all_finite(k: Tensor, v: Tensor) -> bool:
     """Whether the new tokens are finite: one sum of each over them only (never the whole cache),
-    :func:`~attnkit._validate.sum_finite`."""
-    return sum_finite(k) and sum_finite(v)
+    :func:`~attnkit._validate.finite_only`."""
+    return finite_only(k) and finite_only(v)
 
 
 def atomic(update):

@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 BUILD_DIR = HERE / "_build"
 STAMP = BUILD_DIR / "stamp.json"
 # attention.cpp includes tiles.h and score_mod.h (ninja tracks the headers)
-SOURCES = [HERE / "attention.cpp", HERE / "decode.cpp"]
+SOURCES = [HERE / "attention.cpp", HERE / "decode.cpp", HERE / "fastpath.cpp"]
 # -fno-trapping-math lets the exp and mask loops vectorize (IEEE inf/NaN semantics are kept).
 # -fopenmp: at::parallel_for is a header template; on torch's OpenMP builds its `omp parallel`
 # region is compiled into this library, and without the flag every parallel loop would run on one

@@ -1,0 +1,86 @@
+"""Loading the built extension (``python -m attnkit.csrc.build``): the one place that checks its
+stamp and loads it, for the ``native`` backends' ops and for the per-call helpers in C
+(:func:`fastpath`)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+
+from . import build
+
+
+def load_library() -> str | None:
+    """Load the built extension's ops into ``torch.ops``; ``None`` when it loaded, else why not
+    (not built, built for another torch, built for a CPU with instruction sets this one lacks, or
+    failing to load). Not cached: its callers cache what they build on it."""
+    import torch
+
+    path = build.library_path()
+    if not path.exists():
+        return f"native extension not built: run `python -m attnkit.csrc.build` (or `make install`); no {path.name}"
+    try:
+        stamp = json.loads(build.STAMP.read_text())
+    except (OSError, ValueError):
+        stamp = {}
+    if stamp.get("torch") != torch.__version__:
+        return (f"native extension not built for this torch: built against {stamp.get('torch')}, running "
+                f"{torch.__version__}; rebuild with `python -m attnkit.csrc.build`")
+    missing = set(stamp.get("cpu_flags", ())) - build.cpu_flags()
+    if missing and build.cpu_flags():
+        return (f"native extension built for another CPU: this one lacks {', '.join(sorted(missing)[:6])}; "
+                "rebuild here with `python -m attnkit.csrc.build`")
+    try:
+        torch.ops.load_library(str(path))
+    except (ImportError, OSError, RuntimeError) as exc:
+        return f"native extension not built: it fails to load ({exc})"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def fastpath():
+    """The extension's per-call helpers (``attnkit/csrc/fastpath.cpp``), or None without the
+    extension (Python's own path then runs, with the same results):
+
+    * ``key(q, k, v) -> bytes | None``: the exact key of the tensors' shapes, dtypes, devices and
+      ``requires_grad``, whether autograd records, and torch's thread count (the dispatcher's
+      per-call cache);
+    * ``finite(x) -> bool | None``: whether a dense CPU floating tensor holds finite values only
+      (the NaN/Inf policy's scan), a bit test per element.
+
+    Both answer None for what they do not read (tensor subclasses, functorch and functionalization
+    wrappers, non-CPU tensors for ``finite``); the caller then takes its Python path."""
+    if load_library() is not None:
+        return None
+    try:
+        create = ctypes.PyDLL(str(build.library_path())).attnkit_fastpath_module
+    except (OSError, AttributeError):  # a build from before the helpers existed
+        return None
+    create.restype, create.argtypes = ctypes.py_object, []
+    return create()
+
+
+# The helpers as module functions, bound on first use (``import attnkit`` loads no library):
+# callers read them as ``loader.key`` / ``loader.finite``, so the binding below replaces them.
+
+def key(q, k, v):
+    """:func:`fastpath`'s ``key`` (None without the extension)."""
+    _bind()
+    return key(q, k, v)
+
+
+def finite(x):
+    """:func:`fastpath`'s ``finite`` (None without the extension)."""
+    _bind()
+    return finite(x)
+
+
+def _none(*args):
+    return None
+
+
+def _bind() -> None:
+    global key, finite
+    fast = fastpath()
+    key, finite = (fast.key, fast.finite) if fast is not None else (_none, _none)
