@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue
+import pickle
 import socket
+import tempfile
+import time
 import traceback
 
 import torch
@@ -26,7 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, pg_timeout, results):
+def _entry(rank, world, port, fn, args, pg_timeout, outbox):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     # The suite's uniform machine constants, as in the parent: no rank probes the machine (a probe
@@ -40,12 +42,22 @@ def _entry(rank, world, port, fn, args, pg_timeout, results):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         try:
-            results.put((rank, "ok", fn(rank, world, *args)))
+            report = ("ok", fn(rank, world, *args))
         finally:
             if dist.is_initialized():  # the training loop tears its group down itself
                 dist.destroy_process_group()
     except BaseException as exc:  # report every failure to the parent, which decides
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        report = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    _post(outbox, rank, report)
+
+
+def _post(outbox: str, rank: int, report: tuple) -> None:
+    """A rank's report as a file, written whole then renamed: no pipe or lock is shared with the
+    parent (a rank killed mid-write leaves no half message the parent could block on)."""
+    path = os.path.join(outbox, f"rank{rank}.pkl")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(report, f)
+    os.replace(path + ".tmp", path)
 
 
 def _context():
@@ -63,28 +75,27 @@ def run_group(world: int, fn, *args, pg_timeout: float = 30.0, join_timeout: flo
     spawned processes; processes still alive after ``join_timeout`` seconds are killed and
     reported as errors, so a hang fails the test instead of blocking the suite."""
     ctx = _context()
-    results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, pg_timeout, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[int, tuple] = {}
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=join_timeout)
-    while len(out) < world:
-        left = (deadline - datetime.datetime.now()).total_seconds()
-        if left <= 0:
-            break
-        try:
-            rank, status, value = results.get(timeout=left)
-        except queue.Empty:
-            break
-        out[rank] = (status, value)
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join()
+    with tempfile.TemporaryDirectory(prefix="attnkit-ranks-") as outbox:
+        procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, pg_timeout, outbox), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        out: dict[int, tuple] = {}
+        deadline = time.monotonic() + join_timeout
+        while len(out) < world and time.monotonic() < deadline:
+            for r in range(world):
+                path = os.path.join(outbox, f"rank{r}.pkl")
+                if r not in out and os.path.exists(path):
+                    with open(path, "rb") as f:
+                        out[r] = pickle.load(f)
+            if len(out) < world:
+                time.sleep(0.05)
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
     for r in range(world):
         out.setdefault(r, ("error", f"rank {r} did not report within {join_timeout} s"))
     return out
