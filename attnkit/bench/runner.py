@@ -3,6 +3,9 @@
 Timing is ``torch.utils.benchmark.Timer.blocked_autorange`` (it synchronizes CUDA itself) after one
 warm-up call; we keep the median, the interquartile range and the number of timed runs. Backends at
 one (length, mask, dtype, pass) point are timed back to back, so they share the machine's state.
+Two single timings of one kernel can still differ by more than two backends do, so whether ``auto``
+picks the best is checked after the sweep by timing its pick and the best interleaved
+(:func:`verify_auto`, :func:`verify_auto_before`).
 """
 
 from __future__ import annotations
