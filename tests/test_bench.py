@@ -350,6 +350,12 @@ def test_calibrate_estimate_is_said_before_it_starts():
                          passes=["forward"], min_run_time=0.5, time_budget_s=1.0)
     line = estimate_line(config)
     assert "6 cases" in line and "estimated" in line and "progress" in line
+    # the verification of auto's picks after the sweep: a quarter of --budget (at least 30 s) per column
+    config.backends, config.run_budget_s = ["naive", "sdpa", "auto"], 160.0
+    assert "then at most 80 s timing auto's picks in the sweep and after calibration" in estimate_line(config)
+    assert "then at most 40 s timing auto's picks in the sweep against" in estimate_line(config, calibrate=False)
+    config.backends = ["naive", "sdpa"]
+    assert "timing" not in estimate_line(config, calibrate=False)
 
 
 def test_plain_tables_wrap_to_the_width():

@@ -48,8 +48,13 @@ def test_the_default_run_writes_the_table_and_reports_auto_before_and_after(tabl
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     verified = results["auto_verification"]
     assert len(verified) == 4
-    for v in verified:  # auto's own pick is never timed against itself
+    before = results["auto_before_verification"]  # the sweep's picks, measured as the ones after
+    assert len(before) == 4 and all("auto_over_best_sweep" in v for v in before)
+    sweep = {(r["n"], r["mask"]): r for r in results["results"] if r["backend"] == "auto"}
+    assert [v["auto_chose"] for v in before] == [sweep[v["n"], v["mask"]]["chosen"] for v in before]
+    for v in verified + before:  # a pick is never timed against itself
         assert (v["auto_chose"] == v["best"]) == (not v["timed"]) and (v["timed"] or v["auto_over_best"] == 1.0)
+    assert "auto/best in the sweep itself" in out and "by construction" in out
     assert not {r["backend"] for r in results["results"]} - exact - {"auto"}  # approximate ones only when named
 
 
@@ -63,10 +68,68 @@ def test_verification_past_its_budget_takes_the_sweeps_times(table_path):
     assert point["auto_chose"] == "sdpa" and point["auto_over_best"] == 2.0 and not point["timed"]
 
 
+def _swept(auto: str | None, auto_s: float = 1.3) -> dict:
+    """A sweep's results at one point: tiled the best (1 s), sdpa 2 s, and auto's row (its pick, time)."""
+    rows = [{"status": "ok", "backend": b, "exact": True, "n": 16, "mask": "none", "dtype": "float32",
+             "passes": "forward", "median_s": t, "chosen": b} for b, t in (("tiled", 1.0), ("sdpa", 2.0))]
+    if auto:
+        rows.append({**rows[0], "backend": "auto", "chosen": auto, "median_s": auto_s})
+    # a second point the sweep ran auto at no exact backend for, and one without auto's row
+    rows.append({**rows[0], "backend": "auto", "n": 32})
+    rows.append({**rows[0], "mask": "causal"})
+    return {"results": rows}
+
+
+CONFIG = BenchConfig(heads=2, head_dim=8, lengths=[16], masks=["none"], passes=["forward"], min_run_time=0.001)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The backend names the verification times, in order."""
+    from attnkit.bench import runner
+
+    names: list[str] = []
+    real = runner._call
+    monkeypatch.setattr(runner, "_call", lambda *a: names.append(a[4]) or real(*a))
+    return names
+
+
+def test_the_sweeps_pick_when_it_is_the_best_is_one_by_construction(table_path, calls):
+    from attnkit.bench.runner import verify_auto_before
+
+    (point,) = verify_auto_before(_swept("tiled"), CONFIG)  # auto's row 1.3x tiled's own: noise
+    assert point["auto_chose"] == point["best"] == "tiled" and point["auto_over_best"] == 1.0 and not point["timed"]
+    assert point["auto_over_best_sweep"] == 1.3 and not calls  # nothing timed; the sweep's figure kept
+
+
+def test_the_sweeps_other_pick_is_timed_by_name_against_the_best(table_path, calls):
+    from attnkit.bench.runner import verify_auto, verify_auto_before
+
+    (point,) = verify_auto_before(_swept("sdpa", 2.5), CONFIG)
+    assert point["auto_chose"] == "sdpa" and point["timed"] and point["auto_over_best_sweep"] == 2.5
+    assert calls == ["sdpa", "tiled"] and point["auto_over_best"] > 0  # forced by name: auto may pick another now
+    calls.clear()
+    dense = {"results": [r for r in _swept("sdpa")["results"] if r["mask"] == "none"]}
+    (after,) = verify_auto(dense, CONFIG)  # auto picks sdpa here now too: timed as auto
+    assert calls == ["auto", "tiled"] and after["auto_chose"] == "sdpa" and after["timed"]
+    # the same pick timed for the other column is not timed again: one backend, one figure
+    calls.clear()
+    (point,) = verify_auto_before(_swept("sdpa", 2.5), CONFIG, known=[dict(after, auto_over_best=1.7)])
+    assert point["auto_over_best"] == 1.7 and point["timed"] and point["from_known"] and not calls
+    # past the budget: the sweep's own figure for auto's row, marked untimed
+    (point,) = verify_auto_before(_swept("sdpa", 2.5), CONFIG, budget_s=0.0)
+    assert point["auto_over_best"] == 2.5 and not point["timed"] and not calls
+    assert verify_auto_before(_swept(None), CONFIG) == []  # no auto row at the point: no before figure
+
+
 def test_measuring_only_leaves_the_table_alone(table_path, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(calibration, "reprobe", lambda: pytest.fail("a run that measures only re-probed"))
     assert main(["bench", *TINY, "--no-calibrate", "--out", str(tmp_path)]) == 0
     assert not table_path.exists()
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert "auto_verification" not in results and len(results["auto_before_verification"]) == 4
+    out = capsys.readouterr().out
+    assert "auto/best (no calibration in this run)" in out and "auto/best after" not in out
     assert main(["bench", *TINY, "--backends", "naive,sdpa,auto", "--out", str(tmp_path)]) == 0
     assert not table_path.exists()  # some backends only: a table from them would rank the rest last
     assert "written to" not in capsys.readouterr().out

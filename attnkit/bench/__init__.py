@@ -2,7 +2,7 @@
 
 from .cases import BenchConfig, Case, MaskSpec, mask_spec
 from .report import crossover_table, crossovers, terminal_table
-from .runner import build_calibration, matmul_peak, run_sweep, verify_auto
+from .runner import build_calibration, matmul_peak, run_sweep, verify_auto, verify_auto_before
 
 __all__ = [
     "BenchConfig",
@@ -12,6 +12,7 @@ __all__ = [
     "run_sweep",
     "build_calibration",
     "verify_auto",
+    "verify_auto_before",
     "matmul_peak",
     "terminal_table",
     "crossovers",

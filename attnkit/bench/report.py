@@ -13,7 +13,8 @@ from .cases import MASK_SPECS as _KNOWN_MASKS
 from .cases import describe_bytes, mask_spec
 
 __all__ = ["command_line", "format_table", "terminal_table", "skip_hint", "crossovers", "crossover_table",
-           "write_json", "write_markdown", "auto_ratios", "auto_before", "auto_summary", "auto_table"]
+           "write_json", "write_markdown", "auto_ratios", "auto_before", "auto_sweep", "auto_summary",
+           "auto_table"]
 
 
 def command_line(head: str, argv: list[str]) -> str:
@@ -175,9 +176,11 @@ def _best_and_auto(results: dict) -> tuple[dict[tuple, dict], dict[tuple, dict]]
     return best, auto
 
 
-def auto_before(results: dict) -> list[dict]:
-    """From the sweep itself: auto's time over the best exact backend's at each point, as auto
-    stood when the sweep ran (before this run's calibration; timed back to back, not interleaved)."""
+def auto_sweep(results: dict) -> list[dict]:
+    """From the sweep itself: auto's row over the best exact backend's at each point (two single
+    timings back to back, as auto stood when the sweep ran; at long lengths their noise can exceed
+    the difference between backends, so the report measures this column with
+    :func:`attnkit.bench.runner.verify_auto_before`)."""
     best, auto = _best_and_auto(results)
     return [
         {"n": k[0], "mask": k[1], "dtype": k[2], "passes": k[3], "best": best[k]["backend"],
@@ -186,9 +189,16 @@ def auto_before(results: dict) -> list[dict]:
     ]
 
 
+def auto_before(results: dict) -> list[dict]:
+    """auto over the best backend as auto stood when the sweep ran (before this run's calibration):
+    the run's verification of those picks (:func:`attnkit.bench.runner.verify_auto_before`), else
+    (results without one) the sweep's own figures (:func:`auto_sweep`)."""
+    return results.get("auto_before_verification") or auto_sweep(results)
+
+
 def auto_ratios(results: dict) -> list[dict]:
     """auto over the best backend as it stands after the run: after a calibration the verification
-    (:func:`attnkit.bench.runner.verify_auto`), else the sweep's own figures (:func:`auto_before`)."""
+    (:func:`attnkit.bench.runner.verify_auto`), else :func:`auto_before`."""
     return results.get("auto_verification") or auto_before(results)
 
 
@@ -202,14 +212,28 @@ def auto_summary(rows: list[dict], limit: float = 1.10) -> str:
             f"({over} over {limit:.2f})")
 
 
+def _measured(rows: list[dict], pick: str) -> str:
+    """How a verified column's cells were measured, with their counts."""
+    timed = sum(bool(r["timed"]) for r in rows)
+    shared = sum(bool(r.get("from_known")) for r in rows)
+    same = sum(not r["timed"] and r["auto_chose"] == r["best"] for r in rows)
+    swept = len(rows) - timed - same
+    return (f"{pick}: {timed} cells timed interleaved against the best (median ratio over alternating rounds"
+            + (f"; {shared} of them as timed for the other column, the same pick" if shared else "")
+            + f"), {same} at 1.00 by construction (the pick is the best)"
+            + (f", {swept} from the sweep's back-to-back times (past the time budget)" if swept else ""))
+
+
 def auto_table(results: dict, markdown: bool = False) -> str:
     """Per point: the best measured exact backend, auto's pick and auto/best before this run's
-    calibration (the sweep) and after it (the verification), with a summary line for each."""
+    calibration (:func:`auto_before`) and after it (the verification), with a line per column saying
+    how it was measured and summarizing it, and one for the sweep's own back-to-back figures."""
+    verified = bool(results.get("auto_before_verification"))
     before = {(r["n"], r["mask"], r["dtype"], r["passes"]): r for r in auto_before(results)}
     after = {(r["n"], r["mask"], r["dtype"], r["passes"]): r for r in results.get("auto_verification") or []}
     header = ["dtype", "pass", "mask", "n", "best"]
     if before:
-        header += ["auto before", "auto/best"]
+        header += ["auto before" if after else "auto", "auto/best"]
     if after:
         header += ["auto after", "auto/best "]
     rows = []
@@ -224,10 +248,17 @@ def auto_table(results: dict, markdown: bool = False) -> str:
     table = format_table(rows, header, markdown, right=right)
     lines = []
     if before:
-        lines.append(f"auto/best before calibration (the sweep, back to back): {auto_summary(list(before.values()))}")
+        when = "before calibration" if after else "(no calibration in this run)"
+        how = (_measured(list(before.values()), "auto's picks in the sweep, called by name") if verified
+               else "the sweep, back to back")
+        lines.append(f"auto/best {when}: {auto_summary(list(before.values()))}; {how}")
     if after:
-        lines.append(f"auto/best after calibration (auto's pick timed against the best, interleaved; 1.00 where "
-                     f"it is the best): {auto_summary(list(after.values()))}")
+        lines.append(f"auto/best after calibration: {auto_summary(list(after.values()))}; "
+                     f"{_measured(list(after.values()), 'auto as it picks now')}")
+    if verified:
+        swept = [{"auto_over_best": r["auto_over_best_sweep"]} for r in before.values() if "auto_over_best_sweep" in r]
+        lines.append(f"auto/best in the sweep itself: {auto_summary(swept)}; auto's row over the best's, "
+                     "single timings back to back (auto_over_best_sweep in results.json)")
     sep = "\n\n" if markdown else "\n"
     return table + sep + sep.join(lines) if lines else table
 

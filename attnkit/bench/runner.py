@@ -3,6 +3,9 @@
 Timing is ``torch.utils.benchmark.Timer.blocked_autorange`` (it synchronizes CUDA itself) after one
 warm-up call; we keep the median, the interquartile range and the number of timed runs. Backends at
 one (length, mask, dtype, pass) point are timed back to back, so they share the machine's state.
+Two single timings of one kernel can still differ by more than two backends do, so whether ``auto``
+picks the best is checked after the sweep by timing its pick and the best interleaved
+(:func:`verify_auto`, :func:`verify_auto_before`).
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from .cases import (
 )
 from .memory import PeakMemory
 
-__all__ = ["run_sweep", "machine_description", "matmul_peak", "build_calibration", "verify_auto", "confidence_interval",
-           "estimate_seconds", "noise_floor", "sweep_cases"]
+__all__ = ["run_sweep", "machine_description", "matmul_peak", "build_calibration", "verify_auto", "verify_auto_before",
+           "confidence_interval", "estimate_seconds", "noise_floor", "sweep_cases"]
 
 
 def machine_description(device: str) -> dict:
@@ -366,13 +369,22 @@ def build_calibration(results: dict) -> dict:
     return {"machine": results["machine"], "entries": entries}
 
 
-def verify_auto(results: dict, config: BenchConfig, rounds: int = 3, budget_s: float | None = None) -> list[dict]:
-    """After calibrating: at every point, the backend ``auto`` now picks and its time over the
-    measured best backend's. Where auto picks the best itself the ratio is 1 by construction (one
-    backend timed against itself only measures noise); elsewhere both are timed interleaved
-    (``rounds`` alternations) and the median ratio is reported (``"timed": true``). Once
-    ``budget_s`` is spent, the remaining points take the sweep's own times of the two backends
-    (back to back, ``"timed": false``); a point whose pick the sweep skipped is left out."""
+def verify_auto(results: dict, config: BenchConfig, rounds: int = 3, budget_s: float | None = None,
+                picks: dict[tuple, tuple[str, float | None]] | None = None,
+                known: Iterable[dict] = ()) -> list[dict]:
+    """At every point (n, mask, dtype, pass) the sweep measured an exact backend at: a pick's time
+    over the measured best backend's, as ``auto_over_best``.
+
+    ``picks`` (default: the backend ``auto`` picks now, called as ``backend="auto"``) maps a point to
+    the backend to check, called by its name, and that pick's time in the sweep (or None); points
+    without a pick are left out. Where the pick is the best itself the ratio is 1 by construction
+    (one backend timed against itself only measures noise; ``"timed": false``); elsewhere both are
+    timed interleaved (``rounds`` alternations) and the median of the per-round ratios is reported
+    (``"timed": true``). A point whose pick a row of ``known`` (another column's verification)
+    already timed takes that row's figure (``"from_known": true``): one backend gets one figure.
+    Once ``budget_s`` is spent, the remaining points take the sweep's own times of the two backends
+    (back to back, ``"timed": false``); a point whose pick the sweep did not time is then left out.
+    Every row keeps that sweep figure as ``auto_over_best_sweep`` where there is one."""
     best: dict[tuple, dict] = {}
     swept: dict[tuple, dict[str, float]] = {}
     for r in ok_rows(results):
@@ -382,30 +394,52 @@ def verify_auto(results: dict, config: BenchConfig, rounds: int = 3, budget_s: f
         swept.setdefault(key, {})[r["backend"]] = r["median_s"]
         if key not in best or r["median_s"] < best[key]["median_s"]:
             best[key] = r
+    reuse = {(r["n"], r["mask"], r["dtype"], r["passes"], r["auto_chose"]): r for r in known if r.get("timed")}
     deadline = None if budget_s is None else time.perf_counter() + budget_s
     out = []
     for key, row in sorted(best.items()):
+        if picks is not None and key not in picks:
+            continue
         n, mask_name, dtype_name, passes = key
         mask = mask_spec(mask_name).build(n, config)
         grad = passes == "train"
         q, k, v = _inputs(config, n, getattr(torch, dtype_name), grad, config.seed + n)
-        chosen = select(AttentionInputs.create(q, k, v, mask=mask)).name
+        if picks is None:
+            chosen, call_as = select(AttentionInputs.create(q, k, v, mask=mask)).name, "auto"
+            swept_s = swept[key].get(chosen)
+        else:
+            (chosen, swept_s), call_as = picks[key], picks[key][0]
         point = {"n": n, "mask": mask_name, "dtype": dtype_name, "passes": passes, "best": row["backend"],
                  "auto_chose": chosen}
+        if swept_s is not None:
+            point["auto_over_best_sweep"] = swept_s / row["median_s"]
         if chosen == row["backend"]:
             out.append({**point, "auto_over_best": 1.0, "timed": False})
-            continue
-        if deadline is not None and time.perf_counter() > deadline:
-            if chosen in swept[key]:
-                out.append({**point, "auto_over_best": swept[key][chosen] / row["median_s"], "timed": False})
-            continue
-        g = torch.randn_like(q) if grad else None
-        fa, fb = _call(q, k, v, mask, "auto", g), _call(q, k, v, mask, row["backend"], g)
-        fa(), fb()  # warm both
-        ratios = []
-        for _ in range(rounds):
-            ta = _time(fa, config.min_run_time).median
-            tb_ = _time(fb, config.min_run_time).median
-            ratios.append(ta / tb_)
-        out.append({**point, "auto_over_best": statistics.median(ratios), "timed": True})
+        elif (*key, chosen) in reuse:
+            out.append({**point, "auto_over_best": reuse[(*key, chosen)]["auto_over_best"], "timed": True,
+                        "from_known": True})
+        elif deadline is not None and time.perf_counter() > deadline:
+            if swept_s is not None:
+                out.append({**point, "auto_over_best": point["auto_over_best_sweep"], "timed": False})
+        else:
+            g = torch.randn_like(q) if grad else None
+            fa, fb = _call(q, k, v, mask, call_as, g), _call(q, k, v, mask, row["backend"], g)
+            fa(), fb()  # warm both
+            ratios = []
+            for _ in range(rounds):
+                ta = _time(fa, config.min_run_time).median
+                tb_ = _time(fb, config.min_run_time).median
+                ratios.append(ta / tb_)
+            out.append({**point, "auto_over_best": statistics.median(ratios), "timed": True})
     return out
+
+
+def verify_auto_before(results: dict, config: BenchConfig, rounds: int = 3, budget_s: float | None = None,
+                       known: Iterable[dict] = ()) -> list[dict]:
+    """:func:`verify_auto` for the picks ``auto`` made during the sweep (each ``auto`` row's
+    ``chosen``, called by its name: after a calibration ``auto`` may pick another), so the column
+    "before calibration" is measured as the one after it. ``auto_over_best_sweep`` is then the
+    sweep's auto row over the best backend's (two back-to-back timings)."""
+    picks = {(r["n"], r["mask"], r["dtype"], r["passes"]): (r["chosen"], r["median_s"])
+             for r in ok_rows(results) if r["backend"] == "auto"}
+    return verify_auto(results, config, rounds=rounds, budget_s=budget_s, picks=picks, known=known)

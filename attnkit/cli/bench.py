@@ -9,8 +9,9 @@ default a few minutes) is spent are skipped too (the longest lengths come last).
 
 With no --backends, the run measures every exact backend and writes the calibration table that
 ``auto`` follows (lengths 256-8192, float32 and, where this CPU multiplies bfloat16 fast, bfloat16),
-then times ``auto`` against the best backend wherever it still picks another one. It estimates its
-duration before it starts and shows progress.
+then times ``auto`` against the best backend wherever it still picks another one. Every run that
+measures ``auto`` also times the picks it made during the sweep against the best the same way (the
+report's "before" column). It estimates its duration before it starts and shows progress.
 
 Examples:
     python -m attnkit bench                      # calibrate this machine (a few minutes on 2 cores)
@@ -42,7 +43,15 @@ from ..bench.report import (
     write_json,
     write_markdown,
 )
-from ..bench.runner import build_calibration, estimate_seconds, run_sweep, sweep_cases, sweep_names, verify_auto
+from ..bench.runner import (
+    build_calibration,
+    estimate_seconds,
+    run_sweep,
+    sweep_cases,
+    sweep_names,
+    verify_auto,
+    verify_auto_before,
+)
 from ..registry import list_backends
 from .options import device, int_list, name_list
 
@@ -88,8 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"skip a case predicted to need more than this many GiB "
                              f"(default {d.memory_budget_bytes / 2**30:g} GiB)")
     parser.add_argument("--budget", type=float, default=DEFAULT_RUN_BUDGET_S,
-                        help=f"seconds for the whole sweep (default {DEFAULT_RUN_BUDGET_S:g} s): cases left when it is "
-                             "spent are skipped, the longest lengths first; the estimate is printed before it starts")
+                        help=f"seconds for the sweep (default {DEFAULT_RUN_BUDGET_S:g} s): cases left when it is "
+                             "spent are skipped, the longest lengths first; then timing auto's picks against the best "
+                             "takes at most a quarter of it (at least 30 s) per column, before and after calibration; "
+                             "the estimate is printed before it starts")
     parser.add_argument("--min-run-time", type=float, default=d.min_run_time,
                         help=f"seconds of timing per case (default {d.min_run_time:g} s)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
@@ -147,20 +158,45 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
+def verification_budget_s(config: BenchConfig) -> float | None:
+    """Seconds for timing one column of auto's picks against the best after the sweep (the report's
+    auto/best before or after calibration): a quarter of ``--budget``, at least 30 s; None: no limit."""
+    return None if config.run_budget_s is None else max(30.0, config.run_budget_s / 4)
+
+
+def verified_columns(config: BenchConfig, calibrate: bool) -> list[str]:
+    """Which of auto's picks a run times against the best: those in the sweep where it measures
+    auto, and those after calibration where it calibrates."""
+    return ["in the sweep"] * ("auto" in sweep_names(config)) + ["after calibration"] * calibrate
+
+
 def estimate_line(config: BenchConfig, calibrate: bool = True) -> str:
     """What the run will do and about how long it takes, said before it starts (from the cost
-    model over this machine's probed constants; capped by ``--budget``)."""
+    model over this machine's probed constants; capped by ``--budget``), and the most the
+    verification of auto's picks after it may add."""
     cases = len(sweep_cases(config, sweep_names(config)))
     seconds = estimate_seconds(config)
     budget = config.run_budget_s
     capped = f", capped by --budget {budget:g} s" if budget is not None and seconds >= budget else ""
+    columns = verified_columns(config, calibrate)
+    per_column = verification_budget_s(config)
+    verify = ""
+    if columns and per_column is not None:
+        verify = (f", then at most {_duration(per_column * len(columns))} timing auto's picks "
+                  f"{' and '.join(columns)} against the best")
     what = "calibrate" if calibrate else "bench"
     return (f"{what}: {cases} cases ({','.join(config.dtypes)}; n = {','.join(map(str, sorted(config.lengths)))}); "
-            f"estimated {_duration(seconds)}{capped}, from this machine's probed constants; progress below")
+            f"estimated {_duration(seconds)}{capped}{verify}, from this machine's probed constants; progress below")
 
 
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def _say_verifying(which: str, config: BenchConfig) -> None:
+    budget = verification_budget_s(config)
+    limit = "" if budget is None else f" (at most {_duration(budget)})"
+    print(f"timing auto's picks {which} against the best{limit}", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,10 +229,15 @@ def run(args: argparse.Namespace) -> int:
             ties = sum(bool(p.get("tie")) for v in table["entries"].values() for p in v)
             print(f"\ncalibration: {sum(len(v) for v in table['entries'].values())} points ({ties} within noise: left "
                   f"to the cost model) in {len(table['entries'])} entries written to {path}")
-            budget = None if config.run_budget_s is None else max(30.0, config.run_budget_s / 4)
-            results["auto_verification"] = verify_auto(results, config, budget_s=budget)
+            _say_verifying("after calibration", config)
+            results["auto_verification"] = verify_auto(results, config, budget_s=verification_budget_s(config))
         else:
             print("\ncalibration: nothing measured, no table written")
+    if any(r["backend"] == "auto" and r["status"] == "ok" for r in results["results"]):
+        # the sweep's auto rows were single timings back to back: its picks are timed as the ones after
+        _say_verifying("in the sweep", config)
+        results["auto_before_verification"] = verify_auto_before(
+            results, config, budget_s=verification_budget_s(config), known=results.get("auto_verification") or ())
     if any(r["backend"] == "auto" for r in results["results"]) or results.get("auto_verification"):
         print()
         print(auto_table(results))
