@@ -19,8 +19,8 @@ Layers, top to bottom (an import may only point down or sideways within a row); 
     registry
     inputs  kv_handle
     masks  score_mods
-    csrc
-    io  _validate  _compat                   below everything
+    io  _validate  _compat
+    csrc                                     below everything (the C++ sources, their build and loader)
 
 Every import counts, also one inside a function (a lazy import is still a dependency), except
 those under ``if TYPE_CHECKING:``. ``attnkit/__init__.py`` only re-exports and is left out as a
@@ -50,8 +50,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("registry",),
     ("inputs", "kv_handle"),
     ("masks", "score_mods"),
-    ("csrc",),
     ("io", "_validate", "_compat"),
+    ("csrc",),
 )
 RANK = {name: i for i, row in enumerate(LAYERS) for name in row}
 ROOT = "attnkit"
