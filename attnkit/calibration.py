@@ -436,7 +436,8 @@ TRAIN_CLASSES = ("causal", "band", "layout")
 
 def reference_problems() -> dict:
     """The probe's reference problem per mask class, ``class -> ((B, H, Tq, Tk, D), mask)``; each
-    backend's time on it, less its per-call overhead, gives its achieved rate on this machine.
+    backend's time on it, less its per-call overhead, gives its achieved rate on this machine, and
+    its forward+backward time on it (:data:`TRAIN_CLASSES`) its cost of training over the forward.
     ``"causal"`` also stands for no mask; ``"band"`` for every mask that needs evaluating (windows,
     padding, documents); ``"layout"`` for a BlockSparse layout; ``"decode"`` for a few queries over
     a cache (at most :data:`DECODE_QUERIES`)."""
@@ -489,14 +490,15 @@ def probe_constants() -> dict:
                     if impl.can_run(inp):
                         half.setdefault(name, {})[str(dtype).removeprefix("torch.")] = hardware.best_seconds(
                             lambda: impl.forward(inp, None), 3)
-                # Forward+backward in float32 where training matters (the best of 2: each costs ~3 forwards),
-                # and on the tiny input: a backward's own per-call overhead is not the forward's.
+                # Forward+backward in float32 where training matters, and on the tiny input (a backward's own
+                # per-call overhead is not the forward's): each costs ~3 forwards, so the best of 2 calls with
+                # no warm-up of its own (the forward has just run on the same tensors).
                 timed = [cls for cls in TRAIN_CLASSES if cls in reference.get(name, {})]
-                fixed = _train_seconds(impl, ((tiny, tiny, tiny), small.mask), 3) if timed else None
+                fixed = _train_seconds(impl, ((tiny, tiny, tiny), small.mask)) if timed else None
                 if fixed is not None:
                     train_overhead[name] = fixed
                     for cls in timed:
-                        seconds = _train_seconds(impl, problems[cls], 2)
+                        seconds = _train_seconds(impl, problems[cls])
                         if seconds is not None:
                             train.setdefault(name, {})[cls] = seconds
             except Exception:  # a backend that fails here is not ranked by cost; its reasons decide
@@ -509,9 +511,9 @@ def probe_constants() -> dict:
     return constants
 
 
-def _train_seconds(impl, problem, repeats: int) -> float | None:
-    """The best of ``repeats`` forward+backward calls of ``impl`` (gradients of q, k and v) on
-    ``problem`` (``((q, k, v), mask)``), or None when it cannot train on it."""
+def _train_seconds(impl, problem) -> float | None:
+    """The faster of two forward+backward calls of ``impl`` (gradients of q, k and v) on ``problem``
+    (``((q, k, v), mask)``), or None when it cannot train on it."""
     (q, k, v), mask = problem
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     inp = AttentionInputs.create(q, k, v, mask=mask)
@@ -519,7 +521,8 @@ def _train_seconds(impl, problem, repeats: int) -> float | None:
         return None
     grad = torch.ones_like(q)
     with torch.enable_grad():
-        return hardware.best_seconds(lambda: torch.autograd.grad(impl.forward(inp, None), (q, k, v), grad), repeats)
+        return hardware.best_seconds(lambda: torch.autograd.grad(impl.forward(inp, None), (q, k, v), grad), 2,
+                                     warm_up=False)
 
 
 def _random(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
