@@ -139,3 +139,18 @@ def finite_only(x: Tensor) -> bool:
         return found
     return math.isfinite(x.sum().item()) or (x.dtype == torch.float16
                                              and math.isfinite(x.sum(dtype=torch.float32).item()))
+
+
+def broadcast_shapes(*shapes) -> torch.Size:
+    """``torch.broadcast_shapes`` (same result, same ``RuntimeError``), without its first call's
+    cost: torch's imports sympy, about half a second, on the first masked call of a process."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for shape in shapes:
+        for i, n in enumerate(shape, ndim - len(shape)):
+            if n != 1:
+                if out[i] != 1 and out[i] != n:
+                    raise RuntimeError(f"shape mismatch: objects cannot be broadcast to a single shape: "
+                                       f"{', '.join(str(tuple(s)) for s in shapes)}")
+                out[i] = n
+    return torch.Size(out)

@@ -519,9 +519,10 @@ def _train_seconds(impl, problem) -> float | None:
     inp = AttentionInputs.create(q, k, v, mask=mask)
     if not impl.can_run(inp):
         return None
-    grad = torch.ones_like(q)
+    # The gradient of a sum (no grad_outputs tensor: torch's check of one imports sympy, half a
+    # second, on the first backward of a process)
     with torch.enable_grad():
-        return hardware.best_seconds(lambda: torch.autograd.grad(impl.forward(inp, None), (q, k, v), grad), 2,
+        return hardware.best_seconds(lambda: torch.autograd.grad(impl.forward(inp, None).sum(), (q, k, v)), 2,
                                      warm_up=False)
 
 

@@ -56,10 +56,13 @@ def builtin_order(registered: tuple[str, ...]) -> tuple[str, ...]:
 #: Bytes moved per materialized mask element: the bool mask written and read, then the float bias
 #: made from it written and read by the kernel.
 _MASK_BYTES = 1 + 1 + 4 + 4
-#: How much faster the cost model must estimate a backend before it passes one earlier in
-#: :func:`builtin_order` (its estimates are within this factor of measurements; closer calls are
+#: How much faster the cost model must estimate a backend before it passes one of a better kind
+#: in :func:`builtin_order` (its estimates are within this factor of measurements; closer calls are
 #: left to the built-in order, autotuning and calibration).
 MODEL_MARGIN = 1.3
+#: The same between backends of one kind (the fused kernels, say: their order in the registry
+#: says nothing about their speed): estimates closer than this count as a tie.
+SAME_KIND_MARGIN = 1.05
 #: Forward+backward over forward, for a backend whose training the probe did not time (the backward
 #: recomputes the scores and runs two more products).
 _TRAIN_FLOPS = 3.0
@@ -220,12 +223,16 @@ def _cost_order(inp: AttentionInputs, registered: tuple[str, ...]) -> tuple[str,
     costs = {n: estimated_seconds(n, inp, constants) for n in modelled}
     inf = float("inf")
     order: list[str] = []
+    known = list_backends()
     for name in sorted(modelled, key=lambda n: inf if costs.get(n) is None else costs[n]):
         # The model's uncertainty: a backend passes one earlier in the built-in order only when
-        # estimated more than MODEL_MARGIN times faster (autotuning and calibration settle the rest).
+        # estimated more than MODEL_MARGIN times faster where that one is of a better kind (a fused
+        # kernel, say, where it loops PyTorch ops), SAME_KIND_MARGIN times where both are of one
+        # kind: there the order says nothing about speed (autotuning and calibration settle the rest).
         at = len(order)
-        while at > 0 and builtin.index(order[at - 1]) > builtin.index(name) and (
-                costs.get(name) or inf) <= MODEL_MARGIN * (costs.get(order[at - 1]) or inf):
+        while at > 0 and builtin.index(order[at - 1]) > builtin.index(name) and (costs.get(name) or inf) <= (
+                MODEL_MARGIN if known[order[at - 1]].work.rank() != known[name].work.rank() else SAME_KIND_MARGIN
+        ) * (costs.get(order[at - 1]) or inf):
             at -= 1
         order.insert(at, name)
     return tuple(order)

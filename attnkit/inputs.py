@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._validate import broadcast_shapes
 from .kv_handle import KVHandle
 from .masks import Mask, as_mask
 from .score_mods import ScoreMod, as_score_mod, check_sinks
@@ -286,7 +287,7 @@ class AttentionInputs:
                     "a constant changes nothing under softmax (drop it)."
                 )
             try:
-                shape = torch.broadcast_shapes(bias.shape, (B, Hq, Tq, Tk))
+                shape = broadcast_shapes(bias.shape, (B, Hq, Tq, Tk))
             except RuntimeError:
                 shape = None
             if shape != (B, Hq, Tq, Tk) or bias.dim() > 4:

@@ -231,6 +231,26 @@ def test_close_estimates_keep_the_built_in_order(monkeypatch):
     assert "estimated from the probed constants: " in attnkit.explain(x, x, x).measured
 
 
+def test_backends_of_one_kind_are_ordered_by_their_estimates(monkeypatch):
+    """Between two fused kernels the registry's order says nothing about speed: a 1.2x faster
+    estimate puts the later one first (within SAME_KIND_MARGIN they keep the built-in order), while
+    a PyTorch-op loop 1.2x faster still stays behind a fused kernel (MODEL_MARGIN)."""
+    from attnkit import dispatch
+
+    if "native" not in attnkit.list_backends() or not attnkit.list_backends()["native"].available():
+        pytest.skip("native kernel not built")
+    inp = _meta_inputs(2, 5, 300, 24, None)
+    pair = lambda: [n for n in priority(inp) if n in ("native", "sdpa")]  # noqa: E731
+    assert dispatch.SAME_KIND_MARGIN < 1.2 < dispatch.MODEL_MARGIN
+    _with_constants(monkeypatch, _faster("native", 1.2))
+    assert pair() == ["native", "sdpa"]
+    _with_constants(monkeypatch, _faster("native", 1.02))
+    assert pair() == ["sdpa", "native"]
+    _with_constants(monkeypatch, _faster("tiled", 1.2))
+    order = priority(inp)
+    assert order.index("sdpa") < order.index("tiled")
+
+
 def test_kept_fraction_reads_the_mask_structure():
     inp = _meta_inputs(1, 1, 1000, 8, Causal())
     assert abs(kept_fraction(inp, (1, 1)) - 0.5) < 0.02
@@ -482,7 +502,8 @@ def test_half_precision_follows_each_backends_own_measured_speed(monkeypatch):
     constants = _faster("native", 1.0)
     for name, times in constants["half_reference_seconds"].items():
         times["bfloat16"] = constants["reference_seconds"][name]["causal"]
-    inp = _meta_inputs(1, 8, 512, 64, Causal(), dtype=torch.bfloat16)
+    # no mask: both compute every tile (their tile sizes differ, and so would what a causal mask skips)
+    inp = _meta_inputs(1, 8, 512, 64, None, dtype=torch.bfloat16)
     _with_constants(monkeypatch, constants)
     order = [n for n in priority(inp) if n in ("native", "sdpa")]
     assert order == ["sdpa", "native"]  # equal speeds: the built-in order
@@ -490,7 +511,7 @@ def test_half_precision_follows_each_backends_own_measured_speed(monkeypatch):
     constants["half_reference_seconds"]["sdpa"] = {"bfloat16": 3 * constants["reference_seconds"]["sdpa"]["causal"]}
     _with_constants(monkeypatch, constants)
     assert [n for n in priority(inp) if n in ("native", "sdpa")] == ["native", "sdpa"]
-    fp32 = _meta_inputs(1, 8, 512, 64, Causal())
+    fp32 = _meta_inputs(1, 8, 512, 64, None)
     assert [n for n in priority(fp32) if n in ("native", "sdpa")] == ["sdpa", "native"]  # float32 unchanged
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from .._validate import broadcast_shapes
 from ..hardware import half_matmul_is_fast
 from ..inputs import AttentionInputs
 
@@ -107,7 +108,7 @@ def mask_on(mask, inp: AttentionInputs, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     b, h = b[..., None], h[..., None]  # (B|1, 1, 1, 1, 1), (1, Hq|1, 1, 1, 1)
     keep = mask.mask_mod(b, h, q_pos[None, None, :, :, None], k_pos[None, None, :, None, :],
                          q_offset=inp.q_offset, kv_offset=inp.kv_offset)
-    return keep.expand(torch.broadcast_shapes(keep.shape, (1, 1, *q_pos.shape, k_pos.shape[-1])))
+    return keep.expand(broadcast_shapes(keep.shape, (1, 1, *q_pos.shape, k_pos.shape[-1])))
 
 
 def upcast_on_cpu(inp: AttentionInputs) -> AttentionInputs:

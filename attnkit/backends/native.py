@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._validate import broadcast_shapes
 from ..csrc import build as csrc_build, loader
 from ..hardware import half_matmul_is_fast
 from ..inputs import AttentionInputs
@@ -180,7 +181,7 @@ def _keep_tiles(mask: Mask, grid: Tensor, Tq, Tk, q_offset, kv_offset, bq, bk, B
         tiles.append(torch.nn.functional.pad(keep.to(torch.uint8), (0, bk - (k1 - k0), 0, bq - (q1 - q0))))
     if not tiles:
         return index, torch.zeros((0, 1, 1, bq, bk), dtype=torch.uint8)
-    shape = torch.broadcast_shapes(*(t.shape for t in tiles))
+    shape = broadcast_shapes(*(t.shape for t in tiles))
     return index, torch.stack([t.expand(shape) for t in tiles]).contiguous()
 
 

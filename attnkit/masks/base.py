@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._validate import non_negative_int, positive_int
+from .._validate import broadcast_shapes, non_negative_int, positive_int
 from .export import evaluated_grid
 from .structure import UNBOUNDED, Band, BlockStatus, Range
 
@@ -221,7 +221,7 @@ class Mask:
                 f"{type(self).__name__}.mask_mod returned {getattr(keep, 'dtype', type(keep).__name__)}; expected a "
                 "torch.bool tensor. Fix: return a comparison such as `q_idx >= kv_idx`."
             )
-        shape = torch.broadcast_shapes(keep.shape, (b.shape[0], h.shape[1], q_idx.shape[2], kv_idx.shape[3]))
+        shape = broadcast_shapes(keep.shape, (b.shape[0], h.shape[1], q_idx.shape[2], kv_idx.shape[3]))
         return keep.expand(shape)
 
     def materialize(
