@@ -2,8 +2,7 @@
 table of measured rankings.
 
 **Machine constants** (:func:`machine_constants`): GEMM rate per dtype, memory bandwidth, the cost
-of one PyTorch op, each backend's per-call overhead and its forward and forward+backward times on
-a reference problem per mask class, probed on first use (well under a second)
+of one PyTorch op and each backend's per-call overhead, probed on first use (well under a second)
 and cached in ``machine.json`` beside the table, per machine, torch version, thread count and native
 build; probed again when the build changes, when a quick re-check on loading finds them measured
 under load, and at the start of ``python -m attnkit bench``. The cost model in
@@ -282,8 +281,8 @@ def describe(inp: AttentionInputs) -> str:
 # -- probed machine constants ---------------------------------------------------------------------
 
 # 3: one entry per thread count, each with its native build stamp; 4: the decode reference reads 4096 keys;
-# 5: each backend's half-precision times on the causal reference; 6: each backend's forward+backward times
-CONSTANTS_VERSION = 6
+# 5: each backend's half-precision times on the causal reference
+CONSTANTS_VERSION = 5
 _CONSTANTS: list = [None]
 _CONSTANTS_THREADS: list = [None]  # the thread count _CONSTANTS were loaded for (None: set from outside)
 _GENERATION = [0]
@@ -300,8 +299,8 @@ def constants_path() -> Path:
 
 def machine_constants() -> dict:
     """This machine's constants for the cost model (see :func:`attnkit.hardware.probe_rates`) plus
-    each exact backend's measured times (:func:`probe_constants`), for the current
-    ``torch.get_num_threads()`` (a new count loads, or probes, its own).
+    ``backend_seconds``: each exact backend's time for a tiny call (its per-call overhead), for the
+    current ``torch.get_num_threads()`` (a new count loads, or probes, its own).
 
     Probed on first use and cached in :func:`constants_path` (written atomically), one entry per
     thread count, for this machine, torch version and native build (:func:`build_stamp`). A cached
@@ -419,9 +418,8 @@ def _probed_under_load(constants: dict) -> str | None:
 def _constants_problem(c) -> str | None:
     try:
         numbers = [*c["gemm_gflops"].values(), c["tile_gflops"], c["bandwidth_gbs"], c["op_seconds"],
-                   *c["backend_seconds"].values(), *c["train_backend_seconds"].values(),
-                   *(t for field in ("reference_seconds", "half_reference_seconds", "train_reference_seconds")
-                     for r in c[field].values() for t in r.values())]
+                   *c["backend_seconds"].values(), *(t for r in c["reference_seconds"].values() for t in r.values()),
+                   *(t for r in c["half_reference_seconds"].values() for t in r.values())]
     except (TypeError, KeyError, AttributeError):
         return "missing fields"
     return None if all(_positive_number(x) for x in numbers) else "a constant is not a positive number"
@@ -429,15 +427,11 @@ def _constants_problem(c) -> str | None:
 
 #: Queries per call up to which an input counts as decoding (its time is reading K/V, not GEMMs).
 DECODE_QUERIES = 16
-#: The mask classes whose reference problems the probe also times forward+backward (decoding is
-#: not trained).
-TRAIN_CLASSES = ("causal", "band", "layout")
 
 
 def reference_problems() -> dict:
     """The probe's reference problem per mask class, ``class -> ((B, H, Tq, Tk, D), mask)``; each
-    backend's time on it, less its per-call overhead, gives its achieved rate on this machine, and
-    its forward+backward time on it (:data:`TRAIN_CLASSES`) its cost of training over the forward.
+    backend's time on it, less its per-call overhead, gives its achieved rate on this machine.
     ``"causal"`` also stands for no mask; ``"band"`` for every mask that needs evaluating (windows,
     padding, documents); ``"layout"`` for a BlockSparse layout; ``"decode"`` for a few queries over
     a cache (at most :data:`DECODE_QUERIES`)."""
@@ -454,11 +448,7 @@ def probe_constants() -> dict:
     """Measure the constants now (well under a second): the machine's rates, then each exact,
     available backend on a tiny input (``backend_seconds``: its per-call overhead) and on the
     reference problem of each mask class it can run (``reference_seconds[backend][class]``), and
-    on the causal reference in bfloat16 and float16 (``half_reference_seconds[backend][dtype]``).
-    Each backend with a backward pass is also timed forward+backward (gradients of q, k and v) on the
-    tiny input (``train_backend_seconds[backend]``) and on the reference problems of
-    :data:`TRAIN_CLASSES` (``train_reference_seconds[backend][class]``): a backward is not the same
-    multiple of the forward in every backend."""
+    on the causal reference in bfloat16 and float16 (``half_reference_seconds[backend][dtype]``)."""
     from .masks import BlockSparse, Causal, SlidingWindow
     from .registry import list_backends
 
@@ -467,17 +457,17 @@ def probe_constants() -> dict:
     tiny_masks = [None, Causal() & SlidingWindow(8, 0), BlockSparse.bigbird(2, 16, window=1, global_blocks=1,
                                                                              random_blocks=0)]
     problems = {cls: (_random(shape), mask) for cls, (shape, mask) in reference_problems().items()}
-    overhead, reference, half, train_overhead, train = {}, {}, {}, {}, {}
+    overhead, reference, half = {}, {}, {}
     with torch.no_grad():
         for name, impl in list_backends().items():
             if not impl.exact or getattr(impl, "compiles", False):
                 continue
             try:
-                small = next((i for m in tiny_masks
-                              if impl.can_run(i := AttentionInputs.create(tiny, tiny, tiny, mask=m))), None)
-                if small is None:
+                inp = next((i for m in tiny_masks
+                            if impl.can_run(i := AttentionInputs.create(tiny, tiny, tiny, mask=m))), None)
+                if inp is None:
                     continue
-                overhead[name] = hardware.best_seconds(lambda: impl.forward(small, None), 5)
+                overhead[name] = hardware.best_seconds(lambda: impl.forward(inp, None), 5)
                 for cls, ((q, k, v), mask) in problems.items() if name != "naive" else ():  # never ranked by cost
                     inp = AttentionInputs.create(q, k, v, mask=mask)
                     if impl.can_run(inp):
@@ -490,40 +480,12 @@ def probe_constants() -> dict:
                     if impl.can_run(inp):
                         half.setdefault(name, {})[str(dtype).removeprefix("torch.")] = hardware.best_seconds(
                             lambda: impl.forward(inp, None), 3)
-                # Forward+backward in float32 where training matters, and on the tiny input (a backward's own
-                # per-call overhead is not the forward's): each costs ~3 forwards, so the best of 2 calls with
-                # no warm-up of its own (the forward has just run on the same tensors).
-                timed = [cls for cls in TRAIN_CLASSES if cls in reference.get(name, {})]
-                fixed = _train_seconds(impl, ((tiny, tiny, tiny), small.mask)) if timed else None
-                if fixed is not None:
-                    train_overhead[name] = fixed
-                    for cls in timed:
-                        seconds = _train_seconds(impl, problems[cls])
-                        if seconds is not None:
-                            train.setdefault(name, {})[cls] = seconds
             except Exception:  # a backend that fails here is not ranked by cost; its reasons decide
                 continue
     constants["backend_seconds"] = overhead
     constants["reference_seconds"] = reference
     constants["half_reference_seconds"] = half
-    constants["train_backend_seconds"] = train_overhead
-    constants["train_reference_seconds"] = train
     return constants
-
-
-def _train_seconds(impl, problem) -> float | None:
-    """The faster of two forward+backward calls of ``impl`` (gradients of q, k and v) on ``problem``
-    (``((q, k, v), mask)``), or None when it cannot train on it."""
-    (q, k, v), mask = problem
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    inp = AttentionInputs.create(q, k, v, mask=mask)
-    if not impl.can_run(inp):
-        return None
-    # The gradient of a sum (no grad_outputs tensor: torch's check of one imports sympy, half a
-    # second, on the first backward of a process)
-    with torch.enable_grad():
-        return hardware.best_seconds(lambda: torch.autograd.grad(impl.forward(inp, None).sum(), (q, k, v)), 2,
-                                     warm_up=False)
 
 
 def _random(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -63,9 +63,7 @@ MODEL_MARGIN = 1.3
 #: The same between backends of one kind (the fused kernels, say: their order in the registry
 #: says nothing about their speed): estimates closer than this count as a tie.
 SAME_KIND_MARGIN = 1.05
-#: Forward+backward over forward, for a backend whose training the probe did not time (the backward
-#: recomputes the scores and runs two more products).
-_TRAIN_FLOPS = 3.0
+_TRAIN_FLOPS = 3.0  # forward + backward (the backward recomputes the scores and runs two more products)
 
 
 class NoBackendError(ValueError):
@@ -159,14 +157,9 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     ``overhead + flops / rate + mask bytes / bandwidth + loop ops * op cost``, where ``rate`` is the
     backend's own rate on the probe's reference problem of the same mask class (measured time less
     the other terms), scaled for half-precision inputs by the backend's own half/float32 speed on the
-    causal reference (else the machine's GEMM ratio). For decoding the work is the K/V bytes read and
-    the rate the backend's bytes per second on the decode reference (8 MiB each of K and V).
-
-    Training (inputs that require grad) takes the backend's own forward+backward overhead and
-    multiplies ``flops / rate + loop ops * op cost`` by its own measured train/forward ratio on the
-    reference of the class (each time less its overhead and mask term), so the estimate at the
-    reference is the measured forward+backward time; :data:`_TRAIN_FLOPS` where the probe did not
-    time that backend's training (no backward, or constants without it)."""
+    causal reference (else the machine's GEMM ratio), and tripled flops for training. For decoding
+    the work is the K/V bytes read and the rate the backend's bytes per second on the decode
+    reference (8 MiB each of K and V)."""
     impl = list_backends().get(name)
     overhead = constants["backend_seconds"].get(name)
     measured = constants["reference_seconds"].get(name, {})
@@ -196,16 +189,8 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
             gemm = constants["gemm_gflops"]
             ratio = gemm.get(dtype, gemm["float32"]) / gemm["float32"]
             rate *= max(ratio, 1.0) if work.half == "when_fast" else ratio
-    passes = 1.0
-    if inp.requires_grad:
-        passes = _TRAIN_FLOPS
-        train = constants.get("train_reference_seconds", {}).get(name, {}).get(cls)
-        train_overhead = constants.get("train_backend_seconds", {}).get(name)
-        if train and train_overhead:  # its own forward+backward over forward on the reference of the class
-            passes = max(train - train_overhead - mat_ref * _MASK_BYTES / bandwidth, 0.1 * train) / (
-                compute_ref + loops_ref * op)
-            overhead = train_overhead
     flops, materialized, loops = _work_terms(name, impl, inp)
+    passes = _TRAIN_FLOPS if inp.requires_grad else 1.0
     return overhead + passes * (flops / rate + loops * op) + materialized * _MASK_BYTES / bandwidth
 
 

@@ -68,11 +68,9 @@ def machine_id() -> dict:
     }
 
 
-def best_seconds(fn, repeats: int, *, warm_up: bool = True) -> float:
-    """The fastest of ``repeats`` timed calls of ``fn``, after one warm-up call unless ``warm_up=False``
-    (the calls it times then include the first)."""
-    if warm_up:
-        fn()
+def best_seconds(fn, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` after one warm-up call."""
+    fn()  # warm up
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()

@@ -24,18 +24,15 @@ def _no_user_calibration(tmp_path_factory, monkeypatch):
 
 def uniform_constants(overhead: float = 1e-4, reference: float = 1e-3) -> dict:
     """Machine constants under which every backend has the same per-call overhead and the same time
-    on each reference problem, forward and (three times each) forward+backward: ``auto``'s order then
-    follows from structure alone, the same on every machine (tests of the cost model inject their own
-    measurements)."""
+    on each reference problem: ``auto``'s order then follows from structure alone, the same on every
+    machine (tests of the cost model inject their own measurements)."""
     from attnkit import list_backends
 
     names = [name for name, impl in list_backends().items() if impl.exact]
     return {"gemm_gflops": {"float32": 100.0, "bfloat16": 100.0, "float16": 100.0}, "tile_gflops": 50.0,
             "bandwidth_gbs": 10.0, "op_seconds": 1e-6, "backend_seconds": {n: overhead for n in names},
             "reference_seconds": {n: {c: reference for c in ("causal", "band", "layout", "decode")} for n in names},
-            "half_reference_seconds": {n: {"bfloat16": reference, "float16": reference} for n in names},
-            "train_backend_seconds": {n: 3 * overhead for n in names},
-            "train_reference_seconds": {n: {c: 3 * reference for c in calibration.TRAIN_CLASSES} for n in names}}
+            "half_reference_seconds": {n: {"bfloat16": reference, "float16": reference} for n in names}}
 
 
 def pytest_report_header(config):

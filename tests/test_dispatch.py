@@ -190,7 +190,7 @@ def _with_constants(monkeypatch, constants):
 
 def _faster(name, factor):
     """Constants of a machine where every backend runs its own modelled work at 10 GFLOP/s, except
-    ``name`` at ``factor`` times that (forward+backward: three times the forward, for every backend)."""
+    ``name`` at ``factor`` times that."""
     from attnkit import dispatch
 
     constants = uniform_constants(overhead=1e-5)
@@ -199,7 +199,7 @@ def _faster(name, factor):
         for cls, inp in dispatch._reference_inputs(calibration.generation()).items():
             flops, _, _ = dispatch._work_terms(backend, known[backend], inp)
             classes[cls] = 1e-5 + flops / 1e10 / (factor if backend == name else 1.0)
-    return _trained(constants, {})
+    return constants
 
 
 @pytest.mark.parametrize("mask, T, rival", [
@@ -285,87 +285,6 @@ def test_the_real_probe_measures_every_exact_backend(tmp_path, monkeypatch):
         assert constants["backend_seconds"][name] > 0
     assert set(constants["reference_seconds"]["sdpa"]) == {"causal", "band", "layout", "decode"}
     assert "naive" not in constants["reference_seconds"]  # never ranked by cost: its references are not timed
-    # forward+backward on the references where training matters (decoding is not trained)
-    assert set(constants["train_reference_seconds"]["sdpa"]) == set(calibration.TRAIN_CLASSES) == {
-        "causal", "band", "layout"}
-    assert set(constants["train_reference_seconds"]["block_sparse"]) == {"layout"}  # only what it runs
-    assert set(constants["train_backend_seconds"]) == set(constants["train_reference_seconds"])
-    assert "naive" not in constants["train_reference_seconds"]
-
-
-def _trained(constants, ratios):
-    """``constants`` with forward+backward times: each backend's ``ratios.get(name, 3)`` times its forward
-    on each reference (less the overhead, which is the same for both passes)."""
-    constants = {**constants, "train_backend_seconds": dict(constants["backend_seconds"]),
-                 "train_reference_seconds": {}}
-    for name, classes in constants["reference_seconds"].items():
-        ovh = constants["backend_seconds"][name]
-        constants["train_reference_seconds"][name] = {
-            c: ovh + ratios.get(name, 3.0) * (classes[c] - ovh) for c in calibration.TRAIN_CLASSES}
-    return constants
-
-
-def _grad_inputs(*args, **kw):
-    inp = _meta_inputs(*args, **kw)
-    q, k, v = (t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v))
-    return AttentionInputs.create(q, k, v, mask=inp.mask)
-
-
-def test_training_follows_each_backends_own_measured_backward(monkeypatch):
-    """A backend faster forward but whose backward is dear on this machine (measured: its forward+backward
-    is 12 times its forward on the reference) loses training inputs, and only those."""
-    mask = BlockSparse.bigbird(90, 48, window=1, global_blocks=1, random_blocks=2, seed=3)
-    forward, train = _meta_inputs(1, 3, 90 * 48, 40, mask), _grad_inputs(1, 3, 90 * 48, 40, mask)
-    first = lambda inp: [n for n in priority(inp) if n in ("block_sparse", "sdpa", "tiled", "native")][0]  # noqa: E731
-    constants = _faster("block_sparse", 4.0)
-    _with_constants(monkeypatch, constants)
-    assert first(forward) == first(train) == "block_sparse"
-    _with_constants(monkeypatch, _trained(constants, {"block_sparse": 30.0}))
-    assert first(forward) == "block_sparse" != first(train)
-    x = torch.randn(1, 3, 90 * 48, 40, requires_grad=True)
-    assert attnkit.explain(x, x, x, mask=mask).chosen == first(train)
-    # Constants without forward+backward times (a backend without autograd, or set from outside): the
-    # built-in three forwards for every backend, so training ranks as the forward does.
-    without = {k: v for k, v in _trained(constants, {"block_sparse": 30.0}).items() if not k.startswith("train_")}
-    _with_constants(monkeypatch, without)
-    assert first(train) == first(forward) == "block_sparse"
-
-
-@pytest.mark.parametrize("cls", ["causal", "band", "layout"])
-def test_a_training_estimate_at_the_reference_is_the_measured_time(cls):
-    """The train/forward ratio is taken net of each pass's own overhead and of the mask term: at the
-    reference problem the model gives back the measured forward+backward time (a backend that loops,
-    one that materializes a mask, one that skips tiles)."""
-    from attnkit import dispatch
-
-    constants = _faster("tiled", 2.0)
-    constants["train_backend_seconds"] = {n: 7 * t for n, t in constants["backend_seconds"].items()}
-    constants["train_reference_seconds"] = {n: {c: 5 * r[c] for c in calibration.TRAIN_CLASSES}
-                                            for n, r in constants["reference_seconds"].items()}
-    ref = dispatch._reference_inputs(calibration.generation())[cls]
-    train = AttentionInputs.create(*(t.detach().requires_grad_() for t in (ref.q, ref.k, ref.v)), mask=ref.mask)
-    for name in ("tiled", "sdpa", "decode"):
-        assert dispatch.estimated_seconds(name, ref, constants) == pytest.approx(
-            constants["reference_seconds"][name][cls])
-        assert dispatch.estimated_seconds(name, train, constants) == pytest.approx(
-            constants["train_reference_seconds"][name][cls])
-
-
-def test_training_without_measured_backward_is_three_forwards():
-    from attnkit import dispatch
-
-    constants = {k: v for k, v in _trained(_faster("tiled", 2.0), {"tiled": 9.0, "sdpa": 0.5}).items()
-                 if k != "train_reference_seconds"}
-    constants["train_backend_seconds"] = {n: 5 * t for n, t in constants["backend_seconds"].items()}  # unused alone
-    known = attnkit.list_backends()
-    for mask in (Causal(), Causal() & SlidingWindow(64, 0)):
-        forward, train = _meta_inputs(1, 4, 700, 32, mask), _grad_inputs(1, 4, 700, 32, mask)
-        for name in ("tiled", "sdpa", "decode"):
-            ovh = constants["backend_seconds"][name]
-            mask_bytes = dispatch._work_terms(name, known[name], forward)[1] * dispatch._MASK_BYTES
-            fixed = ovh + mask_bytes / (constants["bandwidth_gbs"] * 1e9)
-            assert dispatch.estimated_seconds(name, train, constants) == pytest.approx(
-                fixed + dispatch._TRAIN_FLOPS * (dispatch.estimated_seconds(name, forward, constants) - fixed))
 
 
 def _table_preferring_naive(tmp_path, monkeypatch):

@@ -51,10 +51,3 @@ def test_machine_id_and_probed_rates_are_plain_positive_figures():
     rates = hardware.probe_rates()
     figures = [*rates["gemm_gflops"].values(), rates["tile_gflops"], rates["bandwidth_gbs"], rates["op_seconds"]]
     assert set(rates["gemm_gflops"]) == {"float32", "bfloat16", "float16"} and all(x > 0 for x in figures)
-
-
-def test_best_seconds_warms_up_unless_told_not_to():
-    calls = []
-    assert hardware.best_seconds(lambda: calls.append(1), 2) >= 0 and len(calls) == 3
-    calls.clear()
-    assert hardware.best_seconds(lambda: calls.append(1), 2, warm_up=False) >= 0 and len(calls) == 2
