@@ -262,6 +262,9 @@ class NativeBackend(Backend):
 
     @classmethod
     def forward(cls, inp: AttentionInputs, options: NativeOptions | None):
+        reason = unavailable_reason()  # loads the ops and registers their autograd before any call
+        if reason:
+            raise RuntimeError(f"native: {reason}")
         options = default_options(inp, options)
         plan = plan_for(inp, options)
         # NaN/Inf contract, row by row: flagged keys are zeroed (a copy only on that rare path) and the
