@@ -444,6 +444,11 @@ def reference_problems() -> dict:
             "decode": ((1, 8, 1, 4096, 64), Causal())}  # 8 MiB each of K and V: past the per-core caches
 
 
+#: Timed calls per square reference problem (a fraction of a millisecond each): the best of several,
+#: as one call on a shared machine is often slowed by a third or more.
+_REFERENCE_REPEATS = 7
+
+
 def probe_constants() -> dict:
     """Measure the constants now (well under a second): the machine's rates, then each exact,
     available backend on a tiny input (``backend_seconds``: its per-call overhead) and on the
@@ -471,7 +476,8 @@ def probe_constants() -> dict:
                 for cls, ((q, k, v), mask) in problems.items() if name != "naive" else ():  # never ranked by cost
                     inp = AttentionInputs.create(q, k, v, mask=mask)
                     if impl.can_run(inp):
-                        reference.setdefault(name, {})[cls] = hardware.best_seconds(lambda: impl.forward(inp, None), 3)
+                        reference.setdefault(name, {})[cls] = hardware.best_seconds(
+                            lambda: impl.forward(inp, None), 3 if cls == "decode" else _REFERENCE_REPEATS)
                 # Its own speed in half precision (a kernel's bf16 path need not follow the GEMM rates):
                 # the causal reference again in each half dtype.
                 (q, k, v), mask = problems["causal"]
@@ -479,7 +485,7 @@ def probe_constants() -> dict:
                     inp = AttentionInputs.create(q.to(dtype), k.to(dtype), v.to(dtype), mask=mask)
                     if impl.can_run(inp):
                         half.setdefault(name, {})[str(dtype).removeprefix("torch.")] = hardware.best_seconds(
-                            lambda: impl.forward(inp, None), 3)
+                            lambda: impl.forward(inp, None), _REFERENCE_REPEATS)
             except Exception:  # a backend that fails here is not ranked by cost; its reasons decide
                 continue
     constants["backend_seconds"] = overhead
