@@ -144,7 +144,9 @@ def finite_only(x: Tensor) -> bool:
 def broadcast_shapes(*shapes) -> torch.Size:
     """``torch.broadcast_shapes`` (same result, same ``RuntimeError``), without its first call's
     cost: torch's imports sympy, about half a second, on the first masked call of a process."""
-    ndim = max((len(s) for s in shapes), default=0)
+    ndim = 0
+    for shape in shapes:  # (plain loops: torch.compile traces this without a graph break)
+        ndim = len(shape) if len(shape) > ndim else ndim
     out = [1] * ndim
     for shape in shapes:
         for i, n in enumerate(shape, ndim - len(shape)):

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from attnkit._validate import finite_float, non_negative_int, positive_int
 
@@ -42,3 +43,14 @@ def test_check_int_at_least_is_the_one_count_check():
             check_int_at_least("TransformerConfig.num_heads", bad)
     with pytest.raises(ValueError, match=r"max_seqlen_q: expected None or an int >= 0, got -1\.$"):
         check_int_at_least("max_seqlen_q", -1, 0, allow_none=True)
+
+
+def test_broadcast_shapes_equals_torchs():
+    from attnkit._validate import broadcast_shapes
+
+    for shapes in [((1, 2, 3), (4, 1, 3)), ((0, 1), (1, 5)), ((3,), (2, 1)), ((), (2,)), ((2, 1, 4), (1, 3, 1), (3, 1)),
+                   ((5,),), ((1, 1), (1,))]:
+        assert broadcast_shapes(*shapes) == torch.broadcast_shapes(*shapes), shapes
+    for shapes in [((2,), (3,)), ((2, 3), (3, 3)), ((4, 1), (1, 3), (2, 3))]:
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            broadcast_shapes(*shapes)
