@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import sys
+import threading
 
 import torch
 
-__all__ = ["assume_constant_result"]
+__all__ = ["assume_constant_result", "progress_bar_class"]
 
 
 def assume_constant_result(fn):
@@ -18,3 +20,23 @@ def assume_constant_result(fn):
         return torch.compiler.assume_constant_result(fn)
     fn._dynamo_marked_constant = True
     return fn
+
+
+@functools.lru_cache(maxsize=1)
+def progress_bar_class():
+    """tqdm's bar class (``tqdm.auto``) guarded by a lock of this process only, or None without tqdm.
+
+    tqdm guards its output with a lock shared across processes (a semaphore, inherited through
+    ``fork``): a forked child killed while it prints leaves that lock held, and the parent's next
+    line then waits forever. attnkit's bars and lines are printed by one process, so a thread lock
+    is all they need; other tqdm bars keep tqdm's own."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+
+    class ProcessLocalTqdm(tqdm):
+        pass
+
+    ProcessLocalTqdm.set_lock(threading.RLock())
+    return ProcessLocalTqdm

@@ -298,3 +298,26 @@ def test_a_run_dir_without_a_checkpoint_is_never_answered_with_resume(tmp_path):
     assert "--overwrite" in str(resumed.value)
     train(tiny_train_config(out, steps=2, overwrite=True), tiny_gpt_config())  # the advice works
     assert load_checkpoint(str(out))[0]["step"] == 2
+
+
+def test_a_child_killed_while_printing_leaves_the_parents_log_working():
+    """Training prints through tqdm; tqdm's own output lock is shared with forked children (a
+    semaphore), so a child killed while printing would leave the parent's next line waiting forever.
+    attnkit's bar class keeps a lock of its own process."""
+    import io
+    import threading
+
+    from attnkit._compat import progress_bar_class
+
+    bar = progress_bar_class()
+    if bar is None:
+        pytest.skip("tqdm is not installed")
+    bar.write("before", file=io.StringIO())
+    pid = os.fork()
+    if pid == 0:  # the child takes the lock and dies holding it
+        bar.get_lock().acquire()
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(pid, 0)
+    done = threading.Event()
+    threading.Thread(target=lambda: (bar.write("after", file=io.StringIO()), done.set()), daemon=True).start()
+    assert done.wait(20), "the parent's log waits on a lock its killed child held"

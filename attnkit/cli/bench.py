@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from .. import calibration
+from .._compat import progress_bar_class
 from ..bench.cases import DTYPES, MASK_SPECS, PASSES, BenchConfig
 from ..bench.plots import missing_extra, write_plots
 from ..bench.report import (
@@ -120,9 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _progress(disabled: bool):
     if disabled:
         return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
+    tqdm = progress_bar_class()
+    if tqdm is None:
         print("(no progress bar: pip install 'attnkit[bench]')", file=sys.stderr)
         return None
     # disable=None: a bar on a terminal only, so a log file gets no carriage-return soup

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from .distributed import DistContext
+from .._compat import progress_bar_class
 from ..io.files import atomic_write
 
 __all__ = ["RunLog", "plot_loss_curve"]
@@ -25,9 +26,8 @@ class RunLog:
         self._write = print
         if not ctx.is_main:
             return
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
+        tqdm = progress_bar_class()
+        if tqdm is None:
             return
         self._write = tqdm.write
         if progress:
