@@ -281,8 +281,9 @@ def describe(inp: AttentionInputs) -> str:
 # -- probed machine constants ---------------------------------------------------------------------
 
 # 3: one entry per thread count, each with its native build stamp; 4: the decode reference reads 4096 keys;
-# 5: each backend's half-precision times on the causal reference; 7: the square reference problems have 8 heads
-CONSTANTS_VERSION = 7
+# 5: each backend's half-precision times on the causal reference; 7: the square reference problems have 8 heads;
+# 8: each backend's forward+backward on the tiny input
+CONSTANTS_VERSION = 8
 _CONSTANTS: list = [None]
 _CONSTANTS_THREADS: list = [None]  # the thread count _CONSTANTS were loaded for (None: set from outside)
 _GENERATION = [0]
@@ -418,7 +419,8 @@ def _probed_under_load(constants: dict) -> str | None:
 def _constants_problem(c) -> str | None:
     try:
         numbers = [*c["gemm_gflops"].values(), c["tile_gflops"], c["bandwidth_gbs"], c["op_seconds"],
-                   *c["backend_seconds"].values(), *(t for r in c["reference_seconds"].values() for t in r.values()),
+                   *c["backend_seconds"].values(), *c["train_backend_seconds"].values(),
+                   *(t for r in c["reference_seconds"].values() for t in r.values()),
                    *(t for r in c["half_reference_seconds"].values() for t in r.values())]
     except (TypeError, KeyError, AttributeError):
         return "missing fields"
@@ -453,7 +455,8 @@ _REFERENCE_REPEATS = 5
 
 def probe_constants() -> dict:
     """Measure the constants now (well under a second): the machine's rates, then each exact,
-    available backend on a tiny input (``backend_seconds``: its per-call overhead) and on the
+    available backend on a tiny input (``backend_seconds``: its per-call overhead; forward and
+    backward, ``train_backend_seconds``: its per-call overhead when training) and on the
     reference problem of each mask class it can run (``reference_seconds[backend][class]``), and
     on the causal reference in bfloat16 and float16 (``half_reference_seconds[backend][dtype]``)."""
     from .masks import BlockSparse, Causal, SlidingWindow
@@ -464,7 +467,7 @@ def probe_constants() -> dict:
     tiny_masks = [None, Causal() & SlidingWindow(8, 0), BlockSparse.bigbird(2, 16, window=1, global_blocks=1,
                                                                              random_blocks=0)]
     problems = {cls: (_random(shape), mask) for cls, (shape, mask) in reference_problems().items()}
-    overhead, reference, half = {}, {}, {}
+    overhead, train_overhead, reference, half = {}, {}, {}, {}
     with torch.no_grad():
         for name, impl in list_backends().items():
             if not impl.exact or getattr(impl, "compiles", False):
@@ -475,6 +478,9 @@ def probe_constants() -> dict:
                 if inp is None:
                     continue
                 overhead[name] = hardware.best_seconds(lambda: impl.forward(inp, None), 5)
+                seconds = _train_overhead(impl, inp) if name != "naive" else None  # never ranked by cost
+                if seconds is not None:
+                    train_overhead[name] = seconds
                 for cls, ((q, k, v), mask) in problems.items() if name != "naive" else ():  # never ranked by cost
                     inp = AttentionInputs.create(q, k, v, mask=mask)
                     if impl.can_run(inp):
@@ -491,9 +497,28 @@ def probe_constants() -> dict:
             except Exception:  # a backend that fails here is not ranked by cost; its reasons decide
                 continue
     constants["backend_seconds"] = overhead
+    constants["train_backend_seconds"] = train_overhead
     constants["reference_seconds"] = reference
     constants["half_reference_seconds"] = half
     return constants
+
+
+def _train_overhead(impl, inp: AttentionInputs) -> float | None:
+    """Forward and backward of ``impl`` on the tiny input ``inp``: its per-call cost when training
+    (a backward has its own: autograd's bookkeeping, scratch, a second kernel), or None when it
+    cannot train."""
+    if not impl.supports_backward:
+        return None
+    q, k, v = (t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v))
+    grad_inp = AttentionInputs.create(q, k, v, mask=inp.mask)
+    try:
+        with torch.enable_grad():
+            # the gradient of a sum: no grad_outputs tensor (torch's check of one imports sympy, about
+            # half a second, on a process's first backward)
+            return hardware.best_seconds(
+                lambda: torch.autograd.grad(impl.forward(grad_inp, None).sum(), (q, k, v)), 3)
+    except Exception:  # no backward after all: priced as three forwards
+        return None
 
 
 def _random(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

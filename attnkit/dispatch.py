@@ -157,7 +157,8 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     ``overhead + flops / rate + mask bytes / bandwidth + loop ops * op cost``, where ``rate`` is the
     backend's own rate on the probe's reference problem of the same mask class (measured time less
     the other terms), scaled for half-precision inputs by the backend's own half/float32 speed on the
-    causal reference (else the machine's GEMM ratio), and tripled flops for training. For decoding
+    causal reference (else the machine's GEMM ratio), and for training tripled flops and the
+    backend's measured per-call cost of a forward and backward on a tiny input. For decoding
     the work is the K/V bytes read and the rate the backend's bytes per second on the decode
     reference (8 MiB each of K and V)."""
     impl = list_backends().get(name)
@@ -191,6 +192,8 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
             rate *= max(ratio, 1.0) if work.half == "when_fast" else ratio
     flops, materialized, loops = _work_terms(name, impl, inp)
     passes = _TRAIN_FLOPS if inp.requires_grad else 1.0
+    if inp.requires_grad:  # a backward's own per-call cost, measured on the tiny input
+        overhead = constants.get("train_backend_seconds", {}).get(name, overhead)
     return overhead + passes * (flops / rate + loops * op) + materialized * _MASK_BYTES / bandwidth
 
 

@@ -13,7 +13,8 @@
    two random per row; as ``bench_fused.py``) at n=8192, same shape.
 
 Timing: ``torch.utils.benchmark`` (blocked_autorange); the compared calls are interleaved in rounds
-and medians of the rounds are compared. Sections 3 and 4 time every exact backend that can run the
+(in sections 3 and 4 in an order rotated each round) and medians of the rounds are compared.
+Sections 3 and 4 time every exact backend that can run the
 input without materializing the whole mask (those are memory-bound there by construction), plus
 ``auto``; each section stops adding rounds after ``--section-budget`` seconds (default 150).
 
@@ -127,11 +128,14 @@ def long_case(name: str, mask, n: int, rounds: int, min_run_time: float, budget_
             if c != "auto" and c != chosen and time.perf_counter() - t0 > budget_s / 3:
                 left_out.append(f"{c} ({time.perf_counter() - t0:.1f} s per call)")
                 del calls[c], times[c]
+        names = list(calls)
         for r in range(rounds):
             if r >= 2 and time.perf_counter() - start > budget_s:
                 break
-            for c, fn in calls.items():
-                times[c].append(_median_time(fn, min_run_time))
+            # a rotated order each round: no call always follows the same one (a backend that frees
+            # gigabytes leaves the next call's allocations to fault their pages in again)
+            for c in names[r % len(names):] + names[:r % len(names)]:
+                times[c].append(_median_time(calls[c], min_run_time))
     med = {c: statistics.median(ts) for c, ts in times.items()}
     best = min((c for c in med if c != "auto"), key=med.get)
     print(f"{name} n={n} (B=1 H=8 D=64 float32 forward, {len(times['auto'])} interleaved rounds): auto chose {chosen}; "

@@ -31,6 +31,7 @@ def uniform_constants(overhead: float = 1e-4, reference: float = 1e-3) -> dict:
     names = [name for name, impl in list_backends().items() if impl.exact]
     return {"gemm_gflops": {"float32": 100.0, "bfloat16": 100.0, "float16": 100.0}, "tile_gflops": 50.0,
             "bandwidth_gbs": 100.0, "op_seconds": 1e-6, "backend_seconds": {n: overhead for n in names},
+            "train_backend_seconds": {n: 3 * overhead for n in names},
             "reference_seconds": {n: {c: reference for c in ("causal", "band", "layout", "decode")} for n in names},
             "half_reference_seconds": {n: {"bfloat16": reference, "float16": reference} for n in names}}
 

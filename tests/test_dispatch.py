@@ -251,6 +251,27 @@ def test_backends_of_one_kind_are_ordered_by_their_estimates(monkeypatch):
     assert order.index("sdpa") < order.index("tiled")
 
 
+def test_training_pays_each_backends_measured_backward_overhead(monkeypatch):
+    """A backend twice as fast per FLOP whose forward+backward costs 2 ms per call even on a tiny
+    input: picked for training only where the work outweighs that cost; its forward is unaffected."""
+    if "native" not in attnkit.list_backends() or not attnkit.list_backends()["native"].available():
+        pytest.skip("native kernel not built")
+    constants = _faster("native", 2.0)
+    constants["train_backend_seconds"]["native"] = 2e-3
+    _with_constants(monkeypatch, constants)
+    first = lambda inp: next(n for n in priority(inp) if n in ("native", "sdpa"))  # noqa: E731
+    small, large = _meta_inputs(1, 4, 128, 32, None), _meta_inputs(1, 4, 2048, 32, None)
+    assert first(small) == "native" and first(large) == "native"
+    small_train = _meta_inputs(1, 4, 128, 32, None)
+    small_train.q.requires_grad_()
+    large_train = _meta_inputs(1, 4, 2048, 32, None)
+    large_train.q.requires_grad_()
+    assert first(small_train) == "sdpa" and first(large_train) == "native"
+    del constants["train_backend_seconds"]  # an older probe's constants: three forwards
+    _with_constants(monkeypatch, constants)
+    assert first(small_train) == "native"
+
+
 def test_kept_fraction_reads_the_mask_structure():
     inp = _meta_inputs(1, 1, 1000, 8, Causal())
     assert abs(kept_fraction(inp, (1, 1)) - 0.5) < 0.02
