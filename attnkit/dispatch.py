@@ -212,6 +212,9 @@ def _cost_order(inp: AttentionInputs, registered: tuple[str, ...]) -> tuple[str,
     inf = float("inf")
     order: list[str] = []
     known = list_backends()
+    # Decoding is priced by the bytes each backend reads per second on a reference of the same kind
+    # (a few queries over 8 MiB of K/V), whatever its kind for prefill: the estimates alone decide.
+    decoding = _mask_class(inp) == "decode"
     for name in sorted(modelled, key=lambda n: inf if costs.get(n) is None else costs[n]):
         # The model's uncertainty: a backend passes one earlier in the built-in order only when
         # estimated more than MODEL_MARGIN times faster where that one is of a better kind (a fused
@@ -219,8 +222,8 @@ def _cost_order(inp: AttentionInputs, registered: tuple[str, ...]) -> tuple[str,
         # kind: there the order says nothing about speed (autotuning and calibration settle the rest).
         at = len(order)
         while at > 0 and builtin.index(order[at - 1]) > builtin.index(name) and (costs.get(name) or inf) <= (
-                MODEL_MARGIN if known[order[at - 1]].work.rank() != known[name].work.rank() else SAME_KIND_MARGIN
-        ) * (costs.get(order[at - 1]) or inf):
+                MODEL_MARGIN if not decoding and known[order[at - 1]].work.rank() != known[name].work.rank()
+                else SAME_KIND_MARGIN) * (costs.get(order[at - 1]) or inf):
             at -= 1
         order.insert(at, name)
     return tuple(order)

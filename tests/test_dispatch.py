@@ -272,6 +272,22 @@ def test_training_pays_each_backends_measured_backward_overhead(monkeypatch):
     assert first(small_train) == "native"
 
 
+def test_a_decode_step_goes_to_the_backend_estimated_faster(monkeypatch):
+    """Decoding is priced from a decode reference (bytes read per second): the decode backend,
+    last of the built-in order for prefill (its PyTorch-op twin materializes the scores), leads a
+    decode step it is estimated 1.2x faster on, within MODEL_MARGIN."""
+    from attnkit import dispatch
+
+    constants = _faster("decode", 1.2)
+    _with_constants(monkeypatch, constants)
+    step = _meta_inputs(4, 8, 1, 64, Causal() & KeyPadding([4096, 3000, 2000, 1000]), Tk=4096)
+    order = priority(step)
+    assert 1.2 < dispatch.MODEL_MARGIN and order.index("decode") < order.index("sdpa")
+    prefill = _meta_inputs(1, 8, 256, 64, None)
+    order = priority(prefill)
+    assert order.index("sdpa") < order.index("decode")  # prefill: the margin keeps the fused kernel first
+
+
 def test_kept_fraction_reads_the_mask_structure():
     inp = _meta_inputs(1, 1, 1000, 8, Causal())
     assert abs(kept_fraction(inp, (1, 1)) - 0.5) < 0.02
