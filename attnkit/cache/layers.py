@@ -80,7 +80,7 @@ def _check_index(index: Tensor, batch_size: int | None) -> Tensor:
 
 
 def all_finite(k: Tensor, v: Tensor) -> bool:
-    """Whether the new tokens are finite: one sum of each over them only (never the whole cache),
+    """Whether the new tokens are finite: one scan of each over them only (never the whole cache),
     :func:`~attnkit._validate.finite_only`."""
     return finite_only(k) and finite_only(v)
 
