@@ -283,7 +283,7 @@ def describe(inp: AttentionInputs) -> str:
 # 3: one entry per thread count, each with its native build stamp; 4: the decode reference reads 4096 keys;
 # 5: each backend's half-precision times on the causal reference; 7: the square reference problems have 8 heads;
 # 8: each backend's forward+backward on the tiny input
-CONSTANTS_VERSION = 8
+CONSTANTS_VERSION = 9
 _CONSTANTS: list = [None]
 _CONSTANTS_THREADS: list = [None]  # the thread count _CONSTANTS were loaded for (None: set from outside)
 _GENERATION = [0]

@@ -305,3 +305,40 @@ def test_parallel_loops_are_compiled_as_openmp_regions_on_an_openmp_torch():
         pytest.skip("no `nm` (binutils) to list the extension's symbols")
     symbols = subprocess.run([nm, "-D", str(build.library_path())], capture_output=True, text=True, check=True).stdout
     assert "GOMP_parallel" in symbols, "the native kernel's parallel loops were compiled without -fopenmp"
+
+
+@needs_build
+def test_eager_autograd_equals_the_operators_registered_autograd(monkeypatch):
+    """Eager training goes through a plain autograd.Function (no per-call schema handling of
+    torch.library's wrapper); the operator keeps its registered autograd (what torch.compile traces).
+    Both run one backward formula on one deterministic kernel, so every gradient (q, k, v, bias, ALiBi
+    slopes, sinks) is bitwise equal."""
+    from attnkit.backends import native_ops
+    from attnkit.score_mods import ALiBi
+
+    g = torch.Generator().manual_seed(3)
+    B, H, T_, D = 2, 4, 37, 16
+    base = [torch.randn(B, H, T_, D, generator=g, dtype=torch.float64) for _ in range(3)]
+    f64 = dict(generator=g, dtype=torch.float64)
+    base += [torch.randn(1, H, T_, T_, **f64), torch.rand(H, **f64), torch.randn(H, **f64)]
+    mask = Causal() & KeyPadding([30, 37])
+
+    def grads():
+        q, k, v, bias, slopes, sinks = inputs = [x.clone().requires_grad_() for x in base]
+        out = attnkit.attention(q, k, v, mask=mask, bias=bias, score_mod=ALiBi(slopes), sinks=sinks, backend="native")
+        loss = (out * torch.arange(out.numel(), dtype=out.dtype).view(out.shape).sin()).sum()
+        nodes, todo = set(), [loss.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is not None and type(node).__name__ not in nodes:
+                nodes.add(type(node).__name__)
+                todo += [n for n, _ in node.next_functions]
+        return torch.autograd.grad(loss, inputs), nodes
+
+    eager, nodes = grads()
+    assert "_EagerBackward" in nodes
+    monkeypatch.setattr(native_ops, "forward", torch.ops.attnkit_native.forward)
+    registered, nodes = grads()
+    assert "_EagerBackward" not in nodes and any(n.startswith("GeneratedBackwardFor_attnkit_native") for n in nodes)
+    for name, a, b in zip(("q", "k", "v", "bias", "slopes", "sinks"), eager, registered):
+        assert a.shape == b.shape and torch.isfinite(a).all() and torch.equal(a, b), name

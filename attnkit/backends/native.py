@@ -294,7 +294,7 @@ class NativeBackend(Backend):
             bias = bias.expand(inp.B, inp.Hq, inp.Tq, inp.Tk)
         if inp.sinks is not None:
             sinks = inp.sinks.to(stat).contiguous()
-        out, lse, seen = torch.ops.attnkit_native.forward(
+        out, lse, seen = native_ops.forward(
             q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan.q_offset, plan.kv_offset, plan.block_q,
             plan.block_k, *plan.args, bias, dist, dmin, ops, caps, sinks, flags)
         # a NaN/Inf query makes its own row NaN (a row with no allowed key stays 0), whatever the kernel skips

@@ -521,13 +521,18 @@ void check(const at::Tensor& x, const char* name) {
 #define ATTNKIT_DISPATCH(dtype, name, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, name, __VA_ARGS__)
 
-std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                int64_t q_offset, int64_t kv_offset, int64_t block_q, int64_t block_k,
-                                const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
-                                const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout,
-                                int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra,
-                                const at::Tensor& bias, const at::Tensor& dist, int64_t dmin, c10::IntArrayRef ops,
-                                c10::ArrayRef<double> caps, const at::Tensor& sinks, const at::Tensor& bad) {
+// Returns out, lse and hit (see native_ops.forward_outputs). Fixed-arity tuples, not Tensor[]: a list
+// return would make torch.library's autograd wrap every call in a pytree flatten (about 0.4 ms).
+using Outs3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using Outs5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+Outs3 forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+              int64_t q_offset, int64_t kv_offset, int64_t block_q, int64_t block_k,
+              const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
+              const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout,
+              int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra,
+              const at::Tensor& bias, const at::Tensor& dist, int64_t dmin, c10::IntArrayRef ops,
+              c10::ArrayRef<double> caps, const at::Tensor& sinks, const at::Tensor& bad) {
   for (auto* t : {&q, &k, &v, &grid, &bad}) check(*t, "q, k, v, the tile grid and the key flags");
   TORCH_CHECK(bad.numel() == 0 || (bad.scalar_type() == at::kByte && bad.numel() == k.size(0) * k.size(1) * k.size(2)),
               "key flags: expected an empty or a uint8 (B, Hkv, Tk) tensor");
@@ -546,15 +551,15 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
 
 // Returns dq, dk, dv, then d_dist (n_add, Hq, ndist) when need_dist and there is a dist, and dbias
 // (B, Hq, Tq, Tk) when need_dbias (both in the statistics' dtype; empty when not computed).
-std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& delta, double scale,
-                                 int64_t q_offset, int64_t kv_offset, int64_t block_q, int64_t block_k,
-                                 const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
-                                 const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout,
-                                 int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra,
-                                 const at::Tensor& bias, const at::Tensor& dist, int64_t dmin, c10::IntArrayRef ops,
-                                 c10::ArrayRef<double> caps, const at::Tensor& sinks, bool need_dist,
-                                 bool need_dbias) {
+Outs5 backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& delta, double scale,
+               int64_t q_offset, int64_t kv_offset, int64_t block_q, int64_t block_k,
+               const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
+               const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout,
+               int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra,
+               const at::Tensor& bias, const at::Tensor& dist, int64_t dmin, c10::IntArrayRef ops,
+               c10::ArrayRef<double> caps, const at::Tensor& sinks, bool need_dist,
+               bool need_dbias) {
   for (auto* t : {&q, &k, &v, &dout, &lse, &delta, &grid}) check(*t, "backward inputs");
   const auto stat = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   TORCH_CHECK(lse.scalar_type() == stat && delta.scalar_type() == stat, "backward: lse and delta must be ", stat);
@@ -610,11 +615,12 @@ TORCH_LIBRARY(attnkit_native, m) {
   m.def("forward(Tensor q, Tensor k, Tensor v, float scale, int q_offset, int kv_offset, int block_q, int block_k, "
         "Tensor grid, int[] band, Tensor lengths, Tensor valid, Tensor doc, Tensor layout, int layout_bs, "
         "Tensor extra_index, Tensor extra, Tensor bias, Tensor dist, int dmin, int[] ops, float[] caps, "
-        "Tensor sinks, Tensor bad) -> Tensor[]");
+        "Tensor sinks, Tensor bad) -> (Tensor, Tensor, Tensor)");
   m.def("backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, float scale, int q_offset, "
         "int kv_offset, int block_q, int block_k, Tensor grid, int[] band, Tensor lengths, Tensor valid, Tensor doc, "
         "Tensor layout, int layout_bs, Tensor extra_index, Tensor extra, Tensor bias, Tensor dist, int dmin, "
-        "int[] ops, float[] caps, Tensor sinks, bool need_dist, bool need_dbias) -> Tensor[]");
+        "int[] ops, float[] caps, Tensor sinks, bool need_dist, bool need_dbias) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.impl("forward", c10::DispatchKey::CPU, TORCH_FN(forward));
   m.impl("backward", c10::DispatchKey::CPU, TORCH_FN(backward));
 }
