@@ -338,16 +338,17 @@ def resolve(inp: AttentionInputs, backend: str = "auto") -> tuple[type[Backend],
 
 # -- the per-call cache of attention()'s hot path -------------------------------------------------
 
-_CALLS: dict = {}  # call key -> (backend, AttentionInputs.cache_fields(), generation, registered names)
+_CALLS: dict = {}  # call key -> (backend, AttentionInputs.cache_fields(), generation, registered names, on the CPU)
 _CALLS_SIZE = 512
 _CALLS_STATE: list = [None]  # (calibration generation, registered names) the cache was filled under
 _CONTEXT_VARS: list = [((), ())]  # (registered names, their backends' reason_contexts)
 
 
 def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite,
-                 backend: str) -> tuple[type[Backend], AttentionInputs]:
-    """``attention()``'s common call (dense tensors, no bias, score modifier or sinks): the backend
-    and validated inputs, cached per call class: shapes, dtypes, devices, mask, offsets, scale,
+                 backend: str) -> tuple[type[Backend], AttentionInputs, bool | None]:
+    """``attention()``'s common call (dense tensors, no bias, score modifier or sinks): the backend,
+    validated inputs and whether the host may branch on them (:func:`attnkit.backends.nonfinite.host_may_branch`;
+    None: not known here), cached per call class: shapes, dtypes, devices, mask, offsets, scale,
     dropout, LSE, ``kv_finite``, whether gradients are needed, the backend asked for, the scope
     (``use_backend``, autotuning, each backend's ``reason_contexts``) and the thread count (the
     machine constants are per count). A hit skips validation and selection, both pure functions of
@@ -355,19 +356,34 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
     generation (table and machine constants) and the registry it was decided under and is used only
     while both still hold, so a choice never outlives a new calibration or backend, even one made
     while another thread recalibrated. Anything else goes through :meth:`AttentionInputs.create`
-    and :func:`resolve` as before. The tensors' part of the key is one C call with the built
-    extension (:func:`attnkit.csrc.loader.fastpath`)."""
+    and :func:`resolve` as before. With the built extension the tensors and the scalar arguments
+    are keyed in one C call (:func:`attnkit.csrc.loader.fastpath`), which also proves the tensors
+    plain (no subclass or ``torch.func`` wrapper): the host may then branch on CPU tensors."""
     if _is_compiling():
-        return _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
-    # Shapes, dtypes, devices, whether gradients are needed and the thread count (the machine
-    # constants are per count): one C call with the built extension, else read here.
-    tensors = loader.key(q, k, v)
-    if tensors is None:
+        return (*_resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend),
+                None)
+    # With the built extension, a hit is one C call (key, lookup, checks and the inputs, as below);
+    # a miss returns the key it built, None a call it does not key.
+    found = _cached_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
+    if found is not None and len(found) == 3:
+        return found
+    generation, names = calibration.generation(), names_now()
+    if found is not None:
+        return _decide(found, generation, names, True, q, k, v, mask, scale, dropout_p, q_offset, kv_offset,
+                       return_lse, kv_finite, backend)
+    # Shapes, dtypes, devices, whether gradients are needed, the thread count (the machine
+    # constants are per count) and the scalars with their types (1 == True == 1.0 as Python keys,
+    # but a call validation would refuse must never hit): one C call with the built extension.
+    scalars = loader.key(q, k, v, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite)
+    plain = scalars is not None
+    if not plain:
         if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
-            return _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
-        tensors = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+            return (*_resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite,
+                                   backend), None)
+        scalars = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                    torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-                   torch.get_num_threads())
+                   torch.get_num_threads(), scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite,
+                   type(scale), type(dropout_p), type(q_offset), type(kv_offset), type(return_lse), type(kv_finite))
     generation, names = calibration.generation(), names_now()
     contexts = _CONTEXT_VARS[0]
     if contexts[0] is not names:
@@ -375,24 +391,48 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
         names = names_now()
         contexts = _CONTEXT_VARS[0] = (names, tuple(var for name in names for var in known[name].reason_contexts))
     contexts = contexts[1]
-    key = (tensors, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend, _SCOPED.get(),
-           _AUTOTUNE[0], contexts and tuple([var.get() for var in contexts]),
-           # 1 == True == 1.0 as keys: the types too, so a call validation would refuse never hits
-           type(scale), type(dropout_p), type(q_offset), type(kv_offset), type(return_lse), type(kv_finite))
+    key = (scalars, mask, backend, _SCOPED.get(), _AUTOTUNE[0], contexts and tuple([var.get() for var in contexts]))
     try:
         hit = _CALLS.get(key)
     except (TypeError, RuntimeError):  # an unhashable or tensor-valued argument (a scale tensor): no cache
-        return _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
+        return (*_resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend),
+                None)
     if hit is not None and hit[2] == generation and hit[3] is names:
-        return hit[0], AttentionInputs.trusted(hit[1], q, k, v)
+        return hit[0], AttentionInputs.trusted(hit[1], q, k, v), plain and hit[4]
+    return _decide(key, generation, names, plain, q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse,
+                   kv_finite, backend)
+
+
+def _decide(key, generation, names, plain, q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse,
+            kv_finite, backend):
+    """:func:`resolve_call` on a miss: validate, select, and store the decision under ``key``."""
     impl, inp = _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
     if mask is not None and not (isinstance(mask, Mask) and value_keyed(mask)):
-        return impl, inp  # not stored: an entry would keep the mask's tensors alive (and equals no other mask)
+        return impl, inp, None  # not stored: an entry would keep the mask's tensors alive (and equals no other mask)
     if _CALLS_STATE[0] != (generation, names) or len(_CALLS) >= _CALLS_SIZE:
         _CALLS.clear()  # entries of an older generation or registry can never hit again
         _CALLS_STATE[0] = (generation, names)
-    _CALLS[key] = (impl, inp.cache_fields(), generation, names)
-    return impl, inp
+    _CALLS[key] = (impl, inp.cache_fields(), generation, names, inp.q.is_cpu)
+    return impl, inp, None
+
+
+def _cached_call(*args):
+    """The extension's ``call`` (:func:`attnkit.csrc.loader.fastpath`), told once where this module
+    keeps its cache; without the extension a function that keys nothing. Bound on first use."""
+    global _cached_call
+    fast = loader.fastpath()
+    if fast is None or not hasattr(fast, "call"):
+        _cached_call = _no_call
+    else:
+        from . import registry
+
+        fast.configure(globals(), vars(registry), vars(calibration), AttentionInputs)
+        _cached_call = fast.call
+    return _cached_call(*args)
+
+
+def _no_call(*args):
+    return None
 
 
 def _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend):

@@ -131,7 +131,8 @@ def attention(
                             kv_finite=kv_finite)
     if attn_mask is None and is_causal is False and bias is None and score_mod is None and sinks is None:
         # the common call: validation and selection cached per call class (dispatch.resolve_call)
-        impl, inp = resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
+        impl, inp, host = resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite,
+                                       backend)
     else:
         inp = AttentionInputs.create(
             q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, q_offset=q_offset,
@@ -139,9 +140,10 @@ def attention(
             score_mod=score_mod, sinks=sinks, kv_finite=kv_finite,
         )
         impl, inp = resolve(inp, backend)
+        host = None
     if options is not None:
         options = impl.check_options(options)
-    return nonfinite.run(impl, inp, options)
+    return nonfinite.run(impl, inp, options, host)
 
 
 def _ragged_rows(q: Tensor, handle: KVHandle, *, mask, bias, return_lse, **kwargs):

@@ -27,7 +27,7 @@ def ran(monkeypatch):
     names: list[str] = []
     real = nonfinite.run
     monkeypatch.setattr(nonfinite, "run",
-                        lambda impl, inp, options: names.append(impl.name) or real(impl, inp, options))
+                        lambda impl, inp, options, host=None: names.append(impl.name) or real(impl, inp, options, host))
     monkeypatch.setattr(dispatch, "_CALLS", {})
     return names
 
@@ -50,7 +50,7 @@ def test_a_repeated_call_is_validated_and_selected_once(ran, monkeypatch):
     for _ in range(2):
         attnkit.attention(q, kv, kv, mask=KeyPadding([20]))
     assert sum(created) == 7
-    assert all(key[9] is None or "KeyPadding" not in repr(key[9]) for key in dispatch._CALLS)
+    assert all(key[1] is None or "KeyPadding" not in repr(key[1]) for key in dispatch._CALLS)  # (.., mask, ..)
 
 
 def test_a_cached_class_still_refuses_what_validation_refuses(ran):
@@ -157,12 +157,12 @@ def test_an_entry_decided_under_an_older_calibration_is_never_used(ran):
     thread's recalibration emptied the cache: the entry names its generation, and is not used."""
     attnkit.attention(q, kv, kv)
     assert ran[-1] == "sdpa"
-    key, (impl, fields, generation, names) = next(iter(dispatch._CALLS.items()))
-    dispatch._CALLS[key] = (attnkit.list_backends()["naive"], fields, generation, names)  # as if naive won then
+    key, (impl, fields, generation, names, cpu) = next(iter(dispatch._CALLS.items()))
+    dispatch._CALLS[key] = (attnkit.list_backends()["naive"], fields, generation, names, cpu)  # as if naive won then
     attnkit.attention(q, kv, kv)
     assert ran[-1] == "naive"  # same generation: the entry is used
     calibration._GENERATION[0] += 1  # a recalibration that has not emptied the cache yet
-    dispatch._CALLS[key] = (attnkit.list_backends()["naive"], fields, generation, names)
+    dispatch._CALLS[key] = (attnkit.list_backends()["naive"], fields, generation, names, cpu)
     attnkit.attention(q, kv, kv)
     assert ran[-1] == "sdpa"
     assert all(entry[2] == calibration.generation() for entry in dispatch._CALLS.values())

@@ -47,11 +47,12 @@ __all__ = ["run", "all_finite", "host_may_branch"]
 _CHUNK_ELEMENTS = 2**24
 
 
-def run(impl, inp: AttentionInputs, options):
-    """``impl.forward(inp, options)`` under the NaN/Inf contract (see the module docstring)."""
+def run(impl, inp: AttentionInputs, options, host: bool | None = None):
+    """``impl.forward(inp, options)`` under the NaN/Inf contract (see the module docstring).
+    ``host``: :func:`host_may_branch` of ``inp`` when the caller knows it (None: asked here)."""
     if impl.nonfinite == "self":
         return impl.forward(inp, options)
-    if host_may_branch(inp):
+    if host if host is not None else host_may_branch(inp):
         if all_finite(inp):
             return impl.forward(inp, options)
         return _exact(impl, inp, options, host=True)

@@ -43,11 +43,14 @@ def fastpath():
     """The extension's per-call helpers (``attnkit/csrc/fastpath.cpp``), or None without the
     extension (Python's own path then runs, with the same results):
 
-    * ``key(q, k, v) -> bytes | None``: the exact key of the tensors' shapes, dtypes, devices and
-      ``requires_grad``, whether autograd records, and torch's thread count (the dispatcher's
-      per-call cache);
+    * ``key(q, k, v, *scalars) -> bytes | None``: the exact key of the tensors' shapes, dtypes,
+      devices and ``requires_grad``, whether autograd records, torch's thread count and up to 8
+      scalar arguments with their types (None, bool, int, float; anything else answers None), for
+      the dispatcher's per-call cache;
     * ``finite(x) -> bool | None``: whether a dense CPU floating tensor holds finite values only
-      (the NaN/Inf policy's scan), a bit test per element.
+      (the NaN/Inf policy's scan), a bit test per element;
+    * ``configure(...)`` and ``call(...)``: :func:`attnkit.dispatch.resolve_call`'s cache hit in one
+      C call (the key above, the lookup, the entry's checks and the inputs rebuilt from it).
 
     Both answer None for what they do not read (tensor subclasses, functorch and functionalization
     wrappers, non-CPU tensors for ``finite``); the caller then takes its Python path."""
@@ -64,10 +67,10 @@ def fastpath():
 # The helpers as module functions, bound on first use (``import attnkit`` loads no library):
 # callers read them as ``loader.key`` / ``loader.finite``, so the binding below replaces them.
 
-def key(q, k, v):
+def key(q, k, v, *scalars):
     """:func:`fastpath`'s ``key`` (None without the extension)."""
     _bind()
-    return key(q, k, v)
+    return key(q, k, v, *scalars)
 
 
 def finite(x):
