@@ -10,8 +10,10 @@ under load, and at the start of ``python -m attnkit bench``. The cost model in
 
 **The table** (written by ``python -m attnkit bench``): every exact backend timed per
 (device, dtype, mask kind, pass, heads, head dim) over a range of lengths; for each measured length,
-the backends ranked by median time. A ranking is stored only where the difference is beyond the
-measured noise; where two backends are within noise the point says so and the cost model decides.
+the backends ranked by median time. Where others are within the sweep's noise of the fastest, the
+job times those again interleaved (alternating rounds) and stores the fastest first when it is more
+than 1% ahead of each (the point records its ratio to the runner-up as ``"interleaved"``); where it
+is not, or there was no time left to measure, the point is a ``"tie"`` and the cost model decides.
 :func:`attnkit.dispatch.priority` asks :func:`preferred` for that ranking. The file lives at
 ``$ATTNKIT_CALIBRATION`` if set, else ``$XDG_CACHE_HOME/attnkit/calibration.json``
 (``~/.cache/attnkit/calibration.json``). A table measured on another machine or torch version is
@@ -22,7 +24,14 @@ File format (JSON)::
     {"version": 2, "machine_id": {"cpu": ..., "capability": ..., "threads": ..., "torch": ...},
      "command": "...",
      "entries": {"cpu|float32|SlidingWindow|forward|H8|D64":
-                   [{"n": 1024, "order": ["native", "sdpa"], "times": {"native": 0.0012, ...}}, ...]}}
+                   [{"n": 1024, "order": ["native", "sdpa"], "times": {"native": 0.0012, ...}},
+                    {"n": 4096, "order": ["sdpa", "native"], "times": {...},
+                     "interleaved": {"ratio": 1.04, "rounds": 5}},
+                    {"n": 8192, "order": [...], "times": {...}, "tie": true}, ...]}}
+
+``times`` are the sweep's; ``interleaved`` (optional) is the second backend's time over the first's,
+the median of the ratios over ``rounds`` alternating rounds; ``tie`` (optional) leaves the point to
+the cost model.
 
 A lookup takes the measured length nearest to the input's ``n = sqrt(Tq * Tk)`` on a log scale
 (so a one-token decode step over 4096 keys counts as n = 64: its work is Tq * Tk).
@@ -145,6 +154,10 @@ def _problem(data) -> str | None:
                 return f"entry {key!r} has a point whose 'order' is not a non-empty list of backend names"
             if not isinstance(times, dict) or not all(b in times and _positive_number(times[b]) for b in order):
                 return f"entry {key!r} has a point whose 'times' lack a positive time for each backend of 'order'"
+            interleaved = p.get("interleaved")
+            if interleaved is not None and not (isinstance(interleaved, dict) and _positive_number(
+                    interleaved.get("ratio")) and _positive_number(interleaved.get("rounds"))):
+                return f"entry {key!r} has a point whose 'interleaved' is not {{'ratio': > 0, 'rounds': > 0}}"
     return None
 
 
@@ -242,7 +255,8 @@ def _point(inp: AttentionInputs) -> tuple[str, dict] | None:
 def preferred(inp: AttentionInputs) -> tuple[str, ...] | None:
     """The measured ranking of exact backends for this input, fastest first; None without a table
     entry for its device, dtype, mask kind, pass, heads and head dim, or where the measured leaders
-    were within noise of each other (``"tie"`` in the point: the cost model decides between them).
+    were within noise of each other, also when timed interleaved (``"tie"`` in the point: the cost
+    model decides between them).
     Pure Python on shapes and types: no tensor reads."""
     found = _point(inp)
     if found is None or found[1].get("tie"):
@@ -264,17 +278,23 @@ def describe(inp: AttentionInputs) -> str:
         return "calibration has no entry for this device/dtype/mask kind/pass/heads/head dim: the cost model decides"
     key, point = found
     device, dtype, kind, passes, heads, dim = key.split("|")
-    order, times = point["order"], point["times"]
+    order, times, interleaved = point["order"], point["times"], point.get("interleaved")
     if point.get("tie"):
+        again = "" if interleaved is None else (
+            f", also timed interleaved ({interleaved['ratio']:.3f}x over {interleaved['rounds']:g} rounds)")
         return (f"measured on this machine: {' and '.join(order[:2])} within noise of each other at n={point['n']} "
-                f"for {kind} {dtype} {passes}: the cost model decides")
+                f"for {kind} {dtype} {passes}{again}: the cost model decides")
     if len(order) < 2:
         return f"measured on this machine: only {order[0]} ran at n={point['n']} for {kind} {dtype} {passes}"
     best, second = order[0], order[1]
+    where = f"at n={point['n']} for {kind} {dtype} {passes} {heads} {dim} on {device}"
+    if interleaved is not None:  # within the sweep's noise: the interleaved ratio decided
+        return (f"measured on this machine, interleaved: {best} {interleaved['ratio']:.2f}x faster than {second} "
+                f"{where} (median of {interleaved['rounds']:g} alternating rounds; the sweep's single timings were "
+                "within noise)")
     return (
-        f"measured on this machine: {best} {times[second] / times[best]:.2f}x faster than {second} at "
-        f"n={point['n']} for {kind} {dtype} {passes} {heads} {dim} on {device} ({best} {times[best] * 1e3:.3g} ms, "
-        f"{second} {times[second] * 1e3:.3g} ms)"
+        f"measured on this machine: {best} {times[second] / times[best]:.2f}x faster than {second} {where} "
+        f"({best} {times[best] * 1e3:.3g} ms, {second} {times[second] * 1e3:.3g} ms)"
     )
 
 

@@ -7,6 +7,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 import attnkit
 from attnkit import calibration
@@ -210,3 +211,146 @@ def test_the_core_never_imports_rich():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
     assert out.stdout.strip() == "False", (out.stdout, out.stderr)
+
+
+# --- ties timed again, interleaved, before the table is written ---
+
+TIE_CONFIG = BenchConfig(heads=2, head_dim=8, min_run_time=0.001)
+
+
+def _tied(n=64, mask="none", sdpa_s=1e-4, naive_s=1.03e-4):
+    """A sweep where sdpa and naive are 3% apart with one run each: a tie (tiled well behind, well timed)."""
+    rows = [("sdpa", sdpa_s, 0.0, 1), ("naive", naive_s, 0.0, 1), ("tiled", 5 * sdpa_s, 0.5 * sdpa_s, 20)]
+    return [{"status": "ok", "backend": b, "exact": True, "n": n, "mask": mask, "dtype": "float32",
+             "passes": "forward", "median_s": t, "iqr_s": iqr, "runs": runs} for b, t, iqr, runs in rows]
+
+
+def _sweep(*rows):
+    return {"config": {**TIE_CONFIG.__dict__, "device": "cpu"}, "machine": {},
+            "results": [r for rs in rows for r in rs]}
+
+
+@pytest.fixture
+def fake_time(monkeypatch):
+    """Timings without a clock: each ``_time`` call returns the next of ``times`` (cycled); each
+    interleaved round times the tie's backends in the sweep's order."""
+    from types import SimpleNamespace
+
+    from attnkit.bench import runner
+
+    times: list[float] = []
+    count = [0]
+
+    def fake(fn, min_run_time):
+        count[0] += 1
+        return SimpleNamespace(median=times[(count[0] - 1) % len(times)])
+
+    monkeypatch.setattr(runner, "_time", fake)
+    return times
+
+
+@pytest.mark.parametrize("second_over_first, order, tie", [
+    (1.005, ["sdpa", "naive"], True),    # within the 1% margin: still a tie
+    (1.02, ["sdpa", "naive"], False),    # the sweep's order confirmed
+    (1 / 1.02, ["naive", "sdpa"], False),  # the sweep's order was noise: the other one first
+])
+def test_a_tie_is_resolved_by_the_interleaved_ratio_beyond_the_margin(fake_time, calls, second_over_first, order,
+                                                                       tie):
+    from attnkit.bench import resolve_ties, runner
+
+    fake_time[:] = [1e-3, second_over_first * 1e-3]
+    results = _sweep(_tied())
+    table = build_calibration(results)
+    assert table["entries"][KEY][0]["tie"]
+    resolved = resolve_ties(table, results, TIE_CONFIG)
+    (point,) = resolved["entries"][KEY]
+    assert point["order"] == [*order, "tiled"] and bool(point.get("tie")) == tie
+    assert point["interleaved"]["rounds"] == runner.TIE_ROUNDS
+    assert point["interleaved"]["ratio"] == pytest.approx(max(second_over_first, 1 / second_over_first))
+    assert calls == ["sdpa", "naive"]  # the two tied backends, on the point's inputs
+    assert table["entries"][KEY][0]["tie"] and "interleaved" not in table["entries"][KEY][0]  # not changed
+
+
+def test_every_backend_within_noise_of_the_leader_is_timed_and_the_fastest_leads(fake_time, calls):
+    from attnkit.bench import resolve_ties
+
+    rows = [("sdpa", 1e-4, 0.0, 1), ("naive", 1.03e-4, 0.0, 1), ("tiled", 1.05e-4, 0.0, 1),
+            ("block_sparse", 5e-4, 0.5e-4, 20)]  # three within the sweep's 10% noise of each other
+    results = _results(rows)
+    fake_time[:] = [1e-3, 1e-3, 0.9e-3]  # interleaved, the third of the sweep is the fastest
+    (point,) = resolve_ties(build_calibration(results), results, TIE_CONFIG)["entries"][KEY]
+    assert sorted(calls) == ["naive", "sdpa", "tiled"]  # the one well behind is not timed
+    assert point["order"] == ["tiled", "sdpa", "naive", "block_sparse"] and not point.get("tie")
+    assert point["interleaved"]["ratio"] == pytest.approx(1 / 0.9)
+
+
+def test_a_tie_with_one_backend_measurably_slower_is_resolved_and_auto_follows_it(table_path, monkeypatch):
+    import time
+
+    from attnkit.bench import resolve_ties, runner
+
+    real = runner._call
+
+    def slow_sdpa(q, k, v, mask, backend, grad_out):
+        fn = real(q, k, v, mask, backend, grad_out)
+        return (lambda: time.sleep(0.002) or fn()) if backend == "sdpa" else fn
+
+    monkeypatch.setattr(runner, "_call", slow_sdpa)
+    results = _sweep(_tied())  # the sweep had sdpa 3% ahead
+    table = resolve_ties(build_calibration(results), results, TIE_CONFIG)
+    (point,) = table["entries"][KEY]
+    assert point["order"][:2] == ["naive", "sdpa"] and not point.get("tie") and point["interleaved"]["ratio"] > 2
+    calibration.save(table)
+    assert calibration.load() is not None
+    x = torch.randn(1, 2, 64, 8)
+    explained = attnkit.explain(x, x, x)
+    assert explained.chosen == "naive"  # auto follows the table at a resolved point
+    assert "interleaved" in str(explained) and "naive" in str(explained)
+
+
+def test_tie_resolution_keeps_to_its_budget_cheapest_first(fake_time, calls):
+    from attnkit.bench import resolve_ties
+
+    fake_time[:] = [1e-3, 1.1e-3]
+    results = _sweep(_tied(64), _tied(128, sdpa_s=10.0, naive_s=10.3))
+    table = build_calibration(results)
+    assert all(p["tie"] for p in table["entries"][KEY])
+    untouched = resolve_ties(table, results, TIE_CONFIG, budget_s=0.0)
+    assert untouched["entries"] == table["entries"] and not calls  # nothing fits: nothing timed
+    # 1 s fits the point at n=64 (a fraction of a millisecond per call), not the one at n=128 (10 s per call)
+    cheap, dear = resolve_ties(table, results, TIE_CONFIG, budget_s=1.0)["entries"][KEY]
+    assert not cheap.get("tie") and cheap["interleaved"]["ratio"] == pytest.approx(1.1)
+    assert dear["tie"] and "interleaved" not in dear and calls == ["sdpa", "naive"]
+
+
+def test_a_tie_pooling_several_mask_specs_times_them_all(fake_time, calls):
+    from attnkit.bench import resolve_ties
+
+    fake_time[:] = [1e-3, 1.1e-3]
+    results = _sweep(_tied(256, "bigbird"), _tied(256, "longformer"))
+    table = build_calibration(results)
+    (key,) = table["entries"]
+    assert "BlockSparse" in key and table["entries"][key][0]["tie"]
+    (point,) = resolve_ties(table, results, TIE_CONFIG)["entries"][key]
+    assert sorted(calls) == ["naive", "naive", "sdpa", "sdpa"] and not point.get("tie")
+
+
+def test_the_bench_says_how_many_ties_it_resolved(fake_time, capsys):
+    from attnkit.cli.bench import _resolve_ties
+
+    fake_time[:] = [1e-3, 1.1e-3]
+    results = _sweep(_tied(64), _tied(128, sdpa_s=1e3, naive_s=1.03e3))
+    config = BenchConfig(heads=2, head_dim=8, min_run_time=0.001, run_budget_s=240.0)
+    table = _resolve_ties(build_calibration(results), results, config)  # the n=128 tie: over its 30 s
+    assert sum(bool(p.get("tie")) for p in table["entries"][KEY]) == 1
+    out = capsys.readouterr().out
+    assert "ties: 1 of 2 resolved" in out and "0 stayed ties" in out and "1 not timed" in out
+
+
+def test_a_table_with_a_malformed_interleaved_ratio_is_ignored(table_path):
+    point = {"n": 32, "order": ["naive", "sdpa"], "times": {"naive": 1e-5, "sdpa": 3e-5},
+             "interleaved": {"ratio": 1.04, "rounds": 3}}
+    calibration.save({"entries": {KEY: [point]}})
+    assert calibration.load() is not None
+    with pytest.raises(ValueError, match="interleaved"):
+        calibration.save({"entries": {KEY: [{**point, "interleaved": {"ratio": "fast"}}]}})

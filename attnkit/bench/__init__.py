@@ -2,7 +2,7 @@
 
 from .cases import BenchConfig, Case, MaskSpec, mask_spec
 from .report import crossover_table, crossovers, terminal_table
-from .runner import build_calibration, matmul_peak, run_sweep, verify_auto, verify_auto_before
+from .runner import build_calibration, matmul_peak, resolve_ties, run_sweep, verify_auto, verify_auto_before
 
 __all__ = [
     "BenchConfig",
@@ -11,6 +11,7 @@ __all__ = [
     "mask_spec",
     "run_sweep",
     "build_calibration",
+    "resolve_ties",
     "verify_auto",
     "verify_auto_before",
     "matmul_peak",

@@ -3,9 +3,10 @@
 Timing is ``torch.utils.benchmark.Timer.blocked_autorange`` (it synchronizes CUDA itself) after one
 warm-up call; we keep the median, the interquartile range and the number of timed runs. Backends at
 one (length, mask, dtype, pass) point are timed back to back, so they share the machine's state.
-Two single timings of one kernel can still differ by more than two backends do, so whether ``auto``
-picks the best is checked after the sweep by timing its pick and the best interleaved
-(:func:`verify_auto`, :func:`verify_auto_before`).
+Two single timings of one kernel can still differ by more than two backends do, so the calibration's
+points whose leaders are within that noise are timed again interleaved (:func:`resolve_ties`), and
+whether ``auto`` picks the best is checked after the sweep by timing its pick and the best
+interleaved (:func:`verify_auto`, :func:`verify_auto_before`).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from .cases import (
 )
 from .memory import PeakMemory
 
-__all__ = ["run_sweep", "machine_description", "matmul_peak", "build_calibration", "verify_auto", "verify_auto_before",
-           "confidence_interval", "estimate_seconds", "noise_floor", "sweep_cases"]
+__all__ = ["run_sweep", "machine_description", "matmul_peak", "build_calibration", "resolve_ties", "verify_auto",
+           "verify_auto_before", "confidence_interval", "estimate_seconds", "noise_floor", "sweep_cases"]
 
 
 def machine_description(device: str) -> dict:
@@ -331,42 +332,158 @@ def noise_floor(results: dict) -> float:
     return statistics.median(spreads) if spreads else DEFAULT_NOISE
 
 
-def build_calibration(results: dict) -> dict:
-    """Rank the exact backends per (device, dtype, mask kind, pass, heads, head dim) and length.
-
-    Mask specs of one kind (BigBird and Longformer are both ``BlockSparse``) are pooled: a
-    backend's time is the sum over the specs, counted only for backends that ran all of them.
-    A point whose two fastest backends have overlapping confidence intervals (see
-    :func:`confidence_interval`; for cases timed fewer than :data:`MIN_RUNS_FOR_SPREAD` times, at
-    least the sweep's :func:`noise_floor`) is stored with ``"tie": true``: noise is not a
-    crossover, and ``auto`` leaves such points to its cost model."""
+def _calibration_points(results: dict) -> dict[tuple[str, int], dict[str, dict[str, dict]]]:
+    """The sweep's rows of exact backends per calibration point: ``(entry key, n) -> {mask spec ->
+    {backend -> row}}`` (a point pools the mask specs of one kind)."""
     config = results["config"]
     registry = list_backends()
     cfg = BenchConfig(**config)
-    floor = noise_floor(results)
-    grouped: dict[tuple[str, int], dict[str, dict[str, tuple[float, float]]]] = {}
+    grouped: dict[tuple[str, int], dict[str, dict[str, dict]]] = {}
     for r in ok_rows(results):
         if r["backend"] == "auto" or not registry.get(r["backend"]) or not registry[r["backend"]].exact:
             continue
         kind = calibration.mask_kind(mask_spec(r["mask"]).build(r["n"], cfg))
         key = calibration.entry_key(torch.device(config["device"]).type, r["dtype"], kind, r["passes"],
                                     heads=cfg.heads, head_dim=cfg.head_dim)
-        low, high = confidence_interval(r["median_s"], r.get("iqr_s", 0.0), r.get("runs", 1))
-        half = max(r["median_s"] - low, high - r["median_s"])
-        if r.get("runs", 1) < MIN_RUNS_FOR_SPREAD:  # too few runs for their own spread: the sweep's
-            half = max(half, floor * r["median_s"])
-        grouped.setdefault((key, r["n"]), {}).setdefault(r["mask"], {})[r["backend"]] = (r["median_s"], half)
+        grouped.setdefault((key, r["n"]), {}).setdefault(r["mask"], {})[r["backend"]] = r
+    return grouped
+
+
+def build_calibration(results: dict) -> dict:
+    """Rank the exact backends per (device, dtype, mask kind, pass, heads, head dim) and length.
+
+    Mask specs of one kind (BigBird and Longformer are both ``BlockSparse``) are pooled: a
+    backend's time is the sum over the specs, counted only for backends that ran all of them.
+    A point whose fastest backend's confidence interval overlaps another's (see
+    :func:`confidence_interval`; for cases timed fewer than :data:`MIN_RUNS_FOR_SPREAD` times, at
+    least the sweep's :func:`noise_floor`) is stored with ``"tie": true``: noise is not a
+    crossover, and ``auto`` leaves such points to its cost model. :func:`resolve_ties` then times
+    those backends interleaved, which separates most of them."""
+    floor = noise_floor(results)
     entries: dict[str, list[dict]] = {}
-    for (key, n), per_mask in sorted(grouped.items()):
-        common = set.intersection(*(set(t) for t in per_mask.values()))
-        times = {b: sum(t[b][0] for t in per_mask.values()) for b in common}
-        spread = {b: sum(t[b][1] for t in per_mask.values()) for b in common}
+    for (key, n), per_mask in sorted(_calibration_points(results).items()):
+        times, spread = _pooled(per_mask, floor)
         order = sorted(times, key=times.get)
         point = {"n": n, "order": order, "times": times}
-        if len(order) > 1 and times[order[0]] + spread[order[0]] >= times[order[1]] - spread[order[1]]:
+        if len(_within_noise(order, times, spread)) > 1:
             point["tie"] = True
         entries.setdefault(key, []).append(point)
     return {"machine": results["machine"], "entries": entries}
+
+
+def _pooled(per_mask: dict[str, dict[str, dict]], floor: float) -> tuple[dict[str, float], dict[str, float]]:
+    """A point's time per backend (summed over its mask specs, for the backends that ran them all)
+    and the half width of its confidence interval (summed likewise)."""
+    common = set.intersection(*(set(rows) for rows in per_mask.values()))
+    times = {b: sum(rows[b]["median_s"] for rows in per_mask.values()) for b in common}
+    spread = {b: sum(_half_interval(rows[b], floor) for rows in per_mask.values()) for b in common}
+    return times, spread
+
+
+def _within_noise(order: list[str], times: dict[str, float], spread: dict[str, float]) -> list[str]:
+    """The fastest backend of ``order`` and every other whose confidence interval overlaps its own."""
+    best = order[0]
+    return [b for b in order if b == best or times[best] + spread[best] >= times[b] - spread[b]]
+
+
+def _half_interval(row: dict, floor: float) -> float:
+    """Half the width of a row's confidence interval; a row timed fewer than
+    :data:`MIN_RUNS_FOR_SPREAD` times is at least the sweep's noise ``floor`` uncertain."""
+    low, high = confidence_interval(row["median_s"], row.get("iqr_s", 0.0), row.get("runs", 1))
+    half = max(row["median_s"] - low, high - row["median_s"])
+    if row.get("runs", 1) < MIN_RUNS_FOR_SPREAD:  # too few runs for their own spread: the sweep's
+        half = max(half, floor * row["median_s"])
+    return half
+
+
+#: Alternating rounds per tie in :func:`resolve_ties`: two more than :func:`verify_auto` takes, as
+#: one round's ratio on a busy machine can be several per cent off and tied backends are closer than that.
+TIE_ROUNDS = 5
+#: A tie's fastest backend timed interleaved is told apart from another when the median of the
+#: per-round ratios of their times is beyond 1 by more than this; closer, the point stays a tie.
+TIE_MARGIN = 0.01
+
+
+def resolve_ties(table: dict, results: dict, config: BenchConfig, budget_s: float | None = None,
+                 rounds: int = TIE_ROUNDS) -> dict:
+    """``table`` (from :func:`build_calibration`) with its ties timed again, interleaved.
+
+    The sweep times each case once, back to back with the others, so backends within a few per
+    cent of each other come out in any order; an interleaved comparison tells them apart. At each
+    tie point, the backends within the sweep's noise of the fastest (its two leaders, or more) run
+    on that point's inputs (a point pooling several mask specs runs them all in one timed call: the
+    sum, as the sweep's ranking) in ``rounds`` alternations, each round one ``blocked_autorange`` of
+    each in turn (as :func:`verify_auto` does). The fastest is the one whose largest median per-round
+    ratio to any other is smallest (of two: the faster by that median); the point's order puts it
+    first, then the others it timed by that ratio, then the rest as the sweep ranked them, and
+    records ``"interleaved": {"ratio": ratio, "rounds": rounds}``: the median over the rounds of the
+    second's time over the first's. When that is beyond ``1 + TIE_MARGIN`` the point is no longer a tie and
+    ``auto`` follows it; within the margin it stays a tie (the cost model decides).
+
+    Cheaper points are timed first; a point whose predicted time (from the sweep's) does not fit in
+    what is left of ``budget_s`` is not timed and stays as it was. ``table`` is not changed."""
+    tied = [(key, i) for key, points in table["entries"].items() for i, p in enumerate(points) if p.get("tie")]
+    if not tied:
+        return table
+    grouped = _calibration_points(results)
+    floor = noise_floor(results)
+    entries = {key: [dict(p) for p in points] for key, points in table["entries"].items()}
+
+    def contenders(item: tuple[str, int]) -> list[str]:
+        key, i = item
+        point = entries[key][i]
+        times, spread = _pooled(grouped[key, point["n"]], floor)
+        return _within_noise(point["order"], times, spread)
+
+    def cost(item: tuple[str, int]) -> float:  # warm-up calls, then each round's timings
+        key, i = item
+        return sum(rows[b]["median_s"] + rounds * max(config.min_run_time, rows[b]["median_s"])
+                   for rows in grouped[key, entries[key][i]["n"]].values() for b in contenders(item))
+
+    start = time.perf_counter()
+    for item in sorted(tied, key=cost):
+        if budget_s is not None and time.perf_counter() - start + cost(item) > budget_s:
+            continue
+        key, i = item
+        point = entries[key][i]
+        names = contenders(item)
+        calls: dict[str, list[Callable[[], object]]] = {b: [] for b in names}
+        for mask_name, rows in grouped[key, point["n"]].items():
+            row = rows[names[0]]
+            n, grad = row["n"], row["passes"] == "train"
+            q, k, v = _inputs(config, n, getattr(torch, row["dtype"]), grad, config.seed + n)
+            g = torch.randn_like(q) if grad else None
+            mask = mask_spec(mask_name).build(n, config)
+            for b in names:
+                calls[b].append(_call(q, k, v, mask, b, g))
+        per_round = _interleaved_times([_in_sequence(calls[b]) for b in names], rounds, config.min_run_time)
+
+        def over(x: int, y: int) -> float:  # the median over the rounds of x's time over y's
+            return statistics.median(t[x] / t[y] for t in per_round)
+
+        fastest = min(range(len(names)), key=lambda x: max(over(x, y) for y in range(len(names))))
+        rivals = sorted((y for y in range(len(names)) if y != fastest), key=lambda y: over(y, fastest))
+        ratio = over(rivals[0], fastest)
+        point["order"] = [names[fastest], *(names[y] for y in rivals), *(b for b in point["order"] if b not in names)]
+        point["interleaved"] = {"ratio": ratio, "rounds": rounds}
+        if ratio > 1 + TIE_MARGIN:
+            del point["tie"]
+    return {**table, "entries": entries}
+
+
+def _in_sequence(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    """One call that makes each of ``calls`` in turn (its time is their sum)."""
+    if len(calls) == 1:
+        return calls[0]
+    return lambda: [call() for call in calls]
+
+
+def _interleaved_times(fns: list[Callable[[], object]], rounds: int, min_run_time: float) -> list[list[float]]:
+    """Each of ``fns`` timed interleaved: all warmed, then ``rounds`` rounds of one
+    ``blocked_autorange`` of each in turn; per round, each one's median time."""
+    for fn in fns:  # warm them all
+        fn()
+    return [[_time(fn, min_run_time).median for fn in fns] for _ in range(rounds)]
 
 
 def verify_auto(results: dict, config: BenchConfig, rounds: int = 3, budget_s: float | None = None,
@@ -424,13 +541,9 @@ def verify_auto(results: dict, config: BenchConfig, rounds: int = 3, budget_s: f
         else:
             g = torch.randn_like(q) if grad else None
             fa, fb = _call(q, k, v, mask, call_as, g), _call(q, k, v, mask, row["backend"], g)
-            fa(), fb()  # warm both
-            ratios = []
-            for _ in range(rounds):
-                ta = _time(fa, config.min_run_time).median
-                tb_ = _time(fb, config.min_run_time).median
-                ratios.append(ta / tb_)
-            out.append({**point, "auto_over_best": statistics.median(ratios), "timed": True})
+            per_round = _interleaved_times([fa, fb], rounds, config.min_run_time)
+            out.append({**point, "auto_over_best": statistics.median(ta / tb_ for ta, tb_ in per_round),
+                        "timed": True})
     return out
 
 

@@ -8,10 +8,12 @@ budget (default 4 GiB) are skipped with the reason; cases left when the run's bu
 default a few minutes) is spent are skipped too (the longest lengths come last).
 
 With no --backends, the run measures every exact backend and writes the calibration table that
-``auto`` follows (lengths 256-8192, float32 and, where this CPU multiplies bfloat16 fast, bfloat16),
-then times ``auto`` against the best backend wherever it still picks another one. Every run that
-measures ``auto`` also times the picks it made during the sweep against the best the same way (the
-report's "before" column). It estimates its duration before it starts and shows progress.
+``auto`` follows (lengths 256-8192, float32 and, where this CPU multiplies bfloat16 fast, bfloat16;
+backends within the sweep's noise of a point's fastest are timed again, interleaved, before it
+is written), then times ``auto`` against the best backend wherever it still picks another one.
+Every run that measures ``auto`` also times the picks it made during the sweep against the best
+the same way (the report's "before" column). It estimates its duration before it starts and shows
+progress.
 
 Examples:
     python -m attnkit bench                      # calibrate this machine (a few minutes on 2 cores)
@@ -45,8 +47,10 @@ from ..bench.report import (
     write_markdown,
 )
 from ..bench.runner import (
+    TIE_MARGIN,
     build_calibration,
     estimate_seconds,
+    resolve_ties,
     run_sweep,
     sweep_cases,
     sweep_names,
@@ -99,7 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {d.memory_budget_bytes / 2**30:g} GiB)")
     parser.add_argument("--budget", type=float, default=DEFAULT_RUN_BUDGET_S,
                         help=f"seconds for the sweep (default {DEFAULT_RUN_BUDGET_S:g} s): cases left when it is "
-                             "spent are skipped, the longest lengths first; then timing auto's picks against the best "
+                             "spent are skipped, the longest lengths first; when calibrating, timing its ties "
+                             "interleaved then takes at most an eighth of it (at least 15 s); "
+                             "then timing auto's picks against the best "
                              "takes at most a quarter of it (at least 30 s) per column, before and after calibration; "
                              "the estimate is printed before it starts")
     parser.add_argument("--min-run-time", type=float, default=d.min_run_time,
@@ -164,6 +170,12 @@ def verification_budget_s(config: BenchConfig) -> float | None:
     return None if config.run_budget_s is None else max(30.0, config.run_budget_s / 4)
 
 
+def tie_budget_s(config: BenchConfig) -> float | None:
+    """Seconds for timing the calibration's ties interleaved (:func:`resolve_ties`): an eighth of
+    ``--budget``, at least 15 s; None: no limit."""
+    return None if config.run_budget_s is None else max(15.0, config.run_budget_s / 8)
+
+
 def verified_columns(config: BenchConfig, calibrate: bool) -> list[str]:
     """Which of auto's picks a run times against the best: those in the sweep where it measures
     auto, and those after calibration where it calibrates."""
@@ -181,9 +193,11 @@ def estimate_line(config: BenchConfig, calibrate: bool = True) -> str:
     columns = verified_columns(config, calibrate)
     per_column = verification_budget_s(config)
     verify = ""
+    if calibrate and tie_budget_s(config) is not None:
+        verify = f", then at most {_duration(tie_budget_s(config))} timing its ties interleaved"
     if columns and per_column is not None:
-        verify = (f", then at most {_duration(per_column * len(columns))} timing auto's picks "
-                  f"{' and '.join(columns)} against the best")
+        verify += (f", then at most {_duration(per_column * len(columns))} timing auto's picks "
+                   f"{' and '.join(columns)} against the best")
     what = "calibrate" if calibrate else "bench"
     return (f"{what}: {cases} cases ({','.join(config.dtypes)}; n = {','.join(map(str, sorted(config.lengths)))}); "
             f"estimated {_duration(seconds)}{capped}{verify}, from this machine's probed constants; progress below")
@@ -197,6 +211,25 @@ def _say_verifying(which: str, config: BenchConfig) -> None:
     budget = verification_budget_s(config)
     limit = "" if budget is None else f" (at most {_duration(budget)})"
     print(f"timing auto's picks {which} against the best{limit}", file=sys.stderr, flush=True)
+
+
+def _resolve_ties(table: dict, results: dict, config: BenchConfig) -> dict:
+    """:func:`resolve_ties` within :func:`tie_budget_s`, saying how many it resolved and how many stayed."""
+    ties = sum(bool(p.get("tie")) for v in table["entries"].values() for p in v)
+    if not ties:
+        return table
+    budget = tie_budget_s(config)
+    limit = "" if budget is None else f" (at most {_duration(budget)})"
+    print(f"timing the calibration's {ties} ties interleaved{limit}", file=sys.stderr, flush=True)
+    table = resolve_ties(table, results, config, budget_s=budget)
+    points = [p for v in table["entries"].values() for p in v]
+    resolved = sum("interleaved" in p and not p.get("tie") for p in points)
+    close = sum("interleaved" in p and bool(p.get("tie")) for p in points)
+    untimed = ties - resolved - close
+    print(f"\nties: {resolved} of {ties} resolved by timing the backends within noise interleaved (the fastest "
+          f"> {TIE_MARGIN:.0%} ahead), {close} stayed ties (within {TIE_MARGIN:.0%})"
+          + (f", {untimed} not timed (the step's budget was spent)" if untimed else ""))
+    return table
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
     if calibrate:
         table = build_calibration(results)
         if table["entries"]:
+            table = _resolve_ties(table, results, config)
             path = calibration.save({**table, "command": results["command"]}, merge=True)
             ties = sum(bool(p.get("tie")) for v in table["entries"].values() for p in v)
             print(f"\ncalibration: {sum(len(v) for v in table['entries'].values())} points ({ties} within noise: left "
