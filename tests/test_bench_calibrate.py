@@ -265,7 +265,7 @@ def test_a_tie_is_resolved_by_the_interleaved_ratio_beyond_the_margin(fake_time,
     resolved = resolve_ties(table, results, TIE_CONFIG)
     (point,) = resolved["entries"][KEY]
     assert point["order"] == [*order, "tiled"] and bool(point.get("tie")) == tie
-    assert point["interleaved"]["rounds"] == runner.TIE_ROUNDS
+    assert point["interleaved"]["rounds"] == runner.INTERLEAVED_ROUNDS
     assert point["interleaved"]["ratio"] == pytest.approx(max(second_over_first, 1 / second_over_first))
     assert calls == ["sdpa", "naive"]  # the two tied backends, on the point's inputs
     assert table["entries"][KEY][0]["tie"] and "interleaved" not in table["entries"][KEY][0]  # not changed

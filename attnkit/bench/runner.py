@@ -396,16 +396,16 @@ def _half_interval(row: dict, floor: float) -> float:
     return half
 
 
-#: Alternating rounds per tie in :func:`resolve_ties`: two more than :func:`verify_auto` takes, as
-#: one round's ratio on a busy machine can be several per cent off and tied backends are closer than that.
-TIE_ROUNDS = 5
+#: Alternating rounds of an interleaved comparison (:func:`resolve_ties`, :func:`verify_auto`): one
+#: round's ratio on a busy machine can be several per cent off, and tied backends are closer than that.
+INTERLEAVED_ROUNDS = 5
 #: A tie's fastest backend timed interleaved is told apart from another when the median of the
 #: per-round ratios of their times is beyond 1 by more than this; closer, the point stays a tie.
 TIE_MARGIN = 0.01
 
 
 def resolve_ties(table: dict, results: dict, config: BenchConfig, budget_s: float | None = None,
-                 rounds: int = TIE_ROUNDS) -> dict:
+                 rounds: int = INTERLEAVED_ROUNDS) -> dict:
     """``table`` (from :func:`build_calibration`) with its ties timed again, interleaved.
 
     The sweep times each case once, back to back with the others, so backends within a few per
@@ -486,7 +486,7 @@ def _interleaved_times(fns: list[Callable[[], object]], rounds: int, min_run_tim
     return [[_time(fn, min_run_time).median for fn in fns] for _ in range(rounds)]
 
 
-def verify_auto(results: dict, config: BenchConfig, rounds: int = 3, budget_s: float | None = None,
+def verify_auto(results: dict, config: BenchConfig, rounds: int = INTERLEAVED_ROUNDS, budget_s: float | None = None,
                 picks: dict[tuple, tuple[str, float | None]] | None = None,
                 known: Iterable[dict] = ()) -> list[dict]:
     """At every point (n, mask, dtype, pass) the sweep measured an exact backend at: a pick's time
@@ -547,8 +547,8 @@ def verify_auto(results: dict, config: BenchConfig, rounds: int = 3, budget_s: f
     return out
 
 
-def verify_auto_before(results: dict, config: BenchConfig, rounds: int = 3, budget_s: float | None = None,
-                       known: Iterable[dict] = ()) -> list[dict]:
+def verify_auto_before(results: dict, config: BenchConfig, rounds: int = INTERLEAVED_ROUNDS,
+                       budget_s: float | None = None, known: Iterable[dict] = ()) -> list[dict]:
     """:func:`verify_auto` for the picks ``auto`` made during the sweep (each ``auto`` row's
     ``chosen``, called by its name: after a calibration ``auto`` may pick another), so the column
     "before calibration" is measured as the one after it. ``auto_over_best_sweep`` is then the
