@@ -16,12 +16,13 @@ than 1% ahead of each (the point records its ratio to the runner-up as ``"interl
 is not, or there was no time left to measure, the point is a ``"tie"`` and the cost model decides.
 :func:`attnkit.dispatch.priority` asks :func:`preferred` for that ranking. The file lives at
 ``$ATTNKIT_CALIBRATION`` if set, else ``$XDG_CACHE_HOME/attnkit/calibration.json``
-(``~/.cache/attnkit/calibration.json``). A table measured on another machine or torch version is
+(``~/.cache/attnkit/calibration.json``). A table measured on another machine, torch version or attnkit build is
 ignored with one warning; a corrupt one is refused, and no call ever fails because of it.
 
 File format (JSON)::
 
-    {"version": 2, "machine_id": {"cpu": ..., "capability": ..., "threads": ..., "torch": ...},
+    {"version": 2, "machine_id": {"cpu": ..., "capability": ..., "threads": ..., "torch": ...,
+                                  "attnkit": ..., "native": ...},
      "command": "...",
      "entries": {"cpu|float32|SlidingWindow|forward|H8|D64":
                    [{"n": 1024, "order": ["native", "sdpa"], "times": {"native": 0.0012, ...}},
@@ -40,7 +41,6 @@ A lookup takes the measured length nearest to the input's ``n = sqrt(Tq * Tk)`` 
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import math
 import os
@@ -95,7 +95,7 @@ def load() -> dict | None:
     is not a non-empty list of ``{"n": positive number, "order": [names], "times": {name: seconds}}``)
     is ignored as a whole with one ``RuntimeWarning`` naming the file and the fix: ``attention()``
     then uses the built-in rules, it never fails because of this file. So is a table measured on
-    another machine or torch version (one line saying which)."""
+    another machine, torch version or attnkit build (one line saying which)."""
     path = calibration_path()
     try:
         text = path.read_text()
@@ -117,7 +117,7 @@ def load() -> dict | None:
         if all(theirs.get(k) == v for k, v in here.items() if k != "threads"):
             return _ignored(path, f"measured with {theirs.get('threads')} threads, this process runs "
                                   f"{here.get('threads')} (torch.set_num_threads); a table holds one thread count")
-        return _ignored(path, f"measured on another machine or torch version ({diff})")
+        return _ignored(path, f"measured on another machine, torch version or attnkit build ({diff})")
     return data
 
 
@@ -196,7 +196,7 @@ def save(data: dict, *, merge: bool = False) -> Path:
     """Write a calibration (see the module docstring for the format) and reload it.
 
     ``merge=True`` keeps the entries of the table already there (when it is usable and from this
-    machine and torch version) whose keys ``data`` does not measure, so a sweep at other heads or
+    machine, torch version and attnkit build) whose keys ``data`` does not measure, so a sweep at other heads or
     head dims adds to the table; a corrupt or foreign table is replaced.
 
     Written atomically (a temporary file beside it, then ``os.replace``): a crash mid-write leaves the
@@ -302,8 +302,9 @@ def describe(inp: AttentionInputs) -> str:
 
 # 3: one entry per thread count, each with its native build stamp; 4: the decode reference reads 4096 keys;
 # 5: each backend's half-precision times on the causal reference; 7: the square reference problems have 8 heads;
-# 8: each backend's forward+backward on the tiny input
-CONSTANTS_VERSION = 9
+# 8: each backend's forward+backward on the tiny input; 9: the native kernel's faster training path;
+# 10: each backend on a second, smaller decode problem
+CONSTANTS_VERSION = 10
 _CONSTANTS: list = [None]
 _CONSTANTS_THREADS: list = [None]  # the thread count _CONSTANTS were loaded for (None: set from outside)
 _GENERATION = [0]
@@ -328,7 +329,7 @@ def machine_constants() -> dict:
     entry is used while its build stamp is current and a quick re-check (a few milliseconds,
     :func:`attnkit.hardware.quick_rates`) finds none of its rates :data:`RECHECK_FACTOR` times
     slower than now (constants probed under load): otherwise the constants are probed again and
-    the entry replaced. A corrupt file, or one from another machine or torch version, is ignored
+    the entry replaced. A corrupt file, or one from another machine, torch version or attnkit build, is ignored
     with a one-line ``RuntimeWarning`` and replaced; an unwritable directory only costs the probe
     in each process. ``python -m attnkit bench`` probes afresh at its start (:func:`reprobe`)."""
     threads = torch.get_num_threads()
@@ -358,16 +359,11 @@ def reprobe() -> dict:
 
 
 def build_stamp() -> str:
-    """Which native build the constants describe: a digest of the build's stamp
-    (``attnkit/csrc/_build/stamp.json``, rewritten by each build) and the library's modification
-    time; ``"none"`` when the extension is not built. A rebuilt kernel runs at another speed."""
-    from .csrc import build as csrc_build
+    """Which native build the constants describe (:func:`attnkit.csrc.loader.build_id`); ``"none"``
+    when no build is usable. A kernel built from other sources runs at another speed."""
+    from .csrc import loader
 
-    try:
-        data = csrc_build.STAMP.read_bytes() + str(csrc_build.library_path().stat().st_mtime_ns).encode()
-    except OSError:
-        return "none"
-    return hashlib.sha256(data).hexdigest()[:16]
+    return loader.build_id() or "none"
 
 
 def _load_or_probe(fresh: bool = False) -> dict:
@@ -394,7 +390,7 @@ def _load_or_probe(fresh: bool = False) -> dict:
 
 def _stored_entries(path: Path, machine: dict) -> dict:
     """The usable entries of the constants file (thread count -> entry), ``{}`` when there is no
-    file; a file that cannot be used, or one from another machine or torch version, is ignored
+    file; a file that cannot be used, or one from another machine, torch version or attnkit build, is ignored
     with one warning (it is replaced by the next probe's)."""
     try:
         data = json.loads(path.read_text())
@@ -415,7 +411,7 @@ def _stored_entries(path: Path, machine: dict) -> dict:
         return {}
     if theirs != machine:
         diff = ", ".join(f"{k} {theirs.get(k)!r} here {v!r}" for k, v in machine.items() if theirs.get(k) != v)
-        _constants_ignored(path, f"probed on another machine or torch version ({diff or theirs!r})")
+        _constants_ignored(path, f"probed on another machine, torch version or attnkit build ({diff or theirs!r})")
         return {}
     return dict(entries)
 
@@ -441,7 +437,8 @@ def _constants_problem(c) -> str | None:
         numbers = [*c["gemm_gflops"].values(), c["tile_gflops"], c["bandwidth_gbs"], c["op_seconds"],
                    *c["backend_seconds"].values(), *c["train_backend_seconds"].values(),
                    *(t for r in c["reference_seconds"].values() for t in r.values()),
-                   *(t for r in c["half_reference_seconds"].values() for t in r.values())]
+                   *(t for r in c["half_reference_seconds"].values() for t in r.values()),
+                   *c.get("decode_small_seconds", {}).values()]
     except (TypeError, KeyError, AttributeError):
         return "missing fields"
     return None if all(_positive_number(x) for x in numbers) else "a constant is not a positive number"
@@ -468,17 +465,27 @@ def reference_problems() -> dict:
             "decode": ((1, 8, 1, 4096, 64), Causal())}  # 8 MiB each of K and V: past the per-core caches
 
 
-#: Timed calls per square reference problem (a fraction of a millisecond each): the best of several,
-#: as one call on a shared machine is often slowed by a third or more.
+def decode_small_problem() -> tuple:
+    """A second, smaller decode problem, ``((B, H, Tq, Tk, D), mask)``: 1 MiB each of K and V. With
+    the ``"decode"`` reference it gives each backend's decode cost as a fixed part plus a cost per
+    byte of K/V, both measured in a decode call (``decode_small_seconds``)."""
+    from .masks import Causal
+
+    return (1, 8, 1, 512, 64), Causal()
+
+
+#: Timed calls per reference problem (a fraction of a millisecond to a few milliseconds each): the best
+#: of several, as one call on a shared machine is often slowed by a third or more.
 _REFERENCE_REPEATS = 5
 
 
 def probe_constants() -> dict:
     """Measure the constants now (well under a second): the machine's rates, then each exact,
     available backend on a tiny input (``backend_seconds``: its per-call overhead; forward and
-    backward, ``train_backend_seconds``: its per-call overhead when training) and on the
-    reference problem of each mask class it can run (``reference_seconds[backend][class]``), and
-    on the causal reference in bfloat16 and float16 (``half_reference_seconds[backend][dtype]``)."""
+    backward, ``train_backend_seconds``: its per-call overhead when training), on the reference
+    problem of each mask class it can run (``reference_seconds[backend][class]``), on the smaller
+    decode problem (``decode_small_seconds[backend]``, :func:`decode_small_problem`), and on the
+    causal reference in bfloat16 and float16 (``half_reference_seconds[backend][dtype]``)."""
     from .masks import BlockSparse, Causal, SlidingWindow
     from .registry import list_backends
 
@@ -487,7 +494,9 @@ def probe_constants() -> dict:
     tiny_masks = [None, Causal() & SlidingWindow(8, 0), BlockSparse.bigbird(2, 16, window=1, global_blocks=1,
                                                                              random_blocks=0)]
     problems = {cls: (_random(shape), mask) for cls, (shape, mask) in reference_problems().items()}
-    overhead, train_overhead, reference, half = {}, {}, {}, {}
+    small_shape, small_mask = decode_small_problem()
+    small = AttentionInputs.create(*_random(small_shape), mask=small_mask)
+    overhead, train_overhead, reference, half, decode_small = {}, {}, {}, {}, {}
     with torch.no_grad():
         for name, impl in list_backends().items():
             if not impl.exact or getattr(impl, "compiles", False):
@@ -505,7 +514,9 @@ def probe_constants() -> dict:
                     inp = AttentionInputs.create(q, k, v, mask=mask)
                     if impl.can_run(inp):
                         reference.setdefault(name, {})[cls] = hardware.best_seconds(
-                            lambda: impl.forward(inp, None), 3 if cls == "decode" else _REFERENCE_REPEATS)
+                            lambda: impl.forward(inp, None), _REFERENCE_REPEATS)
+                if "decode" in reference.get(name, {}) and impl.can_run(small):
+                    decode_small[name] = hardware.best_seconds(lambda: impl.forward(small, None), _REFERENCE_REPEATS)
                 # Its own speed in half precision (a kernel's bf16 path need not follow the GEMM rates):
                 # the causal reference again in each half dtype.
                 (q, k, v), mask = problems["causal"]
@@ -520,6 +531,7 @@ def probe_constants() -> dict:
     constants["train_backend_seconds"] = train_overhead
     constants["reference_seconds"] = reference
     constants["half_reference_seconds"] = half
+    constants["decode_small_seconds"] = decode_small
     return constants
 
 

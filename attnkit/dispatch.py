@@ -144,7 +144,8 @@ def _stored_bytes(k) -> float:
 @functools.lru_cache(maxsize=4)
 def _reference_inputs(generation: int) -> dict[str, AttentionInputs]:
     inputs = {}
-    for cls, ((B, H, Tq, Tk, D), mask) in calibration.reference_problems().items():
+    problems = {**calibration.reference_problems(), "decode_small": calibration.decode_small_problem()}
+    for cls, ((B, H, Tq, Tk, D), mask) in problems.items():
         q, k = torch.empty(B, H, Tq, D, device="meta"), torch.empty(B, H, Tk, D, device="meta")
         inputs[cls] = AttentionInputs.create(q, k, k, mask=mask)
     return inputs
@@ -158,9 +159,10 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     backend's own rate on the probe's reference problem of the same mask class (measured time less
     the other terms), scaled for half-precision inputs by the backend's own half/float32 speed on the
     causal reference (else the machine's GEMM ratio), and for training tripled flops and the
-    backend's measured per-call cost of a forward and backward on a tiny input. For decoding
-    the work is the K/V bytes read and the rate the backend's bytes per second on the decode
-    reference (8 MiB each of K and V)."""
+    backend's measured per-call cost of a forward and backward on a tiny input. Decoding is
+    priced by the K/V bytes read: a fixed part and a cost per byte, from the backend's times on two
+    decode problems (1 and 8 MiB each of K and V; without the smaller one, its bytes per second on
+    the larger after the tiny input's overhead)."""
     impl = list_backends().get(name)
     overhead = constants["backend_seconds"].get(name)
     measured = constants["reference_seconds"].get(name, {})
@@ -174,7 +176,14 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
         if not same:
             return None
         cls = max(same, key=measured.get)
-    ref = _reference_inputs(calibration.generation())[cls]
+    refs = _reference_inputs(calibration.generation())
+    small = constants.get("decode_small_seconds", {}).get(name)
+    if cls == "decode" and small is not None and not inp.requires_grad:
+        # a fixed part and a cost per byte of K/V, both from decode calls (1 and 8 MiB each of K, V)
+        bytes_small, bytes_ref = (_work_terms(name, impl, refs[c])[0] for c in ("decode_small", "decode"))
+        per_byte = max((measured[cls] - small) / (bytes_ref - bytes_small), 0.1 * measured[cls] / bytes_ref)
+        return max(small - per_byte * bytes_small, 0.0) + per_byte * _work_terms(name, impl, inp)[0]
+    ref = refs[cls]
     flops_ref, mat_ref, loops_ref = _work_terms(name, impl, ref)
     compute_ref = max(measured[cls] - overhead - mat_ref * _MASK_BYTES / bandwidth - loops_ref * op,
                       0.1 * measured[cls])

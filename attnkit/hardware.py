@@ -52,8 +52,13 @@ def half_matmul_is_fast(dtype: torch.dtype) -> bool:
 
 
 def machine_id() -> dict:
-    """What makes measurements on this machine comparable: CPU model and features, thread count and
-    the torch version (a table or a probe from another machine or torch build does not apply here)."""
+    """What makes measurements on this machine comparable: CPU model and features, thread count, the
+    torch version, attnkit's version and the native kernel's build (:func:`attnkit.csrc.loader.build_id`;
+    None when none is usable): a table or a probe from another machine, torch or attnkit build does
+    not apply here, since its backends may have been faster or slower there."""
+    from . import __version__
+    from .csrc import loader
+
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -65,6 +70,8 @@ def machine_id() -> dict:
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "attnkit": __version__,
+        "native": loader.build_id(),
     }
 
 

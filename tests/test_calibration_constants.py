@@ -67,11 +67,16 @@ def test_the_real_build_stamp_follows_the_stamp_file(tmp_path, monkeypatch):
     monkeypatch.setattr(csrc_build, "STAMP", stamp)
     monkeypatch.setattr(csrc_build, "library_path", lambda: library)
     assert calibration.build_stamp() == "none"
-    stamp.write_text('{"torch": "x", "build_seconds": 50.0}')
+    stamp.write_text(json.dumps({"torch": torch.__version__, "sources": "aaaa", "build_seconds": 50.0}))
     library.write_bytes(b"")
     first = calibration.build_stamp()
-    stamp.write_text('{"torch": "x", "build_seconds": 51.0}')  # a rebuild rewrites the stamp
-    assert first != calibration.build_stamp() != "none"
+    assert first != "none" and hardware.machine_id()["native"] == first
+    stamp.write_text(json.dumps({"torch": torch.__version__, "sources": "aaaa", "build_seconds": 51.0}))
+    assert calibration.build_stamp() == first  # the same sources rebuilt: the same kernel
+    stamp.write_text(json.dumps({"torch": torch.__version__, "sources": "bbbb", "build_seconds": 50.0}))
+    assert first != calibration.build_stamp() != "none"  # other sources: another kernel
+    stamp.write_text(json.dumps({"torch": "0.0-other", "sources": "aaaa"}))
+    assert calibration.build_stamp() == "none" and hardware.machine_id()["native"] is None  # not usable here
 
 
 def test_constants_probed_under_load_are_probed_again(probes, monkeypatch):
@@ -134,7 +139,7 @@ def test_a_file_from_another_machine_or_torch_is_ignored_with_a_warning(probes, 
     data["machine"][field] = "0.0-other"
     calibration.constants_path().write_text(json.dumps(data))
     calibration.reload(constants=True)
-    with pytest.warns(RuntimeWarning, match=f"another machine or torch version.*{field} '0.0-other'"):
+    with pytest.warns(RuntimeWarning, match=f"another machine, torch version or attnkit build.*{field} '0.0-other'"):
         assert calibration.machine_constants() == FAKE
     assert len(probes) == 2
     assert _fresh() == FAKE and len(probes) == 2  # replaced by this machine's

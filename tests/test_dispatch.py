@@ -322,6 +322,8 @@ def test_the_real_probe_measures_every_exact_backend(tmp_path, monkeypatch):
         assert constants["backend_seconds"][name] > 0
     assert set(constants["reference_seconds"]["sdpa"]) == {"causal", "band", "layout", "decode"}
     assert "naive" not in constants["reference_seconds"]  # never ranked by cost: its references are not timed
+    assert set(constants["decode_small_seconds"]) == {n for n, r in constants["reference_seconds"].items()
+                                                      if "decode" in r} and "sdpa" in constants["decode_small_seconds"]
 
 
 def _table_preferring_naive(tmp_path, monkeypatch):
@@ -334,7 +336,10 @@ def _table_preferring_naive(tmp_path, monkeypatch):
     return path
 
 
-def test_calibration_from_another_machine_is_ignored_with_one_warning(tmp_path, monkeypatch):
+@pytest.mark.parametrize("field, theirs", [("cpu", "Another CPU 9000"), ("attnkit", "0.0.1"),
+                                           ("native", "0123456789abcdef")])
+def test_calibration_from_another_machine_is_ignored_with_one_warning(tmp_path, monkeypatch, field, theirs):
+    """Another CPU, attnkit release or native kernel build: its backends ran at other speeds."""
     import json
     import warnings
 
@@ -344,14 +349,14 @@ def test_calibration_from_another_machine_is_ignored_with_one_warning(tmp_path, 
     assert attnkit.explain(torch.randn(1, 3, 32, 8), torch.randn(1, 3, 32, 8),
                            torch.randn(1, 3, 32, 8)).chosen != "naive"
     data = json.loads(path.read_text())
-    data["machine_id"]["cpu"] = "Another CPU 9000"
+    data["machine_id"][field] = theirs
     path.write_text(json.dumps(data))
     calibration.reload()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         chosen = [attnkit.explain(x, x, x).chosen for _ in range(3)]
     msgs = [str(w.message) for w in caught if "calibration" in str(w.message)]
-    assert len(msgs) == 1 and "another machine" in msgs[0] and "Another CPU 9000" in msgs[0]
+    assert len(msgs) == 1 and "another machine, torch version or attnkit build" in msgs[0] and theirs in msgs[0]
     assert chosen == ["sdpa"] * 3
 
 
@@ -434,6 +439,41 @@ def test_decoding_is_modelled_by_the_bytes_it_reads(monkeypatch):
     assert priority(long)[0] == "decode"
     _with_constants(monkeypatch, _faster("sdpa", 3.0))
     assert priority(long)[0] == "sdpa"
+
+
+def test_decoding_is_priced_by_a_fixed_part_and_a_cost_per_byte_from_two_decode_problems(monkeypatch):
+    """With a backend's times on the small (1 MiB each of K, V) and the reference (8 MiB) decode
+    problems, a decode step costs the line through them: a backend with a large fixed part but fewer
+    seconds per byte loses short caches and wins long ones; the crossover is where the lines meet."""
+    from attnkit import dispatch
+
+    constants = _faster("decode", 1.0)
+    big = constants["reference_seconds"]["sdpa"]["decode"]
+    for name in constants["reference_seconds"]:
+        constants["reference_seconds"][name]["decode"] = big
+    # sdpa: no fixed part, `big` at 8 MiB; decode: 50 us fixed, half sdpa's cost per byte
+    per_byte = big / (2 * 8 * 2**20)
+    constants["decode_small_seconds"] = {"sdpa": per_byte * 2 * 2**20, "decode": 50e-6 + per_byte * 2**20}
+    constants["reference_seconds"]["decode"]["decode"] = 50e-6 + per_byte * 8 * 2**20
+    _with_constants(monkeypatch, constants)
+    constants = calibration.machine_constants()
+
+    def est(name, Tk, **kw):
+        return dispatch.estimated_seconds(name, _meta_inputs(1, 8, 1, 64, Causal(), Tk=Tk, **kw), constants)
+
+    assert est("sdpa", 4096) == pytest.approx(big, rel=1e-6) and est("sdpa", 512) == pytest.approx(big / 8, rel=1e-6)
+    assert est("decode", 8192) == pytest.approx(50e-6 + per_byte / 2 * 32 * 2**20, rel=1e-6)
+    assert est("decode", 512, dtype=torch.bfloat16) == pytest.approx(50e-6 + per_byte * 2**19, rel=1e-6)
+    crossover = 50e-6 / (per_byte * 2 * 64 * 4 * 8 / 2)  # keys where sdpa's cost equals decode's
+    short, long = int(crossover / 2), int(crossover * 2)
+    assert est("sdpa", short) < est("decode", short) and est("decode", long) < est("sdpa", long)
+    assert priority(_meta_inputs(1, 8, 1, 64, Causal(), Tk=short)).index("sdpa") < priority(
+        _meta_inputs(1, 8, 1, 64, Causal(), Tk=short)).index("decode")
+    assert priority(_meta_inputs(1, 8, 1, 64, Causal(), Tk=long))[0] == "decode"
+    # no small problem measured (an older probe's constants): the bytes per second after the overhead
+    del constants["decode_small_seconds"]
+    over = constants["backend_seconds"]["decode"]
+    assert est("decode", 8192) == pytest.approx(over + 2 * (constants["reference_seconds"]["decode"]["decode"] - over))
 
 
 def test_a_table_of_another_thread_count_says_so(tmp_path, monkeypatch):

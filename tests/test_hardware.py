@@ -46,7 +46,8 @@ def test_machine_id_and_probed_rates_are_plain_positive_figures():
     import json
 
     ident = hardware.machine_id()
-    assert set(ident) == {"cpu", "capability", "threads", "torch"} and ident["torch"] == torch.__version__
+    assert set(ident) == {"cpu", "capability", "threads", "torch", "attnkit", "native"}
+    assert ident["torch"] == torch.__version__ and ident["attnkit"] == attnkit.__version__
     json.dumps(ident)
     rates = hardware.probe_rates()
     figures = [*rates["gemm_gflops"].values(), rates["tile_gflops"], rates["bandwidth_gbs"], rates["op_seconds"]]

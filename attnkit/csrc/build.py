@@ -13,6 +13,7 @@ prints the compiler's message and exits 1 (the ``native`` backend then declines 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -24,6 +25,16 @@ BUILD_DIR = HERE / "_build"
 STAMP = BUILD_DIR / "stamp.json"
 # attention.cpp includes tiles.h and score_mod.h (ninja tracks the headers)
 SOURCES = [HERE / "attention.cpp", HERE / "decode.cpp", HERE / "fastpath.cpp"]
+HEADERS = [HERE / "tiles.h", HERE / "score_mod.h"]
+
+
+def sources_digest() -> str:
+    """A digest of the kernel's sources (what a build compiles), kept in the stamp: measurements of
+    the kernel (a calibration table, the probed constants) name the build they were taken with."""
+    digest = hashlib.sha256()
+    for path in sorted(SOURCES + HEADERS):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 # -fno-trapping-math lets the exp and mask loops vectorize (IEEE inf/NaN semantics are kept).
 # -fopenmp: at::parallel_for is a header template; on torch's OpenMP builds its `omp parallel`
 # region is compiled into this library, and without the flag every parallel loop would run on one
@@ -58,7 +69,7 @@ def build(verbose: bool = False) -> float:
          is_python_module=False, verbose=verbose)
     seconds = time.perf_counter() - start
     STAMP.write_text(json.dumps({"torch": torch.__version__, "cpu_flags": sorted(cpu_flags()),
-                                 "build_seconds": round(seconds, 1)}))
+                                 "sources": sources_digest(), "build_seconds": round(seconds, 1)}))
     return seconds
 
 

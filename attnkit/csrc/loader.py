@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import json
 
 from . import build
@@ -17,25 +18,55 @@ def load_library() -> str | None:
     failing to load). Not cached: its callers cache what they build on it."""
     import torch
 
+    problem = _stamp()[0]
+    if problem is not None:
+        return problem
+    try:
+        torch.ops.load_library(str(build.library_path()))
+    except (ImportError, OSError, RuntimeError) as exc:
+        return f"native extension not built: it fails to load ({exc})"
+    return None
+
+
+def build_id() -> str | None:
+    """Which usable build this is, for measurements taken with it (the calibration table, the probed
+    constants): a digest of its stamp (torch version, CPU flags and the digest of the sources it was
+    compiled from, :func:`build.sources_digest`; the library's modification time for a stamp from
+    before stamps named their sources). None when no build is usable here. Reads the stamp only."""
+    problem, stamp = _stamp()
+    if problem is not None:
+        return None
+    ident = {key: value for key, value in stamp.items() if key != "build_seconds"}
+    if "sources" not in ident:
+        try:
+            ident["mtime_ns"] = build.library_path().stat().st_mtime_ns
+        except OSError:
+            return None
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _stamp() -> tuple[str | None, dict]:
+    """``(why the build cannot be loaded here or None, its stamp)``."""
+    import torch
+
     path = build.library_path()
     if not path.exists():
-        return f"native extension not built: run `python -m attnkit.csrc.build` (or `make install`); no {path.name}"
+        return (f"native extension not built: run `python -m attnkit.csrc.build` (or `make install`); "
+                f"no {path.name}"), {}
     try:
         stamp = json.loads(build.STAMP.read_text())
     except (OSError, ValueError):
         stamp = {}
+    if not isinstance(stamp, dict):
+        stamp = {}
     if stamp.get("torch") != torch.__version__:
         return (f"native extension not built for this torch: built against {stamp.get('torch')}, running "
-                f"{torch.__version__}; rebuild with `python -m attnkit.csrc.build`")
+                f"{torch.__version__}; rebuild with `python -m attnkit.csrc.build`"), stamp
     missing = set(stamp.get("cpu_flags", ())) - build.cpu_flags()
     if missing and build.cpu_flags():
         return (f"native extension built for another CPU: this one lacks {', '.join(sorted(missing)[:6])}; "
-                "rebuild here with `python -m attnkit.csrc.build`")
-    try:
-        torch.ops.load_library(str(path))
-    except (ImportError, OSError, RuntimeError) as exc:
-        return f"native extension not built: it fails to load ({exc})"
-    return None
+                "rebuild here with `python -m attnkit.csrc.build`"), stamp
+    return None, stamp
 
 
 @functools.lru_cache(maxsize=1)
