@@ -49,8 +49,7 @@ from .backends.kernelized.gated import GatedLinearState, explain_gated, gated_li
 from .registry import Backend, get_backend, list_backends, register_backend
 from .cache import DynamicLayerCache, KVCache, SlidingWindowLayerCache, StateCache, StaticLayerCache
 from .generation import generate
-
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 __all__ = [
     "attention",

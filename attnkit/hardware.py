@@ -56,7 +56,7 @@ def machine_id() -> dict:
     torch version, attnkit's version and the native kernel's build (:func:`attnkit.csrc.loader.build_id`;
     None when none is usable): a table or a probe from another machine, torch or attnkit build does
     not apply here, since its backends may have been faster or slower there."""
-    from . import __version__
+    from ._version import __version__
     from .csrc import loader
 
     model = platform.processor() or platform.machine()

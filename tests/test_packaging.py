@@ -75,3 +75,14 @@ def test_a_cli_call_prints_no_warning():
                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stderr
     assert "Warning" not in out.stderr and "CUDA_HOME" not in out.stderr, out.stderr
+
+
+def test_the_package_and_its_metadata_name_one_version():
+    """attnkit.__version__ (which measurements name their build by) is the version pyproject.toml
+    installs: a release bump that missed one of them would keep a stale calibration table in use."""
+    import tomllib
+
+    import attnkit
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert attnkit.__version__ == project["version"]

@@ -19,7 +19,7 @@ Layers, top to bottom (an import may only point down or sideways within a row); 
     registry
     inputs  kv_handle
     masks  score_mods
-    io  _validate  _compat
+    io  _validate  _compat  _version
     csrc                                     below everything (the C++ sources, their build and loader)
 
 Every import counts, also one inside a function (a lazy import is still a dependency), except
@@ -50,7 +50,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("registry",),
     ("inputs", "kv_handle"),
     ("masks", "score_mods"),
-    ("io", "_validate", "_compat"),
+    ("io", "_validate", "_compat", "_version"),
     ("csrc",),
 )
 RANK = {name: i for i, row in enumerate(LAYERS) for name in row}

@@ -55,6 +55,15 @@ typedef uint32_t U16 __attribute__((vector_size(64)));
 // their bits, int8 exactly (its scale is applied to the score and the probability). The
 // conversions are exact, so the instruction set changes no bit; x86 intrinsics where GCC's generic
 // conversions compile to scalar code.
+#if defined(__AVX__)
+// Two 8-lane halves as one 16-lane vector (the paths below without AVX-512).
+inline V16 join(__m256 lo, __m256 hi) {
+  V16 v;
+  std::memcpy(&v, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  return v;
+}
+#endif
 inline V16 load16(const float* p) {
   V16 v;
   std::memcpy(&v, p, sizeof v);
@@ -75,12 +84,8 @@ inline V16 load16(const c10::Half* p) {
 #if defined(__AVX512F__)
   return reinterpret_cast<V16>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 #elif defined(__F16C__)
-  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + 1));
-  V16 v;
-  std::memcpy(&v, &lo, sizeof lo);
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
-  return v;
+  return join(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + 1)));
 #else
   typedef _Float16 H __attribute__((vector_size(32)));
   H h;
@@ -93,12 +98,8 @@ inline V16 load16(const int8_t* p) {
   return reinterpret_cast<V16>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
 #elif defined(__AVX2__)
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
-  V16 v;
-  std::memcpy(&v, &lo, sizeof lo);
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
-  return v;
+  return join(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b))));
 #else
   typedef int8_t H __attribute__((vector_size(16)));
   H h;
