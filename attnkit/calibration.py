@@ -303,8 +303,8 @@ def describe(inp: AttentionInputs) -> str:
 # 3: one entry per thread count, each with its native build stamp; 4: the decode reference reads 4096 keys;
 # 5: each backend's half-precision times on the causal reference; 7: the square reference problems have 8 heads;
 # 8: each backend's forward+backward on the tiny input; 9: the native kernel's faster training path;
-# 10: each backend on a second, smaller decode problem
-CONSTANTS_VERSION = 10
+# 10: each backend on a second, smaller decode problem; 11: native's square tiles across a band edge
+CONSTANTS_VERSION = 11
 _CONSTANTS: list = [None]
 _CONSTANTS_THREADS: list = [None]  # the thread count _CONSTANTS were loaded for (None: set from outside)
 _GENERATION = [0]

@@ -105,6 +105,22 @@ def test_float32_default_tiles_and_mqa():
     _check(None, B=1, Hq=2, Hkv=1, Tq=333, Tk=513, dtype=torch.float32, tol=2e-5)
 
 
+def test_default_tiles_follow_the_mask_structure():
+    """Tiles across a band's edge compute scores in vain: a narrow window gets small tiles, any other
+    band edge (Causal()'s diagonal) square ones, a block layout aligned ones, no structure wide ones."""
+    from attnkit.inputs import AttentionInputs
+
+    x = torch.randn(1, 1, 300, 16)
+    tiles = lambda mask: (lambda o: (o.block_q, o.block_k))(  # noqa: E731
+        native.default_options(AttentionInputs.create(x, x, x, mask=mask)))
+    assert tiles(None) == tiles(KeyPadding([200])) == (128, 256)
+    assert tiles(Causal()) == tiles(Causal() & KeyPadding([200])) == tiles(SlidingWindow(4000, 0)) == (128, 128)
+    assert tiles(SlidingWindow(100, 0)) == tiles(Causal() & SlidingWindow(64, 0)) == (64, 64)
+    assert tiles(BlockSparse.bigbird(10, 32, seed=1)) == (32, 32)
+    assert native.default_options(AttentionInputs.create(x, x, x, mask=Causal()), native.NativeOptions(64, 32)) == \
+        native.NativeOptions(64, 32)  # given sizes win
+
+
 @needs_build
 def test_gradcheck_float64_keep_tiles():
     mask = Document(torch.tensor([0, 0, 0, 1, 1, 1, 1, 2])) & Custom(lambda b, h, q, k: k != 1)

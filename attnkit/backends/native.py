@@ -189,7 +189,9 @@ def default_options(inp: AttentionInputs, given: NativeOptions | None = None) ->
     """``given`` with its unset tile sizes chosen so a structured mask costs its density: tiles
     aligned with a block layout are exactly FULL or EMPTY (no per-element work); a band (sliding
     window) spanning at most 2048 keys gets 64 x 64 tiles, so the tiles across its edges waste
-    little; else 128 x 256."""
+    little; any other band edge (``Causal()``'s diagonal, a wide window) gets square 128 x 128
+    tiles: a tile across the edge computes about half its scores in vain, and 128 x 256 tiles
+    spend that on twice the area (at n=256 causal, every score of the matrix); else 128 x 256."""
     given = given or NativeOptions()
     bq, bk = 128, 256
     mask = inp.mask
@@ -199,6 +201,8 @@ def default_options(inp: AttentionInputs, given: NativeOptions | None = None) ->
         bq = bk = layout.block_size * -(-32 // layout.block_size)
     elif band is not None and band.left is not None and band.left + (band.right or 0) <= 2048:
         bq = bk = 64
+    elif band is not None and (band.left is not None or band.right is not None):
+        bq = bk = 128
     return NativeOptions(given.block_q or bq, given.block_k or bk, given.half_tiles)
 
 
