@@ -106,8 +106,9 @@ def test_float32_default_tiles_and_mqa():
 
 
 def test_default_tiles_follow_the_mask_structure():
-    """Tiles across a band's edge compute scores in vain: a narrow window gets small tiles, any other
-    band edge (Causal()'s diagonal) square ones, a block layout aligned ones, no structure wide ones."""
+    """Tiles across a band's edge compute scores in vain: a narrow window gets small tiles, another
+    band edge (Causal()'s diagonal) square ones while rows keep few keys, a block layout aligned ones,
+    no structure wide ones."""
     from attnkit.inputs import AttentionInputs
 
     x = torch.randn(1, 1, 300, 16)
@@ -115,6 +116,9 @@ def test_default_tiles_follow_the_mask_structure():
         native.default_options(AttentionInputs.create(x, x, x, mask=mask)))
     assert tiles(None) == tiles(KeyPadding([200])) == (128, 256)
     assert tiles(Causal()) == tiles(Causal() & KeyPadding([200])) == tiles(SlidingWindow(4000, 0)) == (128, 128)
+    long = torch.empty(1, 1, 4096, 16, device="meta")  # rows keep 2048 keys on average: 128 x 256 wastes little
+    assert native.default_options(AttentionInputs.create(long, long, long, mask=Causal())).block_k == 256
+    assert native.default_options(AttentionInputs.create(long[:, :, :1], long, long, mask=Causal())).block_k == 256
     assert tiles(SlidingWindow(100, 0)) == tiles(Causal() & SlidingWindow(64, 0)) == (64, 64)
     assert tiles(BlockSparse.bigbird(10, 32, seed=1)) == (32, 32)
     assert native.default_options(AttentionInputs.create(x, x, x, mask=Causal()), native.NativeOptions(64, 32)) == \
