@@ -303,8 +303,9 @@ def describe(inp: AttentionInputs) -> str:
 # 3: one entry per thread count, each with its native build stamp; 4: the decode reference reads 4096 keys;
 # 5: each backend's half-precision times on the causal reference; 7: the square reference problems have 8 heads;
 # 8: each backend's forward+backward on the tiny input; 9: the native kernel's faster training path;
-# 10: each backend on a second, smaller decode problem; 11: native's square tiles across a band edge
-CONSTANTS_VERSION = 11
+# 10: each backend on a second, smaller decode problem; 11: native's square tiles across a band edge;
+# 12: the decode reference reads 32 MiB each of K and V
+CONSTANTS_VERSION = 12
 _CONSTANTS: list = [None]
 _CONSTANTS_THREADS: list = [None]  # the thread count _CONSTANTS were loaded for (None: set from outside)
 _GENERATION = [0]
@@ -462,7 +463,9 @@ def reference_problems() -> dict:
     square = (1, 8, T, T, 64)
     return {"causal": (square, Causal()), "band": (square, Causal() & SlidingWindow(T // 4, 0)),
             "layout": (square, BlockSparse.bigbird(T // 32, 32, window=1, global_blocks=1, random_blocks=0)),
-            "decode": ((1, 8, 1, 4096, 64), Causal())}  # 8 MiB each of K and V: past the per-core caches
+            # 32 MiB each of K and V: a cache past the last-level caches (at 8 MiB, one that fits,
+            # SDPA read 3-10x faster than from memory, so long caches were priced as if they fit)
+            "decode": ((1, 8, 1, 16384, 64), Causal())}
 
 
 def decode_small_problem() -> tuple:
@@ -474,8 +477,9 @@ def decode_small_problem() -> tuple:
     return (1, 8, 1, 512, 64), Causal()
 
 
-#: Timed calls per reference problem (a fraction of a millisecond to a few milliseconds each): the best
-#: of several, as one call on a shared machine is often slowed by a third or more.
+#: Timed calls per reference problem (a fraction of a millisecond each; the long decode problem, a few
+#: milliseconds, takes 3): the best of several, as one call on a shared machine is often slowed by a
+#: third or more.
 _REFERENCE_REPEATS = 5
 
 
@@ -483,9 +487,10 @@ def probe_constants() -> dict:
     """Measure the constants now (well under a second): the machine's rates, then each exact,
     available backend on a tiny input (``backend_seconds``: its per-call overhead; forward and
     backward, ``train_backend_seconds``: its per-call overhead when training), on the reference
-    problem of each mask class it can run (``reference_seconds[backend][class]``), on the smaller
-    decode problem (``decode_small_seconds[backend]``, :func:`decode_small_problem`), and on the
-    causal reference in bfloat16 and float16 (``half_reference_seconds[backend][dtype]``)."""
+    problem of each mask class it can run (``reference_seconds[backend][class]``; the decode one
+    only for the backends within 2x of the fastest on the smaller decode problem,
+    ``decode_small_seconds[backend]``, :func:`decode_small_problem`), and on the causal reference in
+    bfloat16 and float16 (``half_reference_seconds[backend][dtype]``)."""
     from .masks import BlockSparse, Causal, SlidingWindow
     from .registry import list_backends
 
@@ -512,10 +517,10 @@ def probe_constants() -> dict:
                     train_overhead[name] = seconds
                 for cls, ((q, k, v), mask) in problems.items() if name != "naive" else ():  # never ranked by cost
                     inp = AttentionInputs.create(q, k, v, mask=mask)
-                    if impl.can_run(inp):
+                    if cls != "decode" and impl.can_run(inp):
                         reference.setdefault(name, {})[cls] = hardware.best_seconds(
                             lambda: impl.forward(inp, None), _REFERENCE_REPEATS)
-                if "decode" in reference.get(name, {}) and impl.can_run(small):
+                if name != "naive" and impl.can_run(small):
                     decode_small[name] = hardware.best_seconds(lambda: impl.forward(small, None), _REFERENCE_REPEATS)
                 # Its own speed in half precision (a kernel's bf16 path need not follow the GEMM rates):
                 # the causal reference again in each half dtype.
@@ -527,6 +532,20 @@ def probe_constants() -> dict:
                             lambda: impl.forward(inp, None), _REFERENCE_REPEATS)
             except Exception:  # a backend that fails here is not ranked by cost; its reasons decide
                 continue
+        # The long decode problem (a few ms a call) only for the backends within 2x of the fastest
+        # on the small one: the others are not priced for decoding and come after them.
+        (q, k, v), mask = problems["decode"]
+        long = AttentionInputs.create(q, k, v, mask=mask)
+        fastest = min(decode_small.values(), default=0.0)
+        for name in [n for n, t in decode_small.items() if t <= 2 * fastest]:
+            impl = list_backends()[name]
+            try:
+                if impl.can_run(long):
+                    reference.setdefault(name, {})["decode"] = hardware.best_seconds(
+                        lambda: impl.forward(long, None), 3)
+            except Exception:
+                pass
+        decode_small = {n: t for n, t in decode_small.items() if "decode" in reference.get(n, {})}
     constants["backend_seconds"] = overhead
     constants["train_backend_seconds"] = train_overhead
     constants["reference_seconds"] = reference
@@ -554,5 +573,12 @@ def _train_overhead(impl, inp: AttentionInputs) -> float | None:
 
 
 def _random(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q, k, v; a long K/V repeats a random block of 1024 keys (drawing 32 MiB of normal
+    values takes longer than timing the call; the kernels' time does not depend on the values)."""
     B, H, Tq, Tk, D = shape
-    return torch.randn(B, H, Tq, D), torch.randn(B, H, Tk, D), torch.randn(B, H, Tk, D)
+
+    def keys() -> torch.Tensor:
+        block = torch.randn(B, H, min(Tk, 1024), D)
+        return block if Tk <= 1024 else block.repeat(1, 1, -(-Tk // 1024), 1)[:, :, :Tk].contiguous()
+
+    return torch.randn(B, H, Tq, D), keys(), keys()

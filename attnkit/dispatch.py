@@ -111,7 +111,8 @@ def _mask_class(inp: AttentionInputs) -> str:
 def _work_terms(name: str, impl: type[Backend], inp: AttentionInputs) -> tuple[float, float, float]:
     """(work, materialized mask elements, loop ops) of one forward call of ``impl`` on ``inp``. The
     work is the GEMM FLOPs, or for decoding (a few queries over a cache: its time is reading K and V
-    once, whatever the number of queries) the bytes of the keys and values it reads."""
+    once, whatever the number of queries) the bytes of the keys and values it reads (once per query
+    head for a backend that repeats grouped K/V heads)."""
     work = impl.work
     materialized = impl.dense_mask_elements(inp)
     if work.materializes and inp.mask is not None:
@@ -126,7 +127,7 @@ def _work_terms(name: str, impl: type[Backend], inp: AttentionInputs) -> tuple[f
     scores = fraction * inp.Tq * inp.Tk * inp.B * inp.Hq
     tiles = scores / (work.tile[0] * work.tile[1]) if work.loop_ops else 0.0
     if _mask_class(inp) == "decode":
-        keys = fraction * inp.Tk * inp.B * inp.Hkv
+        keys = fraction * inp.Tk * inp.B * (inp.Hq if work.gqa == "repeats" else inp.Hkv)
         return keys * (inp.D + inp.Dv) * _stored_bytes(inp.k), float(materialized), tiles * work.loop_ops
     return 2.0 * scores * (inp.D + inp.Dv), float(materialized), tiles * work.loop_ops
 
@@ -161,7 +162,7 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     causal reference (else the machine's GEMM ratio), and for training tripled flops and the
     backend's measured per-call cost of a forward and backward on a tiny input. Decoding is
     priced by the K/V bytes read: a fixed part and a cost per byte, from the backend's times on two
-    decode problems (1 and 8 MiB each of K and V; without the smaller one, its bytes per second on
+    decode problems (1 and 32 MiB each of K and V; without the smaller one, its bytes per second on
     the larger after the tiny input's overhead)."""
     impl = list_backends().get(name)
     overhead = constants["backend_seconds"].get(name)
@@ -179,7 +180,7 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     refs = _reference_inputs(calibration.generation())
     small = constants.get("decode_small_seconds", {}).get(name)
     if cls == "decode" and small is not None and not inp.requires_grad:
-        # a fixed part and a cost per byte of K/V, both from decode calls (1 and 8 MiB each of K, V)
+        # a fixed part and a cost per byte of K/V, both from decode calls (1 and 32 MiB each of K, V)
         bytes_small, bytes_ref = (_work_terms(name, impl, refs[c])[0] for c in ("decode_small", "decode"))
         per_byte = max((measured[cls] - small) / (bytes_ref - bytes_small), 0.1 * measured[cls] / bytes_ref)
         return max(small - per_byte * bytes_small, 0.0) + per_byte * _work_terms(name, impl, inp)[0]
@@ -222,7 +223,7 @@ def _cost_order(inp: AttentionInputs, registered: tuple[str, ...]) -> tuple[str,
     order: list[str] = []
     known = list_backends()
     # Decoding is priced by the bytes each backend reads per second on a reference of the same kind
-    # (a few queries over 8 MiB of K/V), whatever its kind for prefill: the estimates alone decide.
+    # (a few queries over 32 MiB each of K and V), whatever its kind for prefill: the estimates alone decide.
     decoding = _mask_class(inp) == "decode"
     for name in sorted(modelled, key=lambda n: inf if costs.get(n) is None else costs[n]):
         # The model's uncertainty: a backend passes one earlier in the built-in order only when

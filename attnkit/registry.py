@@ -42,7 +42,9 @@ class Work:
     builds the whole (B, Hq, Tq, Tk) mask whenever there is a mask (a backend that decides per call
     says so through :meth:`Backend.dense_mask_elements` instead). ``fused``: one kernel per call
     (True) rather than PyTorch ops. ``loop_ops``: PyTorch ops a Python loop issues per tile (0: one
-    fused kernel, or ops over whole tensors).
+    fused kernel, or ops over whole tensors). ``gqa``: grouped K/V heads read in place
+    (``"in_place"``) or repeated for each query head of a group first (``"repeats"``: a decode step
+    then reads the group's K/V once per query head).
 
     The built-in order of ``auto`` comes from it: fused kernels, then PyTorch ops over whole tensors,
     then Python loops over tiles, then backends that materialize the mask (registration order breaks
@@ -54,12 +56,15 @@ class Work:
     materializes: bool = False
     fused: bool = False
     loop_ops: int = 0
+    gqa: str = "in_place"
 
     def __post_init__(self):
         if self.skips not in ("nothing", "tiles", "layout"):
             raise ValueError(f"Work.skips: expected 'nothing', 'tiles' or 'layout', got {self.skips!r}.")
         if self.half not in ("always", "when_fast", "never"):
             raise ValueError(f"Work.half: expected 'always', 'when_fast' or 'never', got {self.half!r}.")
+        if self.gqa not in ("in_place", "repeats"):
+            raise ValueError(f"Work.gqa: expected 'in_place' or 'repeats', got {self.gqa!r}.")
         if len(self.tile) != 2 or min(self.tile) < 1 or self.loop_ops < 0:
             raise ValueError(f"Work: expected a tile of two positive sizes and loop_ops >= 0, got {self!r}.")
 

@@ -442,29 +442,36 @@ def test_decoding_is_modelled_by_the_bytes_it_reads(monkeypatch):
 
 
 def test_decoding_is_priced_by_a_fixed_part_and_a_cost_per_byte_from_two_decode_problems(monkeypatch):
-    """With a backend's times on the small (1 MiB each of K, V) and the reference (8 MiB) decode
-    problems, a decode step costs the line through them: a backend with a large fixed part but fewer
-    seconds per byte loses short caches and wins long ones; the crossover is where the lines meet."""
+    """With a backend's times on the small and the reference decode problems, a decode step costs
+    the line through them: a backend with a large fixed part but fewer seconds per byte loses short
+    caches and wins long ones; the crossover is where the lines meet."""
     from attnkit import dispatch
 
+    def kv_bytes(problem):  # K and V of a float32 problem
+        (B, H, _, Tk, D), _mask = problem
+        return 2 * B * H * Tk * D * 4
+
+    ref_bytes = kv_bytes(calibration.reference_problems()["decode"])
+    small_bytes = kv_bytes(calibration.decode_small_problem())
     constants = _faster("decode", 1.0)
     big = constants["reference_seconds"]["sdpa"]["decode"]
     for name in constants["reference_seconds"]:
         constants["reference_seconds"][name]["decode"] = big
-    # sdpa: no fixed part, `big` at 8 MiB; decode: 50 us fixed, half sdpa's cost per byte
-    per_byte = big / (2 * 8 * 2**20)
-    constants["decode_small_seconds"] = {"sdpa": per_byte * 2 * 2**20, "decode": 50e-6 + per_byte * 2**20}
-    constants["reference_seconds"]["decode"]["decode"] = 50e-6 + per_byte * 8 * 2**20
+    # sdpa: no fixed part, `big` at the reference; decode: 50 us fixed, half sdpa's cost per byte
+    per_byte = big / ref_bytes
+    constants["decode_small_seconds"] = {"sdpa": per_byte * small_bytes, "decode": 50e-6 + per_byte / 2 * small_bytes}
+    constants["reference_seconds"]["decode"]["decode"] = 50e-6 + per_byte / 2 * ref_bytes
     _with_constants(monkeypatch, constants)
     constants = calibration.machine_constants()
 
     def est(name, Tk, **kw):
         return dispatch.estimated_seconds(name, _meta_inputs(1, 8, 1, 64, Causal(), Tk=Tk, **kw), constants)
 
-    assert est("sdpa", 4096) == pytest.approx(big, rel=1e-6) and est("sdpa", 512) == pytest.approx(big / 8, rel=1e-6)
-    assert est("decode", 8192) == pytest.approx(50e-6 + per_byte / 2 * 32 * 2**20, rel=1e-6)
-    assert est("decode", 512, dtype=torch.bfloat16) == pytest.approx(50e-6 + per_byte * 2**19, rel=1e-6)
-    crossover = 50e-6 / (per_byte * 2 * 64 * 4 * 8 / 2)  # keys where sdpa's cost equals decode's
+    row = 2 * 8 * 64 * 4  # K/V bytes per key of these inputs
+    assert est("sdpa", 4096) == pytest.approx(per_byte * 4096 * row, rel=1e-6)
+    assert est("decode", 8192) == pytest.approx(50e-6 + per_byte / 2 * 8192 * row, rel=1e-6)
+    assert est("decode", 512, dtype=torch.bfloat16) == pytest.approx(50e-6 + per_byte / 2 * 512 * row / 2, rel=1e-6)
+    crossover = 50e-6 / (per_byte / 2 * row)  # keys where sdpa's cost equals decode's
     short, long = int(crossover / 2), int(crossover * 2)
     assert est("sdpa", short) < est("decode", short) and est("decode", long) < est("sdpa", long)
     assert priority(_meta_inputs(1, 8, 1, 64, Causal(), Tk=short)).index("sdpa") < priority(
@@ -473,7 +480,22 @@ def test_decoding_is_priced_by_a_fixed_part_and_a_cost_per_byte_from_two_decode_
     # no small problem measured (an older probe's constants): the bytes per second after the overhead
     del constants["decode_small_seconds"]
     over = constants["backend_seconds"]["decode"]
-    assert est("decode", 8192) == pytest.approx(over + 2 * (constants["reference_seconds"]["decode"]["decode"] - over))
+    ref = constants["reference_seconds"]["decode"]["decode"]
+    assert est("decode", 8192) == pytest.approx(over + (ref - over) * 8192 * row / ref_bytes)
+
+
+def test_a_backend_that_repeats_grouped_heads_reads_them_once_per_query_head():
+    """SDPA on the CPU repeats grouped K/V per query head (Work.gqa == "repeats"): a decode step with
+    4 query heads per K/V head reads 4x its cache's bytes there, and once in the decode kernel."""
+    from attnkit import dispatch
+
+    known = attnkit.list_backends()
+    assert known["sdpa"].work.gqa == "repeats" and known["decode"].work.gqa == "in_place"
+    for name, factor in (("sdpa", 4.0), ("decode", 1.0)):
+        mha = dispatch._work_terms(name, known[name], _meta_inputs(1, 8, 1, 64, Causal(), Tk=4096))[0]
+        x, kv = torch.empty(1, 32, 1, 64, device="meta"), torch.empty(1, 8, 4096, 64, device="meta")
+        gqa = dispatch._work_terms(name, known[name], AttentionInputs.create(x, kv, kv, mask=Causal()))[0]
+        assert gqa == pytest.approx(factor * mha)
 
 
 def test_a_table_of_another_thread_count_says_so(tmp_path, monkeypatch):

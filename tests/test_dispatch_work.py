@@ -80,3 +80,5 @@ def test_declared_work_places_a_new_backend_in_the_builtin_order(scratch_registr
         register_backend(type("Bad", (Backend,), {"name": "bad_work", "work": {"skips": "tiles"}}))
     with pytest.raises(ValueError, match="Work.skips"):
         Work("everything")
+    with pytest.raises(ValueError, match="Work.gqa"):
+        Work(gqa="expands")
