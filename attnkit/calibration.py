@@ -487,10 +487,9 @@ def probe_constants() -> dict:
     """Measure the constants now (well under a second): the machine's rates, then each exact,
     available backend on a tiny input (``backend_seconds``: its per-call overhead; forward and
     backward, ``train_backend_seconds``: its per-call overhead when training), on the reference
-    problem of each mask class it can run (``reference_seconds[backend][class]``; the decode one
-    only for the backends within 2x of the fastest on the smaller decode problem,
-    ``decode_small_seconds[backend]``, :func:`decode_small_problem`), and on the causal reference in
-    bfloat16 and float16 (``half_reference_seconds[backend][dtype]``)."""
+    problem of each mask class it can run (``reference_seconds[backend][class]``), on the smaller
+    decode problem (``decode_small_seconds[backend]``, :func:`decode_small_problem`), and on the
+    causal reference in bfloat16 and float16 (``half_reference_seconds[backend][dtype]``)."""
     from .masks import BlockSparse, Causal, SlidingWindow
     from .registry import list_backends
 
@@ -532,17 +531,19 @@ def probe_constants() -> dict:
                             lambda: impl.forward(inp, None), _REFERENCE_REPEATS)
             except Exception:  # a backend that fails here is not ranked by cost; its reasons decide
                 continue
-        # The long decode problem (a few ms a call) only for the backends within 2x of the fastest
-        # on the small one: the others are not priced for decoding and come after them.
+        # The long decode problem (a few milliseconds a call; a prefill kernel, tens), fastest on
+        # the small one first: a backend over 3x the fastest so far is timed once.
         (q, k, v), mask = problems["decode"]
         long = AttentionInputs.create(q, k, v, mask=mask)
-        fastest = min(decode_small.values(), default=0.0)
-        for name in [n for n, t in decode_small.items() if t <= 2 * fastest]:
+        fastest = None
+        for name in sorted(decode_small, key=decode_small.get):
             impl = list_backends()[name]
             try:
                 if impl.can_run(long):
-                    reference.setdefault(name, {})["decode"] = hardware.best_seconds(
-                        lambda: impl.forward(long, None), 3)
+                    seconds = hardware.best_seconds(lambda: impl.forward(long, None), 3,
+                                                    enough=None if fastest is None else 3 * fastest)
+                    reference.setdefault(name, {})["decode"] = seconds
+                    fastest = seconds if fastest is None else min(fastest, seconds)
             except Exception:
                 pass
         decode_small = {n: t for n, t in decode_small.items() if "decode" in reference.get(n, {})}

@@ -75,14 +75,17 @@ def machine_id() -> dict:
     }
 
 
-def best_seconds(fn, repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls of ``fn`` after one warm-up call."""
+def best_seconds(fn, repeats: int, enough: float | None = None) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` after one warm-up call; with ``enough``,
+    fewer once the fastest so far is slower than that (more calls would not change a ranking)."""
     fn()  # warm up
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
+        if enough is not None and best > enough:
+            break
     return best
 
 

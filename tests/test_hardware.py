@@ -52,3 +52,13 @@ def test_machine_id_and_probed_rates_are_plain_positive_figures():
     rates = hardware.probe_rates()
     figures = [*rates["gemm_gflops"].values(), rates["tile_gflops"], rates["bandwidth_gbs"], rates["op_seconds"]]
     assert set(rates["gemm_gflops"]) == {"float32", "bfloat16", "float16"} and all(x > 0 for x in figures)
+
+
+def test_best_seconds_stops_once_a_call_is_slower_than_enough():
+    import time
+
+    calls = []
+    slow = lambda: calls.append(1) or time.sleep(0.002)  # noqa: E731
+    assert hardware.best_seconds(slow, 5, enough=0.001) >= 0.002 and len(calls) == 2  # warm-up and one
+    calls.clear()
+    assert hardware.best_seconds(slow, 3) >= 0.002 and len(calls) == 4
