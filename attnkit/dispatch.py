@@ -161,9 +161,10 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     the other terms), scaled for half-precision inputs by the backend's own half/float32 speed on the
     causal reference (else the machine's GEMM ratio), and for training tripled flops and the
     backend's measured per-call cost of a forward and backward on a tiny input. Decoding is
-    priced by the K/V bytes read: a fixed part and a cost per byte, from the backend's times on two
-    decode problems (1 and 32 MiB each of K and V; without the smaller one, its bytes per second on
-    the larger after the tiny input's overhead)."""
+    priced by the K/V bytes read, through the backend's times on two decode problems (1 and 32 MiB
+    each of K and V): a cost per byte between them, and below the small one a line from the fixed
+    part that implies (without the small one: its bytes per second on the larger after the tiny
+    input's overhead)."""
     impl = list_backends().get(name)
     overhead = constants["backend_seconds"].get(name)
     measured = constants["reference_seconds"].get(name, {})
@@ -180,10 +181,17 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     refs = _reference_inputs(calibration.generation())
     small = constants.get("decode_small_seconds", {}).get(name)
     if cls == "decode" and small is not None and not inp.requires_grad:
-        # a fixed part and a cost per byte of K/V, both from decode calls (1 and 32 MiB each of K, V)
+        # Through both decode calls (1 and 32 MiB each of K, V): past the small one, its time plus the
+        # cost per byte between them; below it, a line from the fixed part that line implies (at
+        # least 0) to the small call's time (a small cache is read from the CPU's caches, faster
+        # per byte than a long one from memory).
         bytes_small, bytes_ref = (_work_terms(name, impl, refs[c])[0] for c in ("decode_small", "decode"))
         per_byte = max((measured[cls] - small) / (bytes_ref - bytes_small), 0.1 * measured[cls] / bytes_ref)
-        return max(small - per_byte * bytes_small, 0.0) + per_byte * _work_terms(name, impl, inp)[0]
+        work = _work_terms(name, impl, inp)[0]
+        if work >= bytes_small:
+            return small + per_byte * (work - bytes_small)
+        fixed = min(max(small - per_byte * bytes_small, 0.0), small)
+        return fixed + (small - fixed) * work / bytes_small
     ref = refs[cls]
     flops_ref, mat_ref, loops_ref = _work_terms(name, impl, ref)
     compute_ref = max(measured[cls] - overhead - mat_ref * _MASK_BYTES / bandwidth - loops_ref * op,
