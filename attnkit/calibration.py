@@ -463,8 +463,8 @@ def reference_problems() -> dict:
     square = (1, 8, T, T, 64)
     return {"causal": (square, Causal()), "band": (square, Causal() & SlidingWindow(T // 4, 0)),
             "layout": (square, BlockSparse.bigbird(T // 32, 32, window=1, global_blocks=1, random_blocks=0)),
-            # 32 MiB each of K and V: a cache past the last-level caches (at 8 MiB, one that fits,
-            # SDPA read 3-10x faster than from memory, so long caches were priced as if they fit)
+            # 32 MiB each of K and V: a cache past the last-level caches (one that fits in them is
+            # read faster per byte, and long caches would be priced as if they fit)
             "decode": ((1, 8, 1, 16384, 64), Causal())}
 
 

@@ -193,8 +193,8 @@ def default_options(inp: AttentionInputs, given: NativeOptions | None = None) ->
     diagonal, a wide window) where that saves more than a sixteenth of the scores computed: a tile
     across an edge computes about half its scores in vain, so each edge costs a query row about
     ``(block_q + block_k) / 2`` wasted scores (192 with 128 x 256, 128 with square tiles) beside the
-    keys the row keeps, and smaller tiles cost their own per-tile work (at n=8192 causal, 128 x 128
-    tiles ran 5% slower here; at n=256, where 128 x 256 tiles compute every score, 1.3x faster)."""
+    keys the row keeps, and smaller tiles cost their own per-tile work (so long rows keep the wider
+    tiles; at n=256 causal, 128 x 256 tiles compute every score)."""
     given = given or NativeOptions()
     bq, bk = 128, 256
     mask = inp.mask

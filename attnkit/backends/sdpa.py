@@ -37,7 +37,7 @@ class SDPABackend(Backend):
     # is_causal skips key blocks past the diagonal, whole blocks of PyTorch's CPU flash kernel (32 to
     # 256 queries by 512 keys: kvSplitSize); a dense mask skips nothing
     # gqa: on the CPU, grouped K/V take torch's path that repeats them per query head (a decode step
-    # at 32/8 heads reads at a quarter of the bytes per second of the same cache with 8/8 heads)
+    # with grouped heads reads its cache far slower per byte than the same bytes with one query head each)
     work = Work("tiles", (64, 512), half="always", fused=True, gqa="repeats")
     summary = "torch.nn.functional.scaled_dot_product_attention (fused flash/efficient/math kernels)"
     supports_dropout = True
