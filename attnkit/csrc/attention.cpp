@@ -351,6 +351,9 @@ struct Backward {
   Packed<T> kT, vT, kB, qT, doT;  // B: K^T, V^T (scores, dP), K (dQ); A: Q^T, dO^T (dK, dV)
   A* dist_buf = nullptr;  // (n_add, B, Hq, nQ, dist_w) or null: the distance vectors' gradient per query tile
   A* dbias = nullptr;     // (B, Hq, Tq, Tk) or null
+  // The gradients as returned, in the inputs' dtype: each task writes the part it owns once that part is
+  // final (dK, dV untransposed). dq_out is null when the accumulator dq is returned as it is (T == A).
+  T *dk_out = nullptr, *dv_out = nullptr, *dq_out = nullptr;
 
   // A query tile's buffer element l is the gradient at distance d0(qt) + l; the tile's
   // pos(k) - pos(q) span k0 + j - i for i < bq, so bq - 1 + Tk elements cover every key.
@@ -443,6 +446,34 @@ struct Backward {
 
   bool live(int64_t qt, int64_t kt) const { return P.m->grid[qt * P.nK + kt] != 0; }
 
+  // dst (columns c0..c0+nc of src, as rows of width `rows`) = src (rows x Tk) transposed, in T.
+  void store_transposed(const A* src, int64_t rows, int64_t c0, int64_t nc, T* dst) const {
+    constexpr int64_t S = 16;
+    for (int64_t j0 = c0; j0 < c0 + nc; j0 += S) {
+      const int64_t j1 = std::min(j0 + S, c0 + nc);
+      for (int64_t i0 = 0; i0 < rows; i0 += S) {
+        const int64_t i1 = std::min(i0 + S, rows);
+        for (int64_t j = j0; j < j1; ++j)
+          for (int64_t i = i0; i < i1; ++i) dst[j * rows + i] = static_cast<T>(src[i * P.Tk + j]);
+      }
+    }
+  }
+
+  // Key rows k0..k0+nk of kv head (b, hk) are final: write dK and dV as returned.
+  void store_kv(int64_t b, int64_t hk, int64_t k0, int64_t nk) const {
+    const int64_t kv0 = (b * P.Hkv + hk) * P.Tk;
+    store_transposed(dkT + kv0 * P.D, P.D, k0, nk, dk_out + kv0 * P.D);
+    store_transposed(dvT + kv0 * P.Dv, P.Dv, k0, nk, dv_out + kv0 * P.Dv);
+  }
+
+  // Query rows row0..row0+nq (flat over batch, head, position) are final: write dQ as returned.
+  void store_q(int64_t row0, int64_t nq) const {
+    if (!dq_out) return;
+    const A* src = dq + row0 * P.D;
+    T* dst = dq_out + row0 * P.D;
+    for (int64_t i = 0; i < nq * P.D; ++i) dst[i] = static_cast<T>(src[i]);
+  }
+
   // dK, dV of key tile kt: query heads of the group and query tiles ascending.
   void key_tile(Work& w, int64_t b, int64_t hk, int64_t kt) const {
     for (int64_t g = 0; g < P.G; ++g) {
@@ -469,7 +500,9 @@ struct Backward {
               for (int64_t kt = 0; kt < P.nK; ++kt)
                 if (live(qt, kt)) tile(w, b, h, qt, kt, true, true);
             }
+            store_q((b * P.Hq + hk * P.G + g) * P.Tq, P.Tq);
           }
+          store_kv(b, hk, 0, P.Tk);
         }
         attnkit::gemm_done<T>();
       });
@@ -477,7 +510,11 @@ struct Backward {
     }
     at::parallel_for(0, P.B * P.Hkv * P.nK, 1, [&](int64_t begin, int64_t end) {
       Work w(P);
-      for (int64_t t = begin; t < end; ++t) key_tile(w, t / (P.Hkv * P.nK), (t / P.nK) % P.Hkv, zigzag(t % P.nK, P.nK));
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t b = t / (P.Hkv * P.nK), hk = (t / P.nK) % P.Hkv, kt = zigzag(t % P.nK, P.nK);
+        key_tile(w, b, hk, kt);
+        store_kv(b, hk, kt * P.bk, std::min(P.bk, P.Tk - kt * P.bk));
+      }
       attnkit::gemm_done<T>();
     });
     at::parallel_for(0, P.B * P.Hq * P.nQ, 1, [&](int64_t begin, int64_t end) {
@@ -487,6 +524,7 @@ struct Backward {
         load_q(w, (b * P.Hq + h) * P.Tq + q0, std::min(P.bq, P.Tq - q0));
         for (int64_t kt = 0; kt < P.nK; ++kt)
           if (live(qt, kt)) tile(w, b, h, qt, kt, false, true);
+        store_q((b * P.Hq + h) * P.Tq + q0, std::min(P.bq, P.Tq - q0));
       }
       attnkit::gemm_done<T>();
     });
@@ -570,6 +608,8 @@ Outs5 backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const bool with_dist = need_dist && dist.dim() == 3;
   auto d_dist = with_dist ? at::zeros(dist.sizes(), opts) : at::empty({0}, opts);
   auto dbias = need_dbias ? at::zeros({q.size(0), q.size(1), q.size(2), k.size(2)}, opts) : at::empty({0}, opts);
+  auto dk = at::empty(k.sizes(), k.options()), dv = at::empty(v.sizes(), v.options());
+  auto dq_out = q.scalar_type() == stat ? dq : at::empty(q.sizes(), q.options());
   MaskSpec m = make_spec(grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
   ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native_backward", [&] {
     using T = scalar_t;
@@ -597,13 +637,12 @@ Outs5 backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       bw.dist_buf = dist_buf.data_ptr<Acc<T>>();
     }
     if (need_dbias) bw.dbias = dbias.data_ptr<Acc<T>>();
+    bw.dk_out = dk.data_ptr<T>(), bw.dv_out = dv.data_ptr<T>();
+    if (q.scalar_type() != stat) bw.dq_out = dq_out.data_ptr<T>();
     bw.run(P.B * P.Hkv < at::get_num_threads());
     if (bw.dist_buf) bw.reduce_dist(d_dist.data_ptr<Acc<T>>());
   });
-  auto dk = dkT.transpose(2, 3).to(q.scalar_type()).contiguous();
-  auto dv = dvT.transpose(2, 3).to(q.scalar_type()).contiguous();
-  if (q.scalar_type() != stat) dq = dq.to(q.scalar_type());
-  return {dq, dk, dv, d_dist, dbias};
+  return {dq_out, dk, dv, d_dist, dbias};
 }
 
 }  // namespace
