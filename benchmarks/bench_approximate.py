@@ -37,7 +37,8 @@ B, H, D = 1, 8, 64
 
 
 def seconds(fn, min_run_time: float) -> float:
-    return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
+    return benchmark.Timer("fn()", globals={"fn": fn},
+                           num_threads=torch.get_num_threads()).blocked_autorange(min_run_time=min_run_time).median
 
 
 def interleaved(fns: dict, rounds: int, min_run_time: float) -> dict[str, float]:

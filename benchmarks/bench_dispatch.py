@@ -46,7 +46,8 @@ SECTIONS = ("probe", "decode", "window", "bigbird")
 
 
 def _median_time(fn, min_run_time: float) -> float:
-    return tb.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
+    return tb.Timer(stmt="fn()", globals={"fn": fn},
+                    num_threads=torch.get_num_threads()).blocked_autorange(min_run_time=min_run_time).median
 
 
 def probe_seconds() -> float:

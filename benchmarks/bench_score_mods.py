@@ -182,7 +182,8 @@ def interleaved(fns: dict, repeats: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            times[name].append(benchmark.Timer("fn()", globals={"fn": fn}).timeit(1).mean)
+            times[name].append(benchmark.Timer("fn()", globals={"fn": fn},
+                                               num_threads=torch.get_num_threads()).timeit(1).mean)
     return {name: statistics.median(t) for name, t in times.items()}
 
 

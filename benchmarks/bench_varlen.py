@@ -145,7 +145,8 @@ def hf_packed(args):
     times = {"padded": [], "packed": []}
     for _ in range(args.repeats):  # interleaved rounds
         for name, batch in (("padded", padded), ("packed", packed)):
-            times[name].append(benchmark.Timer("fn()", globals={"fn": lambda: train_step(batch)}).timeit(1).median)
+            times[name].append(benchmark.Timer("fn()", globals={"fn": lambda: train_step(batch)},
+                                               num_threads=args.threads).timeit(1).median)
     med = {name: statistics.median(t) for name, t in times.items()}
     print(f"\nhf: tiny Llama (2 layers, hidden 128), {len(seqs)} sequences, {sum(lengths)} tokens (padded to "
           f"{len(seqs)} x {T}), one training step (fwd+bwd):")
@@ -193,7 +194,8 @@ def attention_times(args):
         times = {name: [] for name in fns}
         for _ in range(args.repeats):  # interleaved rounds
             for name, fn in fns.items():
-                times[name].append(benchmark.Timer("fn()", globals={"fn": fn}).timeit(1).median)
+                timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=args.threads)
+                times[name].append(timer.timeit(1).median)
         med = {name: statistics.median(t) for name, t in times.items()}
         print(f"\n{dtype_name}:")
         for name, t in med.items():

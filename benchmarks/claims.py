@@ -71,7 +71,8 @@ def multihead(lengths: tuple[int, ...] = (1024, 2048), width: int = 512, heads: 
         multi = [torch.randn(1, heads, n, width // heads, device=device) for _ in range(3)]
         single = [torch.randn(1, 1, n, width, device=device) for _ in range(3)]
         timers = {
-            name: tb.Timer("F.scaled_dot_product_attention(q, k, v)", globals={"F": F, "q": t[0], "k": t[1], "v": t[2]})
+            name: tb.Timer("F.scaled_dot_product_attention(q, k, v)", globals={"F": F, "q": t[0], "k": t[1], "v": t[2]},
+                             num_threads=torch.get_num_threads())
             for name, t in (("multi", multi), ("single", single))
         }
         times = {"multi": [], "single": []}

@@ -380,3 +380,18 @@ def test_auto_vs_best_plot_has_one_panel_per_pass(tmp_path):
     path = _auto_over_best({"auto_verification": rows, "results": []}, tmp_path / "auto.png")
     assert path is not None and path.stat().st_size > 1000
     assert _auto_over_best({"results": []}, tmp_path / "none.png") is None
+
+
+def test_timings_run_at_the_process_thread_count():
+    # torch.utils.benchmark.Timer times at 1 thread unless told: the sweep (and the table it writes,
+    # and auto's decisions inside the timed calls) must see the thread count the process runs at
+    from attnkit.bench.runner import _time
+
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    try:
+        torch.set_num_threads(2)
+        _time(lambda: seen.append(torch.get_num_threads()), 0.001)
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {2}

@@ -70,7 +70,10 @@ def _time(fn: Callable[[], object], min_run_time: float) -> tb.Measurement:
     # warning on CPU-only installs of machines with a CUDA toolkit, and every command imports this module
     import torch.utils.benchmark as tb
 
-    return tb.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time)
+    # num_threads: Timer's default is 1; the sweep measures the thread count the process (and auto's
+    # decisions, and the table it writes) runs at
+    return tb.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()).blocked_autorange(
+        min_run_time=min_run_time)
 
 
 def matmul_peak(device: str, dtype: torch.dtype, min_run_time: float = 0.2) -> float:

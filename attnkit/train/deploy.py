@@ -48,7 +48,8 @@ def quantize_report(model: nn.Module, data, cfg, log=print, repeats: int = 3) ->
     with torch.inference_mode():
         for _ in range(repeats):  # interleave: the CPU is shared and noisy
             for name, m in (("fp32", fp), ("int8", q)):
-                t = benchmark.Timer("m(x)", globals={"m": m, "x": x}).blocked_autorange(min_run_time=0.3)
+                t = benchmark.Timer("m(x)", globals={"m": m, "x": x},
+                                    num_threads=torch.get_num_threads()).blocked_autorange(min_run_time=0.3)
                 times[name].append(t.median)
     t_fp, t_q = min(times["fp32"]), min(times["int8"])
     report = {"fp32_loss": loss_fp, "int8_loss": loss_q, "loss_delta": loss_q - loss_fp,
