@@ -395,3 +395,25 @@ def test_timings_run_at_the_process_thread_count():
     finally:
         torch.set_num_threads(before)
     assert seen and set(seen) == {2}
+
+
+def test_memory_measurement_leaves_the_allocator_as_a_process_has_it():
+    # Measuring pins glibc's mmap threshold low for that call; the calls timed afterwards must not
+    # page-fault a fresh mmap for every tensor (allocation-heavy backends would be timed slower).
+    import resource
+
+    from attnkit.bench.memory import PeakMemory
+
+    meter = PeakMemory("cpu")
+    if meter.method.startswith("none"):
+        pytest.skip("no peak-RSS measurement here (not Linux with glibc)")
+    size = 4 * 2**20 // 4  # 4 MiB of float32
+    peak = meter.measure(lambda: torch.ones(size))
+    assert peak is not None and peak >= 3 * 2**20  # the measurement itself still counts the tensor
+    for _ in range(3):  # the heap grows to hold it once
+        torch.ones(size)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        torch.ones(size)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < 20 * 1024 // 2, f"{faults} page faults for 20 reused 4 MiB tensors (1024 pages each)"

@@ -8,7 +8,10 @@
   (``echo 5 > /proc/self/clear_refs``); after it, the peak is ``VmHWM - VmRSS(before)``. It counts
   every byte the call touched (including allocator slack and thread stacks) and misses memory reused
   from the heap's free lists (small tensors): accurate to about a MiB for the MiB-to-GiB peaks that
-  matter here.
+  matter here. After the call the thresholds go back to where glibc's own dynamic rule settles in a
+  process that keeps allocating tensors (mmap 32 MiB, trim 64 MiB): left at 128 KiB, every later
+  tensor of 128 KiB or more would be a fresh mmap with its page faults, and the calls timed after a
+  measurement would pay a cost no user's process pays (more for backends that allocate more).
 * Elsewhere: no measurement (``None``); the report shows the estimate only, labelled as such.
 """
 
@@ -22,7 +25,12 @@ import torch
 
 __all__ = ["PeakMemory"]
 
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+_M_TRIM_THRESHOLD = -1  # glibc mallopt parameters
+_M_MMAP_THRESHOLD = -3
+_MEASURE_MMAP = 128 * 1024  # every tensor of this size or more its own mmap while a call is measured
+# glibc's dynamic thresholds at their ceiling (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit, trim = 2 x mmap),
+# where they settle in a process that allocates and frees tensors of up to 32 MiB
+_STEADY_MMAP, _STEADY_TRIM = 32 * 1024 * 1024, 64 * 1024 * 1024
 
 
 class PeakMemory:
@@ -40,8 +48,9 @@ class PeakMemory:
     def _setup_cpu(self) -> bool:
         try:
             libc = ctypes.CDLL("libc.so.6")
-            if libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024) != 1:
+            if libc.mallopt(_M_MMAP_THRESHOLD, _MEASURE_MMAP) != 1:
                 return False
+            self._steady(libc)
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
             self._status()
@@ -49,6 +58,11 @@ class PeakMemory:
             return False
         self._libc = libc
         return True
+
+    @staticmethod
+    def _steady(libc) -> None:
+        libc.mallopt(_M_MMAP_THRESHOLD, _STEADY_MMAP)
+        libc.mallopt(_M_TRIM_THRESHOLD, _STEADY_TRIM)
 
     @staticmethod
     def _status() -> tuple[int, int]:
@@ -75,11 +89,15 @@ class PeakMemory:
         if self._libc is None:
             fn()
             return None
-        self._libc.malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        rss_before, _ = self._status()
-        result = fn()
-        _, high = self._status()
-        del result
+        self._libc.mallopt(_M_MMAP_THRESHOLD, _MEASURE_MMAP)
+        try:
+            self._libc.malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            rss_before, _ = self._status()
+            result = fn()
+            _, high = self._status()
+            del result
+        finally:
+            self._steady(self._libc)
         return max(0, high - rss_before)
