@@ -232,18 +232,22 @@ def _sweep(*rows):
 
 @pytest.fixture
 def fake_time(monkeypatch):
-    """Timings without a clock: each ``_time`` call returns the next of ``times`` (cycled); each
-    interleaved round times the tie's backends in the sweep's order."""
+    """Timings without a clock: each call timed takes the next of ``times`` (cycled) when first
+    timed, and keeps it; an interleaved comparison's first round times its calls in the sweep's
+    order (later rounds alternate it)."""
     from types import SimpleNamespace
 
     from attnkit.bench import runner
 
     times: list[float] = []
-    count = [0]
+    index: dict[int, int] = {}
+    held: list = []  # the calls timed, kept alive: their ids stay theirs
 
     def fake(fn, min_run_time):
-        count[0] += 1
-        return SimpleNamespace(median=times[(count[0] - 1) % len(times)])
+        if id(fn) not in index:
+            index[id(fn)] = len(index)
+            held.append(fn)
+        return SimpleNamespace(median=times[index[id(fn)] % len(times)])
 
     monkeypatch.setattr(runner, "_time", fake)
     return times
@@ -265,7 +269,7 @@ def test_a_tie_is_resolved_by_the_interleaved_ratio_beyond_the_margin(fake_time,
     resolved = resolve_ties(table, results, TIE_CONFIG)
     (point,) = resolved["entries"][KEY]
     assert point["order"] == [*order, "tiled"] and bool(point.get("tie")) == tie
-    assert point["interleaved"]["rounds"] == runner.INTERLEAVED_ROUNDS
+    assert runner.INTERLEAVED_ROUNDS <= point["interleaved"]["rounds"] <= 3 * runner.INTERLEAVED_ROUNDS
     assert point["interleaved"]["ratio"] == pytest.approx(max(second_over_first, 1 / second_over_first))
     assert calls == ["sdpa", "naive"]  # the two tied backends, on the point's inputs
     assert table["entries"][KEY][0]["tie"] and "interleaved" not in table["entries"][KEY][0]  # not changed
@@ -354,3 +358,30 @@ def test_a_table_with_a_malformed_interleaved_ratio_is_ignored(table_path):
     assert calibration.load() is not None
     with pytest.raises(ValueError, match="interleaved"):
         calibration.save({"entries": {KEY: [{**point, "interleaved": {"ratio": "fast"}}]}})
+
+
+def test_interleaved_rounds_grow_for_cheap_calls_and_alternate_the_order(monkeypatch):
+    from types import SimpleNamespace
+
+    from attnkit.bench import runner
+
+    base = runner.INTERLEAVED_ROUNDS
+    assert runner.interleaved_rounds(1.0, base, 0.05) == base  # slow calls: the rounds asked for
+    assert runner.interleaved_rounds(1e-3, base, 0.05) == min(3 * base, -(-runner.INTERLEAVED_SECONDS // 0.05))
+    assert runner.interleaved_rounds(1e-6, base, 1e-6) == 3 * base  # never more than three times
+    order: list[str] = []
+
+    def fake(fn, min_run_time):
+        order.append(fn.__name__)
+        return SimpleNamespace(median={"a": 1.0, "b": 2.0}[fn.__name__])
+
+    def a():
+        pass
+
+    def b():
+        pass
+
+    monkeypatch.setattr(runner, "_time", fake)
+    per_round = runner._interleaved_times([a, b], base, 10.0)  # blocks of 10 s: the rounds asked for
+    assert per_round == [[1.0, 2.0]] * base  # in the order given, whatever order they ran in
+    assert order == ["a", "b", "b", "a"] * (base // 2) + ["a", "b"] * (base % 2)

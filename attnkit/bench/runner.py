@@ -402,6 +402,18 @@ def _half_interval(row: dict, floor: float) -> float:
 #: Alternating rounds of an interleaved comparison (:func:`resolve_ties`, :func:`verify_auto`): one
 #: round's ratio on a busy machine can be several per cent off, and tied backends are closer than that.
 INTERLEAVED_ROUNDS = 5
+#: The least time an interleaved comparison gives each call over its rounds: calls so cheap that
+#: INTERLEAVED_ROUNDS blocks time them for less get more rounds (at most three times as many), since
+#: a round of a millisecond call is a few dozen calls, and two such backends' per-round ratio can be
+#: a fifth off on a shared machine.
+INTERLEAVED_SECONDS = 0.5
+
+
+def interleaved_rounds(seconds: float, rounds: int, min_run_time: float) -> int:
+    """The rounds an interleaved comparison of calls taking ``seconds`` each runs (see
+    :data:`INTERLEAVED_SECONDS`): one round is one ``blocked_autorange`` of each call, at least
+    ``min_run_time`` or one call."""
+    return max(rounds, min(3 * rounds, math.ceil(INTERLEAVED_SECONDS / max(min_run_time, seconds, 1e-9))))
 #: A tie's fastest backend timed interleaved is told apart from another when the median of the
 #: per-round ratios of their times is beyond 1 by more than this; closer, the point stays a tie.
 TIE_MARGIN = 0.01
@@ -415,11 +427,12 @@ def resolve_ties(table: dict, results: dict, config: BenchConfig, budget_s: floa
     cent of each other come out in any order; an interleaved comparison tells them apart. At each
     tie point, the backends within the sweep's noise of the fastest (its two leaders, or more) run
     on that point's inputs (a point pooling several mask specs runs them all in one timed call: the
-    sum, as the sweep's ranking) in ``rounds`` alternations, each round one ``blocked_autorange`` of
-    each in turn (as :func:`verify_auto` does). The fastest is the one whose largest median per-round
-    ratio to any other is smallest (of two: the faster by that median); the point's order puts it
+    sum, as the sweep's ranking) in ``rounds`` alternations or more (:func:`_interleaved_times`), each
+    round one ``blocked_autorange`` of each in turn (as :func:`verify_auto` does). The fastest is
+    the one whose largest median per-round ratio to any other is smallest (of two: the faster by
+    that median); the point's order puts it
     first, then the others it timed by that ratio, then the rest as the sweep ranked them, and
-    records ``"interleaved": {"ratio": ratio, "rounds": rounds}``: the median over the rounds of the
+    records ``"interleaved": {"ratio": ratio, "rounds": rounds run}``: the median over the rounds of the
     second's time over the first's. When that is beyond ``1 + TIE_MARGIN`` the point is no longer a tie and
     ``auto`` follows it; within the margin it stays a tie (the cost model decides).
 
@@ -440,8 +453,10 @@ def resolve_ties(table: dict, results: dict, config: BenchConfig, budget_s: floa
 
     def cost(item: tuple[str, int]) -> float:  # warm-up calls, then each round's timings
         key, i = item
-        return sum(rows[b]["median_s"] + rounds * max(config.min_run_time, rows[b]["median_s"])
-                   for rows in grouped[key, entries[key][i]["n"]].values() for b in contenders(item))
+        per_call = {b: sum(rows[b]["median_s"] for rows in grouped[key, entries[key][i]["n"]].values())
+                    for b in contenders(item)}
+        n_rounds = interleaved_rounds(max(per_call.values()), rounds, config.min_run_time)
+        return sum(t + n_rounds * max(config.min_run_time, t) for t in per_call.values())
 
     start = time.perf_counter()
     for item in sorted(tied, key=cost):
@@ -468,7 +483,7 @@ def resolve_ties(table: dict, results: dict, config: BenchConfig, budget_s: floa
         rivals = sorted((y for y in range(len(names)) if y != fastest), key=lambda y: over(y, fastest))
         ratio = over(rivals[0], fastest)
         point["order"] = [names[fastest], *(names[y] for y in rivals), *(b for b in point["order"] if b not in names)]
-        point["interleaved"] = {"ratio": ratio, "rounds": rounds}
+        point["interleaved"] = {"ratio": ratio, "rounds": len(per_round)}
         if ratio > 1 + TIE_MARGIN:
             del point["tie"]
     return {**table, "entries": entries}
@@ -482,11 +497,21 @@ def _in_sequence(calls: list[Callable[[], object]]) -> Callable[[], object]:
 
 
 def _interleaved_times(fns: list[Callable[[], object]], rounds: int, min_run_time: float) -> list[list[float]]:
-    """Each of ``fns`` timed interleaved: all warmed, then ``rounds`` rounds of one
-    ``blocked_autorange`` of each in turn; per round, each one's median time."""
+    """Each of ``fns`` timed interleaved: all warmed, then ``rounds`` rounds (more for cheap calls:
+    :func:`interleaved_rounds`, from the slowest warm-up call) of one ``blocked_autorange`` of each
+    in turn, the order reversed every other round (whatever a position in the round costs falls on
+    each alike); per round, each one's median time, in the order of ``fns``."""
+    warm = 0.0
     for fn in fns:  # warm them all
+        start = time.perf_counter()
         fn()
-    return [[_time(fn, min_run_time).median for fn in fns] for _ in range(rounds)]
+        warm = max(warm, time.perf_counter() - start)
+    out = []
+    for r in range(interleaved_rounds(warm, rounds, min_run_time)):
+        order = range(len(fns)) if r % 2 == 0 else range(len(fns) - 1, -1, -1)
+        times = {i: _time(fns[i], min_run_time).median for i in order}
+        out.append([times[i] for i in range(len(fns))])
+    return out
 
 
 def verify_auto(results: dict, config: BenchConfig, rounds: int = INTERLEAVED_ROUNDS, budget_s: float | None = None,
@@ -499,9 +524,10 @@ def verify_auto(results: dict, config: BenchConfig, rounds: int = INTERLEAVED_RO
     the backend to check, called by its name, and that pick's time in the sweep (or None); points
     without a pick are left out. Where the pick is the best itself the ratio is 1 by construction
     (one backend timed against itself only measures noise; ``"timed": false``); elsewhere both are
-    timed interleaved (``rounds`` alternations) and the median of the per-round ratios is reported
-    (``"timed": true``). A point whose pick a row of ``known`` (another column's verification)
-    already timed takes that row's figure (``"from_known": true``): one backend gets one figure.
+    timed interleaved (``rounds`` alternations or more: :func:`_interleaved_times`) and the median of
+    the per-round ratios is reported (``"timed": true``). A point whose pick a row of ``known``
+    (another column's verification) already timed takes that row's figure (``"from_known": true``):
+    one backend gets one figure.
     Once ``budget_s`` is spent, the remaining points take the sweep's own times of the two backends
     (back to back, ``"timed": false``); a point whose pick the sweep did not time is then left out.
     Every row keeps that sweep figure as ``auto_over_best_sweep`` where there is one."""
