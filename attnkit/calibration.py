@@ -41,11 +41,14 @@ A lookup takes the measured length nearest to the input's ``n = sqrt(Tq * Tk)`` 
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 import os
 import threading
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -503,36 +506,60 @@ def probe_constants() -> dict:
     small_shape, small_mask = decode_small_problem()
     small = AttentionInputs.create(*_random(small_shape), mask=small_mask)
     overhead, train_overhead, reference, half, decode_small = {}, {}, {}, {}, {}
+    # Every timed call of every backend: (backend, where its best time goes, key, call, repeats).
+    calls: list[tuple[str, dict, str, Callable[[], object], int]] = []
     with torch.no_grad():
         for name, impl in list_backends().items():
             if not impl.exact or getattr(impl, "compiles", False):
                 continue
+            mine = []
             try:
                 inp = next((i for m in tiny_masks
                             if impl.can_run(i := AttentionInputs.create(tiny, tiny, tiny, mask=m))), None)
                 if inp is None:
                     continue
-                overhead[name] = hardware.best_seconds(lambda: impl.forward(inp, None), 5)
+                mine.append((name, overhead, name, functools.partial(impl.forward, inp, None), 5))
                 seconds = _train_overhead(impl, inp) if name != "naive" else None  # never ranked by cost
                 if seconds is not None:
                     train_overhead[name] = seconds
                 for cls, ((q, k, v), mask) in problems.items() if name != "naive" else ():  # never ranked by cost
                     inp = AttentionInputs.create(q, k, v, mask=mask)
                     if cls != "decode" and impl.can_run(inp):
-                        reference.setdefault(name, {})[cls] = hardware.best_seconds(
-                            lambda: impl.forward(inp, None), _REFERENCE_REPEATS)
+                        mine.append((name, reference.setdefault(name, {}), cls,
+                                     functools.partial(impl.forward, inp, None), _REFERENCE_REPEATS))
                 if name != "naive" and impl.can_run(small):
-                    decode_small[name] = hardware.best_seconds(lambda: impl.forward(small, None), _REFERENCE_REPEATS)
+                    mine.append((name, decode_small, name, functools.partial(impl.forward, small, None),
+                                 _REFERENCE_REPEATS))
                 # Its own speed in half precision (a kernel's bf16 path need not follow the GEMM rates):
                 # the causal reference again in each half dtype.
                 (q, k, v), mask = problems["causal"]
                 for dtype in (torch.bfloat16, torch.float16) if name in reference and impl.work.half != "never" else ():
                     inp = AttentionInputs.create(q.to(dtype), k.to(dtype), v.to(dtype), mask=mask)
                     if impl.can_run(inp):
-                        half.setdefault(name, {})[str(dtype).removeprefix("torch.")] = hardware.best_seconds(
-                            lambda: impl.forward(inp, None), _REFERENCE_REPEATS)
+                        mine.append((name, half.setdefault(name, {}), str(dtype).removeprefix("torch."),
+                                     functools.partial(impl.forward, inp, None), _REFERENCE_REPEATS))
+                for call in mine:
+                    call[3]()  # warm up (and fail here, if it fails)
             except Exception:  # a backend that fails here is not ranked by cost; its reasons decide
+                _forget(name, overhead, train_overhead, reference, half, decode_small)
                 continue
+            calls += mine
+        # Timed in rounds, each round every call once: the backends compared with each other are timed
+        # side by side, so a slower stretch of a shared machine falls on them alike.
+        failed: set[str] = set()
+        for r in range(max(repeats for *_, repeats in calls) if calls else 0):
+            for name, into, key, call, repeats in calls:
+                if r >= repeats or name in failed:
+                    continue
+                start = time.perf_counter()
+                try:
+                    call()
+                except Exception:
+                    failed.add(name)
+                    continue
+                into[key] = min(into.get(key, math.inf), time.perf_counter() - start)
+        for name in failed:
+            _forget(name, overhead, train_overhead, reference, half, decode_small)
         # The long decode problem (a few milliseconds a call; a prefill kernel, tens), fastest on
         # the small one first: a backend over 3x the fastest so far is timed once.
         (q, k, v), mask = problems["decode"]
@@ -555,6 +582,12 @@ def probe_constants() -> dict:
     constants["half_reference_seconds"] = half
     constants["decode_small_seconds"] = decode_small
     return constants
+
+
+def _forget(name: str, *tables: dict) -> None:
+    """Drop ``name`` from the probe's tables (a backend that failed there is not ranked by cost)."""
+    for table in tables:
+        table.pop(name, None)
 
 
 def _train_overhead(impl, inp: AttentionInputs) -> float | None:

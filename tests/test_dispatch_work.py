@@ -82,3 +82,26 @@ def test_declared_work_places_a_new_backend_in_the_builtin_order(scratch_registr
         Work("everything")
     with pytest.raises(ValueError, match="Work.gqa"):
         Work(gqa="expands")
+
+
+@pytest.mark.usefixtures("scratch_registry")
+def test_the_probe_leaves_out_a_backend_that_fails_while_timed():
+    # the probe times every backend's calls in rounds: one that fails in a later round (here on its
+    # third call of the layout reference) is ranked by none of its figures; the others keep theirs
+    naive = attnkit.list_backends()["naive"]
+    seen = {"layout": 0}
+
+    def forward(cls, inp, options):
+        if inp.mask is not None and inp.mask.block_layout() is not None and inp.Tq > 32:
+            seen["layout"] += 1
+            if seen["layout"] == 3:
+                raise RuntimeError("fails on its third call")
+        return naive.forward(inp, None)
+
+    register_backend(type("Test_flaky", (Backend,), {"name": "flaky", "forward": classmethod(forward)}))
+    constants = calibration.probe_constants()
+    assert seen["layout"] >= 3
+    for table in ("backend_seconds", "train_backend_seconds", "reference_seconds", "decode_small_seconds",
+                  "half_reference_seconds"):
+        assert "flaky" not in constants[table], table
+    assert set(constants["reference_seconds"]["sdpa"]) == {"causal", "band", "layout", "decode"}
