@@ -308,7 +308,7 @@ def describe(inp: AttentionInputs) -> str:
 # 8: each backend's forward+backward on the tiny input; 9: the native kernel's faster training path;
 # 10: each backend on a second, smaller decode problem; 11: native's square tiles across a band edge;
 # 12: the decode reference reads 32 MiB each of K and V
-CONSTANTS_VERSION = 13
+CONSTANTS_VERSION = 14
 _CONSTANTS: list = [None]
 _CONSTANTS_THREADS: list = [None]  # the thread count _CONSTANTS were loaded for (None: set from outside)
 _GENERATION = [0]
@@ -442,7 +442,7 @@ def _constants_problem(c) -> str | None:
                    *c["backend_seconds"].values(), *c["train_backend_seconds"].values(),
                    *(t for r in c["reference_seconds"].values() for t in r.values()),
                    *(t for r in c["half_reference_seconds"].values() for t in r.values()),
-                   *c.get("decode_small_seconds", {}).values()]
+                   *c.get("decode_small_seconds", {}).values(), *c.get("decode_tiny_seconds", {}).values()]
     except (TypeError, KeyError, AttributeError):
         return "missing fields"
     return None if all(_positive_number(x) for x in numbers) else "a constant is not a positive number"
@@ -471,6 +471,15 @@ def reference_problems() -> dict:
             # 32 MiB each of K and V: a cache past the last-level caches (one that fits in them is
             # read faster per byte, and long caches would be priced as if they fit)
             "decode": ((1, 8, 1, 16384, 64), Causal())}
+
+
+def decode_tiny_problem() -> tuple:
+    """The smallest decode problem, ``((B, H, Tq, Tk, D), mask)``: 16 keys (32 KiB each of K and V).
+    Its time is a decode step's fixed part (``decode_tiny_seconds``): a step over a short cache costs
+    the line from it to the small problem's time."""
+    from .masks import Causal
+
+    return (1, 8, 1, 16, 64), Causal()
 
 
 def decode_small_problem() -> tuple:
@@ -505,8 +514,10 @@ def probe_constants() -> dict:
     problems = {cls: (_random(shape), mask) for cls, (shape, mask) in reference_problems().items()}
     small_shape, small_mask = decode_small_problem()
     small = AttentionInputs.create(*_random(small_shape), mask=small_mask)
-    overhead, train_overhead, reference, half, decode_small = {}, {}, {}, {}, {}
-    # Every timed call of every backend: (backend, where its best time goes, key, call, repeats).
+    tiny_shape, tiny_mask = decode_tiny_problem()
+    tiny_decode = AttentionInputs.create(*_random(tiny_shape), mask=tiny_mask)
+    overhead, train_overhead, reference, half, decode_small, decode_tiny = {}, {}, {}, {}, {}, {}
+    # The reference problems' calls of every backend: (backend, where its best time goes, key, call, repeats).
     calls: list[tuple[str, dict, str, Callable[[], object], int]] = []
     with torch.no_grad():
         for name, impl in list_backends().items():
@@ -518,7 +529,9 @@ def probe_constants() -> dict:
                             if impl.can_run(i := AttentionInputs.create(tiny, tiny, tiny, mask=m))), None)
                 if inp is None:
                     continue
-                mine.append((name, overhead, name, functools.partial(impl.forward, inp, None), 5))
+                # a tiny call's cost, timed back to back (as a loop of calls runs it): one timed right
+                # after a large call pays for the caches that call filled
+                overhead[name] = hardware.best_seconds(functools.partial(impl.forward, inp, None), 5)
                 seconds = _train_overhead(impl, inp) if name != "naive" else None  # never ranked by cost
                 if seconds is not None:
                     train_overhead[name] = seconds
@@ -527,9 +540,12 @@ def probe_constants() -> dict:
                     if cls != "decode" and impl.can_run(inp):
                         mine.append((name, reference.setdefault(name, {}), cls,
                                      functools.partial(impl.forward, inp, None), _REFERENCE_REPEATS))
-                if name != "naive" and impl.can_run(small):
-                    mine.append((name, decode_small, name, functools.partial(impl.forward, small, None),
-                                 _REFERENCE_REPEATS))
+                if name != "naive" and impl.can_run(small):  # back to back too: a decode loop's step
+                    decode_small[name] = hardware.best_seconds(functools.partial(impl.forward, small, None),
+                                                               _REFERENCE_REPEATS)
+                    if impl.can_run(tiny_decode):
+                        decode_tiny[name] = hardware.best_seconds(functools.partial(impl.forward, tiny_decode, None),
+                                                                  _REFERENCE_REPEATS)
                 # Its own speed in half precision (a kernel's bf16 path need not follow the GEMM rates):
                 # the causal reference again in each half dtype.
                 (q, k, v), mask = problems["causal"]
@@ -541,11 +557,12 @@ def probe_constants() -> dict:
                 for call in mine:
                     call[3]()  # warm up (and fail here, if it fails)
             except Exception:  # a backend that fails here is not ranked by cost; its reasons decide
-                _forget(name, overhead, train_overhead, reference, half, decode_small)
+                _forget(name, overhead, train_overhead, reference, half, decode_small, decode_tiny)
                 continue
             calls += mine
-        # Timed in rounds, each round every call once: the backends compared with each other are timed
-        # side by side, so a slower stretch of a shared machine falls on them alike.
+        # The reference problems timed in rounds, each round every call once: the backends compared
+        # with each other are timed side by side, so a slower stretch of a shared machine falls on
+        # them alike.
         failed: set[str] = set()
         for r in range(max(repeats for *_, repeats in calls) if calls else 0):
             for name, into, key, call, repeats in calls:
@@ -559,7 +576,7 @@ def probe_constants() -> dict:
                     continue
                 into[key] = min(into.get(key, math.inf), time.perf_counter() - start)
         for name in failed:
-            _forget(name, overhead, train_overhead, reference, half, decode_small)
+            _forget(name, overhead, train_overhead, reference, half, decode_small, decode_tiny)
         # The long decode problem (a few milliseconds a call; a prefill kernel, tens), fastest on
         # the small one first: a backend over 3x the fastest so far is timed once.
         (q, k, v), mask = problems["decode"]
@@ -576,11 +593,13 @@ def probe_constants() -> dict:
             except Exception:
                 pass
         decode_small = {n: t for n, t in decode_small.items() if "decode" in reference.get(n, {})}
+        decode_tiny = {n: t for n, t in decode_tiny.items() if n in decode_small}
     constants["backend_seconds"] = overhead
     constants["train_backend_seconds"] = train_overhead
     constants["reference_seconds"] = reference
     constants["half_reference_seconds"] = half
     constants["decode_small_seconds"] = decode_small
+    constants["decode_tiny_seconds"] = decode_tiny
     return constants
 
 

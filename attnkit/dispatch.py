@@ -145,7 +145,8 @@ def _stored_bytes(k) -> float:
 @functools.lru_cache(maxsize=4)
 def _reference_inputs(generation: int) -> dict[str, AttentionInputs]:
     inputs = {}
-    problems = {**calibration.reference_problems(), "decode_small": calibration.decode_small_problem()}
+    problems = {**calibration.reference_problems(), "decode_small": calibration.decode_small_problem(),
+                "decode_tiny": calibration.decode_tiny_problem()}
     for cls, ((B, H, Tq, Tk, D), mask) in problems.items():
         q, k = torch.empty(B, H, Tq, D, device="meta"), torch.empty(B, H, Tk, D, device="meta")
         inputs[cls] = AttentionInputs.create(q, k, k, mask=mask)
@@ -161,10 +162,11 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     the other terms), scaled for half-precision inputs by the backend's own half/float32 speed on the
     causal reference (else the machine's GEMM ratio), and for training tripled flops and the
     backend's measured per-call cost of a forward and backward on a tiny input. Decoding is
-    priced by the K/V bytes read, through the backend's times on two decode problems (1 and 32 MiB
-    each of K and V): a cost per byte between them, and below the small one a line from the fixed
-    part that implies (without the small one: its bytes per second on the larger after the tiny
-    input's overhead)."""
+    priced by the K/V bytes read, through the backend's times on three decode problems (16 keys, 1
+    and 32 MiB each of K and V): past the small one, a cost per byte between the two larger; below
+    it, the line from the 16-key call (a step's fixed part) to the small one (without that call: from
+    the fixed part the cost per byte implies; without the small one: its bytes per second on the
+    larger after the tiny input's overhead)."""
     impl = list_backends().get(name)
     overhead = constants["backend_seconds"].get(name)
     measured = constants["reference_seconds"].get(name, {})
@@ -181,15 +183,19 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     refs = _reference_inputs(calibration.generation())
     small = constants.get("decode_small_seconds", {}).get(name)
     if cls == "decode" and small is not None and not inp.requires_grad:
-        # Through both decode calls (1 and 32 MiB each of K, V): past the small one, its time plus the
-        # cost per byte between them; below it, a line from the fixed part that line implies (at
-        # least 0) to the small call's time (a small cache is read from the CPU's caches, faster
-        # per byte than a long one from memory).
+        # Through the decode calls (16 keys, 1 and 32 MiB each of K, V): past the small one, its time
+        # plus the cost per byte between the two larger; below it, the line from the 16-key call to
+        # the small one (a small cache is read from the CPU's caches, faster per byte than a long one
+        # from memory, and a step costs at least its fixed part).
         bytes_small, bytes_ref = (_work_terms(name, impl, refs[c])[0] for c in ("decode_small", "decode"))
         per_byte = max((measured[cls] - small) / (bytes_ref - bytes_small), 0.1 * measured[cls] / bytes_ref)
         work = _work_terms(name, impl, inp)[0]
         if work >= bytes_small:
             return small + per_byte * (work - bytes_small)
+        tiny = constants.get("decode_tiny_seconds", {}).get(name)
+        if tiny is not None:  # the line from the tiny call (a step's fixed part) to the small one
+            bytes_tiny = _work_terms(name, impl, refs["decode_tiny"])[0]
+            return tiny + (small - tiny) * max(work - bytes_tiny, 0.0) / (bytes_small - bytes_tiny)
         fixed = min(max(small - per_byte * bytes_small, 0.0), small)
         return fixed + (small - fixed) * work / bytes_small
     ref = refs[cls]

@@ -324,6 +324,7 @@ def test_the_real_probe_measures_every_exact_backend(tmp_path, monkeypatch):
     assert "naive" not in constants["reference_seconds"]  # never ranked by cost: its references are not timed
     assert set(constants["decode_small_seconds"]) == {n for n, r in constants["reference_seconds"].items()
                                                       if "decode" in r} and "sdpa" in constants["decode_small_seconds"]
+    assert set(constants["decode_tiny_seconds"]) == set(constants["decode_small_seconds"])
 
 
 def _table_preferring_naive(tmp_path, monkeypatch):
@@ -482,6 +483,37 @@ def test_decoding_is_priced_by_a_fixed_part_and_a_cost_per_byte_from_two_decode_
     over = constants["backend_seconds"]["decode"]
     ref = constants["reference_seconds"]["decode"]["decode"]
     assert est("decode", 8192) == pytest.approx(over + (ref - over) * 8192 * row / ref_bytes)
+
+
+def test_a_short_cache_costs_the_line_from_the_16_key_step_to_the_small_one(monkeypatch):
+    """Below the small decode problem a step costs the line from the 16-key call's time (its fixed
+    part) to the small call's: never less than that fixed part, so a backend with the smaller fixed
+    part takes short caches even where its cost per byte is higher."""
+    from attnkit import dispatch
+
+    def kv_bytes(problem):  # K and V of a float32 problem
+        (B, H, _, Tk, D), _mask = problem
+        return 2 * B * H * Tk * D * 4
+
+    small_bytes, tiny_bytes = kv_bytes(calibration.decode_small_problem()), kv_bytes(calibration.decode_tiny_problem())
+    constants = _faster("decode", 1.0)
+    for name in constants["reference_seconds"]:
+        constants["reference_seconds"][name]["decode"] = 5e-3
+    # sdpa: 10 us fixed, 200 us at the small problem; decode: 40 us fixed, 100 us there
+    constants["decode_tiny_seconds"] = {"sdpa": 10e-6, "decode": 40e-6}
+    constants["decode_small_seconds"] = {"sdpa": 200e-6, "decode": 100e-6}
+    _with_constants(monkeypatch, constants)
+    constants = calibration.machine_constants()
+
+    def est(name, Tk):
+        return dispatch.estimated_seconds(name, _meta_inputs(1, 8, 1, 64, Causal(), Tk=Tk), constants)
+
+    row = 2 * 8 * 64 * 4  # K/V bytes per key of these inputs
+    assert est("sdpa", 4) == pytest.approx(10e-6) and est("decode", 16) == pytest.approx(40e-6)  # the fixed part
+    mid = (tiny_bytes + small_bytes) // 2 // row
+    assert est("sdpa", mid) == pytest.approx(10e-6 + 190e-6 * (mid * row - tiny_bytes) / (small_bytes - tiny_bytes))
+    assert priority(_meta_inputs(1, 8, 1, 64, Causal(), Tk=32))[0] == "sdpa"  # the smaller fixed part
+    assert priority(_meta_inputs(1, 8, 1, 64, Causal(), Tk=small_bytes // row))[0] == "decode"
 
 
 def test_a_backend_that_repeats_grouped_heads_reads_them_once_per_query_head():
