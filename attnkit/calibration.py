@@ -307,7 +307,8 @@ def describe(inp: AttentionInputs) -> str:
 # 5: each backend's half-precision times on the causal reference; 7: the square reference problems have 8 heads;
 # 8: each backend's forward+backward on the tiny input; 9: the native kernel's faster training path;
 # 10: each backend on a second, smaller decode problem; 11: native's square tiles across a band edge;
-# 12: the decode reference reads 32 MiB each of K and V
+# 12: the decode reference reads 32 MiB each of K and V; 13: the layout reference in blocks of 64, the
+# reference problems timed in rounds; 14: a 16-key decode problem (each backend's fixed decode cost)
 CONSTANTS_VERSION = 14
 _CONSTANTS: list = [None]
 _CONSTANTS_THREADS: list = [None]  # the thread count _CONSTANTS were loaded for (None: set from outside)
@@ -465,8 +466,9 @@ def reference_problems() -> dict:
     # calls it is ranked for; with 2 heads its rate came out below what it reaches at any real size.
     square = (1, 8, T, T, 64)
     return {"causal": (square, Causal()), "band": (square, Causal() & SlidingWindow(T // 4, 0)),
-            # blocks of 64, BigBird's and Longformer's usual size: a kernel that tiles by the layout's
-            # blocks runs at the rate of its tiles, and 32-wide ones ran well below it at 64
+            # blocks of 64, BigBird's usual size (a kernel that tiles by the layout's blocks runs at
+            # the rate of its tiles, and 32-wide ones ran well below it at 64); the diagonal and one
+            # global block: 10 of the 16 blocks, about the density the 32-wide layout had
             "layout": (square, BlockSparse.bigbird(T // 64, 64, window=0, global_blocks=1, random_blocks=0)),
             # 32 MiB each of K and V: a cache past the last-level caches (one that fits in them is
             # read faster per byte, and long caches would be priced as if they fit)
@@ -483,9 +485,10 @@ def decode_tiny_problem() -> tuple:
 
 
 def decode_small_problem() -> tuple:
-    """A second, smaller decode problem, ``((B, H, Tq, Tk, D), mask)``: 1 MiB each of K and V. With
-    the ``"decode"`` reference it gives each backend's decode cost as a fixed part plus a cost per
-    byte of K/V, both measured in a decode call (``decode_small_seconds``)."""
+    """A second, smaller decode problem, ``((B, H, Tq, Tk, D), mask)``: 1 MiB each of K and V
+    (``decode_small_seconds``). With the ``"decode"`` reference it gives each backend's cost per
+    byte of K/V past it, and with the 16-key problem (:func:`decode_tiny_problem`) the line below it
+    (a small cache is read from the CPU's caches, faster per byte)."""
     from .masks import Causal
 
     return (1, 8, 1, 512, 64), Causal()
@@ -502,8 +505,13 @@ def probe_constants() -> dict:
     available backend on a tiny input (``backend_seconds``: its per-call overhead; forward and
     backward, ``train_backend_seconds``: its per-call overhead when training), on the reference
     problem of each mask class it can run (``reference_seconds[backend][class]``), on the smaller
-    decode problem (``decode_small_seconds[backend]``, :func:`decode_small_problem`), and on the
-    causal reference in bfloat16 and float16 (``half_reference_seconds[backend][dtype]``)."""
+    decode problems (``decode_small_seconds[backend]``, :func:`decode_small_problem`;
+    ``decode_tiny_seconds[backend]``, :func:`decode_tiny_problem`), and on the causal reference in
+    bfloat16 and float16 (``half_reference_seconds[backend][dtype]``). The reference problems are
+    timed in rounds, every backend's call once a round (the backends compared are timed side by
+    side); tiny calls and decode steps back to back, as a loop runs them. A backend that fails
+    anywhere but the long decode problem is left out of every table; one that fails there is not
+    priced for decoding."""
     from .masks import BlockSparse, Causal, SlidingWindow
     from .registry import list_backends
 

@@ -102,6 +102,6 @@ def test_the_probe_leaves_out_a_backend_that_fails_while_timed():
     constants = calibration.probe_constants()
     assert seen["layout"] >= 3
     for table in ("backend_seconds", "train_backend_seconds", "reference_seconds", "decode_small_seconds",
-                  "half_reference_seconds"):
+                  "decode_tiny_seconds", "half_reference_seconds"):
         assert "flaky" not in constants[table], table
     assert set(constants["reference_seconds"]["sdpa"]) == {"causal", "band", "layout", "decode"}

@@ -407,6 +407,9 @@ INTERLEAVED_ROUNDS = 5
 #: a round of a millisecond call is a few dozen calls, and two such backends' per-round ratio can be
 #: a fifth off on a shared machine.
 INTERLEAVED_SECONDS = 0.5
+#: A tie's fastest backend timed interleaved is told apart from another when the median of the
+#: per-round ratios of their times is beyond 1 by more than this; closer, the point stays a tie.
+TIE_MARGIN = 0.01
 
 
 def interleaved_rounds(seconds: float, rounds: int, min_run_time: float) -> int:
@@ -414,9 +417,6 @@ def interleaved_rounds(seconds: float, rounds: int, min_run_time: float) -> int:
     :data:`INTERLEAVED_SECONDS`): one round is one ``blocked_autorange`` of each call, at least
     ``min_run_time`` or one call."""
     return max(rounds, min(3 * rounds, math.ceil(INTERLEAVED_SECONDS / max(min_run_time, seconds, 1e-9))))
-#: A tie's fastest backend timed interleaved is told apart from another when the median of the
-#: per-round ratios of their times is beyond 1 by more than this; closer, the point stays a tie.
-TIE_MARGIN = 0.01
 
 
 def resolve_ties(table: dict, results: dict, config: BenchConfig, budget_s: float | None = None,
@@ -430,11 +430,11 @@ def resolve_ties(table: dict, results: dict, config: BenchConfig, budget_s: floa
     sum, as the sweep's ranking) in ``rounds`` alternations or more (:func:`_interleaved_times`), each
     round one ``blocked_autorange`` of each in turn (as :func:`verify_auto` does). The fastest is
     the one whose largest median per-round ratio to any other is smallest (of two: the faster by
-    that median); the point's order puts it
-    first, then the others it timed by that ratio, then the rest as the sweep ranked them, and
-    records ``"interleaved": {"ratio": ratio, "rounds": rounds run}``: the median over the rounds of the
-    second's time over the first's. When that is beyond ``1 + TIE_MARGIN`` the point is no longer a tie and
-    ``auto`` follows it; within the margin it stays a tie (the cost model decides).
+    that median); the point's order puts it first, then the others it timed by that ratio, then the
+    rest as the sweep ranked them, and records ``"interleaved": {"ratio": ratio, "rounds": rounds
+    run}``: the median over the rounds of the second's time over the first's. When that is beyond
+    ``1 + TIE_MARGIN`` the point is no longer a tie and ``auto`` follows it; within the margin it
+    stays a tie (the cost model decides).
 
     Cheaper points are timed first; a point whose predicted time (from the sweep's) does not fit in
     what is left of ``budget_s`` is not timed and stays as it was. ``table`` is not changed."""
@@ -498,11 +498,13 @@ def _in_sequence(calls: list[Callable[[], object]]) -> Callable[[], object]:
 
 def _interleaved_times(fns: list[Callable[[], object]], rounds: int, min_run_time: float) -> list[list[float]]:
     """Each of ``fns`` timed interleaved: all warmed, then ``rounds`` rounds (more for cheap calls:
-    :func:`interleaved_rounds`, from the slowest warm-up call) of one ``blocked_autorange`` of each
+    :func:`interleaved_rounds`, from the slowest of a second call each) of one ``blocked_autorange`` of each
     in turn, the order reversed every other round (whatever a position in the round costs falls on
     each alike); per round, each one's median time, in the order of ``fns``."""
-    warm = 0.0
     for fn in fns:  # warm them all
+        fn()
+    warm = 0.0  # the slowest of a second call each (the first pays one-time costs)
+    for fn in fns:
         start = time.perf_counter()
         fn()
         warm = max(warm, time.perf_counter() - start)
