@@ -548,12 +548,12 @@ def probe_constants() -> dict:
                     if cls != "decode" and impl.can_run(inp):
                         mine.append((name, reference.setdefault(name, {}), cls,
                                      functools.partial(impl.forward, inp, None), _REFERENCE_REPEATS))
-                if name != "naive" and impl.can_run(small):  # back to back too: a decode loop's step
+                # the 1 MiB and 16-key decode steps (priced together), back to back as a decode loop runs them
+                if name != "naive" and impl.can_run(small) and impl.can_run(tiny_decode):
                     decode_small[name] = hardware.best_seconds(functools.partial(impl.forward, small, None),
                                                                _REFERENCE_REPEATS)
-                    if impl.can_run(tiny_decode):
-                        decode_tiny[name] = hardware.best_seconds(functools.partial(impl.forward, tiny_decode, None),
-                                                                  _REFERENCE_REPEATS)
+                    decode_tiny[name] = hardware.best_seconds(functools.partial(impl.forward, tiny_decode, None),
+                                                              _REFERENCE_REPEATS)
                 # Its own speed in half precision (a kernel's bf16 path need not follow the GEMM rates):
                 # the causal reference again in each half dtype.
                 (q, k, v), mask = problems["causal"]

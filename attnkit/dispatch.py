@@ -164,9 +164,8 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     backend's measured per-call cost of a forward and backward on a tiny input. Decoding is
     priced by the K/V bytes read, through the backend's times on three decode problems (16 keys, 1
     and 32 MiB each of K and V): past the small one, a cost per byte between the two larger; below
-    it, the line from the 16-key call (a step's fixed part) to the small one (without that call: from
-    the fixed part the cost per byte implies; without the small one: its bytes per second on the
-    larger after the tiny input's overhead)."""
+    it, the line from the 16-key call (a step's fixed part) to the small one (without those two: its
+    bytes per second on the larger after the tiny input's overhead)."""
     impl = list_backends().get(name)
     overhead = constants["backend_seconds"].get(name)
     measured = constants["reference_seconds"].get(name, {})
@@ -182,7 +181,8 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
         cls = max(same, key=measured.get)
     refs = _reference_inputs(calibration.generation())
     small = constants.get("decode_small_seconds", {}).get(name)
-    if cls == "decode" and small is not None and not inp.requires_grad:
+    tiny = constants.get("decode_tiny_seconds", {}).get(name)
+    if cls == "decode" and small is not None and tiny is not None and not inp.requires_grad:
         # Through the decode calls (16 keys, 1 and 32 MiB each of K, V): past the small one, its time
         # plus the cost per byte between the two larger; below it, the line from the 16-key call to
         # the small one (a small cache is read from the CPU's caches, faster per byte than a long one
@@ -192,12 +192,8 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
         work = _work_terms(name, impl, inp)[0]
         if work >= bytes_small:
             return small + per_byte * (work - bytes_small)
-        tiny = constants.get("decode_tiny_seconds", {}).get(name)
-        if tiny is not None:  # the line from the tiny call (a step's fixed part) to the small one
-            bytes_tiny = _work_terms(name, impl, refs["decode_tiny"])[0]
-            return tiny + (small - tiny) * max(work - bytes_tiny, 0.0) / (bytes_small - bytes_tiny)
-        fixed = min(max(small - per_byte * bytes_small, 0.0), small)
-        return fixed + (small - fixed) * work / bytes_small
+        bytes_tiny = _work_terms(name, impl, refs["decode_tiny"])[0]
+        return tiny + (small - tiny) * max(work - bytes_tiny, 0.0) / (bytes_small - bytes_tiny)
     ref = refs[cls]
     flops_ref, mat_ref, loops_ref = _work_terms(name, impl, ref)
     compute_ref = max(measured[cls] - overhead - mat_ref * _MASK_BYTES / bandwidth - loops_ref * op,

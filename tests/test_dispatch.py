@@ -443,9 +443,9 @@ def test_decoding_is_modelled_by_the_bytes_it_reads(monkeypatch):
 
 
 def test_decoding_is_priced_by_a_fixed_part_and_a_cost_per_byte_from_two_decode_problems(monkeypatch):
-    """With a backend's times on the small and the reference decode problems, a decode step costs
-    the line through them: a backend with a large fixed part but fewer seconds per byte loses short
-    caches and wins long ones; the crossover is where the lines meet."""
+    """With a backend's times on the 16-key, the small and the reference decode problems (here on one
+    line per backend), a decode step costs that line: a backend with a large fixed part but fewer
+    seconds per byte loses short caches and wins long ones; the crossover is where the lines meet."""
     from attnkit import dispatch
 
     def kv_bytes(problem):  # K and V of a float32 problem
@@ -461,6 +461,9 @@ def test_decoding_is_priced_by_a_fixed_part_and_a_cost_per_byte_from_two_decode_
     # sdpa: no fixed part, `big` at the reference; decode: 50 us fixed, half sdpa's cost per byte
     per_byte = big / ref_bytes
     constants["decode_small_seconds"] = {"sdpa": per_byte * small_bytes, "decode": 50e-6 + per_byte / 2 * small_bytes}
+    tiny_bytes = kv_bytes(calibration.decode_tiny_problem())  # the 16-key step on the same lines
+    constants["decode_tiny_seconds"] = {"sdpa": per_byte * tiny_bytes,
+                                        "decode": 50e-6 + per_byte / 2 * tiny_bytes}
     constants["reference_seconds"]["decode"]["decode"] = 50e-6 + per_byte / 2 * ref_bytes
     _with_constants(monkeypatch, constants)
     constants = calibration.machine_constants()
@@ -478,7 +481,7 @@ def test_decoding_is_priced_by_a_fixed_part_and_a_cost_per_byte_from_two_decode_
     assert priority(_meta_inputs(1, 8, 1, 64, Causal(), Tk=short)).index("sdpa") < priority(
         _meta_inputs(1, 8, 1, 64, Causal(), Tk=short)).index("decode")
     assert priority(_meta_inputs(1, 8, 1, 64, Causal(), Tk=long))[0] == "decode"
-    # no small problem measured (an older probe's constants): the bytes per second after the overhead
+    # no small (and 16-key) problem measured: the bytes per second after the overhead
     del constants["decode_small_seconds"]
     over = constants["backend_seconds"]["decode"]
     ref = constants["reference_seconds"]["decode"]["decode"]

@@ -404,8 +404,8 @@ def _half_interval(row: dict, floor: float) -> float:
 INTERLEAVED_ROUNDS = 5
 #: The least time an interleaved comparison gives each call over its rounds: calls so cheap that
 #: INTERLEAVED_ROUNDS blocks time them for less get more rounds (at most three times as many), since
-#: a round of a millisecond call is a few dozen calls, and two such backends' per-round ratio can be
-#: a fifth off on a shared machine.
+#: a round of a millisecond call is a few dozen calls, and on a shared machine two such backends'
+#: per-round ratio wanders far more than the gap between tied ones.
 INTERLEAVED_SECONDS = 0.5
 #: A tie's fastest backend timed interleaved is told apart from another when the median of the
 #: per-round ratios of their times is beyond 1 by more than this; closer, the point stays a tie.
