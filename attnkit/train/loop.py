@@ -85,7 +85,11 @@ def train(cfg: TrainConfig, model_config=None, *, stop_at: int | None = None,
     ctx = setup_distributed(cfg.device)
     try:
         with StopSignals() as stop:
-            return _train(cfg, model_config, ctx, stop_at, given, stop)
+            result = _train(cfg, model_config, ctx, stop_at, given, stop)
+        # every rank done (rank 0 saves and reports last) before any tears the group down: a rank
+        # leaving while another still talks to it can abort inside gloo at exit
+        barrier(ctx)
+        return result
     finally:
         teardown(ctx)
 
