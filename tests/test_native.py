@@ -362,3 +362,30 @@ def test_eager_autograd_equals_the_operators_registered_autograd(monkeypatch):
     assert "_EagerBackward" not in nodes and any(n.startswith("GeneratedBackwardFor_attnkit_native") for n in nodes)
     for name, a, b in zip(("q", "k", "v", "bias", "slopes", "sinks"), eager, registered):
         assert a.shape == b.shape and torch.isfinite(a).all() and torch.equal(a, b), name
+
+
+@needs_build
+def test_memory_kept_between_calls_never_leaks_one_call_into_the_next():
+    """The packed operands and the workers' tiles are kept between calls (grow-only): calls of other
+    sizes, tiles, dtypes and masks in between leave each call's result what it is alone."""
+    g = torch.Generator().manual_seed(3)
+
+    def inputs(Tq, Tk, D, dtype):
+        return [torch.randn(1, 2, t, D, generator=g).to(dtype) for t in (Tq, Tk, Tk)]
+
+    first = inputs(70, 90, 40, torch.float32)
+    alone = attnkit.attention(*first, mask=Causal(), backend="native")
+    for Tq, Tk, D, dtype, mask, block in [
+        (300, 520, 72, torch.float32, None, None),  # larger: every kept buffer grows
+        (17, 33, 9, torch.float32, SlidingWindow(5, 2), (16, 16)),  # smaller, odd sizes, other tiles
+        (129, 129, 59, torch.bfloat16, Causal(), None),  # another dtype (VNNI-packed where the CPU has it)
+        (64, 200, 24, torch.float64, BlockSparse.bigbird(7, 32, seed=2), None),
+    ]:
+        q, k, v = inputs(Tq, Tk, D, dtype)
+        options = native.NativeOptions(*block) if block else None
+        out = attnkit.attention(q, k, v, mask=mask, backend="native", options=options)
+        ref, _ = reference_attention(q.double(), k.double(), v.double(), mask=mask)
+        assert max_error(out.double(), ref) < (2e-2 if dtype == torch.bfloat16 else 1e-4), (Tq, Tk, D, dtype)
+    # the same call again, after the others wrote their data into the kept memory: the same bits
+    # (one code path, the same shapes and tiles)
+    assert torch.equal(attnkit.attention(*first, mask=Causal(), backend="native"), alone)

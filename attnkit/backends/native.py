@@ -9,6 +9,10 @@ so training needs O(Tq + Tk) memory; it runs dK/dV parallel over key tiles and d
 when batch × kv heads is smaller than the thread count (so B=1 uses every core), and it is
 **deterministic**: every accumulator is summed in a fixed order, so repeated backward passes are
 bitwise equal (whatever the thread count). GQA reads each key/value head in place (never repeated).
+The packed key/value (and, backward, query and output-gradient) tiles and each worker's tile buffers
+are kept by their thread between calls, grow-only (the packed ones at most 32 MiB per calling
+thread; a larger call packs into memory of its own): a call writes where the last one did, in pages
+already mapped and warm in the caches, whatever was allocated in between.
 
 The mask is read through its structure (:func:`attnkit.masks.tile_grid`): EMPTY tiles are skipped
 and FULL tiles run with no mask work; PARTIAL tiles are masked in the kernel from the conjuncts' few

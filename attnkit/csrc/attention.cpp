@@ -207,13 +207,37 @@ struct Packed {
   const T* at(int64_t i) const { return store.data_ptr<T>() + i * slot; }
 };
 
+// The packed operands' memory, kept by the calling thread between calls, one buffer per use
+// (grow-only, at most kKeptBytes in all per thread; a larger pack gets memory of its own): each call
+// writes where the last one did, in pages already mapped and warm in the caches, whatever the
+// allocator did in between (fresh pages cost a page fault each, a tenth of a short call).
+enum Use { kFwdK, kFwdV, kBwdK, kBwdV, kBwdKB, kBwdQ, kBwdDout, kUses };
+constexpr int64_t kKeptBytes = int64_t(32) << 20;
+
+at::Tensor scratch(Use use, int64_t numel, const at::TensorOptions& opts) {
+  thread_local at::Tensor kept[kUses];
+  at::Tensor& mine = kept[use];
+  const int64_t bytes = numel * int64_t(opts.dtype().itemsize());
+  if (mine.defined() && mine.dtype() == opts.dtype() && mine.numel() >= numel) return mine.narrow(0, 0, numel);
+  int64_t others = 0;
+  for (const at::Tensor& t : kept) others += &t == &mine || !t.defined() ? 0 : t.nbytes();
+  if (others + bytes > kKeptBytes) return at::empty({numel}, opts);
+  mine = at::empty({numel}, opts);
+  return mine.narrow(0, 0, numel);
+}
+
+template <typename X>
+void grow(std::vector<X>& buf, int64_t n) {
+  if (int64_t(buf.size()) < n) buf.resize(n);
+}
+
 // Pack, for every (batch, head, tile) of x (B, H, T, C): B = tile (rows x C) or its transpose.
 template <typename T>
-Packed<T> pack_tiles(const at::Tensor& x, int64_t block, bool transposed) {
+Packed<T> pack_tiles(const at::Tensor& x, int64_t block, bool transposed, Use use) {
   const int64_t B = x.size(0), H = x.size(1), T_ = x.size(2), C = x.size(3), n = (T_ + block - 1) / block;
   Packed<T> p;
   p.slot = transposed ? padded_k<T>(C) * block : padded_k<T>(block) * C;
-  p.store = at::empty({B * H * n * p.slot}, x.options());
+  p.store = scratch(use, B * H * n * p.slot, x.options());
   const T* src = x.data_ptr<T>();
   at::parallel_for(0, B * H * n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
@@ -233,12 +257,12 @@ Packed<T> pack_tiles(const at::Tensor& x, int64_t block, bool transposed) {
 // Pack, for every (batch, head, tile) of x (B, H, T, C): the A operand tile^T (C x rows, lda
 // padded_k(block)), for the products that reduce over the tile's rows.
 template <typename T>
-Packed<T> pack_tiles_a_transposed(const at::Tensor& x, int64_t block) {
+Packed<T> pack_tiles_a_transposed(const at::Tensor& x, int64_t block, Use use) {
   const int64_t B = x.size(0), H = x.size(1), T_ = x.size(2), C = x.size(3), n = (T_ + block - 1) / block;
   Packed<T> p;
   const int64_t lda = padded_k<T>(block);
   p.slot = C * lda;
-  p.store = at::empty({B * H * n * p.slot}, x.options());
+  p.store = scratch(use, B * H * n * p.slot, x.options());
   const T* src = x.data_ptr<T>();
   at::parallel_for(0, B * H * n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
@@ -260,13 +284,16 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   T* op = out.data_ptr<T>();
   A* lp = lse.data_ptr<A>();
   const A ninf = -std::numeric_limits<A>::infinity();
-  const Packed<T> kT = pack_tiles<T>(k, P.bk, true);       // S = Q K^T
+  const Packed<T> kT = pack_tiles<T>(k, P.bk, true, kFwdK);  // S = Q K^T
   const bool v_direct = !P.vnni;                           // P V reads V in place unless VNNI
-  const Packed<T> vp_ = v_direct ? Packed<T>{} : pack_tiles<T>(v, P.bk, false);
+  const Packed<T> vp_ = v_direct ? Packed<T>{} : pack_tiles<T>(v, P.bk, false, kFwdV);
   at::parallel_for(0, P.B * P.Hq * P.nQ, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> s(P.bq * P.bk), acc(P.bq * P.Dv), mrow(P.bq), lrow(P.bq);
-    std::vector<T> qa(P.bq * P.Dp), pa(P.bq * P.bkp);
-    std::vector<uint8_t> keep(P.bq * P.bk);
+    // A worker's tiles, kept by its thread between calls (grow-only: the largest tiles it ran).
+    thread_local std::vector<A> s, acc, mrow, lrow;
+    thread_local std::vector<T> qa, pa;
+    thread_local std::vector<uint8_t> keep;
+    grow(s, P.bq * P.bk), grow(acc, P.bq * P.Dv), grow(mrow, P.bq), grow(lrow, P.bq);
+    grow(qa, P.bq * P.Dp), grow(pa, P.bq * P.bkp), grow(keep, P.bq * P.bk);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t qt = zigzag(w % P.nQ, P.nQ), h = (w / P.nQ) % P.Hq, b = w / (P.nQ * P.Hq), hk = h / P.G;
       const int64_t q0 = qt * P.bq, nq = std::min(P.bq, P.Tq - q0), row0 = (b * P.Hq + h) * P.Tq + q0;
@@ -276,12 +303,12 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         pack_a<T, T>(qb, P.D, false, nq, P.D, qa.data(), P.Dp);
         qA = qa.data();
       }
-      std::fill(acc.begin(), acc.end(), A(0));
+      std::fill_n(acc.data(), P.bq * P.Dv, A(0));
       // A sink starts the row max at its logit (a +inf sink at the largest finite value: the keys
       // then weigh 0 and the sink term below makes the sum +inf, output 0 and LSE +inf).
       const A sink = P.mods->sinks ? P.mods->sinks[h] : ninf;
-      std::fill(mrow.begin(), mrow.end(), std::min(sink, std::numeric_limits<A>::max()));
-      std::fill(lrow.begin(), lrow.end(), A(0));
+      std::fill_n(mrow.data(), P.bq, std::min(sink, std::numeric_limits<A>::max()));
+      std::fill_n(lrow.data(), P.bq, A(0));
       for (int64_t kt = 0; kt < P.nK; ++kt) {
         if (m.grid[qt * P.nK + kt] == 0) continue;
         const int64_t k0 = kt * P.bk, nk = std::min(P.bk, P.Tk - k0);
@@ -625,11 +652,11 @@ Outs5 backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    dq.data_ptr<Acc<T>>(),
                    dkT.data_ptr<Acc<T>>(),
                    dvT.data_ptr<Acc<T>>(),
-                   pack_tiles<T>(k, block_k, true),
-                   pack_tiles<T>(v, block_k, true),
-                   P.vnni ? pack_tiles<T>(k, block_k, false) : Packed<T>{},
-                   pack_tiles_a_transposed<T>(q, block_q),
-                   pack_tiles_a_transposed<T>(dout, block_q)};
+                   pack_tiles<T>(k, block_k, true, kBwdK),
+                   pack_tiles<T>(v, block_k, true, kBwdV),
+                   P.vnni ? pack_tiles<T>(k, block_k, false, kBwdKB) : Packed<T>{},
+                   pack_tiles_a_transposed<T>(q, block_q, kBwdQ),
+                   pack_tiles_a_transposed<T>(dout, block_q, kBwdDout)};
     // the distance vectors' gradient per (batch, head, query tile): O(B Hq Tq Tk / block_q) memory
     at::Tensor dist_buf;
     if (with_dist && mods.n_add) {
