@@ -46,8 +46,9 @@ def builtin_order(registered: tuple[str, ...]) -> tuple[str, ...]:
     """The exact registered backends in the built-in order, from what each declares it skips and
     fuses (:class:`~attnkit.registry.Work`, ``Backend.work``): fused kernels first, then PyTorch
     ops over whole tensors, then Python loops over tiles, then the backends that materialize the
-    mask; registration order breaks ties. The cost model reorders it from measured machine
-    constants; close estimates keep this order."""
+    mask; registration order breaks ties. For a call, a backend that would materialize its mask
+    (:meth:`~attnkit.registry.Backend.dense_mask_elements`) ranks with the latter. The cost model
+    reorders it from measured machine constants; close estimates keep this order."""
     known = list_backends()
     exact = [(known[n].work.rank(), i, n) for i, n in enumerate(registered) if known[n].exact]
     return tuple(n for _, _, n in sorted(exact))
@@ -106,6 +107,16 @@ def _mask_class(inp: AttentionInputs) -> str:
     if mask is None or mask.is_causal():
         return "causal"
     return "layout" if mask.block_layout() is not None else "band"
+
+
+def _keeps_every_block(inp: AttentionInputs) -> bool:
+    """Whether the mask is a BlockSparse layout that keeps every block of this call (BigBird over a
+    few blocks): a kernel that reads the mask's structure runs every tile whole, as with no mask."""
+    mask = inp.mask
+    layout = None if mask is None else mask.block_layout()
+    return (layout is not None and layout is mask and not torch.compiler.is_compiling()
+            and layout.density(inp.Tq, inp.Tk, q_offset=inp.q_offset, kv_offset=inp.kv_offset,
+                               rows=min(inp.Tq, 64)) >= 1.0)
 
 
 def _work_terms(name: str, impl: type[Backend], inp: AttentionInputs) -> tuple[float, float, float]:
@@ -173,6 +184,9 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
         return None
     bandwidth, op = constants["bandwidth_gbs"] * 1e9, constants["op_seconds"]
     cls = _mask_class(inp)
+    flops, materialized, loops = _work_terms(name, impl, inp)
+    if cls == "layout" and not materialized and _keeps_every_block(inp):
+        cls = "causal"  # no mask to this backend: priced at its rate without one (the causal class's)
     if cls not in measured:  # a class the backend cannot run at the reference: its slowest measured rate
         # (of the same kind of work: decoding's rate is in bytes, the other classes' in FLOPs)
         same = [c for c in measured if (c == "decode") == (cls == "decode")]
@@ -210,7 +224,6 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
             gemm = constants["gemm_gflops"]
             ratio = gemm.get(dtype, gemm["float32"]) / gemm["float32"]
             rate *= max(ratio, 1.0) if work.half == "when_fast" else ratio
-    flops, materialized, loops = _work_terms(name, impl, inp)
     passes = _TRAIN_FLOPS if inp.requires_grad else 1.0
     if inp.requires_grad:  # a backward's own per-call cost, measured on the tiny input
         overhead = constants.get("train_backend_seconds", {}).get(name, overhead)
@@ -224,14 +237,19 @@ def _cost_order(inp: AttentionInputs, registered: tuple[str, ...]) -> tuple[str,
         constants = None  # never probe inside a trace: the built-in order
     else:
         constants = calibration.machine_constants()
-    builtin = builtin_order(registered)
+    known = list_backends()
+    # The built-in order for this call: a backend that would materialize this mask (SDPA given a
+    # window, padding or a layout) ranks with the backends that materialize it, after those that
+    # read its structure, however fused its kernel.
+    static = builtin_order(registered)
+    kinds = {n: known[n].work.rank(inp.mask is not None and known[n].dense_mask_elements(inp) > 0) for n in static}
+    builtin = sorted(static, key=lambda n: (kinds[n], static.index(n)))
     modelled = [n for n in builtin if n != "naive"]
     if constants is None:
         return tuple(modelled)
     costs = {n: estimated_seconds(n, inp, constants) for n in modelled}
     inf = float("inf")
     order: list[str] = []
-    known = list_backends()
     # Decoding is priced by the bytes each backend reads per second on a reference of the same kind
     # (a few queries over 32 MiB each of K and V), whatever its kind for prefill: the estimates alone decide.
     decoding = _mask_class(inp) == "decode"
@@ -242,7 +260,7 @@ def _cost_order(inp: AttentionInputs, registered: tuple[str, ...]) -> tuple[str,
         # kind: there the order says nothing about speed (autotuning and calibration settle the rest).
         at = len(order)
         while at > 0 and builtin.index(order[at - 1]) > builtin.index(name) and (costs.get(name) or inf) <= (
-                MODEL_MARGIN if not decoding and known[order[at - 1]].work.rank() != known[name].work.rank()
+                MODEL_MARGIN if not decoding and kinds[order[at - 1]] != kinds[name]
                 else SAME_KIND_MARGIN) * (costs.get(order[at - 1]) or inf):
             at -= 1
         order.insert(at, name)

@@ -68,10 +68,11 @@ class Work:
         if len(self.tile) != 2 or min(self.tile) < 1 or self.loop_ops < 0:
             raise ValueError(f"Work: expected a tile of two positive sizes and loop_ops >= 0, got {self!r}.")
 
-    def rank(self) -> tuple[bool, bool, bool]:
+    def rank(self, materializes: bool = False) -> tuple[bool, bool, bool]:
         """The built-in order's key (smaller first): materializing last, loops after whole-tensor
-        ops, fused kernels first."""
-        return (self.materializes, self.loop_ops > 0, not self.fused)
+        ops, fused kernels first. ``materializes``: the backend builds the mask of the call at
+        hand (one that decides per call, :meth:`Backend.dense_mask_elements`)."""
+        return (self.materializes or materializes, self.loop_ops > 0, not self.fused)
 
 
 class Backend:

@@ -105,3 +105,78 @@ def test_the_probe_leaves_out_a_backend_that_fails_while_timed():
                   "decode_tiny_seconds", "half_reference_seconds"):
         assert "flaky" not in constants[table], table
     assert set(constants["reference_seconds"]["sdpa"]) == {"causal", "band", "layout", "decode"}
+
+
+def _fused_pair(constants: dict, structure_s: float, materializing_s: float) -> dict:
+    """Two fused test backends on every reference problem: ``reads`` reads the mask's structure,
+    ``builds`` materializes any mask but the causal one (as SDPA does)."""
+    for name, seconds in (("reads", structure_s), ("builds", materializing_s)):
+        constants["backend_seconds"][name] = 1e-6
+        constants["train_backend_seconds"][name] = 3e-6
+        constants["reference_seconds"][name] = {c: seconds for c in ("causal", "band", "layout", "decode")}
+    return constants
+
+
+def _register_pair() -> None:
+    _naive_like("builds", Work("nothing", fused=True))
+    reads = _naive_like("reads", Work("tiles", (64, 64), fused=True))
+    builds = registry.get_backend("builds")
+    builds.dense_mask_elements = classmethod(
+        lambda cls, inp: 0 if inp.mask is None or inp.mask.is_causal() else inp.B * inp.Hq * inp.Tq * inp.Tk)
+    assert builtin_order(registry.registered_names()).index("builds") < builtin_order(
+        registry.registered_names()).index("reads")  # registered first: first among fused kernels
+    return reads
+
+
+def test_a_backend_that_would_materialize_this_mask_ranks_after_those_that_read_it(scratch_registry, monkeypatch):
+    _register_pair()
+    x = torch.empty(1, 2, 512, 16, device="meta")
+    window = AttentionInputs.create(x, x, x, mask=attnkit.SlidingWindow(100, 0))
+    plain = AttentionInputs.create(x, x, x)
+
+    def install(builds_s: float) -> dict:
+        constants = _fused_pair(uniform_constants(), 4e-3, builds_s)
+        monkeypatch.setattr(calibration, "_CONSTANTS", [constants])
+        calibration._GENERATION[0] += 1
+        return constants
+
+    def estimates(inp, constants) -> dict:
+        return {n: dispatch.estimated_seconds(n, inp, constants) for n in ("reads", "builds")}
+
+    def builds_time_for(inp, speedup: float) -> float:
+        """The reference time of `builds` at which it is estimated ``speedup`` times faster on ``inp``
+        (the estimate is affine in the reference time)."""
+        lo, hi = (estimates(inp, _fused_pair(uniform_constants(), 4e-3, t))["builds"] for t in (1e-3, 2e-3))
+        reads = estimates(inp, _fused_pair(uniform_constants(), 4e-3, 1e-3))["reads"]
+        return 1e-3 + (reads / speedup - lo) / (hi - lo) * 1e-3
+
+    # `builds` would materialize the window: estimated 1.15x faster, less than MODEL_MARGIN: `reads` stays first
+    est = estimates(window, install(builds_time_for(window, 1.15)))
+    assert est["reads"] / est["builds"] == pytest.approx(1.15, rel=1e-3)
+    assert [n for n in priority(window) if n in ("reads", "builds")] == ["reads", "builds"]
+    # estimated 2x faster: past the margin, it goes first
+    install(builds_time_for(window, 2.0))
+    assert [n for n in priority(window) if n in ("reads", "builds")] == ["builds", "reads"]
+    # no mask: two fused kernels of one kind, where a 1.15x estimate decides
+    est = estimates(plain, install(builds_time_for(plain, 1.15)))
+    assert est["reads"] / est["builds"] == pytest.approx(1.15, rel=1e-3)
+    assert [n for n in priority(plain) if n in ("reads", "builds")] == ["builds", "reads"]
+
+
+def test_a_layout_that_keeps_every_block_is_priced_as_no_mask_unless_materialized(scratch_registry):
+    _register_pair()
+    constants = _fused_pair(uniform_constants(), 4e-3, 4e-3)
+    constants["reference_seconds"]["reads"]["layout"] = 8e-3  # half the causal rate on a sparse layout
+    constants["reference_seconds"]["builds"]["layout"] = 8e-3
+    x = torch.empty(1, 8, 256, 64, device="meta")
+    full = attnkit.BlockSparse(torch.ones(4, 4, dtype=torch.bool), 64)
+    sparse = attnkit.BlockSparse(torch.eye(4, dtype=torch.bool), 64)
+    none = AttentionInputs.create(x, x, x)
+    est = {m: {n: dispatch.estimated_seconds(n, AttentionInputs.create(x, x, x, mask=mask), constants)
+               for n in ("reads", "builds")} for m, mask in (("full", full), ("sparse", sparse))}
+    no_mask = dispatch.estimated_seconds("reads", none, constants)
+    assert est["full"]["reads"] == pytest.approx(no_mask)  # every tile whole: the rate with no mask
+    # it materializes the layout: a masked call, at the layout reference's rate, plus the mask's traffic
+    assert est["full"]["builds"] > 1.9 * dispatch.estimated_seconds("builds", none, constants)
+    # a sparse layout keeps the layout reference's rate, over the blocks it keeps
+    assert est["sparse"]["reads"] == pytest.approx(2 * no_mask / 4, rel=0.05)

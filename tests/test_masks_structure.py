@@ -282,10 +282,12 @@ def test_mask_support_rejects_unknown_forms():
 
 # -- a model forward prepares its mask once ------------------------------------------------------------------
 def test_padded_gpt_forward_materializes_its_mask_once(monkeypatch):
-    """Every layer reuses the forward's mask: one evaluation per forward, not one per layer."""
+    """Every layer reuses the forward's mask: one evaluation per forward, not one per layer (with a
+    backend that materializes it: SDPA)."""
     from attnkit.nn import GPT, TransformerConfig
 
-    model = GPT(TransformerConfig(vocab_size=32, max_len=16, embed_dim=16, num_layers=6, num_heads=2)).eval()
+    model = GPT(TransformerConfig(vocab_size=32, max_len=16, embed_dim=16, num_layers=6, num_heads=2,
+                                  backend="sdpa")).eval()
     ids = torch.randint(0, 32, (2, 9))
     attention_mask = torch.ones(2, 9, dtype=torch.long)
     attention_mask[1, 6:] = 0
