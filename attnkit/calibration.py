@@ -308,8 +308,9 @@ def describe(inp: AttentionInputs) -> str:
 # 8: each backend's forward+backward on the tiny input; 9: the native kernel's faster training path;
 # 10: each backend on a second, smaller decode problem; 11: native's square tiles across a band edge;
 # 12: the decode reference reads 32 MiB each of K and V; 13: the layout reference in blocks of 64, the
-# reference problems timed in rounds; 14: a 16-key decode problem (each backend's fixed decode cost)
-CONSTANTS_VERSION = 14
+# reference problems timed in rounds; 14: a 16-key decode problem (each backend's fixed decode cost);
+# 15: each backend's forward and backward on the causal reference
+CONSTANTS_VERSION = 15
 _CONSTANTS: list = [None]
 _CONSTANTS_THREADS: list = [None]  # the thread count _CONSTANTS were loaded for (None: set from outside)
 _GENERATION = [0]
@@ -443,7 +444,8 @@ def _constants_problem(c) -> str | None:
                    *c["backend_seconds"].values(), *c["train_backend_seconds"].values(),
                    *(t for r in c["reference_seconds"].values() for t in r.values()),
                    *(t for r in c["half_reference_seconds"].values() for t in r.values()),
-                   *c.get("decode_small_seconds", {}).values(), *c.get("decode_tiny_seconds", {}).values()]
+                   *c.get("decode_small_seconds", {}).values(), *c.get("decode_tiny_seconds", {}).values(),
+                   *c.get("train_reference_seconds", {}).values()]
     except (TypeError, KeyError, AttributeError):
         return "missing fields"
     return None if all(_positive_number(x) for x in numbers) else "a constant is not a positive number"
@@ -498,6 +500,13 @@ def decode_small_problem() -> tuple:
 #: milliseconds, takes 3): the best of several, as one call on a shared machine is often slowed by a
 #: third or more.
 _REFERENCE_REPEATS = 5
+#: The forward reference problems are timed in this many rounds, each a burst of _BURST calls of
+#: which all but the first are timed: the steady state of a loop of calls, as a model's layers and a
+#: benchmark run them (a call right after other backends' calls found its memory out of the caches,
+#: and some kernels lose a tenth or more of their speed there, others nothing: single calls in rounds
+#: ranked them by that).
+_REFERENCE_ROUNDS = 3
+_BURST = 3
 
 
 def probe_constants() -> dict:
@@ -506,10 +515,12 @@ def probe_constants() -> dict:
     backward, ``train_backend_seconds``: its per-call overhead when training), on the reference
     problem of each mask class it can run (``reference_seconds[backend][class]``), on the smaller
     decode problems (``decode_small_seconds[backend]``, :func:`decode_small_problem`;
-    ``decode_tiny_seconds[backend]``, :func:`decode_tiny_problem`), and on the causal reference in
-    bfloat16 and float16 (``half_reference_seconds[backend][dtype]``). The reference problems are
-    timed in rounds, every backend's call once a round (the backends compared are timed side by
-    side); tiny calls and decode steps back to back, as a loop runs them. A backend that fails
+    ``decode_tiny_seconds[backend]``, :func:`decode_tiny_problem`), on the causal reference in
+    bfloat16 and float16 (``half_reference_seconds[backend][dtype]``), and its forward and backward
+    on the causal reference (``train_reference_seconds[backend]``). The reference problems are
+    timed in rounds (the backends compared are timed side by side), each round a burst of every
+    fused kernel's forward calls, timed after the first (the steady state of a loop of calls), and
+    one call of every other; tiny calls and decode steps back to back, as a loop runs them. A backend that fails
     anywhere but the long decode problem is left out of every table; one that fails there is not
     priced for decoding."""
     from .masks import BlockSparse, Causal, SlidingWindow
@@ -524,14 +535,17 @@ def probe_constants() -> dict:
     small = AttentionInputs.create(*_random(small_shape), mask=small_mask)
     tiny_shape, tiny_mask = decode_tiny_problem()
     tiny_decode = AttentionInputs.create(*_random(tiny_shape), mask=tiny_mask)
-    overhead, train_overhead, reference, half, decode_small, decode_tiny = {}, {}, {}, {}, {}, {}
-    # The reference problems' calls of every backend: (backend, where its best time goes, key, call, repeats).
-    calls: list[tuple[str, dict, str, Callable[[], object], int]] = []
+    overhead, train_overhead, reference, half, decode_small, decode_tiny, train = {}, {}, {}, {}, {}, {}, {}
+    # The reference problems' calls of every backend: (backend, where its best time goes, key, call,
+    # rounds, calls a round).
+    calls: list[tuple[str, dict, str, Callable[[], object], int, int]] = []
     with torch.no_grad():
         for name, impl in list_backends().items():
             if not impl.exact or getattr(impl, "compiles", False):
                 continue
             mine = []
+            # (rounds, calls a round): a fused kernel in bursts (its steady state), PyTorch ops one call a round
+            timing = (_REFERENCE_ROUNDS, _BURST) if impl.work.fused else (_REFERENCE_REPEATS, 1)
             try:
                 inp = next((i for m in tiny_masks
                             if impl.can_run(i := AttentionInputs.create(tiny, tiny, tiny, mask=m))), None)
@@ -547,7 +561,7 @@ def probe_constants() -> dict:
                     inp = AttentionInputs.create(q, k, v, mask=mask)
                     if cls != "decode" and impl.can_run(inp):
                         mine.append((name, reference.setdefault(name, {}), cls,
-                                     functools.partial(impl.forward, inp, None), _REFERENCE_REPEATS))
+                                     functools.partial(impl.forward, inp, None), *timing))
                 # the 1 MiB and 16-key decode steps (priced together), back to back as a decode loop runs them
                 if name != "naive" and impl.can_run(small) and impl.can_run(tiny_decode):
                     decode_small[name] = hardware.best_seconds(functools.partial(impl.forward, small, None),
@@ -561,30 +575,37 @@ def probe_constants() -> dict:
                     inp = AttentionInputs.create(q.to(dtype), k.to(dtype), v.to(dtype), mask=mask)
                     if impl.can_run(inp):
                         mine.append((name, half.setdefault(name, {}), str(dtype).removeprefix("torch."),
-                                     functools.partial(impl.forward, inp, None), _REFERENCE_REPEATS))
+                                     functools.partial(impl.forward, inp, None), *timing))
+                # Forward and backward on the causal reference: what a backward costs this backend
+                # beside its forward (kernels differ in it), once a round
+                runs_causal = any(into is reference.get(name) and key == "causal" for _, into, key, *_ in mine)
+                if seconds is not None and runs_causal:
+                    mine.append((name, train, name, _train_call(impl, problems["causal"]), _REFERENCE_ROUNDS, 1))
                 for call in mine:
                     call[3]()  # warm up (and fail here, if it fails)
             except Exception:  # a backend that fails here is not ranked by cost; its reasons decide
-                _forget(name, overhead, train_overhead, reference, half, decode_small, decode_tiny)
+                _forget(name, overhead, train_overhead, reference, half, decode_small, decode_tiny, train)
                 continue
             calls += mine
-        # The reference problems timed in rounds, each round every call once: the backends compared
-        # with each other are timed side by side, so a slower stretch of a shared machine falls on
-        # them alike.
+        # The reference problems timed in rounds, each round every call once (a burst for a fused
+        # kernel): the backends compared with each other are timed side by side, so a slower stretch
+        # of a shared machine falls on them alike.
         failed: set[str] = set()
-        for r in range(max(repeats for *_, repeats in calls) if calls else 0):
-            for name, into, key, call, repeats in calls:
+        for r in range(max(repeats for *_, repeats, _ in calls) if calls else 0):
+            for name, into, key, call, repeats, burst in calls:
                 if r >= repeats or name in failed:
                     continue
-                start = time.perf_counter()
                 try:
-                    call()
+                    for b in range(burst):
+                        start = time.perf_counter()
+                        call()
+                        if b or burst == 1:
+                            into[key] = min(into.get(key, math.inf), time.perf_counter() - start)
                 except Exception:
                     failed.add(name)
                     continue
-                into[key] = min(into.get(key, math.inf), time.perf_counter() - start)
         for name in failed:
-            _forget(name, overhead, train_overhead, reference, half, decode_small, decode_tiny)
+            _forget(name, overhead, train_overhead, reference, half, decode_small, decode_tiny, train)
         # The long decode problem (a few milliseconds a call; a prefill kernel, tens), fastest on
         # the small one first: a backend over 3x the fastest so far is timed once.
         (q, k, v), mask = problems["decode"]
@@ -608,6 +629,7 @@ def probe_constants() -> dict:
     constants["half_reference_seconds"] = half
     constants["decode_small_seconds"] = decode_small
     constants["decode_tiny_seconds"] = decode_tiny
+    constants["train_reference_seconds"] = train
     return constants
 
 
@@ -633,6 +655,19 @@ def _train_overhead(impl, inp: AttentionInputs) -> float | None:
                 lambda: torch.autograd.grad(impl.forward(grad_inp, None).sum(), (q, k, v)), 3)
     except Exception:  # no backward after all: priced as three forwards
         return None
+
+
+def _train_call(impl, problem: tuple) -> Callable[[], object]:
+    """One forward and backward of ``impl`` on a reference ``problem`` (``((q, k, v), mask)``)."""
+    (q, k, v), mask = problem
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    inp = AttentionInputs.create(q, k, v, mask=mask)
+
+    def call():
+        with torch.enable_grad():
+            return torch.autograd.grad(impl.forward(inp, None).sum(), (q, k, v))
+
+    return call
 
 
 def _random(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

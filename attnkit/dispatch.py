@@ -64,7 +64,9 @@ MODEL_MARGIN = 1.3
 #: The same between backends of one kind (the fused kernels, say: their order in the registry
 #: says nothing about their speed): estimates closer than this count as a tie.
 SAME_KIND_MARGIN = 1.05
-_TRAIN_FLOPS = 3.0  # forward + backward (the backward recomputes the scores and runs two more products)
+# forward + backward in forwards (the backward recomputes the scores and runs two more products), for
+# constants without the backend's own measurement
+_TRAIN_FLOPS = 3.0
 
 
 class NoBackendError(ValueError):
@@ -171,8 +173,9 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
     ``overhead + flops / rate + mask bytes / bandwidth + loop ops * op cost``, where ``rate`` is the
     backend's own rate on the probe's reference problem of the same mask class (measured time less
     the other terms), scaled for half-precision inputs by the backend's own half/float32 speed on the
-    causal reference (else the machine's GEMM ratio), and for training tripled flops and the
-    backend's measured per-call cost of a forward and backward on a tiny input. Decoding is
+    causal reference (else the machine's GEMM ratio), and for training by the backend's own ratio
+    of forward and backward to forward on the causal reference (:func:`_train_passes`) with its
+    measured per-call cost of a forward and backward on a tiny input. Decoding is
     priced by the K/V bytes read, through the backend's times on three decode problems (16 keys, 1
     and 32 MiB each of K and V): past the small one, a cost per byte between the two larger; below
     it, the line from the 16-key call (a step's fixed part) to the small one (without those two: its
@@ -224,10 +227,23 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
             gemm = constants["gemm_gflops"]
             ratio = gemm.get(dtype, gemm["float32"]) / gemm["float32"]
             rate *= max(ratio, 1.0) if work.half == "when_fast" else ratio
-    passes = _TRAIN_FLOPS if inp.requires_grad else 1.0
+    passes = 1.0
     if inp.requires_grad:  # a backward's own per-call cost, measured on the tiny input
-        overhead = constants.get("train_backend_seconds", {}).get(name, overhead)
+        train_overhead = constants.get("train_backend_seconds", {}).get(name, overhead)
+        passes = _train_passes(name, constants, overhead, train_overhead)
+        overhead = train_overhead
     return overhead + passes * (flops / rate + loops * op) + materialized * _MASK_BYTES / bandwidth
+
+
+def _train_passes(name: str, constants: dict, overhead: float, train_overhead: float) -> float:
+    """A forward and backward's compute in forwards' compute, for ``name``: its own, measured on the
+    causal reference (forward and backward less the training overhead, over the forward less the
+    forward's), else :data:`_TRAIN_FLOPS` (an older probe's constants)."""
+    both = constants.get("train_reference_seconds", {}).get(name)
+    single = constants["reference_seconds"].get(name, {}).get("causal")
+    if not both or not single:
+        return _TRAIN_FLOPS
+    return max(max(both - train_overhead, 0.1 * both) / max(single - overhead, 0.1 * single), 1.0)
 
 
 def _cost_order(inp: AttentionInputs, registered: tuple[str, ...]) -> tuple[str, ...]:

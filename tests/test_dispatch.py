@@ -272,6 +272,28 @@ def test_training_pays_each_backends_measured_backward_overhead(monkeypatch):
     assert first(small_train) == "native"
 
 
+def test_training_is_priced_by_each_backends_measured_backward(monkeypatch):
+    """Two backends equally fast forward: the one whose forward and backward on the causal reference
+    took twice as long is priced twice as high for training (less the per-call costs), and the
+    forward prices stay equal; constants without that measurement price a backward as two forwards."""
+    from attnkit import dispatch
+
+    constants = uniform_constants()
+    reference = constants["reference_seconds"]["sdpa"]["causal"]
+    constants["train_reference_seconds"] = {"sdpa": 4 * reference, "tiled": 8 * reference}
+    inp = _meta_inputs(1, 8, 512, 64, Causal())
+    train = _meta_inputs(1, 8, 512, 64, Causal())
+    train.q.requires_grad_()
+    fwd = {n: dispatch.estimated_seconds(n, inp, constants) for n in ("sdpa", "tiled")}
+    assert fwd["sdpa"] == pytest.approx(fwd["tiled"])
+    est = {n: dispatch.estimated_seconds(n, train, constants) - constants["train_backend_seconds"][n]
+           for n in ("sdpa", "tiled")}
+    assert est["tiled"] / est["sdpa"] == pytest.approx((8 * reference - 3e-4) / (4 * reference - 3e-4), rel=1e-6)
+    del constants["train_reference_seconds"]
+    assert dispatch.estimated_seconds("tiled", train, constants) == pytest.approx(
+        constants["train_backend_seconds"]["tiled"] + 3 * (fwd["tiled"] - constants["backend_seconds"]["tiled"]))
+
+
 def test_a_decode_step_goes_to_the_backend_estimated_faster(monkeypatch):
     """Decoding is priced from a decode reference (bytes read per second): the decode backend,
     last of the built-in order for prefill (its PyTorch-op twin materializes the scores), leads a
