@@ -385,3 +385,28 @@ def test_interleaved_rounds_grow_for_cheap_calls_and_alternate_the_order(monkeyp
     per_round = runner._interleaved_times([a, b], base, 10.0)  # blocks of 10 s: the rounds asked for
     assert per_round == [[1.0, 2.0]] * base  # in the order given, whatever order they ran in
     assert order == ["a", "b", "b", "a"] * (base // 2) + ["a", "b"] * (base % 2)
+
+
+def test_a_pick_timed_faster_than_the_sweeps_best_leads_its_point():
+    """The sweep ranked sdpa 25% ahead of naive, beyond its noise; the interleaved verification of
+    the sweep's pick (naive) found naive faster: that point of the table is led by naive, with the
+    measured ratio. A verification within the margin, untimed or of a pooled point changes nothing."""
+    from attnkit.bench.runner import correct_calibration
+
+    rows = [("sdpa", 1.0e-4, 0.0, 20), ("naive", 1.25e-4, 0.0, 20), ("tiled", 5e-4, 0.0, 20)]
+    results = _results(rows)
+    table = build_calibration(results)
+    assert table["entries"][KEY][0]["order"][0] == "sdpa" and not table["entries"][KEY][0].get("tie")
+    row = {"n": 64, "mask": "none", "dtype": "float32", "passes": "forward", "best": "sdpa", "auto_chose": "naive",
+           "timed": True, "rounds": 7}
+    fixed, changed = correct_calibration(table, results, [{**row, "auto_over_best": 0.8}])
+    (point,) = fixed["entries"][KEY]
+    assert changed == 1 and point["order"] == ["naive", "sdpa", "tiled"]
+    assert point["interleaved"] == {"ratio": pytest.approx(1.25), "rounds": 7}
+    assert table["entries"][KEY][0]["order"][0] == "sdpa"  # the table given is left alone
+    assert calibration._problem({**fixed, "version": calibration.VERSION}) is None  # a table dispatch reads
+    for other in ({**row, "auto_over_best": 0.995},  # within the margin: the sweep's order stands
+                  {**row, "auto_over_best": 0.8, "timed": False},  # the sweep's own figures: not a measurement
+                  {**row, "auto_over_best": 0.8, "dtype": "bfloat16"},  # another point
+                  {**row, "auto_over_best": 1.3}):
+        assert correct_calibration(table, results, [other])[1] == 0

@@ -489,6 +489,35 @@ def resolve_ties(table: dict, results: dict, config: BenchConfig, budget_s: floa
     return {**table, "entries": entries}
 
 
+def correct_calibration(table: dict, results: dict, verified: Iterable[dict]) -> tuple[dict, int]:
+    """``table`` with every point where a verification timed another backend faster than the
+    sweep's best, interleaved (a row of :func:`verify_auto` with ``auto_over_best`` below
+    ``1 - TIE_MARGIN``), led by that backend, with the measured ratio as its ``"interleaved"``; and
+    how many points it changed. The sweep times each case once, back to back with the others, and
+    two backends a fifth apart can come out in the wrong order beyond its measured noise; the
+    interleaved comparison is the better measurement. Only points of one mask spec (a pooled point
+    ranks the sum over its specs). ``table`` is not changed."""
+    grouped = _calibration_points(results)
+    entries = {key: [dict(p) for p in points] for key, points in table["entries"].items()}
+    points = {(key, p["n"]): p for key, ps in entries.items() for p in ps}
+    changed = 0
+    for row in verified:
+        if not row.get("timed") or not row.get("rounds") or row["auto_over_best"] >= 1 - TIE_MARGIN:
+            continue
+        for (key, n), per_mask in grouped.items():
+            rows = per_mask.get(row["mask"], {})
+            if (n != row["n"] or len(per_mask) != 1 or (key, n) not in points or not rows
+                    or any(r["dtype"] != row["dtype"] or r["passes"] != row["passes"] for r in rows.values())):
+                continue
+            point, faster = points[key, n], row["auto_chose"]
+            if point["order"][0] != faster and faster in point["order"]:
+                point["order"] = [faster, *(b for b in point["order"] if b != faster)]
+                point["interleaved"] = {"ratio": 1 / row["auto_over_best"], "rounds": row["rounds"]}
+                point.pop("tie", None)
+                changed += 1
+    return {**table, "entries": entries}, changed
+
+
 def _in_sequence(calls: list[Callable[[], object]]) -> Callable[[], object]:
     """One call that makes each of ``calls`` in turn (its time is their sum)."""
     if len(calls) == 1:
@@ -574,7 +603,7 @@ def verify_auto(results: dict, config: BenchConfig, rounds: int = INTERLEAVED_RO
             fa, fb = _call(q, k, v, mask, call_as, g), _call(q, k, v, mask, row["backend"], g)
             per_round = _interleaved_times([fa, fb], rounds, config.min_run_time)
             out.append({**point, "auto_over_best": statistics.median(ta / tb_ for ta, tb_ in per_round),
-                        "timed": True})
+                        "timed": True, "rounds": len(per_round)})
     return out
 
 

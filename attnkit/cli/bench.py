@@ -49,6 +49,7 @@ from ..bench.report import (
 from ..bench.runner import (
     TIE_MARGIN,
     build_calibration,
+    correct_calibration,
     estimate_seconds,
     resolve_ties,
     run_sweep,
@@ -255,23 +256,28 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + hint)
     print()
     print(crossover_table(results))
+    if any(r["backend"] == "auto" and r["status"] == "ok" for r in results["results"]):
+        # the sweep's auto rows were single timings back to back: its picks are timed interleaved
+        # against the best (before the table is written: a pick found faster corrects it)
+        _say_verifying("in the sweep", config)
+        results["auto_before_verification"] = verify_auto_before(
+            results, config, budget_s=verification_budget_s(config))
     if calibrate:
         table = build_calibration(results)
         if table["entries"]:
             table = _resolve_ties(table, results, config)
+            table, corrected = correct_calibration(table, results, results.get("auto_before_verification") or ())
             path = calibration.save({**table, "command": results["command"]}, merge=True)
             ties = sum(bool(p.get("tie")) for v in table["entries"].values() for p in v)
             print(f"\ncalibration: {sum(len(v) for v in table['entries'].values())} points ({ties} within noise: left "
-                  f"to the cost model) in {len(table['entries'])} entries written to {path}")
+                  f"to the cost model) in {len(table['entries'])} entries written to {path}"
+                  + (f"; {corrected} led by a backend that timed faster than the sweep's best interleaved"
+                     if corrected else ""))
             _say_verifying("after calibration", config)
-            results["auto_verification"] = verify_auto(results, config, budget_s=verification_budget_s(config))
+            results["auto_verification"] = verify_auto(results, config, budget_s=verification_budget_s(config),
+                                                       known=results.get("auto_before_verification") or ())
         else:
             print("\ncalibration: nothing measured, no table written")
-    if any(r["backend"] == "auto" and r["status"] == "ok" for r in results["results"]):
-        # the sweep's auto rows were single timings back to back: its picks are timed as the ones after
-        _say_verifying("in the sweep", config)
-        results["auto_before_verification"] = verify_auto_before(
-            results, config, budget_s=verification_budget_s(config), known=results.get("auto_verification") or ())
     if any(r["backend"] == "auto" for r in results["results"]) or results.get("auto_verification"):
         print()
         print(auto_table(results))
