@@ -152,7 +152,9 @@ def long_case(name: str, mask, n: int, rounds: int, min_run_time: float, budget_
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"some of {','.join(SECTIONS)}")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per section (default 7)")
+    parser.add_argument("--rounds", type=int, default=15,
+                        help="interleaved rounds per section (default 15: one round of a long call moves by a tenth "
+                             "on a shared machine)")
     parser.add_argument("--section-budget", type=float, default=150.0,
                         help="seconds after which a long section stops adding rounds (default 150)")
     parser.add_argument("--quick", action="store_true", help="a smoke run at small sizes (seconds)")
