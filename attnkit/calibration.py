@@ -557,11 +557,13 @@ def probe_constants() -> dict:
                 seconds = _train_overhead(impl, inp) if name != "naive" else None  # never ranked by cost
                 if seconds is not None:
                     train_overhead[name] = seconds
+                runs_causal = False
                 for cls, ((q, k, v), mask) in problems.items() if name != "naive" else ():  # never ranked by cost
                     inp = AttentionInputs.create(q, k, v, mask=mask)
                     if cls != "decode" and impl.can_run(inp):
                         mine.append((name, reference.setdefault(name, {}), cls,
                                      functools.partial(impl.forward, inp, None), *timing))
+                        runs_causal |= cls == "causal"
                 # the 1 MiB and 16-key decode steps (priced together), back to back as a decode loop runs them
                 if name != "naive" and impl.can_run(small) and impl.can_run(tiny_decode):
                     decode_small[name] = hardware.best_seconds(functools.partial(impl.forward, small, None),
@@ -578,7 +580,6 @@ def probe_constants() -> dict:
                                      functools.partial(impl.forward, inp, None), *timing))
                 # Forward and backward on the causal reference: what a backward costs this backend
                 # beside its forward (kernels differ in it), once a round
-                runs_causal = any(into is reference.get(name) and key == "causal" for _, into, key, *_ in mine)
                 if seconds is not None and runs_causal:
                     mine.append((name, train, name, _train_call(impl, problems["causal"]), _REFERENCE_ROUNDS, 1))
                 for call in mine:

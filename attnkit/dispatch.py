@@ -115,10 +115,9 @@ def _keeps_every_block(inp: AttentionInputs) -> bool:
     """Whether the mask is a BlockSparse layout that keeps every block of this call (BigBird over a
     few blocks): a kernel that reads the mask's structure runs every tile whole, as with no mask."""
     mask = inp.mask
-    layout = None if mask is None else mask.block_layout()
-    return (layout is not None and layout is mask and not torch.compiler.is_compiling()
-            and layout.density(inp.Tq, inp.Tk, q_offset=inp.q_offset, kv_offset=inp.kv_offset,
-                               rows=min(inp.Tq, 64)) >= 1.0)
+    # kept_fraction counts a layout as keeping everything while compiling (its safe over-estimate)
+    return (mask is not None and mask.block_layout() is mask and not torch.compiler.is_compiling()
+            and kept_fraction(inp, (1, 1)) >= 1.0)
 
 
 def _work_terms(name: str, impl: type[Backend], inp: AttentionInputs) -> tuple[float, float, float]:
@@ -206,7 +205,7 @@ def estimated_seconds(name: str, inp: AttentionInputs, constants: dict) -> float
         # from memory, and a step costs at least its fixed part).
         bytes_small, bytes_ref = (_work_terms(name, impl, refs[c])[0] for c in ("decode_small", "decode"))
         per_byte = max((measured[cls] - small) / (bytes_ref - bytes_small), 0.1 * measured[cls] / bytes_ref)
-        work = _work_terms(name, impl, inp)[0]
+        work = flops  # decoding's work: the K/V bytes it reads
         if work >= bytes_small:
             return small + per_byte * (work - bytes_small)
         bytes_tiny = _work_terms(name, impl, refs["decode_tiny"])[0]
