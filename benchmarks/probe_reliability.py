@@ -576,12 +576,32 @@ def classify(kind, target, argument) -> tuple[str, str]:
     return ("ok", "") if result else ("silent", "wrong result")
 
 
+def _area_probes() -> list:
+    """The probes of ``benchmarks/reliability/*.py``: one module per area, each with a ``PROBES`` list of the
+    same rows as above (they may import this module's helpers as ``probe_reliability``)."""
+    import importlib.util
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    sys.modules.setdefault("probe_reliability", sys.modules[__name__])
+    rows = []
+    for path in sorted((here / "reliability").glob("*.py")):
+        spec = importlib.util.spec_from_file_location(f"reliability_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        rows += [(f"{path.stem}: {name}", *rest) for name, *rest in module.PROBES]
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="also write the rows and totals here")
+    parser.add_argument("--only", help="run only the probes whose name contains this text")
     args = parser.parse_args()
     rows = []
-    for name, kind, target, argument in PROBES:
+    for name, kind, target, argument in PROBES + _area_probes():
+        if args.only and args.only not in name:
+            continue
         verdict, detail = classify(kind, target, argument)
         rows.append({"probe": name, "verdict": verdict, "detail": detail})
         print(f"{verdict:<7} {name:<44} {detail}", flush=True)
