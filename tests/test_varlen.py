@@ -8,7 +8,7 @@ import torch
 import attnkit
 from attnkit import Causal, KeyPadding, SlidingWindow, varlen_attention
 from attnkit.inputs import AttentionInputs
-from attnkit.score_mods import ALiBi
+from attnkit.score_mods import ALiBi, CustomScoreMod, RelativeBias, SoftCap
 
 from .reference import flash_rule_ok, max_error, reference_attention, reference_attention_lowp
 
@@ -138,6 +138,105 @@ def test_varlen_refuses_bad_input_clearly():
     with pytest.raises(ValueError, match="max_seqlen_q"):
         varlen_attention(q, k, v, cu, cu, max_seqlen_q=-1)
 
+
+
+EMPTY = {  # (lengths_q, lengths_k or None for one cu_seqlens): a side with no tokens at all
+    "no keys": ([3, 2, 0], [0, 0, 0]),
+    "no queries": ([0, 0, 0], [4, 2, 0]),
+    "nothing, one cu_seqlens": ([0, 0], None),
+    "nothing, two cu_seqlens": ([0, 0], [0, 0]),
+}
+
+
+@pytest.mark.parametrize("backend", [*_backends(), "sdpa"])
+@pytest.mark.parametrize("case", list(EMPTY))
+def test_varlen_with_an_empty_side_gives_fully_masked_rows(backend, case):
+    """No keys anywhere: every query sees nothing (output 0, LSE -inf, zero finite gradients); no
+    queries anywhere: an empty output. Both as flash-attn's layout allows, on every backend."""
+    lengths_q, lengths_k = EMPTY[case]
+    q, k, v = (x.requires_grad_() for x in _packed(lengths_q, lengths_k or lengths_q, seed=11))
+    cu_q = _cu(lengths_q)
+    cu_k = cu_q if lengths_k is None else _cu(lengths_k)
+    with_lse = backend != "sdpa"  # sdpa returns no LSE
+    result = varlen_attention(q, k, v, cu_q, cu_k, causal=True, backend=backend, return_lse=with_lse)
+    out, lse = result if with_lse else (result, None)
+    assert out.shape == (sum(lengths_q), 4, 7)
+    assert torch.equal(out, torch.zeros_like(out))
+    if with_lse:
+        assert lse.shape == (4, sum(lengths_q)) and bool((lse == float("-inf")).all())
+    grads = torch.autograd.grad(out.sum() * 2.0, (q, k, v), allow_unused=False)
+    for g, x in zip(grads, (q, k, v)):
+        assert g.shape == x.shape and torch.equal(g, torch.zeros_like(g))
+
+
+def test_varlen_messages_name_the_packed_dimensions():
+    q, k, v = _packed([3, 4], [3, 4])
+    cu = _cu([3, 4])
+    with pytest.raises(ValueError, match=r"v: expected shape \(total_k, Hkv, Dv\) with total_k=7, Hkv=2.*got \(6, 2"):
+        varlen_attention(q, k, v[:6], cu, cu)
+    with pytest.raises(ValueError, match=r"D \(q.shape\[2\]\): expected a head dim of at least 1, got 0"):
+        varlen_attention(q[..., :0], k[..., :0], v, cu, cu)
+    with pytest.raises(ValueError, match=r"Dv \(v.shape\[2\]\): expected a head dim of at least 1, got 0"):
+        varlen_attention(q, k, v[..., :0], cu, cu)
+
+
+def _score_mod_backends():
+    """The backends of :func:`_backends` that run a built-in score modifier, forward and backward, on a
+    packed stream."""
+    x = torch.zeros(1, 4, 32, 8, requires_grad=True)
+    inp = AttentionInputs.create(x, x, x, mask=attnkit.Document(torch.zeros(32, dtype=torch.long)) & Causal(),
+                                 q_offset=0, kv_offset=0, return_lse=True, score_mod=ALiBi.geometric(4))
+    return [b for b in _backends() if not any(attnkit.list_backends()[b].not_supported_reasons(inp))]
+
+
+def _mods():
+    table = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    return {"softcap": SoftCap(1.5), "alibi": ALiBi.geometric(4),
+            "relative bias": RelativeBias(table, max_distance=16, bidirectional=True),
+            "alibi >> softcap": ALiBi.geometric(4) >> SoftCap(2.0)}
+
+
+@pytest.mark.parametrize("backend", _score_mod_backends())
+@pytest.mark.parametrize("layout", ["same", "different"])
+@pytest.mark.parametrize("mod_name", list(_mods()))
+def test_varlen_built_in_score_mods_run_on_every_backend_per_sequence(backend, layout, mod_name):
+    """Soft-caps, ALiBi and relative biases reach the backend as themselves (native runs them in its
+    kernel), in each sequence's own positions; forward, LSE and gradients equal each sequence alone."""
+    lengths_q, lengths_k = SAME if layout == "same" else DIFFERENT
+    lengths_k = lengths_k or lengths_q
+    q, k, v = (x.double().requires_grad_() for x in _packed(lengths_q, lengths_k, seed=13))
+    cu_q = _cu(lengths_q)
+    cu_k = cu_q if layout == "same" else _cu(lengths_k)
+    mod = _mods()[mod_name]
+    mask = SlidingWindow(6, 0)
+    out, lse = varlen_attention(q.float(), k.float(), v.float(), cu_q, cu_k, mask=mask, score_mod=mod,
+                                backend=backend, return_lse=True)
+
+    def alone(a, b, c):
+        return attnkit.attention(a, b, c, mask=mask, score_mod=mod, backend="naive", return_lse=True)
+
+    ref = _per_sequence(lambda a, b, c: alone(a, b, c)[0], q, k, v, cu_q, cu_k)
+    ref_lse = _per_sequence(lambda a, b, c: alone(a, b, c)[1][..., None], q, k, v, cu_q, cu_k, width=1,
+                            fill=float("-inf"))[..., 0].T
+    assert (out.double() - ref).abs().max() < 1e-5
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert torch.allclose(lse[finite].double(), ref_lse[finite], atol=1e-5)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = torch.autograd.grad(out.double(), (q, k, v), dout)
+    for g, r in zip(grads, torch.autograd.grad(ref, (q, k, v), dout)):
+        assert (g - r).abs().max() < 1e-4
+
+
+def test_varlen_custom_score_mod_still_sees_each_sequence_positions():
+    lengths_q, lengths_k = DIFFERENT
+    q, k, v = _packed(lengths_q, lengths_k, seed=17)
+    cu_q, cu_k = _cu(lengths_q), _cu(lengths_k)
+    mod = CustomScoreMod(lambda s, b, h, qi, ki: s - 0.3 * (qi - ki).abs() + 0.01 * qi, name="distance and position")
+    out = varlen_attention(q, k, v, cu_q, cu_k, causal=True, score_mod=mod)
+    ref = _per_sequence(lambda a, b, c: attnkit.attention(a.double(), b.double(), c.double(), mask=Causal(),
+                                                          score_mod=mod, backend="naive"), q, k, v, cu_q, cu_k)
+    assert (out.double() - ref).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("backend", ["auto", "sdpa"])
