@@ -58,8 +58,8 @@ from ..hardware import half_matmul_is_fast
 from ..inputs import AttentionInputs
 from ..masks import And, Mask, mask_params
 from ..score_mods import score_mod_spec
-from ._common import nonfinite_keys, nonfinite_queries, poison_rows, zero_keys
-from . import native_ops
+from ._common import nonfinite_keys, nonfinite_queries, zero_keys
+from . import native_ops, nonfinite
 from .nonfinite import all_finite, host_may_branch
 from ..registry import Backend, Work, register_backend
 from ._tiles import PARTIAL, tile_grid
@@ -302,9 +302,14 @@ class NativeBackend(Backend):
         bad = None if clean else nonfinite_keys(inp)
         if host and bad is not None and not bool(bad.any()):
             bad = None
+        bad_q = None if clean else nonfinite_queries(inp.q)
+        if host and bad_q is not None and not bool(bad_q.any()):
+            bad_q = None
         q, k, v = inp.q, inp.k, inp.v
         if bad is not None:
             k, v = zero_keys(k, v, bad)
+        if bad_q is not None:  # zeroed, so the row's backward reads no Inf/NaN (nonfinite.poison gives its NaNs)
+            q = q.masked_fill(bad_q[..., None], 0)
         if inp.dtype in _HALF and not half_tiles(inp.dtype, options):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
         flags = _EMPTY_BYTE if bad is None else bad.to(torch.uint8).contiguous()
@@ -323,13 +328,13 @@ class NativeBackend(Backend):
             q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan.q_offset, plan.kv_offset, plan.block_q,
             plan.block_k, *plan.args, bias, dist, dmin, ops, caps, sinks, flags)
         # a NaN/Inf query makes its own row NaN (a row with no allowed key stays 0), whatever the kernel skips
-        hit = None
-        if not clean:
-            # rows that see a key: LSE above -inf (above the sink's logit with sinks; NaN counts as seen)
+        hit = None if bad is None else seen.bool()
+        if bad_q is not None:
+            # rows that see a key: LSE above -inf (above the sink's logit with sinks; NaN, from a bias, counts as seen)
             floor = float("-inf") if inp.sinks is None else inp.sinks.to(lse.dtype).view(1, -1, 1)
-            hit = nonfinite_queries(inp.q) & ~(lse <= floor)
-            if bad is not None:
-                hit = hit | seen.bool()
-        out, lse = poison_rows(out, lse, hit)
+            sees = bad_q & ~(lse <= floor)
+            hit = sees if hit is None else hit | sees
+        if hit is not None:  # NaN rows, and NaN gradients for what they read (the contract's gradient rule)
+            out, lse = nonfinite.poison(inp, hit, host, [out, lse])
         out = out.to(inp.dtype)
         return (out, lse) if inp.return_lse else out

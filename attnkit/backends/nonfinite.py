@@ -99,16 +99,65 @@ def _exact(impl, inp: AttentionInputs, options, host: bool):
     if rows is None:
         return result
     if isinstance(result, Tensor):
-        return poison_rows(result, None, rows)[0]
-    out, *rest = result
-    out = poison_rows(out, None, rows)[0]
-    if inp.return_lse:
-        rest[0] = poison_rows(out, rest[0], rows)[1]
-    # Further 4-D results (the naive backend's attention weights) are per query row like ``out``.
-    extra = slice(1 if inp.return_lse else 0, None)
-    rest[extra] = [poison_rows(x, None, rows)[0] if isinstance(x, Tensor) and x.dim() == 4 else x
-                   for x in rest[extra]]
-    return (out, *rest)
+        return poison(inp, rows, host, [result])[0]
+    # ``out``, the LSE, and further 4-D results (the naive backend's attention weights) are per query row.
+    per_row = [i for i, x in enumerate(result)
+               if i == 0 or (i == 1 and inp.return_lse) or (isinstance(x, Tensor) and x.dim() == 4)]
+    result = list(result)
+    for i, x in zip(per_row, poison(inp, rows, host, [result[i] for i in per_row])):
+        result[i] = x
+    return tuple(result)
+
+
+def poison(inp: AttentionInputs, rows: Tensor, host: bool, results: list[Tensor]) -> list[Tensor]:
+    """``results`` (per query row: ``(B, Hq, Tq, ...)``, the LSE ``(B, Hq, Tq)``) with the ``rows``
+    ``(B, Hq, Tq)`` set to NaN, and the gradient rule of the contract when the call is differentiated:
+    a NaN row's upstream gradient is dropped (its zeroed inputs gave a finite row that must not feed
+    the gradients of keys it does not read), and NaN is added to the gradients of what it read — its
+    query row, the K and V rows of the keys it may see, its head's sink. ``inp`` holds the caller's
+    tensors (the ones that require grad); ``host`` as for :func:`run`."""
+    q, k, v, sinks = inp.q, inp.k, inp.v, inp.sinks
+    grads = [t if isinstance(t, Tensor) and t.requires_grad else None for t in (q, k, v, sinks)]
+    if not torch.is_grad_enabled() or all(t is None for t in grads):
+        return [poison_rows(x, None, rows)[0] if x.dim() == 4 else x.masked_fill(rows, float("nan")) for x in results]
+    reads = _keys_read(inp, rows, host) if grads[1] is not None or grads[2] is not None else None
+    return list(_PoisonRows.apply(rows, reads, *grads, *results))
+
+
+class _PoisonRows(torch.autograd.Function):
+    """``results`` with ``rows`` NaN; backward: their gradients with ``rows`` zeroed, and NaN added
+    (``-0.0`` elsewhere: ``x + -0.0`` is ``x``, bit for bit) to q's ``rows``, the K/V rows of the
+    keys in ``reads (B, Hkv, Tk)`` and the sinks of the heads with a NaN row."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(rows, reads, q, k, v, sinks, *results):
+        return tuple(poison_rows(x, None, rows)[0] if x.dim() == 4 else x.masked_fill(rows, float("nan"))
+                     for x in results)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        rows, reads = inputs[:2]
+        ctx.save_for_backward(rows, reads)
+        ctx.shapes = [None if t is None else (t.shape, t.dtype) for t in inputs[2:6]]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rows, reads = ctx.saved_tensors
+        g_results = [None if g is None else g.masked_fill(rows[..., None] if g.dim() == 4 else rows, 0)
+                     for g in grads]
+        flags = [rows, reads, reads, None if ctx.shapes[3] is None else rows.any(dim=2).any(dim=0)]
+        g_inputs = []
+        for needs, shape, flag in zip(ctx.needs_input_grad[2:6], ctx.shapes, flags):
+            if not needs or shape is None or flag is None:
+                g_inputs.append(None)
+                continue
+            size, dtype = shape
+            nan = torch.full((), -0.0, dtype=dtype, device=rows.device).masked_fill(flag, float("nan"))
+            g_inputs.append((nan[..., None] if len(size) == 4 else nan).expand(size))
+        return (None, None, *g_inputs, *g_results)
 
 
 def _poisoned_rows(inp: AttentionInputs, bad_q: Tensor | None, bad_k: Tensor | None, host: bool) -> Tensor | None:
@@ -141,26 +190,48 @@ def _poisoned_rows(inp: AttentionInputs, bad_q: Tensor | None, bad_k: Tensor | N
     return rows
 
 
-def _any_seen(inp: AttentionInputs, q_idx: Tensor, k_idx: Tensor, flagged: Tensor | None) -> Tensor:
+def _keys_read(inp: AttentionInputs, rows: Tensor, host: bool) -> Tensor:
+    """``(B, Hkv, Tk)`` bool: the keys some row flagged in ``rows (B, Hq, Tq)`` may attend (any query
+    head of the key's group). Eager on the CPU the mask is evaluated at the flagged rows only."""
+    if inp.mask is None:
+        seen = rows.any(dim=-1, keepdim=True).expand(inp.B, inp.Hq, inp.Tk)
+    else:
+        q_idx = rows.any(dim=1).any(dim=0).nonzero().flatten() if host else torch.arange(inp.Tq, device=inp.device)
+        seen = _any_seen(inp, q_idx, torch.arange(inp.Tk, device=inp.device), None, rows[..., q_idx])
+    return seen.view(inp.B, inp.Hkv, inp.groups, inp.Tk).any(dim=2) if inp.groups > 1 else seen
+
+
+def _any_seen(inp: AttentionInputs, q_idx: Tensor, k_idx: Tensor, flagged: Tensor | None,
+              rows: Tensor | None = None) -> Tensor:
     """``(B, Hq, len(q_idx))`` bool: the query rows ``q_idx`` may attend a key of ``k_idx`` (indices
     into the call's queries and keys) that is flagged in ``flagged (B, Hq, len(k_idx))`` (None: any
-    key). The mask is evaluated a bounded chunk of query rows at a time."""
+    key). With ``rows (B, Hq, len(q_idx))`` the transpose instead: ``(B, Hq, len(k_idx))``, the keys
+    some row flagged in ``rows`` may attend. The mask is evaluated a bounded chunk of query rows at a time."""
     mask = inp.mask
     b, h = mask.batch_head_index(inp.B, inp.Hq, device=inp.device)
     kv_pos = (k_idx + inp.kv_offset).view(1, 1, 1, -1)
     if torch.compiler.is_compiling():  # one piece: a loop over a traced length would specialize the graph on it
-        chunks = [q_idx]
+        starts, step = [0], q_idx.numel()
     else:
         step = max(1, _CHUNK_ELEMENTS // max(1, inp.B * inp.Hq * k_idx.numel()))
-        chunks = [q_idx[i:i + step] for i in range(0, q_idx.numel(), step)]
+        starts = range(0, q_idx.numel(), step)
     parts = []
-    for chunk in chunks:
+    for i in starts:
+        chunk = q_idx[i:i + step]
         q_pos = (chunk + inp.q_offset).view(1, 1, -1, 1)
         keep = mask.mask_mod(b, h, q_pos, kv_pos, q_offset=inp.q_offset, kv_offset=inp.kv_offset)
         keep = keep.expand(*keep.shape[:2], q_pos.shape[2], kv_pos.shape[3])  # (B|1, Hq|1, n, m)
+        if rows is not None:
+            parts.append((keep & rows[..., i:i + step, None]).any(dim=-2))
+            continue
         if flagged is not None:
             keep = keep & flagged[:, :, None, :]
         parts.append(keep.any(dim=-1).expand(inp.B, inp.Hq, -1))
+    if rows is not None:
+        seen = parts[0] if parts else torch.zeros((inp.B, inp.Hq, k_idx.numel()), dtype=torch.bool, device=inp.device)
+        for part in parts[1:]:
+            seen = seen | part
+        return seen
     if not parts:
         return torch.zeros((inp.B, inp.Hq, 0), dtype=torch.bool, device=inp.device)
     return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
