@@ -1,25 +1,23 @@
-"""What this machine's CPU does fast, measured once per process (never assumed from one machine).
+"""What this machine's CPU can do, from its features (never from a timing, never assumed from one machine).
 
 Half-precision matrix products on a CPU range from several times faster than float32 (AVX512-BF16,
 AMX) to about a hundred times slower (AVX2, emulated). Backends that run their tiles through
 ``torch.matmul`` ask :func:`half_matmul_is_fast` whether to keep float16/bfloat16 tiles or to
-upcast them to float32 (softmax statistics are float32 either way).
+upcast them to float32 (softmax statistics are float32 either way). The answer follows the CPU's
+instruction set, so two processes on one machine always run the same arithmetic.
 
-``ATTNKIT_HALF_MATMUL=fast`` or ``=slow`` skips the probe (a deployment that knows its machine).
+``ATTNKIT_HALF_MATMUL=fast`` or ``=slow`` overrides it (a deployment that knows its machine).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import platform
 import time
 
 import torch
 
-from ._compat import assume_constant_result
-
-__all__ = ["half_matmul_is_fast", "matmul_rate", "machine_id", "probe_rates", "quick_rates", "best_seconds"]
+__all__ = ["half_matmul_is_fast", "half_matmul_reason", "cpu_features", "matmul_rate", "machine_id", "refresh"]
 
 _SIZE = 256  # a 256^3 product: about 3 ms at the slowest rate seen, microseconds at the fastest
 
@@ -37,18 +35,58 @@ def matmul_rate(dtype: torch.dtype, size: int = _SIZE, repeats: int = 3) -> floa
     return 2 * size**3 / best / 1e9
 
 
-@assume_constant_result  # a traced graph takes the measured answer as a constant
-@functools.lru_cache(maxsize=None)
-def half_matmul_is_fast(dtype: torch.dtype) -> bool:
-    """True when CPU matrix products in ``dtype`` (float16/bfloat16) run at least as fast as in
-    float32 here (measured once per process and dtype, or set by ``ATTNKIT_HALF_MATMUL``)."""
+#: The CPU features that give half-precision matrix products at least float32's rate, per dtype.
+HALF_MATMUL_FEATURES = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def cpu_features() -> dict:
+    """The CPU's features as torch detects them (``torch.cpu.get_capabilities()``; {} where not known)."""
+    try:
+        return dict(torch.cpu.get_capabilities())
+    except (AttributeError, RuntimeError):  # an older torch, or a platform cpuinfo does not read
+        return {}
+
+
+def _decide_half(dtype: torch.dtype) -> tuple[bool | None, str]:
     forced = os.environ.get("ATTNKIT_HALF_MATMUL", "").strip().lower()
     if forced in ("fast", "slow"):
-        return forced == "fast"
+        return forced == "fast", f"ATTNKIT_HALF_MATMUL={forced}"
     if forced:
-        raise ValueError(f"ATTNKIT_HALF_MATMUL={forced!r}: expected 'fast', 'slow' or unset (measure).")
-    with torch.inference_mode():
-        return matmul_rate(dtype) >= matmul_rate(torch.float32)
+        return None, f"ATTNKIT_HALF_MATMUL={forced!r}: expected 'fast', 'slow' or unset (the CPU's features)."
+    wanted = HALF_MATMUL_FEATURES.get(dtype, ())
+    features = cpu_features()
+    found = [f for f in wanted if features.get(f)]
+    if found:
+        return True, f"this CPU has {found[0]}"
+    return False, f"this CPU has none of {', '.join(wanted) or 'the half-precision instructions'}"
+
+
+# Decided once at import (a dict a torch.compile trace reads as a constant); reread by refresh().
+_HALF: dict = {}
+
+
+def refresh() -> None:
+    """Decide the half-precision paths again (after changing ``ATTNKIT_HALF_MATMUL``)."""
+    _HALF.clear()
+    _HALF.update({dtype: _decide_half(dtype) for dtype in HALF_MATMUL_FEATURES})
+
+
+refresh()
+
+
+def half_matmul_is_fast(dtype: torch.dtype) -> bool:
+    """True when this CPU multiplies ``dtype`` (float16/bfloat16) matrices in hardware, at least at
+    float32's rate: from its features (:data:`HALF_MATMUL_FEATURES`), never from a timing, so every
+    process on one machine takes the same arithmetic. ``ATTNKIT_HALF_MATMUL=fast|slow`` overrides."""
+    fast, why = _HALF.get(dtype, (False, ""))
+    if fast is None:
+        raise ValueError(why)
+    return fast
+
+
+def half_matmul_reason(dtype: torch.dtype) -> str:
+    """Why :func:`half_matmul_is_fast` answers as it does for ``dtype`` (a feature, or the override)."""
+    return _HALF.get(dtype, (False, "not a half-precision dtype"))[1]
 
 
 def machine_id() -> dict:
@@ -73,46 +111,3 @@ def machine_id() -> dict:
         "attnkit": __version__,
         "native": loader.build_id(),
     }
-
-
-def best_seconds(fn, repeats: int, enough: float | None = None) -> float:
-    """The fastest of ``repeats`` timed calls of ``fn`` after one warm-up call; with ``enough``,
-    fewer once the fastest so far is slower than that (more calls would not change a ranking)."""
-    fn()  # warm up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-        if enough is not None and best > enough:
-            break
-    return best
-
-
-def probe_rates() -> dict:
-    """This machine's constants for a cost model, measured in well under a second:
-
-    * ``gemm_gflops[dtype]``: GFLOP/s of a large matrix product (float32, bfloat16, float16);
-    * ``tile_gflops``: GFLOP/s of one 64-cubed float32 product issued as its own op (a PyTorch
-      loop's tile: small-GEMM efficiency and the op's overhead together);
-    * ``bandwidth_gbs``: GB/s of a 32 MiB copy (read + write);
-    * ``op_seconds``: the overhead of one tiny PyTorch op (what a Python loop pays per op)."""
-    with torch.inference_mode():
-        gemm = {"float32": matmul_rate(torch.float32, 256)}
-        for dtype in (torch.bfloat16, torch.float16):
-            gemm[str(dtype).removeprefix("torch.")] = matmul_rate(dtype, 128, repeats=2)
-        src, dst = torch.ones(2**23), torch.empty(2**23)  # 32 MiB each, preallocated: no page faults timed
-        bandwidth = 2 * src.numel() * 4 / best_seconds(lambda: dst.copy_(src), 3) / 1e9
-    return {"gemm_gflops": gemm, "bandwidth_gbs": bandwidth, **quick_rates(tiles=20, op_repeats=3)}
-
-
-def quick_rates(tiles: int = 5, op_repeats: int = 2) -> dict:
-    """``tile_gflops`` and ``op_seconds`` of :func:`probe_rates` alone, from fewer repeats: a few
-    milliseconds, to re-check stored constants against (the best of the repeats, as the probe)."""
-    with torch.inference_mode():
-        a, b = torch.randn(64, 64), torch.randn(64, 64)
-        tile = 2 * 64**3 / best_seconds(lambda: torch.matmul(a, b), tiles) / 1e9
-        x = torch.zeros(1)
-        ops = 200
-        op = best_seconds(lambda: [torch.add(x, x) for _ in range(ops)], op_repeats) / ops
-    return {"tile_gflops": tile, "op_seconds": op}

@@ -32,47 +32,25 @@ _BUILTINS_LOADED = False
 
 @dataclass(frozen=True)
 class Work:
-    """What a backend computes and how: its structure, not its speed on any machine (the cost model
-    of :mod:`attnkit.dispatch` counts the work from it and prices it with measured constants).
+    """How a backend computes: its structure, not its speed on any machine. The static order of
+    ``auto`` (:mod:`attnkit.dispatch.rule`) is read from it.
 
-    ``skips``: which (query, key) pairs it never computes: ``"nothing"``; ``"tiles"``: the
-    ``tile``-sized tiles the mask leaves empty (``tile=(1, 1)``: every masked pair); ``"layout"``:
-    the blocks outside a BlockSparse layout. ``half``: float16/bfloat16 inputs run half-precision
-    GEMMs (``"always"``, ``"when_fast"``) or are upcast to float32 (``"never"``). ``materializes``:
-    builds the whole (B, Hq, Tq, Tk) mask whenever there is a mask (a backend that decides per call
-    says so through :meth:`Backend.dense_mask_elements` instead). ``fused``: one kernel per call
-    (True) rather than PyTorch ops. ``loop_ops``: PyTorch ops a Python loop issues per tile (0: one
-    fused kernel, or ops over whole tensors). ``gqa``: grouped K/V heads read in place
-    (``"in_place"``) or repeated for each query head of a group first (``"repeats"``: a decode step
-    then reads the group's K/V once per query head).
+    ``fused``: one kernel per call (True) rather than PyTorch ops. ``loop_ops``: PyTorch ops a Python
+    loop issues per tile (0: one fused kernel, or ops over whole tensors). ``materializes``: builds
+    the whole (B, Hq, Tq, Tk) mask whenever there is a mask (a backend that decides per call says so
+    through :meth:`Backend.dense_mask_elements` instead). ``gqa``: grouped K/V heads read in place
+    (``"in_place"``) or repeated for each query head of a group first (``"repeats"``)."""
 
-    The built-in order of ``auto`` comes from it: fused kernels, then PyTorch ops over whole tensors,
-    then Python loops over tiles, then backends that materialize the mask (registration order breaks
-    ties)."""
-
-    skips: str = "nothing"
-    tile: tuple[int, int] = (1, 1)
-    half: str = "never"
-    materializes: bool = False
     fused: bool = False
     loop_ops: int = 0
+    materializes: bool = False
     gqa: str = "in_place"
 
     def __post_init__(self):
-        if self.skips not in ("nothing", "tiles", "layout"):
-            raise ValueError(f"Work.skips: expected 'nothing', 'tiles' or 'layout', got {self.skips!r}.")
-        if self.half not in ("always", "when_fast", "never"):
-            raise ValueError(f"Work.half: expected 'always', 'when_fast' or 'never', got {self.half!r}.")
         if self.gqa not in ("in_place", "repeats"):
             raise ValueError(f"Work.gqa: expected 'in_place' or 'repeats', got {self.gqa!r}.")
-        if len(self.tile) != 2 or min(self.tile) < 1 or self.loop_ops < 0:
-            raise ValueError(f"Work: expected a tile of two positive sizes and loop_ops >= 0, got {self!r}.")
-
-    def rank(self, materializes: bool = False) -> tuple[bool, bool, bool]:
-        """The built-in order's key (smaller first): materializing last, loops after whole-tensor
-        ops, fused kernels first. ``materializes``: the backend builds the mask of the call at
-        hand (one that decides per call, :meth:`Backend.dense_mask_elements`)."""
-        return (self.materializes or materializes, self.loop_ops > 0, not self.fused)
+        if not isinstance(self.loop_ops, int) or self.loop_ops < 0:
+            raise ValueError(f"Work.loop_ops: expected an int >= 0, got {self.loop_ops!r}.")
 
 
 class Backend:
@@ -110,9 +88,8 @@ class Backend:
     #: ContextVars its reasons read besides the inputs (e.g. a scope that allows it): the dispatcher
     #: keys its cached choices on their values, so a choice never outlives the scope it was made in.
     reason_contexts: ClassVar[tuple] = ()
-    #: What it skips, fuses and materializes (:class:`Work`), read by the dispatcher's built-in order
-    #: and cost model. The default (computes every pair with PyTorch ops) is a safe over-estimate:
-    #: a new backend is ranked by its measured speed with no dispatcher edit.
+    #: What it skips, fuses and materializes (:class:`Work`), read by the dispatcher's static order.
+    #: The default (computes every pair with PyTorch ops) ranks a new backend after the fused kernels.
     work: ClassVar[Work] = Work()
 
     @classmethod
@@ -200,6 +177,13 @@ class Backend:
             f"options: backend {cls.name!r} takes {cls.Options.__name__}, got {type(options).__name__}. "
             f"Fix: pass {cls.Options.__name__}({', '.join(f.name + '=...' for f in fields(cls.Options))})."
         )
+
+    @classmethod
+    def decodes(cls, inp: AttentionInputs) -> bool:
+        """A hint for dispatch's decode rule: whether this backend runs ``inp`` (a few queries over
+        a longer K/V) with a kernel built for decoding, reading each K/V row once for every query
+        head of its group. The dispatcher puts such backends first for a decoding step."""
+        return False
 
     @classmethod
     def dense_mask_elements(cls, inp: AttentionInputs) -> int:

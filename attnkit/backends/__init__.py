@@ -6,4 +6,4 @@ from . import lsh  # noqa: F401
 from .kernelized import performer  # noqa: F401
 from . import block_sparse, sliding_window, tiled  # noqa: F401  (exact at scale)
 from . import decode  # noqa: F401  (few queries over a long cache)
-from . import flex, native  # noqa: F401  (fused kernels)
+from . import native, flex  # noqa: F401  (fused kernels; native first: flex on CPU compiles per mask kind)

@@ -112,7 +112,7 @@ def mask_on(mask, inp: AttentionInputs, q_pos: Tensor, k_pos: Tensor) -> Tensor:
 
 
 def upcast_on_cpu(inp: AttentionInputs) -> AttentionInputs:
-    """float16/bfloat16 inputs on a CPU whose half-precision matmuls are slower than float32 (measured:
+    """float16/bfloat16 inputs on a CPU without half-precision matmul instructions (its features:
     :func:`attnkit.hardware.half_matmul_is_fast`; without hardware support they run ~100x slower)
     as float32; the caller casts the output back. Kept as they are for forward-only calls where the CPU
     has fast ones (gradients keep float32 tiles: their cancellations need the precision)."""

@@ -45,7 +45,7 @@ def _row_groups(pattern, r0: int, r1: int, c0: int, c1: int) -> tuple:
 @register_backend
 class BlockSparseBackend(Backend):
     name = "block_sparse"
-    work = Work("layout")
+    work = Work()
     summary = "gathers only the active blocks of a BlockSparse layout (BigBird, Longformer, Sparse Transformer)"
     supports_lse = True
     supports_score_mod = True

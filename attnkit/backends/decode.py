@@ -307,7 +307,7 @@ class DecodeBackend(Backend):
     PyTorch ops (correct, not memory-optimized)."""
 
     name = "decode"
-    work = Work("nothing", half="always", materializes=True)  # its PyTorch-op twin builds (Tq, Tk) scores
+    work = Work(materializes=True)  # its PyTorch-op twin builds (Tq, Tk) scores; the kernel: decodes()
     summary = "decode: few queries over long K/V or a cache, native split-K kernel (PyTorch-op twin), GQA in place"
     supports_bias = True
     supports_lse = True
@@ -335,6 +335,11 @@ class DecodeBackend(Backend):
             yield "reads a cache in place for inference only (the inputs require grad)"
         if inp.kv_finite is not True:
             yield "reads a cache in place only while it holds finite values (NaN/Inf were written)"
+
+    @classmethod
+    def decodes(cls, inp: AttentionInputs) -> bool:
+        """The native decode kernel runs this call, reading the mask's structure (not a materialized mask)."""
+        return (inp.mask is None or reads_structure(inp.mask, inp.B)) and not kernel_reasons(inp)
 
     @classmethod
     def dense_mask_elements(cls, inp: AttentionInputs) -> int:

@@ -185,7 +185,7 @@ def _score_mod(bias: torch.Tensor | None, mod: ScoreMod | None, q_offset: int, k
 @register_backend
 class FlexBackend(Backend):
     name = "flex"
-    work = Work("tiles", (128, 128), half="always", fused=True)
+    work = Work(fused=True)
     reason_contexts = (_CPU_ALLOWED,)
     summary = ("torch FlexAttention, compiled (dynamic shapes): any mask via mask_mod + a BlockMask from attnkit's "
                "structure")

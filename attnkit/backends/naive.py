@@ -65,7 +65,7 @@ def probabilities(inp: AttentionInputs) -> tuple[Tensor, Tensor, Tensor]:
 @register_backend
 class NaiveBackend(Backend):
     name = "naive"
-    work = Work("nothing", half="always", materializes=True)
+    work = Work(materializes=True)
     summary = "reference: materialized mask, fp32 softmax, supports everything, O(Tq*Tk) memory"
     supports_dropout = True
     supports_bias = True

@@ -32,9 +32,10 @@ floats of scratch while learnable slopes or tables need it).
 
 Precision: float32 and float64 run in their own type. bfloat16/float16 inputs run their tile
 products **in the kernel in that type** (fp32 accumulation; scores, softmax statistics, the LSE and
-the gradient accumulators in float32) on a machine where that type's matrix products are at least as
-fast as float32's (measured once: :func:`attnkit.hardware.half_matmul_is_fast`, e.g. AVX512-BF16 or
-AMX); elsewhere (e.g. AVX2-only CPUs, where they are emulated) they are upcast to float32 tiles and
+the gradient accumulators in float32) on a CPU with instructions for that type's matrix products
+(from its features, never a timing: :func:`attnkit.hardware.half_matmul_is_fast`, AVX512-BF16 or
+AMX for bfloat16, AVX512-FP16 or AMX-FP16 for float16); elsewhere (e.g. AVX2-only CPUs, where they
+are emulated) they are upcast to float32 tiles and
 the output cast back. ``NativeOptions(half_tiles=True/False)`` forces either path;
 ``explain()`` and ``attnkit info`` say which one this machine uses and why.
 
@@ -54,7 +55,7 @@ from torch import Tensor
 
 from .._validate import broadcast_shapes
 from ..csrc import build as csrc_build, loader
-from ..hardware import half_matmul_is_fast
+from ..hardware import half_matmul_is_fast, half_matmul_reason
 from ..inputs import AttentionInputs
 from ..masks import And, Mask, mask_params
 from ..score_mods import score_mod_spec
@@ -127,11 +128,10 @@ def half_tiles(dtype: torch.dtype, options: "NativeOptions | None" = None) -> bo
 def half_tiles_note(dtype: torch.dtype) -> str:
     """One sentence: which path ``dtype`` inputs take on this machine and why."""
     name = str(dtype).removeprefix("torch.")
+    why = half_matmul_reason(dtype)
     if half_tiles(dtype):
-        return (f"{name} tiles in the kernel with float32 accumulation ({name} matrix products measured at least as "
-                "fast as float32 on this CPU)")
-    return (f"{name} inputs upcast to float32 tiles ({name} matrix products measured slower than float32 on this "
-            "CPU)")
+        return f"{name} tiles in the kernel with float32 accumulation ({why}; NativeOptions(half_tiles=False) upcasts)"
+    return f"{name} inputs upcast to float32 tiles ({why}; NativeOptions(half_tiles=True) forces {name} tiles)"
 
 
 _EMPTY_LONG = torch.empty(0, dtype=torch.long)
@@ -255,7 +255,7 @@ def plan_for(inp: AttentionInputs, options: NativeOptions) -> _Plan:
 @register_backend
 class NativeBackend(Backend):
     name = "native"
-    work = Work("tiles", (128, 256), half="when_fast", fused=True)  # bf16/fp16 tiles where measured fast
+    work = Work(fused=True)
     summary = "fused C++ online-softmax kernel (CPU): fwd+bwd, skips masked tiles, masks evaluated in the kernel"
     devices = frozenset({"cpu"})
     supports_lse = True

@@ -38,7 +38,7 @@ class SDPABackend(Backend):
     # 256 queries by 512 keys: kvSplitSize); a dense mask skips nothing
     # gqa: on the CPU, grouped K/V take torch's path that repeats them per query head (a decode step
     # with grouped heads reads its cache far slower per byte than the same bytes with one query head each)
-    work = Work("tiles", (64, 512), half="always", fused=True, gqa="repeats")
+    work = Work(fused=True, gqa="repeats")
     summary = "torch.nn.functional.scaled_dot_product_attention (fused flash/efficient/math kernels)"
     supports_dropout = True
     supports_bias = True

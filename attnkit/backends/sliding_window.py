@@ -132,7 +132,7 @@ def _global_rows(inp: AttentionInputs, glob: Tensor, out: Tensor, lse: Tensor):
 @register_backend
 class SlidingWindowBackend(Backend):
     name = "sliding_window"
-    work = Work("tiles", (64, 64))
+    work = Work()
     summary = "banded local attention (+ Longformer global tokens): O(n*w) time and memory, fwd+bwd"
     supports_lse = True
     supports_score_mod = True

@@ -37,7 +37,7 @@ class TiledOptions:
     256..1024 x 512..4096 at n=4096 on a 2-core CPU).
 
     ``upcast``: run the tile matmuls of float16/bfloat16 inputs in float32 (``None``: on a CPU whose
-    half-precision matmuls are slower than float32, measured once by
+    half-precision matmuls lack hardware support, from its features:
     :func:`attnkit.hardware.half_matmul_is_fast`; without hardware support they run ~100x slower)."""
 
     block_q: int = 256
@@ -338,7 +338,7 @@ class _TiledFunction(torch.autograd.Function):
 @register_backend
 class TiledBackend(Backend):
     name = "tiled"
-    work = Work("tiles", (256, 512), half="when_fast", loop_ops=12)
+    work = Work(loop_ops=12)
     summary = "flash-style online softmax over tiles in PyTorch: any mask, O(n) memory fwd+bwd, skips empty tiles"
     supports_bias = True
     supports_lse = True

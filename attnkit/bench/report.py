@@ -301,14 +301,10 @@ def grouped_recommendations(rows: list[dict]) -> list[str]:
 
 
 def calibration_status() -> str:
-    """Whether ``auto`` on this machine follows a measured table, in one line."""
-    from .. import calibration
+    """Which table ``auto`` on this machine follows, in one line."""
+    from ..dispatch import table
 
-    data = calibration.load()
-    if data is None:
-        return (f"this machine is not calibrated ({calibration.calibration_path()}): auto follows its cost model; "
-                "`python -m attnkit bench` measures it and writes the table")
-    return f"this machine is calibrated: {calibration.calibration_path()} ({len(data['entries'])} entries)"
+    return f"auto: {table.status()}; elsewhere the static rule decides (`python -m attnkit bench` measures)"
 
 
 def recommendations(results: dict) -> str:

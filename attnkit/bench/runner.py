@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import calibration
+from .. import hardware
+from ..dispatch import table as calibration
 from ..dispatch import NoBackendError, select
 from ..functional import attention
 from ..inputs import AttentionInputs
@@ -42,7 +43,7 @@ from .cases import (
 from .memory import PeakMemory
 
 __all__ = ["run_sweep", "machine_description", "matmul_peak", "build_calibration", "resolve_ties", "verify_auto",
-           "verify_auto_before", "confidence_interval", "estimate_seconds", "noise_floor", "sweep_cases"]
+           "verify_auto_before", "confidence_interval", "estimate_seconds", "confirmed", "noise_floor", "sweep_cases"]
 
 
 def machine_description(device: str) -> dict:
@@ -196,36 +197,26 @@ def sweep_names(config: BenchConfig) -> list[str]:
 
 
 def estimate_seconds(config: BenchConfig) -> float:
-    """How long :func:`run_sweep` will take on this machine, from the cost model's estimate of each
-    case (:func:`attnkit.dispatch.estimated_seconds` over the probed machine constants): per case a
-    warm-up call, the error check and at least ``min_run_time`` of timing; cases a backend cannot
-    run or predicted over the per-call budget cost nothing. Capped by ``run_budget_s``."""
-    from ..dispatch import estimated_seconds
-
-    constants = calibration.machine_constants()
-    registry = list_backends()
+    """How long :func:`run_sweep` will take on this machine: per case a warm-up call, the error check
+    and at least ``min_run_time`` of timing, a call's time estimated from its exact-attention FLOPs
+    at a quarter of this machine's float32 matrix-product rate (measured now, in milliseconds);
+    cases a backend cannot run or predicted over the per-call budget cost nothing. Capped by
+    ``run_budget_s``."""
+    rate = 0.25 * hardware.matmul_rate(torch.float32) * 1e9
     total = 0.0
     for case in sweep_cases(config, sweep_names(config)):
-        mask = mask_spec(case.mask).build(case.n, config)
-        shape = (config.batch, config.heads, case.n, config.head_dim)
-        one = torch.empty(1, 1, 1, 1, device=config.device, dtype=getattr(torch, case.dtype))
-        x = one.requires_grad_(case.passes == "train").expand(shape)  # the shape without the memory
-        inp = AttentionInputs.create(x, x, x, mask=mask)
-        name = case.backend
-        if name == "auto":
-            try:
-                name = select(inp).name
-            except NoBackendError:
-                continue
-        elif not registry[name].can_run(inp):
-            continue
-        call = estimated_seconds(name, inp, constants)
-        if call is None:
-            call = config.time_budget_s / 4  # not probed: a guess inside the budget
+        flops = 4.0 * config.batch * config.heads * case.n * case.n * config.head_dim
+        call = flops * (3.5 if case.passes == "train" else 1.0) / rate
         if call > config.time_budget_s and case.n > min(config.lengths):  # the runner extrapolates, then skips
             continue
         total += 0.02 + 2 * call + max(config.min_run_time, call)
     return total if config.run_budget_s is None else min(total, config.run_budget_s)
+
+
+def confirmed(table: dict) -> dict:
+    """``table`` without the points whose ranking no interleaved timing confirmed (still ``"tie"``)."""
+    entries = {key: [p for p in points if not p.get("tie")] for key, points in table["entries"].items()}
+    return {**table, "entries": {key: points for key, points in entries.items() if points}}
 
 
 def _memory_skip(case: Case, config: BenchConfig, estimate: int) -> dict | None:
@@ -357,18 +348,17 @@ def build_calibration(results: dict) -> dict:
 
     Mask specs of one kind (BigBird and Longformer are both ``BlockSparse``) are pooled: a
     backend's time is the sum over the specs, counted only for backends that ran all of them.
-    A point whose fastest backend's confidence interval overlaps another's (see
-    :func:`confidence_interval`; for cases timed fewer than :data:`MIN_RUNS_FOR_SPREAD` times, at
-    least the sweep's :func:`noise_floor`) is stored with ``"tie": true``: noise is not a
-    crossover, and ``auto`` leaves such points to its cost model. :func:`resolve_ties` then times
-    those backends interleaved, which separates most of them."""
+    Every point of two or more backends is stored with ``"tie": true`` until :func:`resolve_ties`
+    has timed its leader against the runner-up (and any other within the sweep's noise) interleaved;
+    :func:`confirmed` then drops the points it could not confirm, so the table holds only rankings
+    measured twice."""
     floor = noise_floor(results)
     entries: dict[str, list[dict]] = {}
     for (key, n), per_mask in sorted(_calibration_points(results).items()):
         times, spread = _pooled(per_mask, floor)
         order = sorted(times, key=times.get)
         point = {"n": n, "order": order, "times": times}
-        if len(_within_noise(order, times, spread)) > 1:
+        if len(order) > 1:  # confirmed (or dropped) by resolve_ties, whatever the sweep's margin
             point["tie"] = True
         entries.setdefault(key, []).append(point)
     return {"machine": results["machine"], "entries": entries}
@@ -384,9 +374,10 @@ def _pooled(per_mask: dict[str, dict[str, dict]], floor: float) -> tuple[dict[st
 
 
 def _within_noise(order: list[str], times: dict[str, float], spread: dict[str, float]) -> list[str]:
-    """The fastest backend of ``order`` and every other whose confidence interval overlaps its own."""
+    """The two fastest backends of ``order`` and every other whose confidence interval overlaps the
+    fastest's (the runner-up is always timed against the leader: a point is written only when confirmed)."""
     best = order[0]
-    return [b for b in order if b == best or times[best] + spread[best] >= times[b] - spread[b]]
+    return [b for i, b in enumerate(order) if i < 2 or times[best] + spread[best] >= times[b] - spread[b]]
 
 
 def _half_interval(row: dict, floor: float) -> float:
@@ -434,7 +425,7 @@ def resolve_ties(table: dict, results: dict, config: BenchConfig, budget_s: floa
     rest as the sweep ranked them, and records ``"interleaved": {"ratio": ratio, "rounds": rounds
     run}``: the median over the rounds of the second's time over the first's. When that is beyond
     ``1 + TIE_MARGIN`` the point is no longer a tie and ``auto`` follows it; within the margin it
-    stays a tie (the cost model decides).
+    stays a tie (and is not written: :func:`confirmed`).
 
     Cheaper points are timed first; a point whose predicted time (from the sweep's) does not fit in
     what is left of ``budget_s`` is not timed and stays as it was. ``table`` is not changed."""

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .. import calibration
+from ..dispatch import table as calibration
 from .._compat import progress_bar_class
 from ..bench.cases import DTYPES, MASK_SPECS, PASSES, BenchConfig
 from ..bench.plots import missing_extra, write_plots
@@ -49,6 +49,7 @@ from ..bench.report import (
 from ..bench.runner import (
     TIE_MARGIN,
     build_calibration,
+    confirmed,
     correct_calibration,
     estimate_seconds,
     resolve_ties,
@@ -242,8 +243,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out}: exists and is not a directory; "
                          "name a directory (it is created if missing)")
     sweep_names(config)  # unknown backend names are refused before anything is measured
-    if calibrate:  # the cost model's constants measured now, not kept from a probe taken under load
-        calibration.reprobe()
     command = command_line(f"{getattr(args, '_prog', 'attnkit')} bench", getattr(args, "_argv", None) or [])
     print(estimate_line(config, calibrate), file=sys.stderr, flush=True)
     results = run_sweep(config, progress=_progress(args.no_progress))  # checks the backend names first
@@ -267,10 +266,12 @@ def run(args: argparse.Namespace) -> int:
         if table["entries"]:
             table = _resolve_ties(table, results, config)
             table, corrected = correct_calibration(table, results, results.get("auto_before_verification") or ())
-            path = calibration.save({**table, "command": results["command"]}, merge=True)
             ties = sum(bool(p.get("tie")) for v in table["entries"].values() for p in v)
-            print(f"\ncalibration: {sum(len(v) for v in table['entries'].values())} points ({ties} within noise: left "
-                  f"to the cost model) in {len(table['entries'])} entries written to {path}"
+            table = confirmed(table)
+            path = calibration.save({**table, "command": results["command"]}, merge=True)
+            print(f"\ncalibration: {sum(len(v) for v in table['entries'].values())} points confirmed by an interleaved "
+                  f"timing in {len(table['entries'])} entries written to {path} ({ties} not written: unconfirmed, "
+                  "the static rule decides there)"
                   + (f"; {corrected} led by a backend that timed faster than the sweep's best interleaved"
                      if corrected else ""))
             _say_verifying("after calibration", config)

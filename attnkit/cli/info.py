@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .. import __version__, calibration
+from .. import __version__
+from ..dispatch import table as measured_table
 from ..bench.cases import MASK_SPECS, BenchConfig
 from ..bench.report import format_table
 from ..dispatch import explain
@@ -182,15 +183,9 @@ def native_precision_line() -> str | None:
 
 
 def policy_line(prog: str = "attnkit") -> str:
-    """Whether ``auto`` follows a measured calibration of this machine or the cost model alone."""
-    data = calibration.load()
-    if data is None:
-        return (f"auto policy: not calibrated: the cost model from machine constants probed here "
-                f"({calibration.constants_path()}) decides; no table at {calibration.calibration_path()}. "
-                f"Measure this machine with `{prog} bench`")
-    return (f"auto policy: calibrated on this machine ({len(data['entries'])} device/dtype/mask/pass/heads/head dim "
-            f"entries in {calibration.calibration_path()}, from `{data.get('command', prog + ' bench')}`); "
-            "elsewhere the cost model decides")
+    """Which table ``auto`` follows here, or that the static rule decides alone."""
+    return (f"auto policy: the static rule, refined by this machine's measured table where it has a row "
+            f"({measured_table.status()}; `{prog} bench` measures one)")
 
 
 def _memory_bytes() -> int | None:

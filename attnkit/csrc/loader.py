@@ -29,8 +29,7 @@ def load_library() -> str | None:
 
 
 def build_id() -> str | None:
-    """Which usable build this is, for measurements taken with it (the calibration table, the probed
-    constants): a digest of its stamp (torch version, CPU flags and the digest of the sources it was
+    """Which usable build this is, for measurements taken with it (the measured dispatch table): a digest of its stamp (torch version, CPU flags and the digest of the sources it was
     compiled from, :func:`build.sources_digest`; the library's modification time for a stamp from
     before stamps named their sources). None when no build is usable here. Reads the stamp only."""
     problem, stamp = _stamp()
@@ -79,9 +78,7 @@ def fastpath():
       scalar arguments with their types (None, bool, int, float; anything else answers None), for
       the dispatcher's per-call cache;
     * ``finite(x) -> bool | None``: whether a dense CPU floating tensor holds finite values only
-      (the NaN/Inf policy's scan), a bit test per element;
-    * ``configure(...)`` and ``call(...)``: :func:`attnkit.dispatch.resolve_call`'s cache hit in one
-      C call (the key above, the lookup, the entry's checks and the inputs rebuilt from it).
+      (the NaN/Inf policy's scan), a bit test per element.
 
     Both answer None for what they do not read (tensor subclasses, functorch and functionalization
     wrappers, non-CPU tensors for ``finite``); the caller then takes its Python path."""

@@ -1,0 +1,200 @@
+"""Choosing the backend for a call: ``select``, ``resolve``, ``use_backend`` and the per-call cache
+of ``attention()``'s hot path.
+
+* ``backend="auto"`` takes the first backend of :func:`~attnkit.dispatch.rule.priority` that is exact
+  and has no reasons against the input (or, with :class:`~attnkit.dispatch.tuning.autotune` on, the
+  measured winner of its shape class). Approximate backends (``exact = False``) run only when named.
+* A named backend is checked, never silently replaced: if it cannot run, ``NoBackendError`` says why.
+* ``with use_backend("tiled"):`` makes ``"auto"`` mean ``"tiled"`` inside the block (a ContextVar,
+  so threads and async tasks keep their own choice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+
+import torch
+from torch import Tensor
+from torch.compiler import is_compiling as _is_compiling
+
+from ..csrc import loader
+from ..inputs import AttentionInputs
+from ..masks import Mask
+from ..masks.export import value_keyed
+from ..registry import Backend, get_backend, list_backends, names_now
+from . import tuning
+from .rule import priority
+
+__all__ = ["NoBackendError", "select", "resolve", "resolve_call", "use_backend", "candidates", "clear",
+           "no_backend_message", "reader", "describe_input"]
+
+_SCOPED: ContextVar[tuple[str, ...] | None] = ContextVar("attnkit_backend", default=None)
+
+
+class NoBackendError(ValueError):
+    """No backend can run the input; the message lists every backend with its reasons."""
+
+
+def candidates(backend: str) -> tuple[list[str], bool]:
+    """Names to try and whether they were named explicitly (by argument or ``use_backend``)."""
+    if backend != "auto":
+        get_backend(backend)
+        return [backend], True
+    scoped = _SCOPED.get()
+    if scoped is not None:
+        return list(scoped), True
+    return [], False
+
+
+def select(inp: AttentionInputs, backend: str = "auto") -> type[Backend]:
+    """The backend that will run ``inp``; ``NoBackendError`` with every reason if none can.
+    K/V given as a cache handle are converted when no candidate reads them (:func:`resolve`)."""
+    if inp.kv_format != "dense":
+        return resolve(inp, backend)[0]
+    known = list_backends()
+    names, named = candidates(backend)
+    if named:
+        for name in names:
+            if known[name].can_run(inp):
+                return known[name]
+        raise NoBackendError(no_backend_message(inp, names))
+    winner = tuning.tuned(inp, known)
+    if winner is not None:
+        return known[winner]
+    for name in priority(inp):
+        impl = known[name]
+        if impl.exact and impl.can_run(inp):
+            return impl
+    raise NoBackendError(no_backend_message(inp, list(known)))
+
+
+def reader(inp: AttentionInputs, backend: str) -> type[Backend] | None:
+    """The first candidate that reads ``inp``'s KV handle in place and can run it, or None."""
+    known = list_backends()
+    names, named = candidates(backend)
+    for name in names if named else priority(inp):
+        impl = known[name]
+        if (named or impl.exact) and inp.kv_format in impl.kv_formats and impl.can_run(inp):
+            return impl
+    return None
+
+
+def resolve(inp: AttentionInputs, backend: str = "auto") -> tuple[type[Backend], AttentionInputs]:
+    """The backend that will run ``inp`` and the inputs it runs on: ``inp`` itself, or, when K/V
+    are a cache handle that no candidate reads in place (or the one that reads it cannot run this
+    call), ``inp.dense()``, the handle's declared conversion to contiguous K/V."""
+    if inp.kv_format != "dense":
+        found = reader(inp, backend)
+        if found is not None:
+            return found, inp
+        inp = inp.dense()
+    return select(inp, backend), inp
+
+
+# -- the per-call cache of attention()'s hot path -------------------------------------------------
+
+_CALLS: dict = {}  # call key -> (backend, AttentionInputs.cache_fields(), registered names, on the CPU)
+_CALLS_SIZE = 512
+_CONTEXT_VARS: list = [((), ())]  # (registered names, their backends' reason_contexts)
+
+
+def clear() -> None:
+    """Forget every cached decision (a new table was loaded)."""
+    _CALLS.clear()
+
+
+def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite,
+                 backend: str) -> tuple[type[Backend], AttentionInputs, bool | None]:
+    """``attention()``'s common call (dense tensors, no bias, score modifier or sinks): the backend,
+    validated inputs and whether the host may branch on them (:func:`attnkit.backends.nonfinite.host_may_branch`;
+    None: not known here), cached per call: shapes, dtypes, devices, mask, offsets, scale, dropout,
+    LSE, ``kv_finite``, whether gradients are needed, the backend asked for and the scope
+    (``use_backend``, autotuning, each backend's ``reason_contexts``). A hit skips validation and
+    selection, both pure functions of that key (strides are not in it: neither reads them); an
+    entry is used only while the registry it was decided under holds. With the built extension
+    the tensors and scalars are keyed in one C call (:func:`attnkit.csrc.loader.key`), which also
+    proves the tensors plain (no subclass or ``torch.func`` wrapper): the host may then branch on
+    CPU tensors."""
+    if _is_compiling():
+        return (*_resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend),
+                None)
+    # Shapes, dtypes, devices, whether gradients are needed and the scalars with their types (1 == True ==
+    # 1.0 as Python keys, but a call validation would refuse must never hit).
+    scalars = loader.key(q, k, v, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite)
+    plain = scalars is not None
+    if not plain:
+        if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+            return (*_resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite,
+                                   backend), None)
+        scalars = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                   torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+                   scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite,
+                   type(scale), type(dropout_p), type(q_offset), type(kv_offset), type(return_lse), type(kv_finite))
+    names = names_now()
+    contexts = _CONTEXT_VARS[0]
+    if contexts[0] is not names:
+        known = list_backends()
+        names = names_now()
+        contexts = _CONTEXT_VARS[0] = (names, tuple(var for name in names for var in known[name].reason_contexts))
+    contexts = contexts[1]
+    key = (scalars, mask, backend, _SCOPED.get(), tuning.enabled(),
+           contexts and tuple([var.get() for var in contexts]))
+    try:
+        hit = _CALLS.get(key)
+    except (TypeError, RuntimeError):  # an unhashable or tensor-valued argument (a scale tensor): no cache
+        return (*_resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend),
+                None)
+    if hit is not None and hit[2] is names:
+        return hit[0], AttentionInputs.trusted(hit[1], q, k, v), plain and hit[3]
+    impl, inp = _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
+    if mask is not None and not (isinstance(mask, Mask) and value_keyed(mask)):
+        return impl, inp, None  # not stored: an entry would keep the mask's tensors alive (and equals no other mask)
+    if len(_CALLS) >= _CALLS_SIZE:
+        _CALLS.clear()
+    _CALLS[key] = (impl, inp.cache_fields(), names, inp.q.is_cpu)
+    return impl, inp, None
+
+
+def _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend):
+    inp = AttentionInputs.create(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, q_offset=q_offset,
+                                 kv_offset=kv_offset, return_lse=return_lse, kv_finite=kv_finite)
+    return resolve(inp, backend)
+
+
+def describe_input(inp: AttentionInputs) -> str:
+    mask = "no mask" if inp.mask is None else repr(inp.mask)
+    return (f"q {tuple(inp.q.shape)}, k {tuple(inp.k.shape)}, v {tuple(inp.v.shape)}, {inp.dtype}, "
+            f"{inp.device.type}, {mask}, q_offset={inp.q_offset}, kv_offset={inp.kv_offset}")
+
+
+def no_backend_message(inp: AttentionInputs, names: Sequence[str]) -> str:
+    known = list_backends()
+    lines = [f"no attention backend can run this input ({describe_input(inp)}):"]
+    for name in names:
+        reasons = known[name].not_supported_reasons(inp)
+        if not known[name].exact and not reasons:
+            reasons = ["approximate: runs only when named, e.g. backend='%s'" % name]
+        lines.append(f"  {name}: {'; '.join(reasons) or 'can run'}")
+    lines.append("Fix: relax the unsupported option, or name a backend that lists no reasons above.")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def use_backend(*names: str | Sequence[str]) -> Iterator[None]:
+    """Within the block, ``backend="auto"`` means the first of ``names`` that can run.
+
+    ``with use_backend("tiled"):`` or ``with use_backend("sliding_window", "tiled"):``."""
+    flat: list[str] = []
+    for name in names:
+        flat.extend([name] if isinstance(name, str) else list(name))
+    if not flat:
+        raise ValueError("use_backend: expected at least one backend name, e.g. use_backend('tiled').")
+    for name in flat:
+        get_backend(name)
+    token = _SCOPED.set(tuple(flat))
+    try:
+        yield
+    finally:
+        _SCOPED.reset(token)
