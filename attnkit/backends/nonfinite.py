@@ -7,6 +7,18 @@ The contract (README, "NaN and Inf stay where they belong"):
 * NaN/Inf in what a row may not see (masked keys, keys only later queries see, padding) changes
   nothing in that row; a row with no allowed key is 0 whatever its inputs hold.
 
+Gradients follow the forward (:func:`poison`, applied when the call is differentiated):
+
+* a NaN row gets NaN gradients for what it read: its query row, the K and V rows of every key it may
+  see (the mask says which; with GQA, in its key/value head) and its head's sink — whatever its own
+  upstream gradient, as IEEE arithmetic (0 × NaN) and PyTorch's math path give;
+* its upstream gradient is dropped, so nothing else changes: dq of every row that cannot see the bad
+  element is bitwise what the same backend gives on the same inputs without it with the NaN rows'
+  upstream gradient zeroed (same GEMM shapes, the NaN rows add exact zeros), and dK/dV of keys no
+  NaN row reads are those (summed over rows in the backend's order: equal up to that rounding);
+* a NaN/Inf no row may see changes no gradient. A bias's and score modifiers' own gradients get the
+  other rows' contributions only.
+
 A backend declares ``nonfinite = "policy"`` (the default: this module keeps the contract for it)
 or ``"self"`` (its kernel keeps it itself). For a ``"policy"`` backend, :func:`run`:
 
@@ -19,6 +31,8 @@ or ``"self"`` (its kernel keeps it itself). For a ``"policy"`` backend, :func:`r
    backend runs on the zeroed tensors (same shapes, same GEMMs, so every other row is bitwise what
    it would have been), and the rows that may attend a flagged key (the mask evaluated at the
    flagged key columns only), or whose own query was flagged and that see any key, are set to NaN.
+   Differentiated, the keys those rows read are found too (the mask at those rows only) for the
+   gradient rule; finite inputs never reach this path, so they pay nothing for it.
 
 A bias is not scanned: every backend adds it before masking, so NaN/Inf at hidden positions is
 masked away and at visible positions reaches exactly the rows that see it.
