@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ._validate import check_int_at_least as _check_positive_int
+from ._validate import positive_int
 from ._validate import padding_mask
 from .cache import KVCache, PagedKVCache
 
@@ -81,11 +81,11 @@ def process_logits(logits: Tensor, *, seen: Tensor | None = None, temperature: f
 
 
 def _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty) -> None:
-    _check_positive_int("max_new_tokens", max_new_tokens)
+    positive_int(max_new_tokens, "max_new_tokens", fix="pass how many tokens to add, e.g. max_new_tokens=32")
     _check_real("temperature", temperature, temperature >= 0 if isinstance(temperature, (int, float)) else False,
                 "a finite float >= 0 (0 = greedy)")
     if top_k is not None:
-        _check_positive_int("top_k", top_k)
+        positive_int(top_k, "top_k", fix="top_k=None keeps every token; e.g. top_k=50 keeps the 50 likeliest")
     if top_p is not None:
         _check_real("top_p", top_p, isinstance(top_p, (int, float)) and 0 < top_p <= 1, "a float in (0, 1] (1 = off)")
     _check_real("repetition_penalty", repetition_penalty,
@@ -98,14 +98,60 @@ def _check_model(model) -> bool:
     return model.is_encoder_decoder
 
 
-def _check_ids(input_ids) -> None:
-    if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point
-            or input_ids.shape[1] == 0):
-        got = getattr(input_ids, "shape", type(input_ids).__name__)
+#: The index dtypes an embedding looks tokens up with.
+_ID_DTYPES = (torch.int64, torch.int32)
+
+
+def _check_ids(input_ids, vocab_size: int, name: str = "input_ids", dims: int = 2) -> None:
+    """``input_ids`` is a non-empty int64/int32 tensor of ``dims`` dims (``(B, P)``, or one ``(P,)``
+    prompt of a list) whose every entry is a token id of the model's vocabulary."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != dims or 0 in input_ids.shape:
+        got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        expected, fix = (("(B, P) with B, P >= 1, or a list of 1-D prompts", "a single prompt is input_ids[None]")
+                         if dims == 2 else ("(P,) with P >= 1", "drop empty prompts"))
+        raise ValueError(f"{name}: expected a tensor of token ids {expected}, got {got}. Fix: {fix}.")
+    if input_ids.dtype not in _ID_DTYPES:
+        raise TypeError(f"{name}: expected token ids of dtype torch.int64 (or torch.int32), got {input_ids.dtype}. "
+                        f"Fix: {name}.long() (token ids, not a mask or embeddings).")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        at = tuple((input_ids == bad).nonzero()[0].tolist())
         raise ValueError(
-            f"input_ids: expected a non-empty integer tensor (B, P) or a list of 1-D prompts, got {got}. "
-            "Fix: a single prompt is input_ids[None]."
+            f"{name}: expected token ids in [0, {vocab_size}) (the model's vocab_size), got {bad} at {at}. "
+            "Fix: tokenize with the model's own vocabulary; padding positions are read too, so fill them with a "
+            "valid id such as pad_token_id."
         )
+
+
+def _check_token(name: str, value, vocab_size: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise ValueError(f"{name}: expected a token id, an int in [0, {vocab_size}) (the model's vocab_size), "
+                         f"got {value!r}. Fix: pass an id of the model's vocabulary.")
+    return value
+
+
+def _check_tokens(model, *, stop_tokens, pad_token_id, generator, decoder_start_token=None) -> list[int]:
+    """The token arguments of a call (each an id of the model's vocabulary) and ``generator``;
+    returns the stop tokens as a list."""
+    V = model.config.vocab_size
+    if stop_tokens is None:
+        stop = []
+    elif isinstance(stop_tokens, (str, bytes, Tensor)) or not isinstance(stop_tokens, Sequence | set | frozenset):
+        raise TypeError(f"stop_tokens: expected a list of token ids or None, got {type(stop_tokens).__name__} "
+                        f"{stop_tokens!r}. Fix: stop_tokens=[id] for one token (a tensor: .tolist()).")
+    else:
+        stop = [_check_token(f"stop_tokens[{i}]", t, V) for i, t in enumerate(stop_tokens)]
+    _check_token("pad_token_id", pad_token_id, V)
+    if decoder_start_token is not None:
+        if not model.is_encoder_decoder:
+            raise ValueError(f"decoder_start_token={decoder_start_token!r}: a GPT continues its prompt; the start "
+                             "token is for an EncoderDecoder. Fix: drop decoder_start_token.")
+        _check_token("decoder_start_token", decoder_start_token, V)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__} "
+                        f"{generator!r}. Fix: torch.Generator().manual_seed(seed).")
+    return stop
 
 
 def _to_left_padding(input_ids: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -173,13 +219,15 @@ def stream(
     (left or right). For an encoder-decoder, ``input_ids`` is the source and decoding starts from
     ``decoder_start_token``."""
     seq2seq = _check_model(model)
-    _check_ids(input_ids)
+    _check_ids(input_ids, model.config.vocab_size)
     _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty)
+    stop_list = _check_tokens(model, stop_tokens=stop_tokens, pad_token_id=pad_token_id, generator=generator,
+                              decoder_start_token=decoder_start_token)
     valid = None if attention_mask is None else padding_mask(attention_mask, *input_ids.shape, "P", need_token=True)
     if cache == "paged" or isinstance(cache, PagedKVCache):
         raise ValueError("cache: a paged cache serves many sequences through generate(), not stream(). "
                          "Fix: generate(model, prompts, cache='paged'), or cache='static' here.")
-    stop = torch.tensor(sorted(set(stop_tokens or ())), dtype=torch.long, device=input_ids.device)
+    stop = torch.tensor(sorted(set(stop_list)), dtype=torch.long, device=input_ids.device)
     B, P = input_ids.shape
     V = model.config.vocab_size
     device = input_ids.device
@@ -307,16 +355,16 @@ def _serve(model, prompts: list[Tensor], max_new_tokens: int, cache: PagedKVCach
     return results
 
 
-def _prompts_of(input_ids, valid: Tensor | None) -> list[Tensor]:
+def _prompts_of(input_ids, valid: Tensor | None, vocab_size: int) -> list[Tensor]:
     if isinstance(input_ids, Tensor):
-        _check_ids(input_ids)
         rows = list(input_ids)
         return rows if valid is None else [row[keep] for row, keep in zip(rows, valid)]
+    if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
+        raise TypeError(f"input_ids: expected a tensor (B, P) of token ids or a list of 1-D prompts, got "
+                        f"{type(input_ids).__name__}.")
     prompts = list(input_ids)
     for i, p in enumerate(prompts):
-        if not isinstance(p, Tensor) or p.dim() != 1 or p.numel() == 0 or p.dtype.is_floating_point:
-            raise ValueError(f"input_ids[{i}]: expected a non-empty 1-D integer tensor (one prompt), got "
-                             f"{getattr(p, 'shape', type(p).__name__)}.")
+        _check_ids(p, vocab_size, f"input_ids[{i}]", dims=1)
     if not prompts:
         raise ValueError("input_ids: expected at least one prompt, got an empty list.")
     return prompts
@@ -330,18 +378,23 @@ def _generate_paged(model, input_ids, max_new_tokens, *, cache, quantize_cache, 
         raise ValueError("cache: paged caches serve decoder-only models; use cache='static' for an EncoderDecoder.")
     _check_sampling(max_new_tokens, sampling["temperature"], sampling["top_k"], sampling["top_p"],
                     sampling["repetition_penalty"])
-    _check_positive_int("max_batch_size", max_batch_size)
+    positive_int(max_batch_size, "max_batch_size", fix="e.g. max_batch_size=32 sequences decoded together")
     if prefill_chunk is not None:
-        _check_positive_int("prefill_chunk", prefill_chunk)
+        positive_int(prefill_chunk, "prefill_chunk", fix="e.g. prefill_chunk=256, or None for whole prompts")
     if on_token is not None and not callable(on_token):
         raise TypeError(f"on_token: expected a callable on_token(index, token), got {type(on_token).__name__}.")
+    positive_int(block_size, "block_size", fix="e.g. block_size=16 tokens per cache page")
+    if num_blocks is not None:
+        positive_int(num_blocks, "num_blocks", fix="num_blocks=None sizes the pool for the prompts")
+    stop_tokens = _check_tokens(model, stop_tokens=stop_tokens, pad_token_id=pad_token_id,
+                                generator=sampling["generator"])
     valid = None
     if isinstance(input_ids, Tensor):
-        _check_ids(input_ids)
+        _check_ids(input_ids, model.config.vocab_size)
         valid = None if attention_mask is None else padding_mask(attention_mask, *input_ids.shape, "P", need_token=True)
     elif attention_mask is not None:
         raise ValueError("attention_mask: a list of prompts needs no mask (each prompt is its own length); drop it.")
-    prompts = _prompts_of(input_ids, valid)
+    prompts = _prompts_of(input_ids, valid, model.config.vocab_size)
     if isinstance(cache, PagedKVCache):
         if quantize_cache is not None or num_blocks is not None:
             raise ValueError("quantize_cache, num_blocks: given with a ready-made PagedKVCache; build it with them.")

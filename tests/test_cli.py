@@ -228,3 +228,25 @@ def test_argument_types():
     if not torch.cuda.is_available():
         with pytest.raises(argparse.ArgumentTypeError, match="not available"):
             options.device("cuda:5")
+
+
+def test_generate_refuses_a_prompt_the_checkpoint_cannot_read(tmp_path, capsys):
+    """A checkpoint trained on a task has a small vocabulary: a prompt byte outside it, an empty prompt and
+    an empty prompts file are one line on stderr naming the flag, exit 2, no traceback."""
+    pytest.importorskip("safetensors")
+    run = str(tmp_path / "task")
+    assert main(["train", "--data", "task:copy:16", "--out", run, "--steps", "1", "--batch-size", "2", "--seq-len",
+                 "32", "--eval-every", "1", "--eval-batches", "1", "--sample-tokens", "2", "--no-progress",
+                 "--device", "cpu", "--warmup-steps", "1", "--embed-dim", "32", "--num-layers", "1",
+                 "--num-heads", "2"]) == 0
+    capsys.readouterr()
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\x01\x02\nhello\n")
+    for argv, flag in [(["--prompt", "hello"], "--prompt: byte 104"), (["--prompt", ""], "--prompt: expected at least"),
+                       (["--prompts-file", str(prompts)], "--prompts-file line 2: byte 104"),
+                       (["--prompts-file", str(empty)], "--prompts-file: ")]:
+        code, out, err = run_cli(["generate", run, "--max-new-tokens", "2", *argv], capsys)
+        assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, code, err)
+        assert err.startswith("attnkit generate: error: " + flag) and "Fix:" in err, err

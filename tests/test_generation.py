@@ -155,3 +155,47 @@ def test_readme_decoding_example_runs(capsys):
     run_readme_example("## Models and decoding")
     printed = capsys.readouterr().out
     assert "torch.Size([2, 13])" in printed and printed.strip().endswith("6")
+
+
+def _bad_generate_calls():
+    """(call, error type, text the error names): each a mistake that once gave a traceback from deep inside."""
+    prompt = torch.tensor([[3, 4, 5]])
+    paged = dict(cache="paged")
+    return [
+        (dict(input_ids=torch.tensor([[3, 50, 5]])), ValueError, r"input_ids: expected token ids in \[0, 50\).*got 50 "
+                                                                 r"at \(0, 1\).*Fix"),
+        (dict(input_ids=torch.tensor([[3, -1, 5]])), ValueError, r"input_ids: .*\[0, 50\).*got -1"),
+        (dict(input_ids=torch.tensor([[3, 70]]), **paged), ValueError, r"input_ids: .*got 70"),
+        (dict(input_ids=[torch.tensor([3]), torch.tensor([4, -2])], **paged), ValueError, r"input_ids\[1\]: .*got -2"),
+        (dict(input_ids=prompt, block_size=0, **paged), ValueError, r"block_size=0: expected a positive int.*Fix"),
+        (dict(input_ids=prompt, block_size=2.5, **paged), ValueError, r"block_size=2.5"),
+        (dict(input_ids=prompt, num_blocks=0, **paged), ValueError, r"num_blocks=0"),
+        (dict(input_ids=torch.zeros(0, 3, dtype=torch.long)), ValueError, r"input_ids: .*\(B, P\) with B, P >= 1.*"
+                                                                          r"got \(0, 3\)"),
+        (dict(input_ids=torch.zeros(0, 3, dtype=torch.long), **paged), ValueError, r"input_ids: .*got \(0, 3\)"),
+        (dict(input_ids=prompt.bool()), TypeError, r"input_ids: expected token ids of dtype torch.int64.*bool.*Fix"),
+        (dict(input_ids=prompt.to(torch.uint8)), TypeError, r"input_ids: .*torch.uint8"),
+        (dict(input_ids=prompt.float(), **paged), TypeError, r"input_ids: .*torch.float32"),
+        (dict(input_ids=prompt, max_new_tokens=0), ValueError, r"max_new_tokens=0: expected a positive int.*Fix"),
+        (dict(input_ids=prompt, top_k=0), ValueError, r"top_k=0: .*Fix: top_k=None"),
+        (dict(input_ids=prompt, pad_token_id=-1, stop_tokens=[0]), ValueError, r"pad_token_id: .*\[0, 50\).*got -1"),
+        (dict(input_ids=prompt, pad_token_id=50, **paged), ValueError, r"pad_token_id: .*got 50"),
+        (dict(input_ids=prompt, stop_tokens=7), TypeError, r"stop_tokens: expected a list of token ids.*got int 7"),
+        (dict(input_ids=prompt, stop_tokens=[3, 99]), ValueError, r"stop_tokens\[1\]: .*got 99"),
+        (dict(input_ids=prompt, generator=0, temperature=1.0), TypeError, r"generator: expected a torch.Generator"),
+        (dict(input_ids=prompt, decoder_start_token=1), ValueError, r"decoder_start_token=1: .*EncoderDecoder"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_generate_calls())))
+def test_generate_refuses_bad_input_naming_the_argument(case):
+    kwargs, error, text = _bad_generate_calls()[case]
+    kwargs = {"max_new_tokens": 3, **kwargs}
+    with pytest.raises(error, match=text):
+        generate(_gpt(), kwargs.pop("input_ids"), **kwargs)
+
+
+def test_seq2seq_start_token_must_be_in_the_vocabulary():
+    model = EncoderDecoder(TransformerConfig(vocab_size=30, embed_dim=32, num_layers=1, num_heads=4)).eval()
+    with pytest.raises(ValueError, match=r"decoder_start_token: .*\[0, 30\).*got 30"):
+        generate(model, torch.tensor([[1, 2]]), 2, decoder_start_token=30)

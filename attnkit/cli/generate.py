@@ -60,16 +60,32 @@ def _real(ok, expected: str):
     return parse
 
 
+def _prompt_ids(flag: str, text: str, vocab_size: int) -> torch.Tensor:
+    """``text`` as the model's token ids (its UTF-8 bytes), or a ``ValueError`` naming ``flag`` when it
+    is empty or holds a byte the checkpoint's vocabulary does not (a model trained on a task)."""
+    ids = encode(text)
+    if ids.numel() == 0:
+        raise ValueError(f"{flag}: expected at least one character, got ''. Fix: give text to continue "
+                         "(the default is a newline).")
+    outside = (ids >= vocab_size).nonzero()
+    if outside.numel():
+        at = int(outside[0])
+        raise ValueError(f"{flag}: byte {int(ids[at])} (at byte {at} of {text[:40]!r}) is not in this checkpoint's "
+                         f"vocabulary of {vocab_size} tokens (ids 0..{vocab_size - 1}). Fix: use only characters "
+                         f"whose UTF-8 bytes are below {vocab_size}, as in the model's training data.")
+    return ids
+
+
 def run(args: argparse.Namespace) -> int:
     from ..train.loop import TrainConfig, load_data, load_model
 
     if args.quantize == "int8" and args.device != "cpu":
-        raise SystemExit(f"generate: --quantize int8 runs on the CPU (dynamic int8 kernels); "
-                         f"got --device {args.device}. "
-                         f"Drop --device or use --device cpu.")
+        raise ValueError(f"--quantize int8 runs on the CPU (dynamic int8 kernels); got --device {args.device}. "
+                         "Fix: drop --device or use --device cpu.")
     model, meta = load_model(args.checkpoint, args.device)
     if meta["model_kind"] != "gpt":
-        raise SystemExit(f"generate: {args.checkpoint!r} holds a {meta['model_kind']!r} model; generate needs a GPT.")
+        raise ValueError(f"checkpoint: {args.checkpoint!r} holds a {meta['model_kind']!r} model; generate needs a "
+                         "GPT. Fix: give the run directory of a GPT trained with `attnkit train`.")
     if args.quantize == "int8":
         from ..train.deploy import quantize_model_int8, quantize_report
 
@@ -79,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         model = quantize_model_int8(model)
     if args.prompts_file is not None:
         return _serve_file(model, args)
-    ids = encode(args.prompt)[None].to(args.device)
+    ids = _prompt_ids("--prompt", args.prompt, model.config.vocab_size)[None].to(args.device)
     sys.stdout.write(args.prompt)
     pending = b""
     for token in _token_stream(model, ids, args):
@@ -102,17 +118,20 @@ def _serve_file(model, args) -> int:
         with open(args.prompts_file, encoding="utf-8") as f:
             lines = [line.rstrip("\n") for line in f]
     except (OSError, UnicodeDecodeError) as exc:
-        raise SystemExit(f"generate: cannot read --prompts-file {args.prompts_file!r} ({exc}). Give a UTF-8 text "
+        raise ValueError(f"--prompts-file: cannot read {args.prompts_file!r} ({exc}). Fix: give a UTF-8 text "
                          "file with one prompt per line.") from None
     prompts = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
+    for i, line in prompts:
+        _prompt_ids(f"--prompts-file line {i}", line, model.config.vocab_size)
     if not prompts:
-        raise SystemExit(f"generate: --prompts-file {args.prompts_file!r} holds no prompt (every line is empty).")
+        raise ValueError(f"--prompts-file: {args.prompts_file!r} holds no prompt (every line is empty). "
+                         "Fix: write one prompt per line.")
     budget = args.max_new_tokens
     if model.config.position == "learned":
         budget = min(budget, model.config.max_len - max(len(encode(p)) for _, p in prompts))
         if budget < 1:
-            raise SystemExit(f"generate: the longest prompt fills learned positions up to max_len="
-                             f"{model.config.max_len}; shorten it.")
+            raise ValueError(f"--prompts-file: the longest prompt fills learned positions up to max_len="
+                             f"{model.config.max_len}. Fix: shorten it.")
     pieces: dict[int, list[int]] = {}
 
     def on_token(index: int, token: int) -> None:
