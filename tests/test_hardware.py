@@ -1,4 +1,5 @@
-"""The half-precision matmul probe: measured once, overridable, and it decides the upcast."""
+"""The half-precision matmul decision: from the CPU's features (never a timing), overridable, and it
+decides the upcast."""
 
 import pytest
 import torch
@@ -9,56 +10,76 @@ from attnkit.backends import _common
 from attnkit.inputs import AttentionInputs
 
 
-def test_probe_measures_and_caches():
-    hardware.half_matmul_is_fast.cache_clear()
-    first = hardware.half_matmul_is_fast(torch.bfloat16)
-    assert isinstance(first, bool) and hardware.half_matmul_is_fast(torch.bfloat16) is first
-    assert hardware.matmul_rate(torch.float32, size=64, repeats=1) > 0
+@pytest.fixture
+def half(monkeypatch):
+    """A monkeypatch whose changes to the environment or the features are decided again, then undone."""
+    monkeypatch.delenv("ATTNKIT_HALF_MATMUL", raising=False)
+    yield monkeypatch
+    monkeypatch.undo()
+    hardware.refresh()
+
+
+@pytest.mark.parametrize("features, bf16, fp16, bf16_reason", [
+    ({}, False, False, "this CPU has none of avx512_bf16, amx_bf16"),
+    ({"avx2": True, "avx512_bf16": False}, False, False, "this CPU has none of avx512_bf16, amx_bf16"),
+    ({"avx512_bf16": True}, True, False, "this CPU has avx512_bf16"),
+    ({"amx_bf16": True, "avx512_fp16": True}, True, True, "this CPU has amx_bf16"),
+    ({"amx_fp16": True}, False, True, "this CPU has none of avx512_bf16, amx_bf16"),
+])
+def test_the_half_paths_follow_the_cpu_features_and_are_never_timed(half, features, bf16, fp16, bf16_reason):
+    half.setattr(hardware, "cpu_features", lambda: dict(features))
+    half.setattr(hardware, "matmul_rate", lambda *a, **kw: pytest.fail("half_matmul_is_fast timed a matmul"))
+    hardware.refresh()
+    assert hardware.half_matmul_is_fast(torch.bfloat16) is bf16
+    assert hardware.half_matmul_is_fast(torch.float16) is fp16
+    assert hardware.half_matmul_reason(torch.bfloat16) == bf16_reason
+    assert hardware.half_matmul_is_fast(torch.float32) is False  # not a half dtype: nothing to decide
+
+
+def test_the_decision_is_taken_once_not_per_call(half):
+    calls = []
+    half.setattr(hardware, "cpu_features", lambda: calls.append(1) or {"avx512_bf16": True})
+    hardware.refresh()
+    seen = len(calls)
+    assert all(hardware.half_matmul_is_fast(torch.bfloat16) for _ in range(5)) and len(calls) == seen
 
 
 @pytest.mark.parametrize("forced, upcast", [("fast", False), ("slow", True)])
-def test_override_decides_the_upcast_of_forward_only_calls(monkeypatch, forced, upcast):
-    monkeypatch.setenv("ATTNKIT_HALF_MATMUL", forced)
-    hardware.half_matmul_is_fast.cache_clear()
-    try:
-        x = torch.randn(1, 2, 8, 16).bfloat16()
-        inp = _common.upcast_on_cpu(AttentionInputs.create(x, x, x))
-        assert (inp.dtype == torch.float32) is upcast
-        grad = _common.upcast_on_cpu(AttentionInputs.create(x.clone().requires_grad_(), x, x))
-        assert grad.dtype == torch.float32  # gradients always use float32 tiles
-        out = attnkit.attention(x, x, x, mask=attnkit.SlidingWindow(3, 0), backend="sliding_window")
-        assert out.dtype == torch.bfloat16
-    finally:
-        hardware.half_matmul_is_fast.cache_clear()
+def test_override_decides_the_upcast_of_forward_only_calls(half, forced, upcast):
+    half.setenv("ATTNKIT_HALF_MATMUL", forced)
+    hardware.refresh()
+    assert hardware.half_matmul_reason(torch.bfloat16) == f"ATTNKIT_HALF_MATMUL={forced}"
+    x = torch.randn(1, 2, 8, 16).bfloat16()
+    inp = _common.upcast_on_cpu(AttentionInputs.create(x, x, x))
+    assert (inp.dtype == torch.float32) is upcast
+    grad = _common.upcast_on_cpu(AttentionInputs.create(x.clone().requires_grad_(), x, x))
+    assert grad.dtype == torch.float32  # gradients always use float32 tiles
+    out = attnkit.attention(x, x, x, mask=attnkit.SlidingWindow(3, 0), backend="sliding_window")
+    assert out.dtype == torch.bfloat16
 
 
-def test_bad_override_is_refused(monkeypatch):
-    monkeypatch.setenv("ATTNKIT_HALF_MATMUL", "maybe")
-    hardware.half_matmul_is_fast.cache_clear()
-    try:
-        with pytest.raises(ValueError, match="ATTNKIT_HALF_MATMUL"):
-            hardware.half_matmul_is_fast(torch.float16)
-    finally:
-        hardware.half_matmul_is_fast.cache_clear()
+def test_the_override_is_read_only_by_refresh(half):
+    hardware.refresh()
+    before = hardware.half_matmul_is_fast(torch.bfloat16)
+    half.setenv("ATTNKIT_HALF_MATMUL", "slow" if before else "fast")
+    assert hardware.half_matmul_is_fast(torch.bfloat16) is before  # decided at import: no environment read per call
+    hardware.refresh()
+    assert hardware.half_matmul_is_fast(torch.bfloat16) is not before
 
 
-def test_machine_id_and_probed_rates_are_plain_positive_figures():
+def test_bad_override_is_refused(half):
+    half.setenv("ATTNKIT_HALF_MATMUL", "maybe")
+    hardware.refresh()
+    with pytest.raises(ValueError, match="ATTNKIT_HALF_MATMUL='maybe': expected 'fast', 'slow' or unset"):
+        hardware.half_matmul_is_fast(torch.float16)
+
+
+def test_machine_id_and_the_matmul_rate_are_plain_figures():
     import json
 
     ident = hardware.machine_id()
     assert set(ident) == {"cpu", "capability", "threads", "torch", "attnkit", "native"}
     assert ident["torch"] == torch.__version__ and ident["attnkit"] == attnkit.__version__
+    assert ident["threads"] == torch.get_num_threads()
     json.dumps(ident)
-    rates = hardware.probe_rates()
-    figures = [*rates["gemm_gflops"].values(), rates["tile_gflops"], rates["bandwidth_gbs"], rates["op_seconds"]]
-    assert set(rates["gemm_gflops"]) == {"float32", "bfloat16", "float16"} and all(x > 0 for x in figures)
-
-
-def test_best_seconds_stops_once_a_call_is_slower_than_enough():
-    import time
-
-    calls = []
-    slow = lambda: calls.append(1) or time.sleep(0.002)  # noqa: E731
-    assert hardware.best_seconds(slow, 5, enough=0.001) >= 0.002 and len(calls) == 2  # warm-up and one
-    calls.clear()
-    assert hardware.best_seconds(slow, 3) >= 0.002 and len(calls) == 4
+    assert hardware.matmul_rate(torch.float32, size=64, repeats=1) > 0
