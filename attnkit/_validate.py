@@ -21,7 +21,8 @@ from torch import Tensor
 
 from .csrc import loader
 
-__all__ = ["positive_int", "non_negative_int", "finite_float", "check_bool", "padding_mask", "check_int_at_least"]
+__all__ = ["positive_int", "non_negative_int", "finite_float", "check_bool", "padding_mask", "check_int_at_least",
+           "score_scale"]
 
 
 def _fail(value, name: str, expected: str, fix: str | None, allow_none: bool, owner: str | None):
@@ -74,6 +75,21 @@ def finite_float(
         bounds = " and ".join(x for x in (lo, hi) if x)
         _fail(value, name, "a finite number" + (f" {bounds}" if bounds else ""), fix, False, owner)
     return float(value)
+
+
+def score_scale(scale, D: int) -> float:
+    """The query scale of :func:`attnkit.attention` and :func:`attnkit.gated_linear_attention`:
+    ``D ** -0.5`` for None, else ``float(scale)`` for a finite real number (0 and negative scales
+    mean what they say); ``TypeError`` for another kind of value, ``ValueError`` for NaN/±Inf."""
+    if scale is None:
+        return D**-0.5
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale: expected a float or None (= D ** -0.5), got {type(scale).__name__} {scale!r}.")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale}. Fix: pass None for D ** -0.5 "
+                         f"(= {D ** -0.5:.4g} here) or a finite float.")
+    return scale
 
 
 def check_bool(value, name: str, *, owner: str | None = None, allow_none: bool = False):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._validate import broadcast_shapes
+from ._validate import broadcast_shapes, score_scale
 from .kv_handle import KVHandle
 from .masks import Mask, as_mask
 from .score_mods import ScoreMod, as_score_mod, check_sinks
@@ -239,12 +239,7 @@ class AttentionInputs:
         if scale is None:
             scale = D**-0.5
         elif type(scale) is not float or not -_INF < scale < _INF:
-            if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-                raise TypeError(f"scale: expected a float or None (= D ** -0.5), got {type(scale).__name__} {scale!r}.")
-            scale = float(scale)
-            if not -_INF < scale < _INF:
-                raise ValueError(f"scale: expected a finite number, got {scale}. Fix: pass None for D ** -0.5 "
-                                 f"(= {D ** -0.5:.4g} here) or a finite float.")
+            scale = score_scale(scale, D)
         if dropout_p != 0.0 or type(dropout_p) is not float:
             if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
                 raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}.")
