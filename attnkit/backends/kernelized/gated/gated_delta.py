@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .scan import chunk_gates, pad_chunks
+from .scan import chunk_gates, forgetting_gates, pad_chunks
 
 __all__ = ["chunk_gated_delta_rule", "ut_transform", "unit_lower_inverse"]
 
@@ -69,10 +69,10 @@ def _to_chunks(x: Tensor, C: int) -> Tensor:
     return pad_chunks(x, C, x.shape[2]).flatten(0, 1)
 
 
-def _from_chunks(x: Tensor, B: int, T: int) -> Tensor:
+def _from_chunks(x: Tensor, B: int, H: int, T: int) -> Tensor:
     """The inverse of :func:`_to_chunks`: ``(B·H, N, C, ...)`` -> ``(B, H, T, ...)`` (a view)."""
-    BH, N, C = x.shape[:3]
-    return x.view(B, BH // B, N * C, *x.shape[3:])[:, :, :T]
+    N, C = x.shape[1:3]
+    return x.view(B, H, N * C, *x.shape[3:])[:, :, :T]
 
 
 class _ChunkedGatedDelta(torch.autograd.Function):
@@ -123,7 +123,7 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         if keep:
             ctx.save_for_backward(q, k, v, g, beta, inv_all, states, v_new)
         ctx.C, ctx.seg, ctx.has_state = C, seg, initial_state is not None
-        return _from_chunks(o, B, T), S.view(B, H, Dk, Dv)
+        return _from_chunks(o, B, H, T), S.view(B, H, Dk, Dv)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -182,7 +182,7 @@ class _ChunkedGatedDelta(torch.autograd.Function):
             dG[:, s] = dG_s
         dg = dG.flip(-1).cumsum(-1).flip(-1)  # G = cumsum(g) within each chunk
         def unc(x: Tensor) -> Tensor:
-            return _from_chunks(x, B, T)
+            return _from_chunks(x, B, H, T)
 
         return (unc(dq), unc(dk), unc(dv), unc(dg[..., None])[..., 0].to(g.dtype),
                 unc(dbeta[..., None])[..., 0].to(beta.dtype), dS.view(B, H, Dk, Dv) if ctx.has_state else None,
@@ -201,5 +201,5 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     C = max(1, min(chunk_size, q.shape[2]))
     if segment is None:
         per_chunk = q.shape[0] * q.shape[1] * C * (q.shape[-1] + v.shape[-1]) * q.element_size()
-        segment = max(1, (2 << 20) // per_chunk)
-    return _ChunkedGatedDelta.apply(q, k, v, g, beta, initial_state, C, segment)
+        segment = max(1, (2 << 20) // max(1, per_chunk))
+    return _ChunkedGatedDelta.apply(q, k, v, forgetting_gates(g), beta, initial_state, C, segment)

@@ -17,7 +17,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["chunk_scan", "pad_chunks", "exp_nonpositive", "chunk_gates", "scalar_chunk_gates"]
+__all__ = ["chunk_scan", "pad_chunks", "exp_nonpositive", "chunk_gates", "scalar_chunk_gates", "forgetting_gates"]
+
+#: Log-decays below this are decays of exactly 0 in float64 (``exp`` underflows below about -745).
+ZERO_DECAY = -1e3
+
+
+def forgetting_gates(g: Tensor) -> Tensor:
+    """``g`` clamped at :data:`ZERO_DECAY`: the same decays (0 stays 0), but a log-decay such as -1e16
+    (or -inf) no longer swallows the gates after it in a chunk's float64 cumulative sum, whose
+    differences give the later tokens' decays. The clamp's gradient there is 0, as ``exp``'s is."""
+    return g.clamp_min(ZERO_DECAY)
 
 
 def pad_chunks(x: Tensor, chunk: int, T: int) -> Tensor:
@@ -26,7 +36,7 @@ def pad_chunks(x: Tensor, chunk: int, T: int) -> Tensor:
     pad = (-T) % chunk
     if pad:
         x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 3) + (0, pad))
-    return x.reshape(x.shape[:2] + (-1, chunk) + x.shape[3:])
+    return x.reshape(x.shape[:2] + ((T + pad) // chunk, chunk) + x.shape[3:])  # no -1: B may be 0
 
 
 def exp_nonpositive(x: Tensor, keep: Tensor) -> Tensor:

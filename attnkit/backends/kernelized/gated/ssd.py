@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .scan import chunk_scan, pad_chunks, scalar_chunk_gates
+from .scan import chunk_scan, forgetting_gates, pad_chunks, scalar_chunk_gates
 
 __all__ = ["chunk_ssd"]
 
@@ -20,8 +20,8 @@ def chunk_ssd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, chunk_size: int = 6
     """Chunked SSD; equals ``recurrent_rule(q, k, v, g, None)``. ``g (B, H, T)``; returns ``(o, S_T)``."""
     B, H, T, Dk = k.shape
     C = max(1, min(chunk_size, T))
-    e_g, e_rest, gamma, chunk_decay = scalar_chunk_gates(g, C, T, q.dtype)
+    e_g, e_rest, gamma, chunk_decay = scalar_chunk_gates(forgetting_gates(g), C, T, q.dtype)
     qc, kc, vc = (pad_chunks(x, C, T) for x in (q, k, v))
     a_qk = (qc @ kc.transpose(-1, -2)) * gamma
     o, S = chunk_scan(qc * e_g[..., None], kc * e_rest[..., None], a_qk, chunk_decay, vc, None, initial_state)
-    return o.reshape(B, H, -1, v.shape[-1])[:, :, :T], S
+    return o.reshape(B, H, o.shape[2] * C, v.shape[-1])[:, :, :T], S
