@@ -110,3 +110,18 @@ def test_hybrid_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path):
     assert any(".linear_attn.A_log" in name for name in w_full)
     for name in w_full:
         torch.testing.assert_close(w_res[name], w_full[name], rtol=1e-6, atol=1e-7)
+
+
+def test_nan_in_a_rows_padding_leaves_its_real_tokens_and_the_other_rows():
+    """A right-padded batch whose padding embeds to NaN: the real tokens before it keep their outputs
+    (the layer is causal, so the padding is what only later tokens see), the padding is NaN."""
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(TransformerConfig(vocab_size=8, embed_dim=32, num_layers=1, num_heads=4, num_kv_heads=2))
+    x = torch.randn(2, 70, 32)
+    bad = x.clone()
+    bad[1, 45:] = float("nan")
+    with torch.no_grad():
+        want, got = layer(x), layer(bad)
+    assert torch.isnan(got[1, 45:]).all()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1, :45], want[1, :45], rtol=1e-5, atol=1e-6)

@@ -61,7 +61,9 @@ class GatedDeltaNet(nn.Module):
                 positions: Tensor | None = None, cache: LayerCache | None = None) -> Tensor:
         """``x (B, T, E) -> (B, T, E)``, causal. ``mask`` must be None or plain causal (the rule sees
         the whole prefix; padding and windows need softmax attention); ``positions`` are not used
-        (the decay orders the tokens); ``cache``: a :class:`StateCache` from :meth:`make_state`."""
+        (the decay orders the tokens); ``cache``: a :class:`StateCache` from :meth:`make_state`. NaN/Inf
+        in ``x`` at a token reach that token's output and the later ones of its row only, so NaN in a
+        row's right padding leaves its real tokens and the other rows as they are."""
         if bias is not None:
             raise ValueError("bias: a gated-delta layer takes no attention bias; pass bias=None.")
         if mask is not None and not as_mask(mask, "mask").is_causal():

@@ -6,10 +6,19 @@ meaning ``Dk ** -0.5``, keyword-only options. Which rule runs follows from the g
     beta given, g (B, Hv, T)        gated delta rule  (Gated DeltaNet: Qwen3-Next, Qwen3.5)
     beta given, g (B, Hv, T, Dk)    KDA               (Kimi-Linear)
     beta None,  g (B, Hv, T)        SSD               (Mamba2; gated linear attention)
+    beta None,  g (B, Hv, T, Dk)    GLA               (gated linear attention with per-channel gates)
 
 Queries and keys may have fewer heads than values (``Hv % Hk == 0``; value head ``h`` reads key
 head ``h // (Hv // Hk)``, as Qwen3-Next). Inputs of any float dtype are computed in float32
 (float64 stays float64), the state is float32 and the output comes back in q's dtype.
+
+NaN/Inf in a token reach only what can see it (the policy of ``attnkit.attention``, see
+``attnkit.backends.nonfinite``): finite inputs cost one read-only scan of q, k and v (and of g and
+beta when ``check_gates=False`` leaves them unread); otherwise the flagged tokens are zeroed, the
+rule runs on the clean inputs, and the outputs that can see a flagged token are set to NaN: a bad
+query poisons its own output only, a bad key, value, gate or beta the token's output, every later
+output of its sequence and that sequence's final state (the state carries it forward), in the value
+heads that read it. ``g = -inf`` is a decay of 0, not a bad token.
 """
 
 from __future__ import annotations
@@ -18,7 +27,8 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
-from ...._validate import positive_int
+from ...._validate import finite_only, positive_int, score_scale
+from ..._common import finite_rows, poison_rows
 from .gated_delta import chunk_gated_delta_rule
 from .kda import chunk_kda
 from .recurrence import recurrent_rule
@@ -30,9 +40,9 @@ _METHODS = ("auto", "chunked", "recurrent")
 
 
 def rule_name(g: Tensor, beta: Tensor | None) -> str:
-    """``"gated_delta"``, ``"kda"`` or ``"ssd"`` for these gates (see the module docstring)."""
+    """``"gated_delta"``, ``"kda"``, ``"ssd"`` or ``"gla"`` for these gates (see the module docstring)."""
     if beta is None:
-        return "ssd"
+        return "gla" if g.dim() == 4 else "ssd"
     return "kda" if g.dim() == 4 else "gated_delta"
 
 
@@ -50,9 +60,12 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, *, check_gates: bo
                          f"k {_shape(k)}, v {_shape(v)}. Fix: pass the (B, H, T, D) layout, e.g. x.transpose(1, 2).")
     B, Hk, T, Dk = q.shape
     Hv = v.shape[1]
-    if Hv % Hk:
-        raise ValueError(f"v: {Hv} value heads for {Hk} key heads; expected Hv % Hk == 0 (each key head serves "
-                         "Hv // Hk value heads).")
+    if Hk == 0 or Hv % Hk:
+        raise ValueError(f"v: {Hv} value heads for {Hk} key heads; expected Hk >= 1 and Hv % Hk == 0 (each key "
+                         "head serves Hv // Hk value heads).")
+    if not (Dk and v.shape[-1]):
+        raise ValueError(f"q, k, v: expected head dims Dk, Dv >= 1, got q {_shape(q)}, v {_shape(v)}. Fix: skip the "
+                         "call for empty inputs.")
     if tuple(g.shape) not in ((B, Hv, T), (B, Hv, T, Dk)):
         raise ValueError(f"g: expected (B, Hv, T) = {(B, Hv, T)} (one gate per head) or (B, Hv, T, Dk) = "
                          f"{(B, Hv, T, Dk)} (one per key channel), got {_shape(g)}.")
@@ -87,7 +100,7 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, *, check_gates: bo
                              f"{_shape(initial_state)}.")
 
 
-def prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, *, scale: float | None,
+def prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, *, scale: float,
             qk_l2norm: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """Compute dtype, key heads repeated to the value heads, optional L2 norm, q scaled."""
     acc = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else torch.float32
@@ -98,7 +111,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, *, 
     groups = v.shape[1] // k.shape[1]
     if groups > 1:
         q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)  # (B, Hv, T, Dk)
-    q = q * (q.shape[-1] ** -0.5 if scale is None else float(scale))
+    q = q * scale
     return q, k, v, g, beta
 
 
@@ -124,8 +137,51 @@ def _run(q, k, v, g, beta, state, method: str, chunk_size: int | None,
     opts = {} if chunk_size is None else {"chunk_size": chunk_size}
     if rule == "ssd":
         return chunk_ssd(q, k, v, g, initial_state=state, **opts)
-    fn = chunk_kda if rule == "kda" else chunk_gated_delta_rule
+    fn = chunk_gated_delta_rule if rule == "gated_delta" else chunk_kda  # KDA, and GLA without beta
     return fn(q, k, v, g, beta, initial_state=state, **opts)
+
+
+def _nonfinite_tokens(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, *, gates_read: bool):
+    """The NaN/Inf policy's flags (see the module docstring): None when every input is finite (one
+    read-only scan of each; g and beta only unless ``gates_read``: check_gates has read them), else
+    ``(read, absorbed)``, ``(B, Hv, T)`` bool: the tokens whose query is bad, and those whose key,
+    value, gate or beta is (a NaN or +inf gate; -inf is a decay of 0)."""
+    scanned = (q, k, v) if gates_read else (q, k, v, g) + (() if beta is None else (beta,))
+    if all(finite_only(x) for x in scanned):
+        return None
+    groups = v.shape[1] // k.shape[1]
+    read = ~finite_rows(q)
+    absorbed = ~finite_rows(k)
+    if groups > 1:
+        read, absorbed = read.repeat_interleave(groups, 1), absorbed.repeat_interleave(groups, 1)
+    absorbed |= ~finite_rows(v) | ~((g.amax(-1) if g.dim() == 4 else g) < float("inf"))
+    if beta is not None:
+        absorbed |= ~torch.isfinite(beta)
+    return None if not bool((read | absorbed).any()) else (read, absorbed)
+
+
+def _zero_nonfinite(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None):
+    """The inputs with every NaN/Inf entry 0 (a gate's -inf kept: a decay of 0), so that no ``0 · NaN``
+    of the chunk products reaches a token that cannot see them."""
+    q, k, v = (x.masked_fill(~torch.isfinite(x), 0) for x in (q, k, v))
+    g = g.masked_fill(~(g < float("inf")), 0)
+    return q, k, v, g, None if beta is None else beta.masked_fill(~torch.isfinite(beta), 0)
+
+
+def _poison(o: Tensor, final: Tensor, read: Tensor, absorbed: Tensor, offsets: list[int] | None):
+    """``o (B, Hv, T, Dv)`` NaN at the rows that can see a flagged token: the bad queries' own rows,
+    and every row at or after an absorbed token of its sequence; ``final`` NaN for the sequences and
+    heads that absorbed one."""
+    count = torch.nn.functional.pad(absorbed.cumsum(-1), (1, 0))  # absorbed tokens before each position
+    if offsets is None:
+        before, lengths, ends = count[..., :1], None, count[..., -1:]
+    else:
+        at = torch.tensor(offsets, device=o.device)
+        before, lengths, ends = count[..., at[:-1]], at.diff(), count[..., at[1:]]
+    rows = count[..., 1:] > (before if lengths is None else before.repeat_interleave(lengths, dim=-1))
+    hit = ends > before  # (B, Hv, 1) or (1, Hv, sequences)
+    o = poison_rows(o, None, rows | read)[0]
+    return o, poison_rows(final, None, hit if offsets is None else hit[0].T[..., None])[0]
 
 
 def gated_linear_attention(
@@ -152,19 +208,30 @@ def gated_linear_attention(
     token, the naive twin) or ``"auto"`` (recurrent for one token, else chunked).
     ``recompute_segment`` (tokens) trades time for memory in training: backward recomputes each
     segment from its starting state instead of keeping every chunk's intermediates (the result is
-    the same). Returns ``o (B, Hv, T, Dv)`` in q's dtype (and the state)."""
+    the same). Returns ``o (B, Hv, T, Dv)`` in q's dtype (and the state).
+
+    NaN/Inf in one token reach only what can see it, on either method: a bad query makes its own
+    output NaN; a bad key, value, gate (NaN or +inf; ``-inf`` is a decay of 0) or beta makes that
+    token's output and every later output of its sequence (or batch row) NaN in the value heads that
+    read it, and that sequence's final state; every other output and state keeps its value, and the
+    gradients of the outputs that cannot see the token stay finite. ``scale`` must be finite (NaN
+    and ±Inf raise ``ValueError``, as in ``attnkit.attention``)."""
     if method not in _METHODS:
         raise ValueError(f"method: expected one of {_METHODS}, got {method!r}.")
     positive_int(chunk_size, "chunk_size", allow_none=True)
     positive_int(recompute_segment, "recompute_segment", allow_none=True)
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_gates=check_gates)
+    scale = score_scale(scale, q.shape[-1])
     out_dtype = q.dtype
+    flags = _nonfinite_tokens(q, k, v, g, beta, gates_read=check_gates)
+    if flags is not None:
+        q, k, v, g, beta = _zero_nonfinite(q, k, v, g, beta)
     q, k, v, g, beta = prepare(q, k, v, g, beta, scale=scale, qk_l2norm=qk_l2norm)
     state = None if initial_state is None else initial_state.to(q.dtype)
-    if cu_seqlens is None:
+    offsets = None if cu_seqlens is None else cu_seqlens.tolist()
+    if offsets is None:
         o, final = _run(q, k, v, g, beta, state, method, chunk_size, recompute_segment)
     else:
-        offsets = cu_seqlens.tolist()
         lengths = [b - a for a, b in zip(offsets, offsets[1:])]
         pieces = zip(*(x.split(lengths, dim=2) for x in (q, k, v, g)),
                      beta.split(lengths, dim=2) if beta is not None else [None] * len(lengths))
@@ -175,6 +242,8 @@ def gated_linear_attention(
             outs.append(o_i)
             finals.append(f_i)
         o, final = torch.cat(outs, dim=2), torch.cat(finals, dim=0)
+    if flags is not None:
+        o, final = _poison(o, final, *flags, offsets)
     o = o.to(out_dtype)
     return (o, final) if return_state else o
 
