@@ -1,18 +1,21 @@
-"""What each backend skips, fuses and materializes is its own class data (``Backend.work``): the
-dispatcher's built-in order and cost model read it, so a new backend needs no dispatcher edit."""
+"""How each backend computes is its own class data (``Backend.work``): the dispatcher's static order
+reads it, so a new backend needs no dispatcher edit. The order is a pure function of the input and
+the registry: the decode rule, then fused kernels (grouped K/V read in place before repeated), whole-
+tensor PyTorch ops, Python tile loops, a backend that materializes this call's mask after all that
+read its structure, registration order breaking ties, and the memory guard last."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 import attnkit
-from attnkit import Causal, calibration, dispatch, registry
-from attnkit.dispatch import builtin_order, priority
+from attnkit import Causal, KeyPadding, SlidingWindow, registry
+from attnkit.dispatch import DECODE_QUERIES, MATERIALIZE_LIMIT, builtin_order, priority, rule
 from attnkit.inputs import AttentionInputs
 from attnkit.registry import Backend, Work, register_backend
-
-from .conftest import uniform_constants
 
 
 @pytest.fixture
@@ -22,184 +25,201 @@ def scratch_registry(monkeypatch):
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     monkeypatch.setattr(registry, "_NAMES", [tuple(registry._REGISTRY)])
     yield
-    builtin_order.cache_clear()
 
 
-def _naive_like(name: str, work: Work | None = None) -> type[Backend]:
+def _naive_like(name: str, work: Work | None = None, **attrs) -> type[Backend]:
     naive = attnkit.list_backends()["naive"]
-    attrs = {"name": name, "forward": classmethod(lambda cls, inp, options: naive.forward(inp, None))}
+    attrs = {"name": name, "forward": classmethod(lambda cls, inp, options: naive.forward(inp, None)), **attrs}
     if work is not None:
         attrs["work"] = work
     return register_backend(type(f"Test_{name}", (Backend,), attrs))
 
 
+def _meta(B, H, Tq, D, mask=None, Tk=None, grad=False):
+    x = torch.empty(B, H, Tq, D, device="meta", requires_grad=grad)
+    y = torch.empty(B, H, Tk or Tq, D, device="meta")
+    return AttentionInputs.create(x, y, y, mask=mask)
+
+
+def _among(order, *names):
+    return [n for n in order if n in names]
+
+
+def _code_strings(module) -> set[str]:
+    """The string literals of ``module``'s code (docstrings left out)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(module))
+    docs = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+    return {node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs}
+
+
 def test_every_builtin_backend_declares_its_work_and_the_dispatcher_names_none():
     import inspect
 
+    from attnkit import dispatch
+
+    fields = {f.name for f in dataclasses.fields(Work)}
+    assert fields == {"fused", "loop_ops", "materializes", "gqa"}
     for name, impl in attnkit.list_backends().items():
         assert isinstance(impl.work, Work), name
-        assert impl.capabilities()["work"]["skips"] in ("nothing", "tiles", "layout")
-    source = inspect.getsource(dispatch)
-    for name in attnkit.list_backends():  # no backend table in the dispatcher: names only in prose
-        assert f'"{name}": Work(' not in source and "WORK" not in source
+        assert set(impl.capabilities()["work"]) == fields, name
+    for module in (dispatch.rule, dispatch.calls, dispatch.explain, dispatch.table, dispatch.tuning):
+        # no backend table in the dispatcher: names only in prose (naive, the reference, always last)
+        named = _code_strings(module) & set(attnkit.list_backends())
+        assert named <= {"naive"}, (module.__name__, named)
+        source = inspect.getsource(module)
+        assert "Work(" not in source and "WORK" not in source, module.__name__
 
 
-def test_builtin_order_follows_the_declared_work():
-    order = builtin_order(registry.registered_names())
+@pytest.mark.parametrize("mask", [None, Causal(), SlidingWindow(100, 0), KeyPadding([400])])
+def test_builtin_order_follows_the_declared_work(mask):
+    inp = _meta(1, 2, 512, 16, mask)
+    order = builtin_order(inp)
     known = attnkit.list_backends()
-    ranks = [known[n].work.rank() for n in order]
-    assert ranks == sorted(ranks)  # fused first, then whole-tensor ops, loops, materializing
-    assert order.index("sdpa") < order.index("tiled") < order.index("naive")
-    assert all(known[n].exact for n in order)
+    keys = [rule._static_key(known[n], rule._materialized(known[n], inp)) for n in order]
+    assert keys == sorted(keys)  # fused, in place, whole-tensor ops, loops; materializing last
+    assert all(known[n].exact for n in order) and "naive" not in order
+    if mask is None or mask.is_causal():  # SDPA reads these (no mask, or its is_causal path)
+        assert order.index("sdpa") < order.index("tiled")
+    else:  # it would materialize them
+        assert order.index("tiled") < order.index("sdpa")
+    assert set(order) == {n for n, impl in known.items() if impl.exact and n != "naive"}
+    registered = [n for n in registry.registered_names() if n in order]
+    for a, b in zip(order, order[1:]):  # equal keys keep registration order
+        if keys[order.index(a)] == keys[order.index(b)]:
+            assert registered.index(a) < registered.index(b), (a, b)
+    assert priority(inp)[-1] == "naive" and priority(inp)[:len(order)] == order
 
 
-def test_a_new_backend_without_declared_work_is_ranked_by_measurement(scratch_registry, monkeypatch):
-    _naive_like("plain")  # declares nothing: the default Work
-    assert registry.get_backend("plain").work == Work()
-    x = torch.empty(1, 2, 300, 16, device="meta")
-    inp = AttentionInputs.create(x, x, x, mask=Causal())
-    constants = uniform_constants()
-    monkeypatch.setattr(calibration, "_CONSTANTS", [constants])
-    calibration._GENERATION[0] += 1
-    assert "plain" in priority(inp) and priority(inp).index("plain") > priority(inp).index("sdpa")
-    # the probe says it is 50x faster on every reference problem: the cost model puts it first
-    constants = uniform_constants()
-    constants["backend_seconds"]["plain"] = 1e-7
-    constants["reference_seconds"]["plain"] = {c: 2e-5 for c in ("causal", "band", "layout", "decode")}
-    monkeypatch.setattr(calibration, "_CONSTANTS", [constants])
-    calibration._GENERATION[0] += 1
-    assert priority(inp)[0] == "plain"
-
-
-def test_declared_work_places_a_new_backend_in_the_builtin_order(scratch_registry):
-    _naive_like("fused_one", Work("tiles", (64, 64), fused=True))
-    _naive_like("loopy", Work("tiles", (64, 64), loop_ops=5))
-    order = builtin_order(registry.registered_names())
-    assert order.index("fused_one") < order.index("tiled") and order.index("loopy") > order.index("sliding_window")
-    with pytest.raises(TypeError, match="work must be a Work"):
-        register_backend(type("Bad", (Backend,), {"name": "bad_work", "work": {"skips": "tiles"}}))
-    with pytest.raises(ValueError, match="Work.skips"):
-        Work("everything")
-    with pytest.raises(ValueError, match="Work.gqa"):
-        Work(gqa="expands")
-
-
-@pytest.mark.usefixtures("scratch_registry")
-def test_the_probe_leaves_out_a_backend_that_fails_while_timed():
-    # the probe times every backend's calls in rounds: one that fails in a later round (here on its
-    # third call of the layout reference) is ranked by none of its figures; the others keep theirs
-    naive = attnkit.list_backends()["naive"]
-    seen = {"layout": 0}
-
-    def forward(cls, inp, options):
-        if inp.mask is not None and inp.mask.block_layout() is not None and inp.Tq > 32:
-            seen["layout"] += 1
-            if seen["layout"] == 3:
-                raise RuntimeError("fails on its third call")
-        return naive.forward(inp, None)
-
-    register_backend(type("Test_flaky", (Backend,), {"name": "flaky", "forward": classmethod(forward)}))
-    constants = calibration.probe_constants()
-    assert seen["layout"] >= 3
-    for table in ("backend_seconds", "train_backend_seconds", "reference_seconds", "decode_small_seconds",
-                  "decode_tiny_seconds", "half_reference_seconds", "train_reference_seconds"):
-        assert "flaky" not in constants[table], table
-    assert set(constants["reference_seconds"]["sdpa"]) == {"causal", "band", "layout", "decode"}
-    assert "sdpa" in constants["train_reference_seconds"]  # its forward and backward on the causal reference
-
-
-@pytest.mark.usefixtures("scratch_registry")
-def test_the_probe_times_a_fused_kernel_in_its_steady_state():
-    """A fused kernel's reference calls are timed in bursts, the first call of each left out: a kernel
-    that runs slower right after other backends' calls (its memory out of the caches) is priced at
-    the speed a loop of its calls runs at, not ranked by that first call."""
+def test_the_order_is_the_same_in_every_call_and_reads_no_clock(monkeypatch):
     import time
 
-    naive = attnkit.list_backends()["naive"]
-    last = [None]
-
-    def forward(cls, inp, options):
-        if last[0] is not inp:  # the first of a run of calls on this input: cold
-            time.sleep(0.02)
-        last[0] = inp
-        return naive.forward(inp, None)
-
-    register_backend(type("Test_cold_first", (Backend,), {
-        "name": "cold_first", "forward": classmethod(forward), "work": Work("nothing", fused=True)}))
-    constants = calibration.probe_constants()
-    assert max(constants["reference_seconds"]["cold_first"].values()) < 0.02
+    inp = _meta(2, 4, 300, 32, Causal() & SlidingWindow(40, 0))
+    first = priority(inp)
+    monkeypatch.setattr(time, "perf_counter", lambda: pytest.fail("the rule timed something"))
+    assert all(priority(inp) == first for _ in range(3))
 
 
-def _fused_pair(constants: dict, structure_s: float, materializing_s: float) -> dict:
-    """Two fused test backends on every reference problem: ``reads`` reads the mask's structure,
-    ``builds`` materializes any mask but the causal one (as SDPA does)."""
-    for name, seconds in (("reads", structure_s), ("builds", materializing_s)):
-        constants["backend_seconds"][name] = 1e-6
-        constants["train_backend_seconds"][name] = 3e-6
-        constants["reference_seconds"][name] = {c: seconds for c in ("causal", "band", "layout", "decode")}
-    return constants
+def test_a_new_backend_without_declared_work_ranks_after_fused_kernels_and_before_loops(scratch_registry):
+    _naive_like("plain")  # declares nothing: the default Work (PyTorch ops over whole tensors)
+    assert registry.get_backend("plain").work == Work()
+    inp = _meta(1, 2, 300, 16, Causal())
+    order = priority(inp)
+    assert order.index("sdpa") < order.index("plain") < order.index("tiled")
+    # registered last among whole-tensor backends: after the built-in ones of its kind
+    assert order.index("sliding_window") < order.index("plain")
+
+
+def test_declared_work_places_a_new_backend_in_the_static_order(scratch_registry):
+    _naive_like("fused_one", Work(fused=True))
+    _naive_like("loopy", Work(loop_ops=5))
+    inp = _meta(1, 2, 300, 16, Causal())
+    order = builtin_order(inp)
+    # a fused kernel reading grouped K/V in place: before SDPA (which repeats them), after the
+    # built-in fused kernels registered before it; a tile loop: after the whole-tensor backends
+    assert order.index("native") < order.index("fused_one") < order.index("sdpa") < order.index("tiled")
+    assert order.index("tiled") < order.index("loopy")  # loop_ops 5 and 12: registration breaks the tie
+    with pytest.raises(TypeError, match="work must be a Work"):
+        register_backend(type("Bad", (Backend,), {"name": "bad_work", "work": {"fused": True}}))
+    with pytest.raises(ValueError, match="Work.gqa"):
+        Work(gqa="expands")
+    with pytest.raises(ValueError, match="Work.loop_ops"):
+        Work(loop_ops=-1)
+
+
+def test_among_fused_kernels_reading_grouped_heads_in_place_comes_first(scratch_registry):
+    _naive_like("repeater", Work(fused=True, gqa="repeats"))
+    _naive_like("in_place", Work(fused=True))
+    order = builtin_order(_meta(1, 2, 64, 16))
+    assert _among(order, "repeater", "in_place", "tiled") == ["in_place", "repeater", "tiled"]
 
 
 def _register_pair() -> None:
-    _naive_like("builds", Work("nothing", fused=True))
-    reads = _naive_like("reads", Work("tiles", (64, 64), fused=True))
-    builds = registry.get_backend("builds")
-    builds.dense_mask_elements = classmethod(
-        lambda cls, inp: 0 if inp.mask is None or inp.mask.is_causal() else inp.B * inp.Hq * inp.Tq * inp.Tk)
-    assert builtin_order(registry.registered_names()).index("builds") < builtin_order(
-        registry.registered_names()).index("reads")  # registered first: first among fused kernels
-    return reads
+    """Two fused test backends: ``builds`` (registered first) materializes any mask but the causal
+    one (as SDPA does), ``reads`` reads the mask's structure."""
+    _naive_like("builds", Work(fused=True), dense_mask_elements=classmethod(
+        lambda cls, inp: 0 if inp.mask is None or inp.mask.is_causal() else inp.B * inp.Hq * inp.Tq * inp.Tk))
+    _naive_like("reads", Work(fused=True))
 
 
-def test_a_backend_that_would_materialize_this_mask_ranks_after_those_that_read_it(scratch_registry, monkeypatch):
+def test_a_backend_that_would_materialize_this_mask_ranks_after_those_that_read_it(scratch_registry):
     _register_pair()
-    x = torch.empty(1, 2, 512, 16, device="meta")
-    window = AttentionInputs.create(x, x, x, mask=attnkit.SlidingWindow(100, 0))
-    plain = AttentionInputs.create(x, x, x)
-
-    def install(builds_s: float) -> dict:
-        constants = _fused_pair(uniform_constants(), 4e-3, builds_s)
-        monkeypatch.setattr(calibration, "_CONSTANTS", [constants])
-        calibration._GENERATION[0] += 1
-        return constants
-
-    def estimates(inp, constants) -> dict:
-        return {n: dispatch.estimated_seconds(n, inp, constants) for n in ("reads", "builds")}
-
-    def builds_time_for(inp, speedup: float) -> float:
-        """The reference time of `builds` at which it is estimated ``speedup`` times faster on ``inp``
-        (the estimate is affine in the reference time)."""
-        lo, hi = (estimates(inp, _fused_pair(uniform_constants(), 4e-3, t))["builds"] for t in (1e-3, 2e-3))
-        reads = estimates(inp, _fused_pair(uniform_constants(), 4e-3, 1e-3))["reads"]
-        return 1e-3 + (reads / speedup - lo) / (hi - lo) * 1e-3
-
-    # `builds` would materialize the window: estimated 1.15x faster, less than MODEL_MARGIN: `reads` stays first
-    est = estimates(window, install(builds_time_for(window, 1.15)))
-    assert est["reads"] / est["builds"] == pytest.approx(1.15, rel=1e-3)
-    assert [n for n in priority(window) if n in ("reads", "builds")] == ["reads", "builds"]
-    # estimated 2x faster: past the margin, it goes first
-    install(builds_time_for(window, 2.0))
-    assert [n for n in priority(window) if n in ("reads", "builds")] == ["builds", "reads"]
-    # no mask: two fused kernels of one kind, where a 1.15x estimate decides
-    est = estimates(plain, install(builds_time_for(plain, 1.15)))
-    assert est["reads"] / est["builds"] == pytest.approx(1.15, rel=1e-3)
-    assert [n for n in priority(plain) if n in ("reads", "builds")] == ["builds", "reads"]
+    for mask, first in ((None, "builds"), (Causal(), "builds"), (SlidingWindow(100, 0), "reads"),
+                        (KeyPadding([400]), "reads")):
+        order = priority(_meta(1, 2, 512, 16, mask))
+        assert _among(order, "builds", "reads")[0] == first, mask
+    window = priority(_meta(1, 2, 512, 16, SlidingWindow(100, 0)))
+    assert window.index("tiled") < window.index("builds")  # after every backend that reads the mask
 
 
-def test_a_layout_that_keeps_every_block_is_priced_as_no_mask_unless_materialized(scratch_registry):
-    _register_pair()
-    constants = _fused_pair(uniform_constants(), 4e-3, 4e-3)
-    constants["reference_seconds"]["reads"]["layout"] = 8e-3  # half the causal rate on a sparse layout
-    constants["reference_seconds"]["builds"]["layout"] = 8e-3
-    x = torch.empty(1, 8, 256, 64, device="meta")
-    full = attnkit.BlockSparse(torch.ones(4, 4, dtype=torch.bool), 64)
-    sparse = attnkit.BlockSparse(torch.eye(4, dtype=torch.bool), 64)
-    none = AttentionInputs.create(x, x, x)
-    est = {m: {n: dispatch.estimated_seconds(n, AttentionInputs.create(x, x, x, mask=mask), constants)
-               for n in ("reads", "builds")} for m, mask in (("full", full), ("sparse", sparse))}
-    no_mask = dispatch.estimated_seconds("reads", none, constants)
-    assert est["full"]["reads"] == pytest.approx(no_mask)  # every tile whole: the rate with no mask
-    # it materializes the layout: a masked call, at the layout reference's rate, plus the mask's traffic
-    assert est["full"]["builds"] > 1.9 * dispatch.estimated_seconds("builds", none, constants)
-    # a sparse layout keeps the layout reference's rate, over the blocks it keeps
-    assert est["sparse"]["reads"] == pytest.approx(2 * no_mask / 4, rel=0.05)
+def test_a_backend_that_materializes_every_mask_is_ordered_by_that_declaration(scratch_registry):
+    _naive_like("always_dense", Work(fused=True, materializes=True))
+    assert _among(priority(_meta(1, 2, 64, 16)), "always_dense", "sdpa") == ["always_dense", "sdpa"]  # no mask
+    causal = priority(_meta(1, 2, 64, 16, Causal()))
+    assert causal.index("tiled") < causal.index("always_dense")
+
+
+def test_the_memory_guard_puts_a_large_materialized_mask_last(scratch_registry):
+    # SDPA materializes a key-padding mask per head; `batch_mask` a tile loop that builds one
+    # (Tq, Tk) mask per batch row: by the static order SDPA (fused) comes first, but over
+    # MATERIALIZE_LIMIT elements SDPA goes after every backend that stays under it
+    _naive_like("batch_mask", Work(loop_ops=3),
+                dense_mask_elements=classmethod(lambda cls, inp: 0 if inp.mask is None else inp.B * inp.Tq * inp.Tk))
+    small = _meta(1, 8, 512, 64, KeyPadding([400]))
+    assert 8 * 512 * 512 <= MATERIALIZE_LIMIT
+    assert _among(priority(small), "sdpa", "batch_mask") == ["sdpa", "batch_mask"]
+    T = 4096
+    big = _meta(1, 8, T, 64, KeyPadding([4000]))
+    assert T * T <= MATERIALIZE_LIMIT < 8 * T * T
+    order = priority(big)
+    assert order.index("tiled") < order.index("batch_mask") < order.index("sdpa") and order[-1] == "naive"
+    known = attnkit.list_backends()
+    heavy = [n for n in order if n != "naive" and rule._materialized(known[n], big) > MATERIALIZE_LIMIT]
+    assert "sdpa" in heavy and "batch_mask" not in heavy
+    exact = [n for n in order if known[n].exact and n != "naive"]
+    assert exact[-len(heavy):] == heavy
+
+
+class _Stepper(Backend):
+    """A test backend with a kernel for decoding steps."""
+    name = "stepper"
+
+    @classmethod
+    def decodes(cls, inp):
+        return True
+
+    @classmethod
+    def forward(cls, inp, options):
+        return attnkit.list_backends()["naive"].forward(inp, None)
+
+
+@pytest.mark.parametrize("Tq, Tk, grad, decoding", [
+    (1, 300, False, True), (DECODE_QUERIES, 300, False, True), (DECODE_QUERIES, DECODE_QUERIES, False, True),
+    (DECODE_QUERIES + 1, 300, False, False),  # more queries: a prefill chunk
+    (1, 300, True, False),  # training: not an inference step
+    (8, 4, False, False),  # fewer keys than queries
+])
+def test_the_decode_rule_puts_a_decode_kernel_first_for_a_decoding_step(scratch_registry, Tq, Tk, grad, decoding):
+    register_backend(_Stepper)
+    inp = _meta(1, 2, Tq, 16, Causal() if Tk >= Tq else None, Tk=Tk, grad=grad)
+    order = builtin_order(inp)
+    assert (order[0] == "stepper") is decoding, order
+    if not decoding:  # the static order: a backend of the default Work after the fused kernels
+        assert order.index("native") < order.index("stepper") < order.index("tiled")
+
+
+def test_the_decode_rule_keeps_the_static_order_among_decode_kernels_and_the_memory_guard_applies(scratch_registry):
+    register_backend(_Stepper)
+    _naive_like("fused_stepper", Work(fused=True), decodes=classmethod(lambda cls, inp: True))
+    _naive_like("dense_stepper", Work(fused=True, materializes=True), decodes=classmethod(lambda cls, inp: True))
+    step = _meta(1, 2, 1, 16, KeyPadding([3000]), Tk=4096)
+    assert _among(builtin_order(step), "stepper", "fused_stepper", "dense_stepper", "sdpa") == [
+        "fused_stepper", "stepper", "dense_stepper", "sdpa"]
+    # a decode kernel that would materialize more than the limit goes last all the same
+    huge = _meta(64, 32, 1, 16, KeyPadding([3000] * 64), Tk=2**16)
+    assert 64 * 32 * 2**16 > MATERIALIZE_LIMIT
+    order = builtin_order(huge)
+    assert order[:2] == ("fused_stepper", "stepper") and order.index("dense_stepper") > order.index("tiled")
