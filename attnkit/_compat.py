@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-__all__ = ["assume_constant_result", "progress_bar_class"]
+__all__ = ["assume_constant_result", "progress_bar_class", "scope_reader"]
 
 
 def assume_constant_result(fn):
@@ -20,6 +20,17 @@ def assume_constant_result(fn):
         return torch.compiler.assume_constant_result(fn)
     fn._dynamo_marked_constant = True
     return fn
+
+
+def scope_reader(var):
+    """A function returning ``var.get()`` (a ContextVar) that ``torch.compile`` calls once while
+    tracing and takes as a constant (Dynamo cannot trace ``ContextVar.get``): a scope such as
+    ``use_backend`` is read when a compiled function is traced, as any other Python setting is."""
+    def read():
+        return var.get()
+
+    read.__name__ = read.__qualname__ = f"read_{var.name}"
+    return assume_constant_result(read)
 
 
 @functools.lru_cache(maxsize=1)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._compat import scope_reader
 from ..inputs import AttentionInputs
 from ..masks import Mask, mask_params
 from ..registry import Backend, Work, register_backend
@@ -32,6 +33,7 @@ from ..score_mods import ScoreMod, score_mod_spec
 from ._tiles import FULL, PARTIAL, empty_batch, tile_grid
 
 _CPU_ALLOWED: ContextVar[bool] = ContextVar("attnkit_flex_cpu", default=False)
+_cpu_allowed = scope_reader(_CPU_ALLOWED)
 
 
 @contextlib.contextmanager
@@ -210,7 +212,7 @@ class FlexBackend(Backend):
         if not cls.available():
             yield "torch.nn.attention.flex_attention is missing from this torch build"
         if inp.device.type == "cpu":
-            if not _CPU_ALLOWED.get():
+            if not _cpu_allowed():
                 yield ("on CPU only inside `with attnkit.backends.flex.allow_cpu():` (each mask kind compiles for tens "
                        "of seconds, and torch's CPU Flex template fails to compile some mask_mods)")
             if inp.requires_grad:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.compiler import is_compiling as _is_compiling
 
+from .._compat import scope_reader
 from ..csrc import loader
 from ..inputs import AttentionInputs
 from ..masks import Mask
@@ -31,6 +32,7 @@ __all__ = ["NoBackendError", "select", "resolve", "resolve_call", "use_backend",
            "no_backend_message", "reader", "describe_input"]
 
 _SCOPED: ContextVar[tuple[str, ...] | None] = ContextVar("attnkit_backend", default=None)
+_scoped = scope_reader(_SCOPED)
 
 
 class NoBackendError(ValueError):
@@ -42,7 +44,7 @@ def candidates(backend: str) -> tuple[list[str], bool]:
     if backend != "auto":
         get_backend(backend)
         return [backend], True
-    scoped = _SCOPED.get()
+    scoped = _scoped()
     if scoped is not None:
         return list(scoped), True
     return [], False

@@ -45,21 +45,27 @@ def _materialized(impl: type[Backend], inp: AttentionInputs) -> int:
     return max(elements, inp.B * inp.Hq * inp.Tq * inp.Tk) if impl.work.materializes else elements
 
 
-def _static_key(impl: type[Backend], materialized: int) -> tuple[bool, bool, bool, bool]:
+def _static_key(impl: type[Backend], materialized) -> tuple[bool, bool, bool, bool]:
     """Smaller first: a backend that materializes this call's mask last; Python loops over tiles after
     whole-tensor ops; PyTorch ops after one fused kernel; repeated grouped K/V after reading them in place."""
     work = impl.work
-    return (materialized > 0, work.loop_ops > 0, not work.fused, work.gqa == "repeats")
+    return (_flag(materialized > 0), work.loop_ops > 0, not work.fused, work.gqa == "repeats")
 
 
-def _ordered(inp: AttentionInputs, names, known: dict) -> list[str]:
-    """``names`` in the rule's order for ``inp`` (steps 2–4 of the module docstring)."""
-    elements = {n: _materialized(known[n], inp) for n in names}
-    order = sorted(names, key=lambda n: _static_key(known[n], elements[n]))  # stable: registration breaks ties
-    if inp.Tq <= DECODE_QUERIES and inp.Tk >= inp.Tq and not inp.requires_grad:
-        order.sort(key=lambda n: not known[n].decodes(inp))
-    heavy = [n for n in order if elements[n] > MATERIALIZE_LIMIT]
-    return [n for n in order if n not in heavy] + heavy
+def _flag(condition) -> bool:
+    """``condition`` as a plain bool; traced with dynamic shapes, a guard on it (``if`` specializes
+    a symbolic comparison, where ``bool()`` may leave it symbolic)."""
+    return True if condition else False
+
+
+def _ordered(inp: AttentionInputs, names: list[str], known: dict) -> list[str]:
+    """``names`` in the rule's order for ``inp`` (steps 2–4 of the module docstring). Plain tuples of
+    bools are sorted (no key functions): a ``torch.compile`` trace with dynamic shapes sorts them too."""
+    elements = [_materialized(known[n], inp) for n in names]
+    decoding = _flag(inp.Tq <= DECODE_QUERIES and inp.Tk >= inp.Tq) and not inp.requires_grad
+    keys = [(_flag(e > MATERIALIZE_LIMIT), not (decoding and _flag(known[n].decodes(inp))),
+             *_static_key(known[n], e), i) for i, (n, e) in enumerate(zip(names, elements))]
+    return [names[key[-1]] for key in sorted(keys)]  # the index last: registration order breaks ties
 
 
 def builtin_order(inp: AttentionInputs) -> tuple[str, ...]:

@@ -4,7 +4,8 @@ The bench times every exact backend per (device, dtype, mask kind, pass, heads, 
 range of lengths, times the leader against the runner-up interleaved, and writes a point only where
 that confirms the leader; a point it cannot confirm is left out (the static rule decides there).
 The file lives at ``$ATTNKIT_CALIBRATION`` if set, else ``$XDG_CACHE_HOME/attnkit/calibration.json``
-(``~/.cache/attnkit/calibration.json``). It is read once per process (:func:`reload` reads it again).
+(``~/.cache/attnkit/calibration.json``). It is read once, when attnkit is imported (:func:`reload` reads
+it again).
 
 A table is used only in the setting it was measured in: this CPU, torch version, attnkit build and
 thread count. One measured at another thread count is ignored quietly (``attnkit info`` says so);
@@ -46,8 +47,7 @@ VERSION = 3
 PASSES = ("forward", "train")
 _MAX_BYTES = 64 * 2**20  # a table is a few hundred kB; anything far larger is not one
 
-_UNLOADED = object()
-_CACHE: list = [_UNLOADED]  # the parsed table (or None), loaded on first use; reload() resets it
+_CACHE: list = [None]  # the parsed table (or None), read at import and by reload()
 _STATUS: list = ["not read yet"]
 
 
@@ -181,7 +181,6 @@ def _ignored(path: Path, why: str) -> None:
 
 def status() -> str:
     """One line on the table this process uses (for ``attnkit info``)."""
-    _table()
     return _STATUS[0]
 
 
@@ -190,24 +189,27 @@ def status() -> str:
 _Table = dict[str, tuple[list[float], list[dict]]]
 
 
+def _parsed(data: dict | None) -> _Table | None:
+    if data is None:
+        return None
+    parsed: _Table = {}
+    for key, points in data["entries"].items():
+        points = sorted(points, key=lambda p: p["n"])
+        parsed[key] = ([math.sqrt(a["n"] * b["n"]) for a, b in zip(points, points[1:])], points)
+    return parsed
+
+
 def _table() -> _Table | None:
-    """The parsed table, loaded once (no file or environment reads on the hot path)."""
-    if _CACHE[0] is _UNLOADED:
-        data = load()
-        table: _Table | None = None
-        if data is not None:
-            table = {}
-            for key, points in data["entries"].items():
-                points = sorted(points, key=lambda p: p["n"])
-                table[key] = ([math.sqrt(a["n"] * b["n"]) for a, b in zip(points, points[1:])], points)
-        _CACHE[0] = table
+    """The table read when attnkit was imported (or at the last :func:`reload`): no file or
+    environment reads on the hot path, and a constant to a ``torch.compile`` trace."""
     return _CACHE[0]
 
 
 def reload() -> None:
-    """Forget the loaded table (after writing one, or changing ``ATTNKIT_CALIBRATION``)."""
-    _CACHE[0] = _UNLOADED
-    from . import calls  # its per-call cache holds decisions taken from the old table
+    """Read the table again (after writing one, or changing ``ATTNKIT_CALIBRATION``) and forget the
+    decisions taken from the old one."""
+    _CACHE[0] = _parsed(load())
+    from . import calls
 
     calls.clear()
 
@@ -283,3 +285,6 @@ def describe(inp: AttentionInputs) -> str | None:
         return (f"measured on this machine: {best} {interleaved['ratio']:.2f}x faster than {second} {where} "
                 f"(interleaved, median of {interleaved['rounds']:g} rounds)")
     return f"measured on this machine: {best} {times[second] / times[best]:.2f}x faster than {second} {where}"
+
+
+_CACHE[0] = _parsed(load())
