@@ -217,7 +217,9 @@ def stream(
     ``quantize_cache="int8"`` stores a static or dynamic cache in int8 (paged caches and
     continuous batching: :func:`generate`). ``attention_mask (B, P)``: 1 = token, 0 = padding
     (left or right). For an encoder-decoder, ``input_ids`` is the source and decoding starts from
-    ``decoder_start_token``."""
+    ``decoder_start_token``. ``input_ids`` is int64 (or int32); every id it holds (padding included: the
+    model reads it), ``stop_tokens``, ``pad_token_id`` (a stopped row's next input) and
+    ``decoder_start_token`` must be in ``[0, vocab_size)``: anything else is refused before any work."""
     seq2seq = _check_model(model)
     _check_ids(input_ids, model.config.vocab_size)
     _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty)
