@@ -214,3 +214,26 @@ def test_finite_inputs_never_build_the_gradient_rule(monkeypatch):
     monkeypatch.setattr(nonfinite, "poison", lambda *a: pytest.fail("finite inputs took the NaN path"))
     for backend in ("naive", "tiled"):
         attnkit.attention(q, k, v, mask=Causal(), backend=backend).sum().backward()
+
+
+@pytest.mark.parametrize("backend", ["tiled", "native"])
+def test_compiled_gradients_follow_the_forward(backend):
+    """Traced (nothing read on the host), the rule gives the eager gradients."""
+    if not attnkit.list_backends()[backend].available():
+        pytest.skip(f"{backend} is not available")
+    torch._dynamo.reset()
+    q, k, v = _qkv(seed=9)
+    q[0, 0, 2, 1] = INF
+    k[1, 1, 6, 0] = NAN
+    dout = torch.randn(B, HQ, T, D, generator=torch.Generator().manual_seed(10))
+
+    def f(q, k, v):
+        return attnkit.attention(q, k, v, mask=Causal(), backend=backend)
+
+    eager = _run(backend, Causal(), q, k, v, dout)
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    out.backward(dout)
+    for e, c in zip(eager, (out.detach(), q.grad, k.grad, v.grad)):
+        assert torch.equal(e.isnan(), c.isnan()) and e.isnan().any()
+        torch.testing.assert_close(c.nan_to_num(0.0), e.nan_to_num(0.0), rtol=1e-5, atol=1e-6)
