@@ -9,7 +9,7 @@ from ..inputs import AttentionInputs
 from ..registry import list_backends
 from . import table, tuning
 from .calls import candidates, describe_input, reader
-from .rule import DECODE_QUERIES, priority
+from .rule import DECODE_QUERIES, priority, uses_table
 
 __all__ = ["Explanation", "explain", "policy_line"]
 
@@ -56,7 +56,7 @@ class Explanation:
 
 def policy_line(inp: AttentionInputs, chosen: str | None) -> str:
     """Why ``auto``'s order is what it is for ``inp``, in one line a user can act on."""
-    measured = table.describe(inp)
+    measured = table.describe(inp) if uses_table(inp) else None
     if measured is not None:
         return measured
     known = list_backends()

@@ -68,6 +68,12 @@ def _ordered(inp: AttentionInputs, names: list[str], known: dict) -> list[str]:
     return [names[key[-1]] for key in sorted(keys)]  # the index last: registration order breaks ties
 
 
+def uses_table(inp: AttentionInputs) -> bool:
+    """Whether the measured table may rank ``inp``: it times ``Tq == Tk``, so never a decoding
+    step's few queries (step 1 of the module docstring)."""
+    return inp.Tq > DECODE_QUERIES
+
+
 def builtin_order(inp: AttentionInputs) -> tuple[str, ...]:
     """Steps 2–4 of the rule for ``inp``: the exact registered backends but ``naive``, decode
     kernels first for a decoding step, then the static order, the memory guard applied."""
@@ -80,7 +86,7 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
     docstring): the measured table's ranking where it has a row, else :func:`builtin_order`; the
     memory guard; then every other registered backend, ``naive`` last."""
     known, registered = list_backends(), registered_names()
-    measured = None if inp.Tq <= DECODE_QUERIES else table.preferred(inp)  # the table times Tq == Tk
+    measured = table.preferred(inp) if uses_table(inp) else None
     if measured is None:
         order = list(builtin_order(inp))
     else:  # the table's ranking, the memory guard applied
