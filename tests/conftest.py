@@ -19,6 +19,7 @@ def _no_user_calibration(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(base / "xdg-cache"))
     table.reload()
     yield
+    monkeypatch.setenv("ATTNKIT_CALIBRATION", str(base / "no-calibration.json"))  # a test may have pointed it elsewhere
     table.reload()
 
 
