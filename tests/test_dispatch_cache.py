@@ -1,5 +1,5 @@
 """attention()'s per-call cache (validation and selection per call class): hits skip both, and no
-choice outlives the calibration, machine constants, registry or scope it was made under."""
+choice outlives the measured table, registry or scope it was made under."""
 
 from __future__ import annotations
 
@@ -9,16 +9,30 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import Causal, KeyPadding, SlidingWindow, calibration, dispatch
+from attnkit import Causal, KeyPadding, SlidingWindow
 from attnkit.backends import nonfinite
+from attnkit.dispatch import calls, select, table
 from attnkit.inputs import AttentionInputs
-from attnkit.registry import Backend, register_backend
+from attnkit.registry import Backend, Work, register_backend
 
-from .conftest import uniform_constants
 from .test_dispatch_work import scratch_registry  # noqa: F401  (a fixture)
 
-q = torch.randn(1, 2, 5, 8)
+q = torch.randn(1, 2, 5, 8)  # 5 queries over 24 keys: a decoding step for the rule
 kv = torch.randn(1, 2, 24, 8)
+
+
+def _auto(*args, **kwargs) -> str:
+    """What a fresh selection picks for ``attention(*args, **kwargs)`` (no cache)."""
+    return select(AttentionInputs.create(*args, **kwargs)).name
+
+
+def _register_decoder(name: str, **attrs) -> None:
+    """A fused test backend with a kernel for decoding steps: by the decode rule it leads the call
+    ``q, kv, kv`` (a decoding step) wherever it can run."""
+    naive = attnkit.list_backends()["naive"]
+    register_backend(type(f"Test_{name}", (Backend,), {
+        "name": name, "work": Work(fused=True), "decodes": classmethod(lambda cls, inp: True),
+        "forward": classmethod(lambda cls, inp, options: naive.forward(inp, None)), **attrs}))
 
 
 @pytest.fixture
@@ -28,7 +42,7 @@ def ran(monkeypatch):
     real = nonfinite.run
     monkeypatch.setattr(nonfinite, "run",
                         lambda impl, inp, options, host=None: names.append(impl.name) or real(impl, inp, options, host))
-    monkeypatch.setattr(dispatch, "_CALLS", {})
+    monkeypatch.setattr(calls, "_CALLS", {})
     return names
 
 
@@ -50,7 +64,7 @@ def test_a_repeated_call_is_validated_and_selected_once(ran, monkeypatch):
     for _ in range(2):
         attnkit.attention(q, kv, kv, mask=KeyPadding([20]))
     assert sum(created) == 7
-    assert all(key[1] is None or "KeyPadding" not in repr(key[1]) for key in dispatch._CALLS)  # (.., mask, ..)
+    assert all(key[1] is None or "KeyPadding" not in repr(key[1]) for key in calls._CALLS)  # (.., mask, ..)
 
 
 def test_a_cached_class_still_refuses_what_validation_refuses(ran):
@@ -63,69 +77,44 @@ def test_a_cached_class_still_refuses_what_validation_refuses(ran):
         attnkit.attention(q, kv, kv[:, :, :23], mask=Causal(), q_offset=19, kv_finite=True)
 
 
-def test_a_new_calibration_changes_the_next_call(ran, tmp_path, monkeypatch):
-    square = kv.clone()  # Tq == Tk: the calibration table's kind of problem (a decode step is not)
+def test_a_new_table_changes_the_next_call(ran, tmp_path, monkeypatch):
+    square = kv.clone()  # Tq == Tk: the measured table's kind of problem (a decoding step is not)
+    static = _auto(square, kv, kv)
     attnkit.attention(square, kv, kv)
-    assert ran[-1] == "sdpa"
+    assert ran[-1] == static != "tiled"
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(tmp_path / "cal.json"))
-    key = calibration.entry_key("cpu", "float32", "none", "forward", heads=2, head_dim=8)
-    calibration.save({"entries": {key: [{"n": 24, "order": ["naive", "sdpa"],
-                                         "times": {"naive": 1e-5, "sdpa": 1e-3}}]}})
+    key = table.entry_key("cpu", "float32", "none", "forward", heads=2, head_dim=8)
+    table.save({"entries": {key: [{"n": 24, "order": ["tiled", "sdpa"], "times": {"tiled": 1e-5, "sdpa": 1e-3}}]}})
     attnkit.attention(square, kv, kv)
-    assert ran[-1] == "naive"
+    assert ran[-1] == "tiled"
     (tmp_path / "cal.json").unlink()
-    calibration.reload()
     attnkit.attention(square, kv, kv)
-    assert ran[-1] == "sdpa"
-
-
-def test_new_machine_constants_change_the_next_call(ran, monkeypatch):
-    constants = uniform_constants()
-    constants["reference_seconds"]["tiled"] = {c: 1.0 for c in ("causal", "band", "layout", "decode")}  # slow
-    monkeypatch.setattr(calibration, "_CONSTANTS", [constants])
-    calibration._GENERATION[0] += 1
-    attnkit.attention(q, kv, kv, mask=Causal())
-    first = ran[-1]
-    constants = uniform_constants()
-    constants["backend_seconds"]["tiled"] = 1e-9
-    constants["reference_seconds"]["tiled"] = {c: 1e-7 for c in ("causal", "band", "layout", "decode")}
-    monkeypatch.setattr(calibration, "_CONSTANTS", [constants])
-    calibration._GENERATION[0] += 1
-    attnkit.attention(q, kv, kv, mask=Causal())
-    assert first != "tiled" and ran[-1] == "tiled"
+    assert ran[-1] == "tiled"  # the table is read at reload(), never per call
+    table.reload()
+    assert not calls._CALLS  # the decisions taken from the old table are forgotten
+    attnkit.attention(square, kv, kv)
+    assert ran[-1] == static
 
 
 @pytest.mark.usefixtures("scratch_registry")
-def test_a_newly_registered_backend_is_seen_by_the_next_call(ran, monkeypatch):
-    naive = attnkit.list_backends()["naive"]
+def test_a_newly_registered_backend_is_seen_by_the_next_call(ran):
+    before = _auto(q, kv, kv)
     attnkit.attention(q, kv, kv)
-    assert ran[-1] == "sdpa"
-    register_backend(type("Quick", (Backend,), {
-        "name": "quick", "forward": classmethod(lambda cls, inp, options: naive.forward(inp, None))}))
-    constants = uniform_constants()
-    constants["backend_seconds"]["quick"] = 1e-9
-    constants["reference_seconds"]["quick"] = {c: 1e-7 for c in ("causal", "band", "layout", "decode")}
-    monkeypatch.setattr(calibration, "_CONSTANTS", [constants])  # the registry changed: no generation bump
+    assert ran[-1] == before != "quick"
+    _register_decoder("quick")  # the registry changed: no cache to clear by hand
     attnkit.attention(q, kv, kv)
     assert ran[-1] == "quick"
 
 
 @pytest.mark.usefixtures("scratch_registry")
-def test_scopes_and_reason_contexts_are_part_of_the_key(ran, monkeypatch):
+def test_scopes_and_reason_contexts_are_part_of_the_key(ran):
     allowed = contextvars.ContextVar("test_allowed", default=False)
-    naive = attnkit.list_backends()["naive"]
 
     def reasons(cls, inp):
         return [] if allowed.get() else ["only inside the test scope"]
 
-    register_backend(type("Scoped", (Backend,), {
-        "name": "scoped", "reason_contexts": (allowed,), "extra_reasons": classmethod(reasons),
-        "forward": classmethod(lambda cls, inp, options: naive.forward(inp, None))}))
-    constants = uniform_constants()
-    constants["backend_seconds"]["scoped"] = 1e-9
-    constants["reference_seconds"]["scoped"] = {c: 1e-7 for c in ("causal", "band", "layout", "decode")}
-    monkeypatch.setattr(calibration, "_CONSTANTS", [constants])
-    calibration._GENERATION[0] += 1
+    _register_decoder("scoped", reason_contexts=(allowed,), extra_reasons=classmethod(reasons))
+    auto = _auto(q, kv, kv)
     attnkit.attention(q, kv, kv)
     token = allowed.set(True)
     try:
@@ -136,12 +125,10 @@ def test_scopes_and_reason_contexts_are_part_of_the_key(ran, monkeypatch):
     with attnkit.use_backend("tiled"):
         attnkit.attention(q, kv, kv)
     attnkit.attention(q, kv, kv)
-    assert ran == ["sdpa", "scoped", "sdpa", "tiled", "sdpa"]
+    assert ran == [auto, "scoped", auto, "tiled", auto] and auto != "scoped"
 
 
 def test_a_hit_runs_what_a_fresh_select_chooses(ran):
-    from attnkit.dispatch import select
-
     cases = [dict(), dict(mask=Causal()), dict(mask=Causal() & SlidingWindow(6, 0)), dict(mask=Causal(), q_offset=19),
              dict(return_lse=True), dict(kv_finite=True), dict(mask=SlidingWindow(3, 2), scale=0.5)]
     for kwargs in cases:
@@ -156,20 +143,24 @@ def test_a_hit_runs_what_a_fresh_select_chooses(ran):
         assert ran[-1] == select(AttentionInputs.create(q[:, :, :1], k, k, mask=Causal(), kv_finite=True)).name
 
 
-def test_an_entry_decided_under_an_older_calibration_is_never_used(ran):
-    """A thread that decided under the previous calibration may store its entry after another
-    thread's recalibration emptied the cache: the entry names its generation, and is not used."""
+@pytest.mark.usefixtures("scratch_registry")
+def test_an_entry_decided_under_another_registry_is_never_used(ran):
+    """A thread that decided before a registration may store its entry after the registry changed:
+    the entry names the registry it was decided under, and is used only while that one holds."""
+    auto = _auto(q, kv, kv)
     attnkit.attention(q, kv, kv)
-    assert ran[-1] == "sdpa"
-    key, (impl, fields, generation, names, cpu) = next(iter(dispatch._CALLS.items()))
-    dispatch._CALLS[key] = (attnkit.list_backends()["naive"], fields, generation, names, cpu)  # as if naive won then
+    assert ran[-1] == auto != "naive"
+    key, (impl, fields, names, cpu) = next(iter(calls._CALLS.items()))
+    naive = attnkit.list_backends()["naive"]
+    calls._CALLS[key] = (naive, fields, names, cpu)  # as if naive had won then
     attnkit.attention(q, kv, kv)
-    assert ran[-1] == "naive"  # same generation: the entry is used
-    calibration._GENERATION[0] += 1  # a recalibration that has not emptied the cache yet
-    dispatch._CALLS[key] = (attnkit.list_backends()["naive"], fields, generation, names, cpu)
+    assert ran[-1] == "naive"  # the same registry: the entry is used
+    register_backend(type("Test_idle", (Backend,), {  # runs nothing: it changes the registry, not the choice
+        "name": "idle", "extra_reasons": classmethod(lambda cls, inp: ["a test backend that never runs"])}))
+    calls._CALLS[key] = (naive, fields, names, cpu)
     attnkit.attention(q, kv, kv)
-    assert ran[-1] == "sdpa"
-    assert all(entry[2] == calibration.generation() for entry in dispatch._CALLS.values())
+    assert ran[-1] == auto
+    assert all(entry[2] == attnkit.registry.registered_names() for entry in calls._CALLS.values())
 
 
 def test_an_entry_keeps_no_tensor_of_its_call_alive(ran):
@@ -178,7 +169,7 @@ def test_an_entry_keeps_no_tensor_of_its_call_alive(ran):
 
     x = torch.randn(1, 2, 5, 8)
     attnkit.attention(x, kv, kv, mask=Causal())
-    assert not any(isinstance(value, torch.Tensor) for entry in dispatch._CALLS.values() for value in entry[1].values())
+    assert not any(isinstance(value, torch.Tensor) for entry in calls._CALLS.values() for value in entry[1].values())
     gone = weakref.ref(x)
     del x
     gc.collect()
