@@ -9,8 +9,14 @@ in one pass over the cache in C++: parallel over (sequence, K/V head, split of t
 K/V head read once for its whole query group, bf16/fp16/int8 keys and values converted as they are
 read (int8 scales folded into scores and probabilities), pages read through the block table, the
 splits merged by their log-sum-exp. Rows of a batch hold their own lengths (no padding to the
-longest); a sequence's splits depend on its own length and the thread count only, so it decodes
-bitwise alike alone or in any batch.
+longest).
+
+Batch invariance: a sequence's splits start at the first key its queries keep and their size
+follows the span up to its last kept key and the thread count, whatever form the mask takes
+(band bounds, key lengths, or a keep tensor such as a ragged batch's per-row mask), and each
+split's reduction order is fixed. So at one thread count a row decodes to the same bits alone
+or in any batch, under every mask, score modifier, sink and cache format the kernel reads; the
+split size (and with it the last bits) may change with the thread count.
 
 What the kernel reads (everything else: :func:`kernel_reasons` says why, and the twin runs):
 
@@ -49,9 +55,9 @@ def _extension():
     from .native import load_extension  # the one loader of the built extension (imported late: no registration)
 
     ext, reason = load_extension()
-    if ext is not None and not hasattr(ext, "decode"):
-        return None, ("native extension built without the decode kernel: rebuild with "
-                      "`python -m attnkit.csrc.build`")
+    if ext is not None and not (hasattr(ext, "decode") and hasattr(ext, "decode_spans")):
+        return None, ("native extension built without this decode kernel (its ops decode and decode_spans): "
+                      "rebuild with `python -m attnkit.csrc.build`")
     return ext, reason
 
 
@@ -146,17 +152,22 @@ def native_decode(inp: AttentionInputs, split: int | None = None):
     B, Tq, Tk = inp.B, inp.Tq, inp.Tk
     left, right, limits, keep = _mask_data(inp.mask, inp)
     kv_offset = inp.kv_offset
-    rows = []
+    keep_t = _EMPTY_B if keep is None else _four(keep, inp)
+    spans, qpos = [], []
     for b in range(B):
         n = Tk if handle is None else handle.lengths[b]
         # a ragged handle's queries sit at the row's own last positions (its mask is already per row)
-        qpos = n - Tq if handle is not None and handle.ragged else inp.q_offset
+        qpos.append(n - Tq if handle is not None and handle.ragged else inp.q_offset)
         if limits is not None:
             n = min(n, limits[b] - kv_offset)
-        lo = 0 if left is None else max(0, qpos - left - kv_offset)
-        hi = n if right is None else min(n, qpos + Tq - 1 + right - kv_offset + 1)
-        hi = max(lo, hi)
-        rows.append((lo, hi, split or split_tokens(hi - lo, inp.Hkv), qpos))
+        lo = 0 if left is None else max(0, qpos[b] - left - kv_offset)
+        hi = n if right is None else min(n, qpos[b] + Tq - 1 + right - kv_offset + 1)
+        spans.append((lo, max(lo, hi)))
+    if keep is not None:
+        # the keys the keep tensor keeps: the same range as the band's when it holds a band (a
+        # ragged batch's per-row mask), so the splits below follow the row, not the mask's form
+        spans = ext.decode_spans(keep_t, torch.tensor(spans, dtype=torch.long)).tolist()
+    rows = [(lo, hi, split or split_tokens(hi - lo, inp.Hkv), qpos[b]) for b, (lo, hi) in enumerate(spans)]
     rows_t = _rows_tensor(tuple(rows))
     if handle is None:
         k, v, ks, vs, table = inp.k, inp.v, _EMPTY_F, _EMPTY_F, _EMPTY_L
@@ -166,7 +177,6 @@ def native_decode(inp: AttentionInputs, split: int | None = None):
         vs = _EMPTY_F if handle.v_scale is None else handle.v_scale
         table = _EMPTY_L if handle.block_table is None else handle.block_table
     k, v = _last_contiguous(k), _last_contiguous(v)
-    keep_t = _EMPTY_B if keep is None else _four(keep, inp)
     bias = _EMPTY_BIAS if inp.bias is None else _four(inp.bias.float(), inp)
     codes, caps, slopes = score_mod_data(inp.score_mod)
     slope_t = torch.stack([(s if s is not None else torch.zeros(inp.Hq)).detach().float().expand(inp.Hq)

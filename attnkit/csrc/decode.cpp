@@ -8,9 +8,13 @@
 // mass l, unnormalized output o, FlashDecoding); a second pass merges the splits of a (sequence,
 // head) in order by their log-sum-exp, adding the attention sink of each query head.
 //
-// Batch invariance: a sequence's splits depend on its own key range and the thread count only, and
-// every split is reduced by one thread in a fixed order, so a sequence decoded alone or in a batch
-// gives bitwise-equal output. Rows of a batch hold different lengths (no padding to the longest).
+// Batch invariance: a sequence's splits start at the first key its queries keep and are sized from
+// the span up to its last kept key and the thread count (never from the batch's longest row or
+// its size); the span is the same whether the mask comes as band bounds and key lengths or as a
+// keep tensor (decode_spans), as a ragged batch's per-row mask does. Every split is reduced by one
+// thread in a fixed order and the splits are merged in order, so a sequence decoded alone or in any
+// batch at one thread count gives bitwise-equal output. Rows of a batch hold different lengths (no
+// padding to the longest).
 //
 // Score pipeline per (query, key), positions absolute: s = scale * q.k (* k_scale), + bias, then the
 // score modifiers in order (1: soft-cap c * tanh(s / c); 2: ALiBi s - slope[h] * |pos(q) - pos(k)|),
@@ -550,6 +554,55 @@ void run(const Problem& P, const at::Tensor& k, const at::Tensor& v, const at::T
   });
 }
 
+// The first key in [lo, hi) that row p (keys at stride s) keeps, or hi; one past the last, or lo.
+inline int64_t first_kept(const bool* p, int64_t s, int64_t lo, int64_t hi) {
+  if (s == 1) {
+    const void* f = lo < hi ? std::memchr(p + lo, 1, hi - lo) : nullptr;
+    return f ? static_cast<const bool*>(f) - p : hi;
+  }
+  for (; lo < hi; ++lo)
+    if (p[lo * s]) return lo;
+  return hi;
+}
+inline int64_t end_kept(const bool* p, int64_t s, int64_t lo, int64_t hi) {
+  if (s == 1) {
+    const void* f = lo < hi ? memrchr(p + lo, 1, hi - lo) : nullptr;
+    return f ? static_cast<const bool*>(f) - p + 1 : lo;
+  }
+  for (; hi > lo; --hi)
+    if (p[(hi - 1) * s]) return hi;
+  return lo;
+}
+
+// The keys each sequence's queries keep: spans (B, 2) holds each sequence's band range [lo, hi);
+// returns it narrowed to the first and one past the last key that keep (a broadcast (B, Hq, Tq, Tk)
+// bool view) keeps for some head and query (an empty range when none). A sequence's splits start
+// at its range and are sized from its width, so the range must not depend on how the mask arrived
+// (band bounds, or a keep tensor that holds the same band, as a ragged batch's per-row mask does).
+at::Tensor decode_spans(const at::Tensor& keep, const at::Tensor& spans) {
+  TORCH_CHECK(keep.scalar_type() == at::kBool && keep.dim() == 4, "decode_spans: keep must be a 4-d bool tensor");
+  TORCH_CHECK(spans.scalar_type() == at::kLong && spans.is_contiguous() && spans.dim() == 2 &&
+                  spans.size(0) == keep.size(0) && spans.size(1) == 2,
+              "decode_spans: spans must be a contiguous int64 (B, 2) tensor");
+  const Strided4 st = strides4(keep);
+  const bool* kp = keep.data_ptr<bool>();
+  // distinct heads and queries only (a broadcast dim has stride 0)
+  const int64_t B = keep.size(0), H = st.s1 ? keep.size(1) : 1, Tq = st.s2 ? keep.size(2) : 1, Tk = keep.size(3);
+  auto out = spans.clone();
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t lo = std::max<int64_t>(o[2 * b], 0), hi = std::max(lo, std::min(o[2 * b + 1], Tk));
+    int64_t first = hi, end;
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < Tq; ++i) first = first_kept(kp + st.at(b, h, i, 0), st.s3, lo, first);
+    end = first;  // a key is kept at first, unless none is (first == hi: the range is empty)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < Tq; ++i) end = end_kept(kp + st.at(b, h, i, 0), st.s3, end, hi);
+    o[2 * b] = first, o[2 * b + 1] = end;
+  }
+  return out;
+}
+
 std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_table,
                                const at::Tensor& rows, int64_t kv_offset, double scale, c10::IntArrayRef band,
@@ -626,4 +679,6 @@ TORCH_LIBRARY_FRAGMENT(attnkit_native, m) {
         "int kv_offset, float scale, int[] band, Tensor keep, Tensor bias, int[] mod_codes, float[] mod_caps, "
         "Tensor slopes, Tensor sinks) -> Tensor[]");
   m.impl("decode", c10::DispatchKey::CPU, TORCH_FN(decode));
+  m.def("decode_spans(Tensor keep, Tensor spans) -> Tensor");
+  m.impl("decode_spans", c10::DispatchKey::CPU, TORCH_FN(decode_spans));
 }
