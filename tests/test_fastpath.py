@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import Causal, calibration, dispatch
+from attnkit import Causal
 from attnkit._validate import finite_only
 from attnkit.csrc import loader
-from attnkit.inputs import AttentionInputs
+from attnkit.dispatch import calls
 
 FAST = loader.fastpath()
 needs_build = pytest.mark.skipif(FAST is None, reason="the native extension is not built")
@@ -114,7 +114,7 @@ def test_key_is_exact_and_changes_with_what_validation_reads():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1 if threads != 1 else 2)
-        assert FAST.key(q, k, v) != different[3]  # the machine constants are per thread count
+        assert FAST.key(q, k, v) != different[3]  # torch's thread count is in the key
     finally:
         torch.set_num_threads(threads)
     assert FAST.key(torch.nn.Parameter(q.detach()), k, v) is None
@@ -140,44 +140,10 @@ def test_key_packs_scalars_with_their_types():
         FAST.key(q, k, v, *range(9))
 
 
-@needs_build
-def test_the_hit_in_c_equals_the_python_decision_and_follows_the_cache_state(monkeypatch):
-    """call() hits only entries stored under the current generation and registry, in the dict the
-    module holds now, and rebuilds the inputs the entry was validated for, with the new tensors."""
-    monkeypatch.setattr(dispatch, "_CALLS", {})
-    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
-    args = (q, k, v, Causal(), None, 0.0, None, 0, False, True, "auto")
-    dispatch.resolve_call(*args)  # configures the C side and stores the entry
-    key = dispatch._cached_call(*args)
-    assert isinstance(key, tuple) and len(key) == 3  # a hit: (backend, inputs, host)
-    impl, inp, host = key
-    want = AttentionInputs.create(q, k, v, mask=Causal(), kv_finite=True)
-    assert impl is dispatch.select(want) and host is True and type(inp) is AttentionInputs
-    assert inp.q is q and inp.k is k and inp.v is v and repr(inp) == repr(want)
-    assert inp.__dict__.keys() == want.__dict__.keys() and inp.kv_finite is True and inp.scale == want.scale
-    q2 = torch.randn(1, 4, 1, 16)
-    assert dispatch._cached_call(q2, *args[1:])[1].q is q2  # another tensor of the class: the same entry
-    miss = dispatch._cached_call(q, k, v, Causal(), None, 0.0, None, 0, False, None, "auto")  # kv_finite None
-    assert len(miss) == 6 and miss not in dispatch._CALLS
-    calibration._GENERATION[0] += 1  # a new calibration: the entry is decided again
-    assert len(dispatch._cached_call(*args)) == 6
-    dispatch.resolve_call(*args)
-    assert len(dispatch._cached_call(*args)) == 3
-    monkeypatch.setattr(dispatch, "_CALLS", {})  # the module's current dict is read on each call
-    assert len(dispatch._cached_call(*args)) == 6
-    with attnkit.use_backend("naive"):  # the scope is part of the key
-        dispatch.resolve_call(*args)
-        impl, _, _ = dispatch._cached_call(*args)
-        assert impl.name == "naive"
-    assert len(dispatch._cached_call(*args)) == 6
-    assert dispatch._cached_call(torch.nn.Parameter(q), *args[1:]) is None  # not a plain tensor: Python's path
-
-
-@pytest.mark.parametrize("path", ["C call", "C key", "python"])
+@pytest.mark.parametrize("path", ["C key", "python"])
 def test_cached_calls_follow_shape_dtype_and_grad_on_every_key_path(path, monkeypatch):
-    if path != "C call":  # the hit in C, the key in C with the rest in Python, or all in Python
-        monkeypatch.setattr(dispatch, "_cached_call", dispatch._no_call)
-    if path == "python":
+    monkeypatch.setattr(calls, "_CALLS", {})
+    if path == "python":  # the key in C (the rest in Python), or all in Python
         monkeypatch.setattr(loader, "key", lambda *args: None)
     elif FAST is None:
         pytest.skip("the native extension is not built")
@@ -189,6 +155,7 @@ def test_cached_calls_follow_shape_dtype_and_grad_on_every_key_path(path, monkey
         want = attnkit.attention(q, k, v, mask=Causal(), backend="naive")
         assert out.shape == (1, 4, Tq, 16) and out.dtype == dtype
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert calls._CALLS and all(isinstance(key[0], bytes) == (path == "C key") for key in calls._CALLS)
     q.requires_grad_()
     attnkit.attention(q, k, v, mask=Causal()).sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
