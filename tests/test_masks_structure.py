@@ -17,8 +17,9 @@ import attnkit
 from attnkit.inputs import AttentionInputs
 from attnkit import (
     BlockSparse, Causal, Custom, Dense, Document, GlobalTokens, KeyPadding, MaskSupport, Padding, SlidingWindow,
-    calibration, longformer,
+    longformer,
 )
+from attnkit.dispatch import table
 from attnkit.masks import base as mask_base
 from attnkit.registry import list_backends
 
@@ -162,8 +163,8 @@ def test_structure_of_known_masks():
         Causal() & Custom(lambda b, h, q, k: q >= k)).depends_on_head
 
 
-def test_structure_key_tells_combinations_apart_for_calibration():
-    kinds = {calibration.mask_kind(m) for m in (
+def test_structure_key_tells_combinations_apart_for_the_measured_table():
+    kinds = {table.mask_kind(m) for m in (
         None, Causal(), Causal() & KeyPadding([3]), Causal() & Document(IDS), KeyPadding([3]) & Causal(),
         SlidingWindow(4, 0) | GlobalTokens([0]),
     )}
