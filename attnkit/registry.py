@@ -182,7 +182,8 @@ class Backend:
     def decodes(cls, inp: AttentionInputs) -> bool:
         """A hint for dispatch's decode rule: whether this backend runs ``inp`` (a few queries over
         a longer K/V) with a kernel built for decoding, reading each K/V row once for every query
-        head of its group. The dispatcher puts such backends first for a decoding step."""
+        head of its group, and reading the mask's structure (no materialized mask). The dispatcher
+        puts such backends first for a decoding step."""
         return False
 
     @classmethod

@@ -1,6 +1,10 @@
 """What ``auto`` costs and whether it picks the fastest backend.
 
-1. ``probe``: the first-use probe of the machine constants (aim: well under a second).
+1. ``newshape``: what a call of a new shape class costs over a cached one, at decode shapes (B=1, 8 query
+   and 2 key/value heads, D=64, one thread, ``kv_finite=True``): one pass of 201 calls with Tk growing by
+   one from 1024 (every call misses the per-call cache, as a decoding loop over a growing cache does)
+   against one pass of 201 calls at Tk=1124 (every call a hit), interleaved; aim <= 30 us per call.
+   Also the lines of the dispatch package (aim: no file over 400, the whole under 900).
 2. ``decode``: per-call dispatch overhead at decode (B=1, H=8, Tq=1, Tk=512, D=64, causal, one
    thread; aim <= 5 us): ``attention()`` against a direct ``forward`` of the backend ``auto`` chose,
    with plain tensors (the NaN/Inf policy then reads q, K and V once each: part of the contract) and
@@ -24,8 +28,8 @@ input without materializing the whole mask (those are memory-bound there by cons
     python benchmarks/bench_dispatch.py --quick             # a smoke run at small sizes (seconds)
 
 Run it alone on an idle machine; on a shared one the figures mean little. The auto/best figures
-depend on this machine's calibration table (``python -m attnkit bench`` writes it): point
-``XDG_CACHE_HOME`` at an empty directory to measure an uncalibrated machine.
+depend on this machine's measured table (``python -m attnkit bench`` writes it): point
+``ATTNKIT_CALIBRATION`` at a missing file to measure the static rule alone.
 """
 
 from __future__ import annotations
@@ -38,12 +42,11 @@ import torch
 import torch.utils.benchmark as tb
 
 import attnkit
-from attnkit import calibration
 from attnkit._validate import finite_only
-from attnkit.dispatch import MATERIALIZE_LIMIT, select
+from attnkit.dispatch import MATERIALIZE_LIMIT, calls, select, table
 from attnkit.inputs import AttentionInputs
 
-SECTIONS = ("probe", "decode", "window", "bigbird")
+SECTIONS = ("newshape", "decode", "window", "bigbird")
 
 
 def _median_time(fn, min_run_time: float) -> float:
@@ -51,10 +54,35 @@ def _median_time(fn, min_run_time: float) -> float:
                     num_threads=torch.get_num_threads()).blocked_autorange(min_run_time=min_run_time).median
 
 
-def probe_seconds() -> float:
-    start = time.perf_counter()
-    calibration.probe_constants()
-    return time.perf_counter() - start
+def new_shape_overhead(rounds: int, min_run_time: float) -> dict:
+    """Per call: a pass over growing key lengths (each a miss) and a pass at one length (each a hit)."""
+    torch.set_num_threads(1)
+    q = torch.randn(1, 8, 1, 64)
+    store = torch.randn(1, 2, 1224, 64)
+    growing = [store[:, :, :n] for n in range(1024, 1225)]
+    fixed = [store[:, :, :1124]] * len(growing)
+    mask = attnkit.Causal()
+
+    def run(keys):
+        calls.clear()  # a fresh per-call cache each pass: the growing pass misses on every call
+        for k in keys:
+            attnkit.attention(q, k, k, mask=mask, kv_finite=True)
+
+    times: dict[str, list[float]] = {"new": [], "cached": []}
+    with torch.no_grad():
+        run(growing)
+        for _ in range(rounds):
+            times["new"].append(_median_time(lambda: run(growing), min_run_time) / len(growing))
+            times["cached"].append(_median_time(lambda: run(fixed), min_run_time) / len(fixed))
+    return {"new_us": 1e6 * statistics.median(times["new"]), "cached_us": 1e6 * statistics.median(times["cached"]),
+            "over_us": 1e6 * statistics.median(a - b for a, b in zip(times["new"], times["cached"]))}
+
+
+def dispatch_lines() -> dict[str, int]:
+    from pathlib import Path
+
+    folder = Path(attnkit.dispatch.__file__).parent
+    return {p.name: len(p.read_text().splitlines()) for p in sorted(folder.glob("*.py"))}
 
 
 def decode_overhead(rounds: int, min_run_time: float, Tk: int = 512) -> dict:
@@ -165,10 +193,16 @@ def main() -> None:
         parser.error(f"--sections: unknown {','.join(unknown)}; expected some of {','.join(SECTIONS)}")
     rounds, min_run = (2, 0.01) if args.quick else (args.rounds, 0.2)
     threads = torch.get_num_threads()
-    print(f"torch {torch.__version__}, {threads} threads (decode: 1), calibration: "
-          f"{'present' if calibration.load() else 'none'} at {calibration.calibration_path()}")
-    if "probe" in sections:
-        print(f"first-use probe of the machine constants: {probe_seconds():.3f} s")
+    print(f"torch {torch.__version__}, {threads} threads (decode: 1); {table.status()}")
+    if "newshape" in sections:
+        r = new_shape_overhead(rounds, min_run)
+        print("new shape class at decode (B=1 8/2 heads D=64, Tk 1024..1224 growing by one, kv_finite=True, "
+              f"1 thread): {r['new_us']:.1f} us per call, cached {r['cached_us']:.1f} us; a new shape costs {r['over_us']:.1f} us "
+              "more (aim <= 30 us)")
+        lines = dispatch_lines()
+        print(f"dispatch package: {sum(lines.values())} lines ({', '.join(f'{k} {v}' for k, v in lines.items())}); "
+              "aim: no file over 400, under 900 in all")
+        torch.set_num_threads(threads)
     if "decode" in sections:
         r = decode_overhead(rounds, min_run)
         us, over = r["us"], r["overhead_us"]

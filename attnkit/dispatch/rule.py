@@ -45,11 +45,11 @@ def _materialized(impl: type[Backend], inp: AttentionInputs) -> int:
     return max(elements, inp.B * inp.Hq * inp.Tq * inp.Tk) if impl.work.materializes else elements
 
 
-def _static_key(impl: type[Backend], materialized) -> tuple[bool, bool, bool, bool]:
-    """Smaller first: a backend that materializes this call's mask last; Python loops over tiles after
-    whole-tensor ops; PyTorch ops after one fused kernel; repeated grouped K/V after reading them in place."""
+def _work_key(impl: type[Backend]) -> tuple[bool, bool, bool]:
+    """Smaller first: Python loops over tiles after whole-tensor ops; PyTorch ops after one fused kernel;
+    repeated grouped K/V after reading them in place."""
     work = impl.work
-    return (_flag(materialized > 0), work.loop_ops > 0, not work.fused, work.gqa == "repeats")
+    return (work.loop_ops > 0, not work.fused, work.gqa == "repeats")
 
 
 def _flag(condition) -> bool:
@@ -58,14 +58,36 @@ def _flag(condition) -> bool:
     return True if condition else False
 
 
+_SORTED: dict = {}  # registered names -> the exact ones but naive, sorted by _work_key (registration breaks ties)
+
+
+def _by_work(registered: tuple[str, ...], known: dict) -> list[str]:
+    found = _SORTED.get(registered)
+    if found is None:
+        names = [n for n in registered if known[n].exact and n != "naive"]
+        found = _SORTED[registered] = [n for _, _, n in sorted((_work_key(known[n]), i, n)
+                                                              for i, n in enumerate(names))]
+    return found
+
+
 def _ordered(inp: AttentionInputs, names: list[str], known: dict) -> list[str]:
-    """``names`` in the rule's order for ``inp`` (steps 2–4 of the module docstring). Plain tuples of
-    bools are sorted (no key functions): a ``torch.compile`` trace with dynamic shapes sorts them too."""
-    elements = [_materialized(known[n], inp) for n in names]
+    """``names`` (sorted by Work) in the rule's order for ``inp``: stable partitions, so registration
+    order still breaks ties. First the backends within the memory guard, then those past it; in each,
+    for a decoding step the decode kernels first; then those that read the mask's structure, then
+    those that would materialize it."""
     decoding = _flag(inp.Tq <= DECODE_QUERIES and inp.Tk >= inp.Tq) and not inp.requires_grad
-    keys = [(_flag(e > MATERIALIZE_LIMIT), not (decoding and _flag(known[n].decodes(inp))),
-             *_static_key(known[n], e), i) for i, (n, e) in enumerate(zip(names, elements))]
-    return [names[key[-1]] for key in sorted(keys)]  # the index last: registration order breaks ties
+    decodes = {n for n in names if decoding and _flag(known[n].decodes(inp))}
+    if inp.mask is None:
+        return [n for n in names if n in decodes] + [n for n in names if n not in decodes]
+    elements = {n: 0 if n in decodes else _materialized(known[n], inp) for n in names}  # a decode kernel reads it
+    heavy = {n for n in names if _flag(elements[n] > MATERIALIZE_LIMIT)}
+    order = []
+    reads = {n for n in names if not _flag(elements[n] > 0)}
+    for group in ([n for n in names if n not in heavy], [n for n in names if n in heavy]):
+        for first in (True, False):
+            part = [n for n in group if (n in decodes) is first]
+            order += [n for n in part if n in reads] + [n for n in part if n not in reads]
+    return order
 
 
 def uses_table(inp: AttentionInputs) -> bool:
@@ -78,7 +100,7 @@ def builtin_order(inp: AttentionInputs) -> tuple[str, ...]:
     """Steps 2–4 of the rule for ``inp``: the exact registered backends but ``naive``, decode
     kernels first for a decoding step, then the static order, the memory guard applied."""
     known = list_backends()
-    return tuple(_ordered(inp, [n for n in registered_names() if known[n].exact and n != "naive"], known))
+    return tuple(_ordered(inp, _by_work(registered_names(), known), known))
 
 
 def priority(inp: AttentionInputs) -> tuple[str, ...]:
