@@ -197,8 +197,8 @@ def main() -> None:
     if "newshape" in sections:
         r = new_shape_overhead(rounds, min_run)
         print("new shape class at decode (B=1 8/2 heads D=64, Tk 1024..1224 growing by one, kv_finite=True, "
-              f"1 thread): {r['new_us']:.1f} us per call, cached {r['cached_us']:.1f} us; a new shape costs {r['over_us']:.1f} us "
-              "more (aim <= 30 us)")
+              f"1 thread): {r['new_us']:.1f} us per call, cached {r['cached_us']:.1f} us; "
+              f"a new shape costs {r['over_us']:.1f} us more (aim <= 30 us)")
         lines = dispatch_lines()
         print(f"dispatch package: {sum(lines.values())} lines ({', '.join(f'{k} {v}' for k, v in lines.items())}); "
               "aim: no file over 400, under 900 in all")
