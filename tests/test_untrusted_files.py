@@ -1,4 +1,4 @@
-"""Directories from elsewhere: run directories, checkpoints, save_pretrained directories, calibration files.
+"""Directories from elsewhere: run directories, checkpoints, save_pretrained directories, measured dispatch tables.
 
 Each refusal is a ValueError naming the file and the fix (never a raw KeyError, JSONDecodeError or
 SafetensorError), happens before memory is spent on what the files claim, and no write follows a
@@ -17,7 +17,8 @@ import torch
 
 pytest.importorskip("safetensors")
 
-from attnkit import attention, calibration  # noqa: E402
+from attnkit import attention, hardware  # noqa: E402
+from attnkit.dispatch import table  # noqa: E402
 from attnkit.interop import load_pretrained  # noqa: E402
 from attnkit.masks import Causal  # noqa: E402
 from attnkit.nn.layers import TransformerConfig  # noqa: E402
@@ -270,53 +271,89 @@ def test_from_pretrained_reads_run_directories_and_checks_the_class(run):
         Encoder.from_pretrained(run)
 
 
-# -- calibration files ----------------------------------------------------------------------------
+# -- measured dispatch tables (calibration.json) -------------------------------------------------
 
 GOOD_POINT = {"n": 64, "order": ["sdpa", "naive"], "times": {"sdpa": 1e-4, "naive": 2e-4}}
 KEY = "cpu|float32|Causal|forward|H2|D16"
 
 
+def _table(entries, **fields) -> str:
+    """A version-3 table of this machine with ``entries``; ``fields`` replace or add top-level keys."""
+    return json.dumps({"version": 3, "machine_id": hardware.machine_id(), "entries": entries, **fields})
+
+
 @pytest.mark.parametrize("content", [
-    "", "{", "[]", json.dumps({"version": 1}), json.dumps({"version": 2, "entries": {}}),
-    json.dumps({"version": 2, "entries": {KEY: []}}),
-    json.dumps({"version": 2, "entries": {KEY: [{"order": ["sdpa"], "times": {"sdpa": 1}}]}}),
-    json.dumps({"version": 2, "entries": {KEY: [dict(GOOD_POINT, n=-4)]}}),
-    json.dumps({"version": 2, "entries": {KEY: [dict(GOOD_POINT, n="64")]}}),
-    json.dumps({"version": 2, "entries": {KEY: [dict(GOOD_POINT, order=[])]}}),
-    json.dumps({"version": 2, "entries": {KEY: [dict(GOOD_POINT, times={})]}}),
-    json.dumps({"version": 2, "entries": {KEY: [dict(GOOD_POINT, order="sdpa")]}}),
-    json.dumps({"version": 2, "entries": {"cpu|Causal": [GOOD_POINT]}}),
-    json.dumps({"version": 2, "entries": {KEY: "x"}}),
-    json.dumps({"version": 2, "entries": {KEY: [None]}}),
+    "", "{", "[]", "null", json.dumps({"version": 3}), "[" * 100_000,
+    _table({KEY: [GOOD_POINT]}, version=2),  # an older format
+    _table({KEY: [GOOD_POINT]}, machine_id=None),
+    _table(None),
+    _table({KEY: []}),
+    _table({KEY: [{"order": ["sdpa"], "times": {"sdpa": 1}}]}),
+    _table({KEY: [dict(GOOD_POINT, n=-4)]}),
+    _table({KEY: [dict(GOOD_POINT, n="64")]}),
+    _table({KEY: [dict(GOOD_POINT, n=float("inf"))]}),
+    _table({KEY: [dict(GOOD_POINT, n=True)]}),
+    _table({KEY: [dict(GOOD_POINT, order=[])]}),
+    _table({KEY: [dict(GOOD_POINT, order=["sdpa", "sdpa"])]}),
+    _table({KEY: [dict(GOOD_POINT, times={})]}),
+    _table({KEY: [dict(GOOD_POINT, times={"sdpa": 1e-4, "naive": 0})]}),
+    _table({KEY: [dict(GOOD_POINT, order="sdpa")]}),
+    _table({KEY: [dict(GOOD_POINT, interleaved={"ratio": -1, "rounds": 5})]}),
+    _table({KEY: [dict(GOOD_POINT, interleaved=1.3)]}),
+    _table({"cpu|Causal": [GOOD_POINT]}),
+    _table({"cpu|float32|Causal|backward|H2|D16": [GOOD_POINT]}),
+    _table({"cpu|float32|Causal|forward|H0|D16": [GOOD_POINT]}),
+    _table({KEY: "x"}),
+    _table({KEY: [None]}),
 ])
-def test_a_malformed_calibration_is_ignored_with_one_warning(tmp_path, monkeypatch, content):
+def test_a_malformed_table_is_ignored_with_one_warning(tmp_path, monkeypatch, content):
     path = tmp_path / "calibration.json"
     path.write_text(content)
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(path))
-    calibration.reload()
     q = torch.randn(1, 2, 8, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        table.reload()
         out1 = attention(q, q, q, mask=Causal())
         out2 = attention(q, q, q, mask=Causal())
     relevant = [w for w in caught if "calibration" in str(w.message)]
     assert len(relevant) == 1 and str(path) in str(relevant[0].message) and "attnkit bench" in str(relevant[0].message)
+    assert relevant[0].category is RuntimeWarning and "ignored" in table.status()
     torch.testing.assert_close(out1, out2)
 
 
-def test_calibration_is_written_atomically_and_never_through_a_link(tmp_path, monkeypatch):
+def test_the_table_is_written_atomically_and_never_through_a_link(tmp_path, monkeypatch):
     victim = tmp_path / "victim"
     victim.write_text("precious")
     path = tmp_path / "calibration.json"
     os.symlink(victim, path)
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(path))
-    calibration.save({"entries": {KEY: [GOOD_POINT]}})
+    table.save({"entries": {KEY: [GOOD_POINT]}})
     assert victim.read_text() == "precious" and not path.is_symlink()
-    assert calibration.load()["entries"][KEY] == [GOOD_POINT]
+    assert table.load()["entries"][KEY] == [GOOD_POINT]
     assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
     with pytest.raises(ValueError, match="not saving an unusable table"):
-        calibration.save({"entries": {KEY: []}})
-    assert calibration.load()["entries"][KEY] == [GOOD_POINT]
+        table.save({"entries": {KEY: []}})
+    assert table.load()["entries"][KEY] == [GOOD_POINT]
+
+
+def test_save_merges_only_into_this_machines_usable_table(tmp_path, monkeypatch):
+    path = tmp_path / "calibration.json"
+    monkeypatch.setenv("ATTNKIT_CALIBRATION", str(path))
+    other = "cpu|float32|none|forward|H2|D16"
+    table.save({"entries": {KEY: [GOOD_POINT]}})
+    table.save({"entries": {other: [GOOD_POINT]}}, merge=True)
+    assert set(table.load()["entries"]) == {KEY, other}
+    newer = dict(GOOD_POINT, order=["naive", "sdpa"], times={"sdpa": 2e-4, "naive": 1e-4})
+    table.save({"entries": {KEY: [newer]}}, merge=True)  # a key measured again replaces the old rows
+    assert table.load()["entries"] == {KEY: [newer], other: [GOOD_POINT]}
+    table.save({"entries": {other: [GOOD_POINT]}})  # no merge: the file holds what was given
+    assert set(table.load()["entries"]) == {other}
+    data = json.loads(path.read_text())
+    data["machine_id"]["cpu"] = "Another CPU 9000"
+    path.write_text(json.dumps(data))
+    table.save({"entries": {KEY: [GOOD_POINT]}}, merge=True)  # another machine's rows are not kept
+    assert set(table.load()["entries"]) == {KEY}
 
 
 def test_an_lstm_baseline_run_is_not_an_attnkit_model(tmp_path):
