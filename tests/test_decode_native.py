@@ -190,7 +190,7 @@ def test_fully_masked_rows_are_zero_and_key_padding():
 @pytest.mark.parametrize("fmt", ["paged", "paged-int8", "int8"])
 def test_batch_invariance_is_bitwise(fmt):
     """A sequence decoded alone or in a ragged batch gives the same bits (same kernel, same shapes
-    per sequence: its splits depend on its own length only)."""
+    per sequence: its splits follow its own kept span only)."""
     lengths = (1500, 17, 700, 1, 4100)
     g = torch.Generator().manual_seed(3)
     Hq, Hkv, D, Tq = 8, 2, 64, 1

@@ -21,6 +21,9 @@ and differs only in how the keys are read:
 
 Every segment is one batched matmul over ``(batch, K/V head)`` pairs, so PyTorch's intra-op
 threads run the split across cores. Accumulation is in float32 (float64 for float64 inputs).
+Batch invariance is the native kernel's promise (:mod:`attnkit.backends.decode_native`), not
+this module's: here the segments, the splits and the matmuls take the batch's shapes (its size,
+its longest row), so a row in a batch is close to, not bitwise equal to, the row alone.
 
 The registered backend ``decode`` runs contiguous K/V (``backend="decode"``; for plain tensors
 ``auto`` picks SDPA first) and declares the KV cache formats it reads in place (``kv_formats``:
