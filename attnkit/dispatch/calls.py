@@ -99,12 +99,17 @@ def resolve(inp: AttentionInputs, backend: str = "auto") -> tuple[type[Backend],
 
 _CALLS: dict = {}  # call key -> (backend, AttentionInputs.cache_fields(), registered names, on the CPU)
 _CALLS_SIZE = 512
+# Calls whose mask holds tensors (padding lengths, document ids, a layout): keyed by the mask's identity,
+# so an entry keeps its mask alive; a few suffice (a model's layers share one mask per forward).
+_BY_IDENTITY: dict = {}
+_BY_IDENTITY_SIZE = 16
 _CONTEXT_VARS: list = [((), ())]  # (registered names, their backends' reason_contexts)
 
 
 def clear() -> None:
     """Forget every cached decision (a new table was loaded)."""
     _CALLS.clear()
+    _BY_IDENTITY.clear()
 
 
 def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite,
@@ -143,19 +148,21 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
     contexts = contexts[1]
     key = (scalars, mask, backend, _SCOPED.get(), tuning.enabled(),
            contexts and tuple([var.get() for var in contexts]))
+    cache, size = ((_CALLS, _CALLS_SIZE) if mask is None or (isinstance(mask, Mask) and value_keyed(mask))
+                   else (_BY_IDENTITY, _BY_IDENTITY_SIZE))
     try:
-        hit = _CALLS.get(key)
+        hit = cache.get(key)
     except (TypeError, RuntimeError):  # an unhashable or tensor-valued argument (a scale tensor): no cache
         return (*_resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend),
                 None)
     if hit is not None and hit[2] is names:
         return hit[0], AttentionInputs.trusted(hit[1], q, k, v), plain and hit[3]
     impl, inp = _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
-    if mask is not None and not (isinstance(mask, Mask) and value_keyed(mask)):
-        return impl, inp, None  # not stored: an entry would keep the mask's tensors alive (and equals no other mask)
-    if len(_CALLS) >= _CALLS_SIZE:
-        _CALLS.clear()
-    _CALLS[key] = (impl, inp.cache_fields(), names, inp.q.is_cpu)
+    if not isinstance(mask, (Mask, type(None))):
+        return impl, inp, None  # a raw tensor: wrapped anew each call, its entry could never hit
+    if len(cache) >= size:
+        cache.clear()
+    cache[key] = (impl, inp.cache_fields(), names, inp.q.is_cpu)
     return impl, inp, None
 
 
