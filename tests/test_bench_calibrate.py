@@ -1,5 +1,6 @@
 """The main job calibrates: `python -m attnkit bench` writes this machine's table by default (tiny
-grids here: no timing is asserted, and no test depends on which backend wins on this machine)."""
+grids here: no timing is asserted, and no test depends on which backend wins on this machine). Only
+points an interleaved timing confirmed are written."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import calibration
 from attnkit.bench import BenchConfig, build_calibration
 from attnkit.cli.main import main
+from attnkit.dispatch import select, table as calibration
+from attnkit.inputs import AttentionInputs
 
 TINY = ["--lengths", "16,32", "--heads", "2", "--head-dim", "8", "--window", "8", "--min-run-time", "0.001",
         "--no-progress", "--no-claims", "--no-plots", "--masks", "none,causal", "--passes", "forward",
@@ -29,23 +31,48 @@ def table_path(tmp_path, monkeypatch):
     calibration.reload()
 
 
-def test_the_default_run_writes_the_table_and_reports_auto_before_and_after(table_path, tmp_path, capsys, monkeypatch):
-    probed = []
-    monkeypatch.setattr(calibration, "probe_constants", lambda real=calibration.probe_constants: probed.append(1)
-                        or real())
+@pytest.fixture
+def confirm_at_32(monkeypatch):
+    """The bench's interleaved timing of ties, replaced: it confirms every point at n=32 (the sweep's
+    order, 1.5x) and leaves those at n=16 ties, as a timing within the margin would."""
+    from attnkit.cli import bench
+
+    def resolve(table, results, config, budget_s=None):
+        entries = {key: [dict(p) for p in points] for key, points in table["entries"].items()}
+        for point in (p for points in entries.values() for p in points if p["n"] == 32 and p.get("tie")):
+            del point["tie"]
+            point["interleaved"] = {"ratio": 1.5, "rounds": 5}
+        return {**table, "entries": entries}
+
+    monkeypatch.setattr(bench, "resolve_ties", resolve)
+
+
+def _auto_pick(order: list[str]) -> str:
+    """The backend auto runs for a point of the table ranked ``order`` (naive is always tried last)."""
+    return next(b for b in order if b != "naive")
+
+
+def test_the_default_run_writes_only_confirmed_points_and_reports_auto_before_and_after(
+        table_path, tmp_path, capsys, confirm_at_32):
     assert main(["bench", *TINY, "--out", str(tmp_path / "out")]) == 0
-    assert len(probed) == 1  # the constants probed afresh at its start (and used throughout)
     out, err = capsys.readouterr()
     assert "cases" in err and "estimated" in err  # said before it starts
     data = json.loads(table_path.read_text())
     assert set(data["entries"]) == {KEY, "cpu|float32|Causal|forward|H2|D8"}
     exact = {n for n, impl in attnkit.list_backends().items() if impl.exact and not getattr(impl, "compiles", False)}
     for points in data["entries"].values():
-        assert [p["n"] for p in points] == [16, 32]
-        assert all(set(p["order"]) <= exact for p in points)
-    assert f"written to {table_path}" in out
+        # n=32 confirmed; n=16 written only where the verification of auto's picks confirmed another leader
+        assert 32 in [p["n"] for p in points] and {p["n"] for p in points} <= {16, 32}
+        assert all(set(p["order"]) <= exact and len(p["order"]) >= 2 for p in points)
+        assert all("tie" not in p and p["interleaved"]["ratio"] > 1 for p in points)
+    written = sum(len(points) for points in data["entries"].values())
+    assert f"calibration: {written} points confirmed by an interleaved timing in 2 entries written to {table_path}" \
+        in out and f"({4 - written} not written: unconfirmed, the static rule decides there)" in out
     assert "auto/best before calibration" in out and "auto/best after calibration" in out
-    assert "this machine is calibrated" in out
+    assert f"auto: table at {table_path}: {written} points" in out
+    x = torch.randn(1, 2, 32, 8)
+    (point,) = [p for p in data["entries"][KEY] if p["n"] == 32]
+    assert attnkit.explain(x, x, x).chosen == _auto_pick(point["order"])
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     verified = results["auto_verification"]
     assert len(verified) == 4
@@ -59,29 +86,31 @@ def test_the_default_run_writes_the_table_and_reports_auto_before_and_after(tabl
     assert not {r["backend"] for r in results["results"]} - exact - {"auto"}  # approximate ones only when named
 
 
+CONFIG = BenchConfig(heads=2, head_dim=8, lengths=[32], masks=["none"], passes=["forward"], min_run_time=0.001)
+#: What auto picks at the verifications' point (n=32, no mask) by the static rule, without a table.
+PICK = select(AttentionInputs.create(*(torch.randn(1, 2, 32, 8) for _ in range(3)))).name
+
+
 def test_verification_past_its_budget_takes_the_sweeps_times(table_path):
     from attnkit.bench.runner import verify_auto
 
-    config = BenchConfig(heads=2, head_dim=8, lengths=[16], masks=["none"], passes=["forward"], min_run_time=0.001)
-    rows = [{"status": "ok", "backend": b, "exact": True, "n": 16, "mask": "none", "dtype": "float32",
-             "passes": "forward", "median_s": t} for b, t in (("tiled", 1.0), ("sdpa", 2.0))]
-    (point,) = verify_auto({"results": rows}, config, budget_s=0.0)  # auto picks sdpa here: 2x the best
-    assert point["auto_chose"] == "sdpa" and point["auto_over_best"] == 2.0 and not point["timed"]
+    assert PICK != "tiled"  # a fused kernel
+    rows = [{"status": "ok", "backend": b, "exact": True, "n": 32, "mask": "none", "dtype": "float32",
+             "passes": "forward", "median_s": t} for b, t in (("tiled", 1.0), (PICK, 2.0))]
+    (point,) = verify_auto({"results": rows}, CONFIG, budget_s=0.0)  # auto's pick here: 2x the best
+    assert point["auto_chose"] == PICK and point["auto_over_best"] == 2.0 and not point["timed"]
 
 
 def _swept(auto: str | None, auto_s: float = 1.3) -> dict:
-    """A sweep's results at one point: tiled the best (1 s), sdpa 2 s, and auto's row (its pick, time)."""
-    rows = [{"status": "ok", "backend": b, "exact": True, "n": 16, "mask": "none", "dtype": "float32",
-             "passes": "forward", "median_s": t, "chosen": b} for b, t in (("tiled", 1.0), ("sdpa", 2.0))]
+    """A sweep's results at one point: tiled the best (1 s), PICK 2 s, and auto's row (its pick, time)."""
+    rows = [{"status": "ok", "backend": b, "exact": True, "n": 32, "mask": "none", "dtype": "float32",
+             "passes": "forward", "median_s": t, "chosen": b} for b, t in (("tiled", 1.0), (PICK, 2.0))]
     if auto:
         rows.append({**rows[0], "backend": "auto", "chosen": auto, "median_s": auto_s})
     # a second point the sweep ran auto at no exact backend for, and one without auto's row
-    rows.append({**rows[0], "backend": "auto", "n": 32})
+    rows.append({**rows[0], "backend": "auto", "n": 64})
     rows.append({**rows[0], "mask": "causal"})
     return {"results": rows}
-
-
-CONFIG = BenchConfig(heads=2, head_dim=8, lengths=[16], masks=["none"], passes=["forward"], min_run_time=0.001)
 
 
 @pytest.fixture
@@ -106,25 +135,24 @@ def test_the_sweeps_pick_when_it_is_the_best_is_one_by_construction(table_path, 
 def test_the_sweeps_other_pick_is_timed_by_name_against_the_best(table_path, calls):
     from attnkit.bench.runner import verify_auto, verify_auto_before
 
-    (point,) = verify_auto_before(_swept("sdpa", 2.5), CONFIG)
-    assert point["auto_chose"] == "sdpa" and point["timed"] and point["auto_over_best_sweep"] == 2.5
-    assert calls == ["sdpa", "tiled"] and point["auto_over_best"] > 0  # forced by name: auto may pick another now
+    (point,) = verify_auto_before(_swept(PICK, 2.5), CONFIG)
+    assert point["auto_chose"] == PICK and point["timed"] and point["auto_over_best_sweep"] == 2.5
+    assert calls == [PICK, "tiled"] and point["auto_over_best"] > 0  # forced by name: auto may pick another now
     calls.clear()
-    dense = {"results": [r for r in _swept("sdpa")["results"] if r["mask"] == "none"]}
-    (after,) = verify_auto(dense, CONFIG)  # auto picks sdpa here now too: timed as auto
-    assert calls == ["auto", "tiled"] and after["auto_chose"] == "sdpa" and after["timed"]
+    dense = {"results": [r for r in _swept(PICK)["results"] if r["mask"] == "none"]}
+    (after,) = verify_auto(dense, CONFIG)  # auto picks PICK here now too: timed as auto
+    assert calls == ["auto", "tiled"] and after["auto_chose"] == PICK and after["timed"]
     # the same pick timed for the other column is not timed again: one backend, one figure
     calls.clear()
-    (point,) = verify_auto_before(_swept("sdpa", 2.5), CONFIG, known=[dict(after, auto_over_best=1.7)])
+    (point,) = verify_auto_before(_swept(PICK, 2.5), CONFIG, known=[dict(after, auto_over_best=1.7)])
     assert point["auto_over_best"] == 1.7 and point["timed"] and point["from_known"] and not calls
     # past the budget: the sweep's own figure for auto's row, marked untimed
-    (point,) = verify_auto_before(_swept("sdpa", 2.5), CONFIG, budget_s=0.0)
+    (point,) = verify_auto_before(_swept(PICK, 2.5), CONFIG, budget_s=0.0)
     assert point["auto_over_best"] == 2.5 and not point["timed"] and not calls
     assert verify_auto_before(_swept(None), CONFIG) == []  # no auto row at the point: no before figure
 
 
-def test_measuring_only_leaves_the_table_alone(table_path, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(calibration, "reprobe", lambda: pytest.fail("a run that measures only re-probed"))
+def test_measuring_only_leaves_the_table_alone(table_path, tmp_path, capsys):
     assert main(["bench", *TINY, "--no-calibrate", "--out", str(tmp_path)]) == 0
     assert not table_path.exists()
     results = json.loads((tmp_path / "results.json").read_text())
@@ -136,7 +164,7 @@ def test_measuring_only_leaves_the_table_alone(table_path, tmp_path, capsys, mon
     assert "written to" not in capsys.readouterr().out
 
 
-def test_a_run_adds_to_this_machines_table_and_replaces_a_foreign_or_corrupt_one(table_path, tmp_path):
+def test_a_run_adds_to_this_machines_table_and_replaces_a_foreign_or_corrupt_one(table_path, tmp_path, confirm_at_32):
     other = calibration.entry_key("cpu", "float32", "none", "forward", heads=3, head_dim=8)
     point = {"n": 64, "order": ["sdpa", "naive"], "times": {"sdpa": 1e-4, "naive": 2e-4}}
     calibration.save({"entries": {other: [point]}})
@@ -145,12 +173,12 @@ def test_a_run_adds_to_this_machines_table_and_replaces_a_foreign_or_corrupt_one
     for damage in ("{ not json", json.dumps({**json.loads(table_path.read_text()),
                                              "machine_id": {"cpu": "Another CPU 9000"}})):
         table_path.write_text(damage)
-        calibration.reload()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            calibration.reload()
             assert main(["bench", *TINY, "--out", str(tmp_path)]) == 0
         said = [str(w.message) for w in caught if "calibration" in str(w.message)]
-        assert len(said) == 1 and "ignoring" in said[0]  # once, while auto ran before the new table
+        assert len(said) == 1 and "ignoring" in said[0]  # once, when read; auto ran without it until the new one
         data = calibration.load()
         assert data is not None and other not in data["entries"] and KEY in data["entries"]
 
@@ -173,28 +201,43 @@ def _results(rows):
                          "passes": "forward", "median_s": t, "iqr_s": iqr, "runs": runs} for b, t, iqr, runs in rows]}
 
 
-def test_a_crossover_is_stored_only_beyond_the_measured_noise():
-    # a single run each, 3% apart, in a sweep whose well-timed cases spread by 10%: a tie
+def test_every_ranking_of_two_backends_waits_for_an_interleaved_timing_whatever_the_sweeps_margin():
+    from attnkit.bench.runner import confirmed
+
     noisy = [("sdpa", 1.0, 0.0, 1), ("naive", 1.03, 0.0, 1), ("tiled", 5.0, 0.5, 20), ("block_sparse", 6.0, 0.6, 20)]
-    (point,) = build_calibration(_results(noisy))["entries"][KEY]
-    assert point["order"][:2] == ["sdpa", "naive"] and point.get("tie")
-    # the same two 30% apart: a crossover
-    (point,) = build_calibration(_results([("sdpa", 1.0, 0.0, 1), ("naive", 1.3, 0.0, 1)] + noisy[2:]))["entries"][KEY]
-    assert point["order"][0] == "sdpa" and not point.get("tie")
-    # well-timed cases use their own confidence intervals
-    (point,) = build_calibration(_results([("sdpa", 1.0, 0.01, 100), ("naive", 1.03, 0.01, 100)]))["entries"][KEY]
-    assert not point.get("tie")
+    for rows in (noisy,  # 3% apart, single runs: within the sweep's noise
+                 [("sdpa", 1.0, 0.0, 1), ("naive", 1.3, 0.0, 1)] + noisy[2:],  # 30% apart
+                 [("sdpa", 1.0, 0.01, 100), ("naive", 3.0, 0.01, 100)]):  # well timed, 3x apart
+        (point,) = build_calibration(_results(rows))["entries"][KEY]
+        assert point["order"][0] == "sdpa" and point["tie"]
+        assert confirmed(build_calibration(_results(rows)))["entries"] == {}  # unconfirmed: not written
+    (point,) = build_calibration(_results([("sdpa", 1.0, 0.0, 1)]))["entries"][KEY]  # one backend: nothing to rank
+    assert "tie" not in point and confirmed({"entries": {KEY: [point]}})["entries"] == {KEY: [point]}
+
+
+def test_confirmed_drops_the_ties_and_the_entries_they_empty_and_leaves_its_argument_alone():
+    from attnkit.bench.runner import confirmed
+
+    sure = {"n": 32, "order": ["sdpa", "tiled"], "times": {"sdpa": 1.0, "tiled": 2.0},
+            "interleaved": {"ratio": 1.9, "rounds": 5}}
+    tie = {"n": 64, "order": ["sdpa", "tiled"], "times": {"sdpa": 1.0, "tiled": 1.01}, "tie": True,
+           "interleaved": {"ratio": 1.004, "rounds": 5}}
+    other = "cpu|float32|Causal|forward|H2|D8"
+    table = {"machine": {}, "entries": {KEY: [sure, tie], other: [dict(tie)]}}
+    kept = confirmed(table)
+    assert kept == {"machine": {}, "entries": {KEY: [sure]}}
+    assert table["entries"][KEY] == [sure, tie] and other in table["entries"]
 
 
 def test_explain_and_info_after_calibration_name_each_backend_once(table_path, capsys):
-    calibration.save({"entries": {KEY: [{"n": 32, "order": ["naive", "sdpa"],
-                                         "times": {"naive": 1e-5, "sdpa": 3e-5}}]}})
+    calibration.save({"entries": {KEY: [{"n": 32, "order": ["tiled", "sdpa"],
+                                         "times": {"tiled": 1e-5, "sdpa": 3e-5}}]}})
     assert main(["info", "--shape", "1,2,32,8"]) == 0
     out = capsys.readouterr().out
     explained = [line.split(":")[0].strip() for line in out.split("chosen:")[1].splitlines()[1:]
                  if line.startswith("  ") and ":" in line]
     assert explained and len(explained) == len(set(explained)), explained
-    assert "chosen: naive" in out and "None" not in out.split("chosen:")[1]
+    assert "chosen: tiled" in out and "None" not in out.split("chosen:")[1]
     assert max(len(line) for line in out.splitlines()) <= 200
 
 
@@ -292,24 +335,27 @@ def test_a_tie_with_one_backend_measurably_slower_is_resolved_and_auto_follows_i
     import time
 
     from attnkit.bench import resolve_ties, runner
+    from attnkit.bench.runner import confirmed
 
     real = runner._call
 
     def slow_sdpa(q, k, v, mask, backend, grad_out):
         fn = real(q, k, v, mask, backend, grad_out)
-        return (lambda: time.sleep(0.002) or fn()) if backend == "sdpa" else fn
+        return (lambda: time.sleep(0.02) or fn()) if backend == "sdpa" else fn
 
     monkeypatch.setattr(runner, "_call", slow_sdpa)
-    results = _sweep(_tied())  # the sweep had sdpa 3% ahead
+    rows = [{**row, "backend": {"naive": "tiled", "tiled": "naive"}.get(row["backend"], row["backend"])}
+            for row in _tied()]  # the sweep had sdpa 3% ahead of tiled (naive well behind)
+    results = _sweep(rows)
     table = resolve_ties(build_calibration(results), results, TIE_CONFIG)
     (point,) = table["entries"][KEY]
-    assert point["order"][:2] == ["naive", "sdpa"] and not point.get("tie") and point["interleaved"]["ratio"] > 2
-    calibration.save(table)
+    assert point["order"][:2] == ["tiled", "sdpa"] and not point.get("tie") and point["interleaved"]["ratio"] > 1.5
+    calibration.save(confirmed(table))
     assert calibration.load() is not None
     x = torch.randn(1, 2, 64, 8)
     explained = attnkit.explain(x, x, x)
-    assert explained.chosen == "naive"  # auto follows the table at a resolved point
-    assert "interleaved" in str(explained) and "naive" in str(explained)
+    assert explained.chosen == "tiled"  # auto follows the table at a resolved point (the static rule: a fused kernel)
+    assert "interleaved" in str(explained) and "tiled" in str(explained)
 
 
 def test_tie_resolution_keeps_to_its_budget_cheapest_first(fake_time, calls):
@@ -396,15 +442,15 @@ def test_a_pick_timed_faster_than_the_sweeps_best_leads_its_point():
     rows = [("sdpa", 1.0e-4, 0.0, 20), ("naive", 1.25e-4, 0.0, 20), ("tiled", 5e-4, 0.0, 20)]
     results = _results(rows)
     table = build_calibration(results)
-    assert table["entries"][KEY][0]["order"][0] == "sdpa" and not table["entries"][KEY][0].get("tie")
+    assert table["entries"][KEY][0]["order"][0] == "sdpa" and table["entries"][KEY][0]["tie"]
     row = {"n": 64, "mask": "none", "dtype": "float32", "passes": "forward", "best": "sdpa", "auto_chose": "naive",
            "timed": True, "rounds": 7}
     fixed, changed = correct_calibration(table, results, [{**row, "auto_over_best": 0.8}])
     (point,) = fixed["entries"][KEY]
-    assert changed == 1 and point["order"] == ["naive", "sdpa", "tiled"]
+    assert changed == 1 and point["order"] == ["naive", "sdpa", "tiled"] and "tie" not in point  # confirmed
     assert point["interleaved"] == {"ratio": pytest.approx(1.25), "rounds": 7}
     assert table["entries"][KEY][0]["order"][0] == "sdpa"  # the table given is left alone
-    assert calibration._problem({**fixed, "version": calibration.VERSION}) is None  # a table dispatch reads
+    assert calibration.problem({**fixed, "version": calibration.VERSION, "machine_id": {}}) is None  # dispatch reads it
     for other in ({**row, "auto_over_best": 0.995},  # within the margin: the sweep's order stands
                   {**row, "auto_over_best": 0.8, "timed": False},  # the sweep's own figures: not a measurement
                   {**row, "auto_over_best": 0.8, "dtype": "bfloat16"},  # another point
