@@ -8,9 +8,12 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import calibration
 from attnkit.bench import BenchConfig, build_calibration, run_sweep
 from attnkit.cli.main import main
+from attnkit.dispatch import table as calibration
+from attnkit.inputs import AttentionInputs
+
+from .test_bench_calibrate import confirm_at_32  # noqa: F401  (a fixture)
 
 TINY = ["--lengths", "16,32", "--heads", "2", "--head-dim", "8", "--window", "8", "--min-run-time", "0.001",
         "--no-progress"]
@@ -90,13 +93,15 @@ def _qkv(n=64):
     return torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
 
 
-def test_no_calibration_uses_defaults_and_info_says_so(capsys):
+def test_without_a_table_the_static_rule_decides_and_info_says_so(capsys):
     q, k, v = _qkv()
     explanation = attnkit.explain(q, k, v)
-    assert explanation.chosen == "sdpa"
-    assert "no calibration" in explanation.measured and "cost model" in explanation.measured
+    assert explanation.chosen == ("native" if attnkit.list_backends()["native"].can_run(
+        AttentionInputs.create(q, k, v)) else "sdpa")  # the first fused kernel that can run
+    assert explanation.measured.startswith("the static rule") and "no table at" in explanation.measured
     assert main(["info"]) == 0
-    assert "not calibrated" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "auto policy: the static rule" in out and "no table" in out
 
 
 def test_calibration_changes_auto_and_info_explains(tmp_path, monkeypatch, capsys):
@@ -104,27 +109,30 @@ def test_calibration_changes_auto_and_info_explains(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(path))
     calibration.reload()
     entries = {calibration.entry_key("cpu", "float32", "none", "forward", heads=2, head_dim=8): [
-        {"n": 32, "order": ["sdpa", "naive"], "times": {"sdpa": 1e-4, "naive": 2e-4}},
-        {"n": 128, "order": ["naive", "sdpa"], "times": {"naive": 1e-3, "sdpa": 1.8e-3}},
+        {"n": 32, "order": ["sdpa", "tiled"], "times": {"sdpa": 1e-4, "tiled": 2e-4}},
+        {"n": 128, "order": ["tiled", "sdpa"], "times": {"tiled": 1e-3, "sdpa": 1.8e-3}},
     ]}
     calibration.save({"entries": entries, "command": "test"})
-    short, long_ = _qkv(16), _qkv(256)
-    assert attnkit.explain(*short).chosen == "sdpa"
+    short, long_ = _qkv(24), _qkv(256)  # 24 queries: past a decoding step's, which the table never ranks
+    assert attnkit.explain(*short).chosen == "sdpa"  # the table's leader, before the static order's native
     explanation = attnkit.explain(*long_)
-    assert explanation.chosen == "naive"  # the measured table beats the built-in rule (sdpa first)
-    assert "measured on this machine: naive 1.80x faster than sdpa at n=128" in str(explanation)
+    assert explanation.chosen == "tiled"  # the measured table beats the static rule (fused kernels first)
+    assert "measured on this machine: tiled 1.80x faster than sdpa at n=128" in str(explanation)
     with torch.no_grad():
         out = attnkit.attention(*long_)
     torch.testing.assert_close(out, attnkit.attention(*long_, backend="sdpa"), atol=1e-5, rtol=1e-5)
-    # kinds without an entry keep the defaults, and say so
-    assert "no entry" in attnkit.explain(*long_, mask=attnkit.Causal()).measured
+    # kinds without an entry follow the static rule, and say so
+    assert attnkit.explain(*long_, mask=attnkit.Causal()).measured.startswith("the static rule")
     assert main(["info", "--shape", "1,2,256,8"]) == 0
     out = capsys.readouterr().out
     assert out.count("policy:") == 1  # said once, by the explanation
-    assert "chosen: naive" in out and "naive 1.80x faster than sdpa" in out
+    assert "chosen: tiled" in out and "tiled 1.80x faster than sdpa" in out
+    assert main(["info"]) == 0
+    assert f"table at {path}: 2 points" in capsys.readouterr().out.replace("\n    ", " ")
 
 
-def test_calibrate_command_writes_table(tmp_path, monkeypatch):
+@pytest.mark.usefixtures("confirm_at_32")
+def test_calibrate_command_writes_the_confirmed_points(tmp_path, monkeypatch):
     path = tmp_path / "cal.json"
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(path))
     calibration.reload()
@@ -133,19 +141,17 @@ def test_calibrate_command_writes_table(tmp_path, monkeypatch):
     assert code == 0
     data = json.loads(path.read_text())
     assert set(data["entries"]) == {"cpu|float32|none|forward|H2|D8", "cpu|float32|Causal|forward|H2|D8"}
-    for points in data["entries"].values():
-        assert [p["n"] for p in points] == [16, 32]
-        assert all(sorted(p["order"]) == ["naive", "sdpa"] for p in points)
+    for points in data["entries"].values():  # n=32 confirmed; n=16 only where a verification confirmed it
+        assert 32 in [p["n"] for p in points] and {p["n"] for p in points} <= {16, 32}
+        assert all(sorted(p["order"]) == ["naive", "sdpa"] and "tie" not in p and "interleaved" in p for p in points)
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results["auto_verification"]) == 4
-    # auto now follows the measured order at each point past decoding's query counts (at most
-    # DECODE_QUERIES queries are a decode step, which the cost model decides)
-    points = [p for p in data["entries"]["cpu|float32|none|forward|H2|D8"] if p["n"] > calibration.DECODE_QUERIES]
-    assert points
-    for point in points:
-        q, k, v = _qkv(point["n"])
-        if not point.get("tie"):  # within noise: the cost model decides
-            assert attnkit.explain(q, k, v).chosen == point["order"][0]
+    # auto follows the measured order past decoding's query counts (naive, the reference, is tried last)
+    from attnkit.dispatch import DECODE_QUERIES
+
+    (point,) = [p for p in data["entries"]["cpu|float32|none|forward|H2|D8"] if p["n"] > DECODE_QUERIES]
+    q, k, v = _qkv(point["n"])
+    assert attnkit.explain(q, k, v).chosen == "sdpa"
 
 
 def test_build_calibration_pools_block_sparse_patterns():
@@ -335,7 +341,7 @@ def test_recommendations_say_what_to_use_and_whether_calibrated(tmp_path, monkey
     assert "use backend='auto'" in recommendation(good) and "window n=300 bfloat16 train" in recommendation(good)
     line = recommendation(slow)
     assert "backend='sliding_window'" in line and "1.70x" in line and "python -m attnkit bench" in line
-    assert "not calibrated" in calibration_status()
+    assert "auto: no table at" in calibration_status() and "the static rule decides" in calibration_status()
     text = recommendations({"auto_verification": [good, slow, dict(good, n=600)], "results": []})
     assert len(text.splitlines()) == 3  # the status, then one line per mask and length
     assert "sliding window n=300: backend='auto' elsewhere; bfloat16 train: backend='sliding_window'" in text
@@ -343,7 +349,7 @@ def test_recommendations_say_what_to_use_and_whether_calibrated(tmp_path, monkey
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(tmp_path / "cal.json"))
     key = calibration.entry_key("cpu", "float32", "none", "forward", heads=2, head_dim=8)
     calibration.save({"entries": {key: [{"n": 8, "order": ["sdpa"], "times": {"sdpa": 1e-4}}]}})
-    assert "is calibrated" in calibration_status() and str(tmp_path) in calibration_status()
+    assert f"auto: table at {tmp_path / 'cal.json'}: 1 points" in calibration_status()
 
 
 def test_calibrate_estimate_is_said_before_it_starts():
