@@ -392,3 +392,22 @@ def test_gemma2_with_a_4d_float_mask_soft_caps_before_masking_like_eager(fill, f
     assert rows.sum() < B * T or finite
     err = (outs["attnkit"] - outs["eager"])[rows].abs().max().item()
     assert err <= ATOL, f"attnkit vs eager: {err}"
+
+
+def test_mask_structure_is_read_from_how_transformers_built_it_not_evaluated():
+    """At 300,000 tokens the (Tq, Tk) grid would be 90 GB: recognizing the function itself is the only way
+    through (causal, sliding window, bidirectional window, and packed documents from position ids)."""
+    n = 300_000
+    assert make(masking_utils.causal_mask_function, B=1, Tq=n, Tk=n).mask == Causal()
+    assert make(masking_utils.sliding_window_causal_mask_function(4), B=1, Tq=n, Tk=n).mask == SlidingWindow(3, 0)
+    assert make(masking_utils.sliding_window_bidirectional_mask_function(4), B=1, Tq=n, Tk=n).mask == \
+        SlidingWindow(4, 4)
+    positions = torch.cat([torch.arange(n // 2), torch.arange(n - n // 2)])[None]
+    ids = masking_utils.find_packed_sequence_indices(positions)
+    packed = masking_utils.packed_sequence_compatibility_function(masking_utils.causal_mask_function, positions, ids)
+    got = make(packed, B=1, Tq=n, Tk=n)
+    assert {type(m) for m in got.mask.leaves()} == {attnkit.Document, Causal}
+    small = torch.cat([torch.arange(3), torch.arange(4)])[None]
+    small_packed = masking_utils.packed_sequence_compatibility_function(
+        masking_utils.causal_mask_function, small, masking_utils.find_packed_sequence_indices(small))
+    assert_same_as_sdpa_mask(make(small_packed, B=1, Tq=7, Tk=7), small_packed, B=1, Tq=7, Tk=7)

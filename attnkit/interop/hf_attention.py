@@ -69,6 +69,63 @@ def _offset(value) -> int:
     return int(value.item()) if isinstance(value, Tensor) else int(value)
 
 
+def _cells(fn) -> dict:
+    """The free variables a closure captured, by name."""
+    code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or closure is None:
+        return {}
+    try:
+        return {name: cell.cell_contents for name, cell in zip(code.co_freevars, closure)}
+    except ValueError:  # an empty cell
+        return {}
+
+
+_UNKNOWN = object()
+
+
+def _from_function(fn, masking) -> Mask | None | object:
+    """The attnkit mask that transformers' ``mask_function`` computes, read from how it was built
+    (``causal_mask_function``, ``and_masks`` of overlays, packed sequences) with no (Tq, Tk) grid
+    evaluated; :data:`_UNKNOWN` for anything else (a custom function: the caller evaluates it)."""
+    if fn is masking.causal_mask_function:
+        return Causal()
+    if fn is masking.bidirectional_mask_function:
+        return None
+    name, cells = getattr(fn, "__qualname__", ""), _cells(fn)
+    if name == "sliding_window_overlay.<locals>.inner_mask" and type(cells.get("sliding_window")) is int:
+        return SlidingWindow(cells["sliding_window"] - 1, None)  # kv > q - w: at most w - 1 keys back
+    if name == "sliding_window_bidirectional_overlay.<locals>.inner_mask" and type(cells.get("sliding_window")) is int:
+        return SlidingWindow(cells["sliding_window"], cells["sliding_window"])  # |q - kv| <= w
+    if name != "and_masks.<locals>.and_mask" or not isinstance(cells.get("mask_functions"), tuple):
+        return _UNKNOWN
+    parts = list(cells["mask_functions"])
+    # packed sequences (position ids restarting): and_masks(same document, remapped mask)
+    names = [getattr(f, "__qualname__", "") for f in parts]
+    packed = [f for f, n in zip(parts, names) if n == "packed_sequence_mask_function.<locals>.inner_mask"]
+    remapped = [f for f, n in zip(parts, names) if n == "remap_positions_for_packed_sequence.<locals>.inner_mask"]
+    if packed or remapped:
+        if len(packed) != 1 or len(remapped) != 1 or len(parts) != 2:
+            return _UNKNOWN
+        ids, inner = _cells(packed[0]).get("packed_sequence_mask"), _cells(remapped[0]).get("mask_function")
+        if not isinstance(ids, Tensor) or ids.dim() != 2:
+            return _UNKNOWN
+        # Within a document the position ids step by one (that is how transformers found the documents), so
+        # the inner mask over positions is the same mask over indices.
+        inner = _from_function(inner, masking)
+        if inner is not None and not isinstance(inner, Causal):
+            return _UNKNOWN
+        return Document(ids) if inner is None else And(Document(ids), inner)
+    masks = [_from_function(f, masking) for f in parts]
+    if any(m is _UNKNOWN for m in masks):
+        return _UNKNOWN
+    masks = [m for m in masks if m is not None]
+    windows = [m for m in masks if isinstance(m, SlidingWindow)]
+    if len(windows) == 1 and len(masks) == 2 and any(isinstance(m, Causal) for m in masks):  # one band
+        right = windows[0].right
+        return SlidingWindow(windows[0].left, 0 if right is None else min(right, 0))
+    return None if not masks else masks[0] if len(masks) == 1 else And(*masks)
+
+
 def _recognize(pattern: Tensor, q_pos: Tensor, kv_pos: Tensor) -> tuple[bool, Mask | None]:
     """``(True, mask)`` when the ``(Tq, Tk)`` boolean ``pattern`` equals a structured mask over the
     absolute positions ``q_pos`` (Tq,) and ``kv_pos`` (Tk,, consecutive): nothing (``None``),
@@ -167,10 +224,19 @@ def attnkit_mask(
     q_offset, kv_offset = _offset(q_offset), _offset(kv_offset)
     shape = (batch_size, 1, q_length, kv_length)
     padding = masking.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    structure = _from_function(mask_function, masking)
+    documents = [] if structure is _UNKNOWN or structure is None else [
+        leaf for leaf in structure.leaves() if isinstance(leaf, Document)]
+    # document ids (B, T) cover the positions 0..T-1 of a call without a cache
+    recognized = structure is not _UNKNOWN and all(
+        q_length == kv_length == d.ids.shape[-1] and q_offset == kv_offset == 0 for d in documents)
+    if not recognized:
+        structure = None
+    elif isinstance(structure, Causal) and q_offset >= kv_offset + kv_length - 1:
+        structure = None  # every query sits at or past the last key (a decode step): causality hides nothing
     q_pos = torch.arange(q_length, device=device) + q_offset
     kv_pos = torch.arange(kv_length, device=device) + kv_offset
-    recognized, structure = False, None
-    if not use_vmap:  # vmap'ed functions are not index-based: only sdpa_mask can evaluate them
+    if not recognized and not use_vmap:  # vmap'ed functions are not index-based: only sdpa_mask can evaluate them
         b = torch.arange(batch_size, device=device).view(-1, 1, 1, 1)
         h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
         pattern = mask_function(b, h, q_pos.view(1, 1, -1, 1), kv_pos.view(1, 1, 1, -1))
