@@ -43,6 +43,7 @@ def ran(monkeypatch):
     monkeypatch.setattr(nonfinite, "run",
                         lambda impl, inp, options, host=None: names.append(impl.name) or real(impl, inp, options, host))
     monkeypatch.setattr(calls, "_CALLS", {})
+    monkeypatch.setattr(calls, "_BY_IDENTITY", {})
     return names
 
 
@@ -60,9 +61,12 @@ def test_a_repeated_call_is_validated_and_selected_once(ran, monkeypatch):
     attnkit.attention(q[:, :, :4], kv, kv, mask=mask)
     attnkit.attention(q, kv, kv, mask=mask, return_lse=True)
     assert sum(created) == 5  # and backend="naive" above
-    # a mask holding tensors is never stored (an entry would keep them alive): validated every call
+    # a mask holding tensors is keyed by its identity: the same mask hits, an equal new one is validated
+    padding = KeyPadding([20])
     for _ in range(2):
-        attnkit.attention(q, kv, kv, mask=KeyPadding([20]))
+        attnkit.attention(q, kv, kv, mask=padding)
+    assert sum(created) == 6
+    attnkit.attention(q, kv, kv, mask=KeyPadding([20]))
     assert sum(created) == 7
     assert all(key[1] is None or "KeyPadding" not in repr(key[1]) for key in calls._CALLS)  # (.., mask, ..)
 
@@ -90,8 +94,10 @@ def test_a_new_table_changes_the_next_call(ran, tmp_path, monkeypatch):
     (tmp_path / "cal.json").unlink()
     attnkit.attention(square, kv, kv)
     assert ran[-1] == "tiled"  # the table is read at reload(), never per call
+    attnkit.attention(square, kv, kv, mask=KeyPadding([20]))  # a decision kept by the mask's identity
+    assert calls._CALLS and calls._BY_IDENTITY
     table.reload()
-    assert not calls._CALLS  # the decisions taken from the old table are forgotten
+    assert not calls._CALLS and not calls._BY_IDENTITY  # the decisions taken from the old table are forgotten
     attnkit.attention(square, kv, kv)
     assert ran[-1] == static
 

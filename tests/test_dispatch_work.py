@@ -13,7 +13,7 @@ import torch
 
 import attnkit
 from attnkit import Causal, KeyPadding, SlidingWindow, registry
-from attnkit.dispatch import DECODE_QUERIES, MATERIALIZE_LIMIT, builtin_order, priority, rule
+from attnkit.dispatch import DECODE_QUERIES, MATERIALIZE_LIMIT, builtin_order, priority
 from attnkit.inputs import AttentionInputs
 from attnkit.registry import Backend, Work, register_backend
 
@@ -43,6 +43,20 @@ def _meta(B, H, Tq, D, mask=None, Tk=None, grad=False):
 
 def _among(order, *names):
     return [n for n in order if n in names]
+
+
+def _materializes(impl: type[Backend], inp: AttentionInputs) -> int:
+    """Mask elements ``impl`` builds for ``inp``, as its declarations say (0: it reads the structure)."""
+    if inp.mask is None:
+        return 0
+    elements = impl.dense_mask_elements(inp)
+    return max(elements, inp.B * inp.Hq * inp.Tq * inp.Tk) if impl.work.materializes else elements
+
+
+def _static_key(impl: type[Backend], inp: AttentionInputs) -> tuple[bool, bool, bool, bool]:
+    """The static order's key as the rule states it (smaller first)."""
+    work = impl.work
+    return (_materializes(impl, inp) > 0, work.loop_ops > 0, not work.fused, work.gqa == "repeats")
 
 
 def _code_strings(module) -> set[str]:
@@ -79,7 +93,7 @@ def test_builtin_order_follows_the_declared_work(mask):
     inp = _meta(1, 2, 512, 16, mask)
     order = builtin_order(inp)
     known = attnkit.list_backends()
-    keys = [rule._static_key(known[n], rule._materialized(known[n], inp)) for n in order]
+    keys = [_static_key(known[n], inp) for n in order]
     assert keys == sorted(keys)  # fused, in place, whole-tensor ops, loops; materializing last
     assert all(known[n].exact for n in order) and "naive" not in order
     if mask is None or mask.is_causal():  # SDPA reads these (no mask, or its is_causal path)
@@ -177,7 +191,7 @@ def test_the_memory_guard_puts_a_large_materialized_mask_last(scratch_registry):
     order = priority(big)
     assert order.index("tiled") < order.index("batch_mask") < order.index("sdpa") and order[-1] == "naive"
     known = attnkit.list_backends()
-    heavy = [n for n in order if n != "naive" and rule._materialized(known[n], big) > MATERIALIZE_LIMIT]
+    heavy = [n for n in order if n != "naive" and _materializes(known[n], big) > MATERIALIZE_LIMIT]
     assert "sdpa" in heavy and "batch_mask" not in heavy
     exact = [n for n in order if known[n].exact and n != "naive"]
     assert exact[-len(heavy):] == heavy
@@ -211,15 +225,14 @@ def test_the_decode_rule_puts_a_decode_kernel_first_for_a_decoding_step(scratch_
         assert order.index("native") < order.index("stepper") < order.index("tiled")
 
 
-def test_the_decode_rule_keeps_the_static_order_among_decode_kernels_and_the_memory_guard_applies(scratch_registry):
+def test_the_decode_rule_keeps_the_work_order_among_decode_kernels_and_the_memory_guard_applies(scratch_registry):
     register_backend(_Stepper)
     _naive_like("fused_stepper", Work(fused=True), decodes=classmethod(lambda cls, inp: True))
-    _naive_like("dense_stepper", Work(fused=True, materializes=True), decodes=classmethod(lambda cls, inp: True))
     step = _meta(1, 2, 1, 16, KeyPadding([3000]), Tk=4096)
-    assert _among(builtin_order(step), "stepper", "fused_stepper", "dense_stepper", "sdpa") == [
-        "fused_stepper", "stepper", "dense_stepper", "sdpa"]
-    # a decode kernel that would materialize more than the limit goes last all the same
+    assert _among(builtin_order(step), "stepper", "fused_stepper", "sdpa") == ["fused_stepper", "stepper", "sdpa"]
+    # a decoding step over a huge cache: the decode kernels first, SDPA (which would materialize the
+    # padding mask, past MATERIALIZE_LIMIT) after every backend within the limit
     huge = _meta(64, 32, 1, 16, KeyPadding([3000] * 64), Tk=2**16)
     assert 64 * 32 * 2**16 > MATERIALIZE_LIMIT
     order = builtin_order(huge)
-    assert order[:2] == ("fused_stepper", "stepper") and order.index("dense_stepper") > order.index("tiled")
+    assert order[:2] == ("fused_stepper", "stepper") and order.index("tiled") < order.index("sdpa")
