@@ -192,8 +192,8 @@ def test_score_modifiers_are_built_once_per_layer_not_per_call():
 
 
 # The layers below functional.py and the storage layer: none of them may run attention itself.
-_NO_ATTENTION_CALLS = ["cache", "backends", "masks", "inputs.py", "dispatch.py", "registry.py", "kv_handle.py",
-                       "score_mods.py", "calibration.py"]
+_NO_ATTENTION_CALLS = ["cache", "backends", "masks", "inputs.py", "dispatch", "registry.py", "kv_handle.py",
+                       "score_mods.py", "hardware.py"]
 
 
 def test_no_storage_or_kernel_module_calls_attention():
