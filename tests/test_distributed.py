@@ -31,13 +31,11 @@ def free_port() -> int:
 def _entry(rank, world, port, fn, args, pg_timeout, outbox):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    # The suite's uniform machine constants, as in the parent: no rank probes the machine (a probe
-    # per rank on a loaded machine takes seconds, and ranks probing apart could rank backends apart).
-    from attnkit import calibration
+    # No measured table, as in the parent: every rank follows the static rule, never the user's table.
+    os.environ["ATTNKIT_CALIBRATION"] = os.path.join(outbox, "no-calibration.json")
+    from attnkit.dispatch import table
 
-    from .conftest import uniform_constants
-
-    calibration._CONSTANTS[0], calibration._CONSTANTS_THREADS[0] = uniform_constants(), None
+    table.reload()
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
