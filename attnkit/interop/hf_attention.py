@@ -38,6 +38,7 @@ from ..inputs import split_additive_mask
 from ..masks import And, Causal, Dense, Document, KeyPadding, Mask, Padding, SlidingWindow
 from ..score_mods import CustomScoreMod, SoftCap
 from ._deps import require
+from .hf_cache import vouched
 
 __all__ = ["HFMask", "attnkit_mask", "attnkit_attention_forward", "register_hf_attention", "NAME"]
 
@@ -335,7 +336,7 @@ def attnkit_attention_forward(
     out = attention(
         query, key, value, mask=mask, bias=bias, scale=scaling, dropout_p=dropout,
         q_offset=q_offset, kv_offset=kv_offset, backend=backend, score_mod=score_mod,
-        sinks=sinks,
+        sinks=sinks, kv_finite=True if vouched(key, value) else None,
     )
     weights = None
     if kwargs.get("output_attentions"):
