@@ -1,5 +1,5 @@
-"""Seed claim: "standard attention below 4k tokens, flash from 4k to 32k, sparse beyond". Where do
-this machine's boundaries fall? Reads a `attnkit bench` results.json (or runs a sweep) and prints the
+"""Tests the rule of thumb "standard attention below 4k tokens, flash from 4k to 32k, sparse beyond":
+where do this machine's boundaries fall? Reads a `attnkit bench` results.json (or runs a sweep) and prints the
 fastest exact backend family per length for each mask.
 
     python benchmarks/claim_boundaries.py bench-results/results.json

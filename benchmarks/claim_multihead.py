@@ -1,4 +1,4 @@
-"""Seed claim: multi-head attention is "3-5x faster" than single-head at equal model width for n > 1024.
+"""Tests the statement that multi-head attention is "3-5x faster" than single-head at equal model width for n > 1024.
 
 Times SDPA forward with H heads of width/H against one head of the full width (the same FLOPs for
 Q K^T and P V), interleaved, and prints the ratio single / multi.

@@ -1,4 +1,4 @@
-"""Seed claim: dividing scores by sqrt(d_k) keeps their variance ~1, while unscaled scores saturate
+"""Shows that dividing scores by sqrt(d_k) keeps their variance ~1, while unscaled scores saturate
 the softmax (rows with max weight -> 1, softmax Jacobian -> 0: no gradient flows through them).
 
     python benchmarks/claim_scaling.py [--n 256] [--dims 16,64,256,1024]

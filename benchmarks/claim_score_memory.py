@@ -1,4 +1,4 @@
-"""Seed claim: one fp32 score matrix at n = 16384 is ~1 GB (16384^2 * 4 B = 1.07 GB = 1 GiB).
+"""Checks that one fp32 score matrix at n = 16384 is ~1 GB (16384^2 * 4 B = 1.07 GB = 1 GiB).
 
 Measures the peak memory of `q @ k.T` for B = H = 1, D = 64 with the same method as `attnkit bench`
 (peak RSS delta on CPU, the CUDA allocator's peak on GPU). Allocates about 1 GiB.

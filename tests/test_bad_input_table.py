@@ -222,7 +222,7 @@ CLI = [
     ("train-resume-no-checkpoint", [*TRAIN[:-6], "--data", "{text}", "--resume", "{tmp}"], "--overwrite"),
 ]
 
-# Not fixed on this branch yet: id -> reason (strict xfail). Drop an entry when its fix lands.
+# Known failures not fixed yet: id -> reason (strict xfail). Drop an entry when its fix lands.
 NOT_YET: dict[str, str] = {}
 
 

@@ -71,8 +71,9 @@ class DecodeOptions:
     in the kernel (``None``: from each sequence's length and the thread count).
 
     For the PyTorch ops: ``segment_tokens``: keys read (and converted, for bf16/int8 caches) per
-    step of the loop, rounded up to whole pages for paged caches; ``None`` picks about 2 MiB of
-    converted K/V per segment (a float32 cache of up to 8 MiB in one segment). ``split_tokens``:
+    step of the loop, rounded up to whole pages for paged caches; ``None`` picks about 8 MiB of
+    converted K/V per segment for bf16/fp16/int8 caches, and for a float32 cache (read without
+    conversion) one segment unless its scores would pass 64 MiB. ``split_tokens``:
     keys per split inside a segment, the unit of the log-sum-exp merge."""
 
     segment_tokens: int | None = None

@@ -1,8 +1,10 @@
 """Build the native CPU attention kernel into the package: ``python -m attnkit.csrc.build``.
 
-``make install`` runs this step. It compiles ``attention.cpp`` with ``torch.utils.cpp_extension``
-and the machine's C++ compiler (``-O3 -march=native``: the kernel is built for the CPU it runs on)
-into ``attnkit/csrc/_build/``, and writes a stamp naming the torch version and the CPU's instruction
+``make install`` runs this step. It compiles three sources, ``attention.cpp`` (the fused
+prefill kernel, forward and backward), ``decode.cpp`` (the split-K decode kernel) and ``fastpath.cpp``
+(the per-call key and finiteness scan), with ``torch.utils.cpp_extension`` and the machine's C++
+compiler (``-O3 -march=native``: the kernel is built for the CPU it runs on) into
+``attnkit/csrc/_build/``, and writes a stamp naming the torch version and the CPU's instruction
 set flags it was built for; a copy on a CPU lacking any of those flags declines instead of dying
 with SIGILL. No OpenMP runtime is linked: the parallel loops run on torch's own (at::parallel_for),
 and the tile products call oneDNN's micro-kernel through ``at::native::cpublas::brgemm``, which every
@@ -23,7 +25,7 @@ NAME = "attnkit_native"
 HERE = Path(__file__).resolve().parent
 BUILD_DIR = HERE / "_build"
 STAMP = BUILD_DIR / "stamp.json"
-# attention.cpp includes tiles.h and score_mod.h (ninja tracks the headers)
+# attention.cpp includes tiles.h and score_mod.h, decode.cpp tiles.h (ninja tracks the headers)
 SOURCES = [HERE / "attention.cpp", HERE / "decode.cpp", HERE / "fastpath.cpp"]
 HEADERS = [HERE / "tiles.h", HERE / "score_mod.h"]
 
