@@ -1,12 +1,13 @@
 # Two commands on a fresh machine with Python >= 3.10:
 #   make run    set everything up, then run the main job on defaults
-#   make test   set everything up, lint, then run the whole test suite
+#   make test   set everything up, lint, then run the whole test suite (what CI runs)
+#   make test-fast   the same without subprocess, distributed, packaging, torch.compile and slow tests
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 
-.PHONY: run test install clean
+.PHONY: run test test-fast install clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,5 +33,16 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
+# The inner loop: the markers are applied in tests/conftest.py and listed in pyproject.toml.
+FAST := not (subprocess or distributed or packaging or compile or slow)
+test-fast: install
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "$(FAST)"
+
+# The manual (docs/): Markdown guide pages and the API reference from the docstrings, warnings as errors.
+# Open docs/_build/html/index.html.
+docs: install
+	$(PY) -m sphinx -b html -W --keep-going -E -q docs docs/_build/html
+
 clean:
-	rm -rf $(VENV) build *.egg-info attnkit/csrc/_build
+	rm -rf $(VENV) build *.egg-info attnkit/csrc/_build docs/_build
