@@ -5,6 +5,12 @@
    default (dynamic) cache. Both must produce the same tokens; the script checks it.
 2. Encoder throughput, all-MiniLM-L6-v2 (the real checkpoint), batch 32, length 128, sentences/s:
    attnkit ``Encoder`` (backend auto) vs HF ``BertModel`` with ``attn_implementation="sdpa"``.
+3. ``interop``: one HF model, ``attn_implementation="attnkit"`` against ``"sdpa"`` (same weights): a small
+   Llama and Qwen2 (2 layers, hidden 512, 8/2 heads of 64): prefill of ``--context`` tokens; decode per token
+   at that context with transformers' DynamicCache and StaticCache on both sides, and attnkit's static and
+   int8 caches (``attnkit.interop.hf_cache``) against sdpa's DynamicCache; padded and packed (position ids
+   restarting, ``use_cache=False``) training steps over ``--train-lengths``. Each cell: speed as the median
+   of interleaved per-round ratios, and the share of the call spent in attention (one extra timed pass).
 
 Runs are interleaved (HF, attnkit, HF, attnkit, ...) so that load on a shared machine hits both;
 the ratio of medians is reported against HF as the named baseline. Timings go to the terminal and
@@ -13,6 +19,7 @@ to bench-results/bench_hf.json; nothing is asserted.
     python benchmarks/bench_hf.py                    # both figures
     python benchmarks/bench_hf.py --only encoder --repeats 10
     python benchmarks/bench_hf.py --new-tokens 32 --repeats 1   # a quick look
+    python benchmarks/bench_hf.py --only interop --context 1024 --train-lengths 128,256 --decode-steps 8
 """
 
 from __future__ import annotations
@@ -113,9 +120,189 @@ def encoder_figure(args) -> dict:
             "runs": {k: [round(t, 4) for t in v] for k, v in times.items()}}
 
 
+# -- attn_implementation="attnkit" against "sdpa" on one HF model ------------------------------------
+
+ARCHS = ("llama", "qwen2")
+
+
+def small_decoder(arch: str, seed: int = 0):
+    """The issue's small decoder: 2 layers, hidden 512, 8 query and 2 key/value heads of 64, fp32."""
+    import transformers
+
+    common = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=32768)
+    cls, cfg = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+                "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config)}[arch]
+    torch.manual_seed(seed)
+    return cls(cfg(**common)).eval()
+
+
+class AttentionClock:
+    """Seconds spent inside the attention function registered as ``impl`` (swapped for a timed wrapper
+    while the block runs, whatever the model's calls set as their implementation)."""
+
+    def __init__(self, impl: str):
+        from transformers.modeling_utils import AttentionInterface
+
+        self.impl, self.seconds, self.mapping = impl, 0.0, AttentionInterface._global_mapping
+        self.inner = self.mapping[impl]
+
+    def __enter__(self):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = self.inner(*args, **kwargs)
+            self.seconds += time.perf_counter() - start
+            return out
+
+        self.mapping[self.impl] = timed
+        return self
+
+    def __exit__(self, *exc):
+        self.mapping[self.impl] = self.inner
+
+
+def _interleaved(calls: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each entry, in rounds (each round every call once, the order reversed every other round)."""
+    times = {name: [] for name in calls}
+    names = list(calls)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _ratio(times: dict, ours: str, base: str) -> float:
+    """The median over rounds of base's time over ours (> 1: ours faster)."""
+    return statistics.median(b / a for a, b in zip(times[ours], times[base]))
+
+
+def _share(impl: str, fn) -> float:
+    with AttentionClock(impl) as clock:
+        start = time.perf_counter()
+        fn()
+        total = time.perf_counter() - start
+    return clock.seconds / total
+
+
+def interop_figures(args) -> list[dict]:
+    import transformers
+
+    from attnkit.interop import hf_cache, register_hf_attention
+
+    register_hf_attention()
+    rows = []
+    T, steps, rounds = args.context, args.decode_steps, args.repeats
+    for arch in args.archs.split(","):
+        model = small_decoder(arch)
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, model.config.vocab_size, (1, T), generator=gen)
+        impls = ("sdpa", "attnkit")
+
+        def prefill(impl, cache=None):
+            model.set_attn_implementation(impl)
+            with torch.inference_mode():
+                return model(ids, past_key_values=cache if cache is not None else transformers.DynamicCache(
+                    config=model.config), use_cache=True, logits_to_keep=1)  # as generate() prefills
+
+        # greedy tokens and prefill
+        model.set_attn_implementation("sdpa")
+        with torch.inference_mode():
+            ref = model.generate(ids[:, :64], max_new_tokens=16, do_sample=False, pad_token_id=0)
+        model.set_attn_implementation("attnkit")
+        with torch.inference_mode():
+            got = model.generate(ids[:, :64], max_new_tokens=16, do_sample=False, pad_token_id=0)
+        same = bool(torch.equal(ref, got))
+        prefill("sdpa"), prefill("attnkit")
+        times = _interleaved({i: (lambda i=i: prefill(i)) for i in impls}, rounds)
+        share = {i: _share(i, lambda i=i: prefill(i)) for i in impls}
+        rows.append({"arch": arch, "cell": f"prefill {T} tokens, DynamicCache", "sdpa_s": statistics.median(
+            times["sdpa"]), "attnkit_s": statistics.median(times["attnkit"]), "speed": _ratio(times, "attnkit", "sdpa"),
+                     "attention_share": share, "same_greedy_tokens": same})
+
+        # decode: per token at T, each side its own cache, steps alternating
+        dynamic = lambda: transformers.DynamicCache(config=model.config)  # noqa: E731
+        size = T + 2 * steps + 8
+        configs = {  # name -> (sdpa's cache, attnkit's cache)
+            "DynamicCache": (dynamic, dynamic),
+            "StaticCache": ((lambda: transformers.StaticCache(config=model.config, max_cache_len=size)),) * 2,
+            "attnkit static cache (sdpa: DynamicCache)": (dynamic, lambda: hf_cache(model.config, "static",
+                                                                                     max_cache_len=size)),
+            "attnkit int8 cache (sdpa: DynamicCache)": (dynamic, lambda: hf_cache(model.config, "int8",
+                                                                                   max_cache_len=size)),
+        }
+        for name, makers in configs.items():
+            sides = {}
+            for impl, make in zip(impls, makers):
+                cache = make()
+                sides[impl] = [cache, prefill(impl, cache).logits[:, -1:].argmax(-1)]
+
+            def step(impl):
+                model.set_attn_implementation(impl)
+                cache, token = sides[impl]
+                with torch.inference_mode():
+                    sides[impl][1] = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+            step("sdpa"), step("attnkit")
+            times = _interleaved({i: (lambda i=i: step(i)) for i in impls}, steps)
+            share = {i: _share(i, lambda i=i: step(i)) for i in impls}
+            rows.append({"arch": arch, "cell": f"decode per token at {T}, {name}",
+                         "sdpa_s": statistics.median(times["sdpa"]), "attnkit_s": statistics.median(times["attnkit"]),
+                         "speed": _ratio(times, "attnkit", "sdpa"), "attention_share": share})
+
+        # training: padded and packed, the same tokens
+        lengths = [int(x) for x in args.train_lengths.split(",")]
+        seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in lengths]
+        longest = max(lengths)
+        padded = torch.zeros(len(seqs), longest, dtype=torch.long)
+        mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+        for row, s in enumerate(seqs):
+            padded[row, : len(s)], mask[row, : len(s)] = s, 1
+        labels = padded.masked_fill(mask == 0, -100)
+        packed = torch.cat(seqs)[None]
+        positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+        packed_labels = torch.cat([torch.cat([s[:1].new_full((1,), -100), s[1:]]) for s in seqs])[None]
+        model.train()
+
+        def padded_step(impl):
+            model.set_attn_implementation(impl)
+            model.zero_grad(set_to_none=True)
+            model(padded, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+
+        def packed_step(impl):
+            model.set_attn_implementation(impl)
+            model.zero_grad(set_to_none=True)
+            model(packed, position_ids=positions, labels=packed_labels, use_cache=False).loss.backward()
+
+        losses = {}
+        for impl in impls:
+            model.set_attn_implementation(impl)
+            with torch.no_grad():
+                losses[impl] = float(model(padded, attention_mask=mask, labels=labels, use_cache=False).loss)
+        own = {}
+        for cell, fn in (("padded", padded_step), ("packed", packed_step)):
+            fn("sdpa"), fn("attnkit")
+            times = _interleaved({i: (lambda i=i: fn(i)) for i in impls}, rounds)
+            own[cell] = statistics.median(times["attnkit"])
+            share = {i: _share(i, lambda i=i: fn(i)) for i in impls}
+            rows.append({"arch": arch, "cell": f"{cell} training step, sequences of {args.train_lengths} tokens",
+                         "sdpa_s": statistics.median(times["sdpa"]), "attnkit_s": statistics.median(times["attnkit"]),
+                         "speed": _ratio(times, "attnkit", "sdpa"), "attention_share": share,
+                         **({"loss_diff": abs(losses["sdpa"] - losses["attnkit"])} if cell == "padded" else
+                            {"attnkit_packed_over_padded": own["packed"] / own["padded"]})})
+        model.eval()
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["decode", "encoder"], default=None)
+    parser.add_argument("--only", choices=["decode", "encoder", "interop"], default=None)
+    parser.add_argument("--archs", default="llama,qwen2", help=f"interop: some of {','.join(ARCHS)}")
+    parser.add_argument("--context", type=int, default=8192, help="interop: prefill length and decode context")
+    parser.add_argument("--decode-steps", type=int, default=24, help="interop: interleaved decode steps per side")
+    parser.add_argument("--train-lengths", default="1024,2048,3072,4096",
+                        help="interop: the training batch's sequence lengths (padded, and packed into one row)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timed runs per side")
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -137,12 +324,20 @@ def main(argv=None) -> int:
         results.append(decode_figure(args))
     if args.only in (None, "encoder"):
         results.append(encoder_figure(args))
+    interop = interop_figures(args) if args.only in (None, "interop") else []
     for r in results:
         extra = f"same tokens: {r['same_tokens']}" if "same_tokens" in r else f"max |diff| {r['max_abs_diff']:.1e}"
         print(f"{r['figure']}\n  HF {r['hf']:.1f} {r['unit']}  attnkit {r['attnkit']:.1f} {r['unit']}  "
               f"ratio attnkit/HF {r['ratio']:.2f}x  ({extra})\n  runs (s): {r['runs']}")
+    for r in interop:
+        share = ", ".join(f"{k} {v:.0%}" for k, v in r["attention_share"].items())
+        extra = "".join(f"; {k} {v}" for k, v in r.items() if k in ("same_greedy_tokens", "loss_diff",
+                                                                       "attnkit_packed_over_padded"))
+        print(f"{r['arch']}: {r['cell']}: sdpa {r['sdpa_s'] * 1e3:.1f} ms, attnkit {r['attnkit_s'] * 1e3:.1f} ms, "
+              f"attnkit {r['speed']:.2f}x sdpa's speed (median of interleaved ratios); attention {share}{extra}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results, "interop": interop},
+                                   indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
 
