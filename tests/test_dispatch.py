@@ -75,6 +75,14 @@ def test_use_backend_scopes_and_restores():
     with pytest.raises(ValueError, match="at least one backend name"):
         with attnkit.use_backend():
             pass
+    with attnkit.use_backend(["sliding_window", "tiled"]):  # a list: the first that can run
+        assert attnkit.explain(q, k, v).chosen == "tiled"
+    with pytest.raises(TypeError, match=r"use_backend: expected backend names \(str\) or lists of them, got 3"):
+        with attnkit.use_backend(3):
+            pass
+    with pytest.raises(TypeError, match=r"backend: expected a backend name \(str\), got NoneType"):
+        with attnkit.use_backend(["tiled", None]):
+            pass
 
 
 def test_use_backend_is_per_thread():

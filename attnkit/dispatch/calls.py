@@ -197,6 +197,9 @@ def use_backend(*names: str | Sequence[str]) -> Iterator[None]:
     ``with use_backend("tiled"):`` or ``with use_backend("sliding_window", "tiled"):``."""
     flat: list[str] = []
     for name in names:
+        if not isinstance(name, (str, Sequence)):
+            raise TypeError(f"use_backend: expected backend names (str) or lists of them, got {name!r:.80}. "
+                            "Fix: use_backend('tiled') or use_backend(['sliding_window', 'tiled']).")
         flat.extend([name] if isinstance(name, str) else list(name))
     if not flat:
         raise ValueError("use_backend: expected at least one backend name, e.g. use_backend('tiled').")
