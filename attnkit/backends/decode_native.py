@@ -130,7 +130,7 @@ def reads_structure(mask: Mask | None, batch_size: int = 1) -> bool:
     if mask is None:
         return True
     p = mask_params(mask, batch_size)
-    return p.valid is None and p.doc is None and p.layout is None and not p.rest
+    return p.valid is None and p.doc is None and p.layout is None and len(p.rest) == 0  # (traceable: no `not tuple`)
 
 
 def _mask_data(mask: Mask | None, inp: AttentionInputs):
