@@ -29,3 +29,53 @@ def pytest_report_header(config):
 
     return (f"attnkit tests on {DEVICE}; hypothesis {'ci' if HYPOTHESIS_CI else 'dev'} profile "
             f"(ATTNKIT_HYPOTHESIS_PROFILE), rotating seed: ATTNKIT_HYPOTHESIS_SEED={ROTATING_SEED}")
+
+
+# The tiers. `make test` runs everything; `make test-fast` deselects these markers (see pyproject.toml).
+# They are applied here, from what a test does, so no test file has to remember them.
+_FILE_MARKS = {
+    "test_packaging.py": "packaging",  # builds a wheel, imports attnkit afresh
+    "test_distributed.py": "distributed",  # gloo process groups
+    "test_train_ddp.py": "distributed",  # torchrun
+    "test_compile.py": "compile",
+}
+# A test (or a module-level helper or fixture it uses) whose source contains one of these is marked.
+_SOURCE_MARKS = (("subprocess.", "subprocess"), ("os.fork(", "subprocess"), ("torch.compile(", "compile"),
+                 ("init_process_group", "distributed"))
+
+
+def _sources(item) -> str:
+    """The test function's source, and that of the module-level functions and fixtures it names."""
+    import inspect
+
+    fn = getattr(item, "function", None)
+    if fn is None:
+        return ""
+    texts, seen = [], set()
+    todo = [fn] + [d.func for name in item.fixturenames
+                   for d in (item._fixtureinfo.name2fixturedefs.get(name) or ())
+                   if getattr(d.func, "__module__", "").startswith("tests")]
+    while todo:
+        f = inspect.unwrap(todo.pop())
+        if f in seen or not inspect.isfunction(f):
+            continue
+        seen.add(f)
+        try:
+            texts.append(inspect.getsource(f))
+        except (OSError, TypeError):
+            continue
+        module_globals = f.__globals__
+        todo += [module_globals[n] for n in f.__code__.co_names if inspect.isfunction(module_globals.get(n))
+                 and module_globals[n].__module__ == f.__module__]
+    return "\n".join(texts)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marks = set()
+        if item.path.name in _FILE_MARKS:
+            marks.add(_FILE_MARKS[item.path.name])
+        source = _sources(item)
+        marks.update(mark for needle, mark in _SOURCE_MARKS if needle in source)
+        for mark in sorted(marks):
+            item.add_marker(getattr(pytest.mark, mark))
