@@ -1,3 +1,3 @@
-from .cli.main import main
+from .cli.main import command_name, main
 
-raise SystemExit(main(prog="python -m attnkit"))
+raise SystemExit(main(prog=command_name()))

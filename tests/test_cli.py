@@ -187,11 +187,41 @@ def test_program_name(capsys, monkeypatch):
     code, out, _ = run_cli(["--help"], capsys)
     assert code == 0 and out.startswith("usage: attnkit ")  # the console script
     monkeypatch.setattr(sys, "argv", ["attnkit", "info", "--shape", "x"])
+    monkeypatch.setenv("PATH", "")  # no console script: the hints name this interpreter, never a bare `python`
     with pytest.raises(SystemExit) as exc:
         runpy.run_module("attnkit", run_name="__main__")  # what `python -m attnkit` runs
     err = capsys.readouterr().err
     assert exc.value.code == 2
-    assert "usage: python -m attnkit info" in err and "python -m attnkit info: error:" in err
+    assert err.startswith(f"{sys.executable} -m attnkit info: error:") and "usage:" not in err, err
+
+
+def test_python_m_attnkit_hints_name_the_console_script_of_this_interpreter(monkeypatch):
+    script_dir = os.path.dirname(sys.executable)
+    monkeypatch.setattr(main_module.shutil, "which", lambda name: os.path.join(script_dir, name))
+    assert main_module.command_name() == "attnkit"
+    monkeypatch.setattr(main_module.shutil, "which", lambda name: "/elsewhere/bin/attnkit")  # another environment's
+    assert main_module.command_name() == f"{sys.executable} -m attnkit"
+
+
+def test_build_command_builds_where_attnkit_is_and_info_says_where_it_looked(monkeypatch, capsys, tmp_path):
+    from attnkit.backends import native
+    from attnkit.csrc import build
+
+    def fail(verbose=False):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(build, "build", fail)
+    code, out, err = run_cli(["build"], capsys)
+    assert code == 1 and "no compiler" in err and "rerun `attnkit build`" in err
+    monkeypatch.setattr(build, "build", lambda verbose=False: 1.5)
+    code, out, _ = run_cli(["build"], capsys)
+    assert code == 0 and str(build.library_path()) in out
+    assert Path(attnkit.__file__).parent in build.library_path().parents  # inside the imported package
+    monkeypatch.setattr(native, "load_extension", lambda: (None, "native extension not built: no attnkit_native.so"))
+    code, out, _ = run_cli(["info"], capsys)
+    out = " ".join(out.split())  # the line is wrapped to the terminal
+    assert code == 0 and f"native kernel: looked for {build.library_path()}: native extension not built" in out
+    assert "`attnkit build` builds it there" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -250,3 +280,21 @@ def test_generate_refuses_a_prompt_the_checkpoint_cannot_read(tmp_path, capsys):
         code, out, err = run_cli(["generate", run, "--max-new-tokens", "2", *argv], capsys)
         assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, code, err)
         assert err.startswith("attnkit generate: error: " + flag) and "Fix:" in err, err
+
+
+ARGPARSE_MISTAKES = [
+    (["train", "--steps", "abc"], "attnkit train: error: --steps: expected an int, got 'abc'"),
+    (["info", "--shape"], "attnkit info: error: --shape: expected one argument"),
+    (["bench", "--no-such-flag"], "attnkit bench: error: unrecognized arguments: --no-such-flag"),
+    (["generate"], "attnkit generate: error: the following arguments are required: checkpoint"),
+    ([], "attnkit: error: the following arguments are required: command"),
+    (["nosuchcommand"], "attnkit: error: command: invalid choice: 'nosuchcommand'"),
+]
+
+
+@pytest.mark.parametrize("argv, first", ARGPARSE_MISTAKES, ids=[" ".join(a) or "(none)" for a, _ in ARGPARSE_MISTAKES])
+def test_argparse_mistakes_are_one_line_without_the_usage(argv, first, capsys):
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2 and not out
+    assert len(err.strip().splitlines()) == 1 and err.startswith(first), err
+    assert "--help" in err  # where the usage is, since it is no longer printed

@@ -182,6 +182,18 @@ def native_precision_line() -> str | None:
     return "native kernel precision: " + "; ".join(native.half_tiles_note(d) for d in (torch.bfloat16, torch.float16))
 
 
+def native_kernel_line(prog: str = "attnkit") -> str:
+    """Where the native kernel was looked for, and whether it loaded there (or why not)."""
+    from ..backends import native
+    from ..csrc import build
+
+    reason = native.load_extension()[1]
+    where = build.library_path()
+    if reason is None:
+        return f"native kernel: loaded from {where}"
+    return f"native kernel: looked for {where}: {reason}. `{prog} build` builds it there"
+
+
 def policy_line(prog: str = "attnkit") -> str:
     """Which table ``auto`` follows here, or that the static rule decides alone."""
     return (f"auto policy: the static rule, refined by this machine's measured table where it has a row "
@@ -227,11 +239,12 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(backend_table())
     print()
+    prog = getattr(args, "_prog", "attnkit")
+    print(wrap(native_kernel_line(prog)))
     precision = native_precision_line()
     if precision:
         print(wrap(precision) + "\n")
     if explanation is None:
-        prog = getattr(args, "_prog", "attnkit")
         print(wrap(policy_line(prog)))
         print(f"\nFor a choice explained: {prog} info --shape B,H,T,D --mask causal")
         return 0

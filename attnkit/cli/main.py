@@ -14,7 +14,11 @@ import argparse
 import importlib
 import importlib.util
 import os
+import re
+import shlex
+import shutil
 import sys
+from typing import NoReturn
 
 from .. import __version__
 from ..dispatch import NoBackendError
@@ -28,6 +32,7 @@ COMMANDS = {
     "bench": "bench",
     "train": "train",
     "generate": "generate",
+    "build": "build",
 }
 
 # command -> (extra, modules it cannot work without): checked before any work starts.
@@ -43,8 +48,26 @@ USER_ERRORS = (NoBackendError, ValueError, TypeError, FileNotFoundError, FileExi
                IsADirectoryError, PermissionError)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line, ``<prog>: error: <message> (<prog> --help ...)``,
+    exit status 2 (argparse's own): the usage is not printed before it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {tidy_usage_error(message)} ({self.prog} --help shows the usage)\n")
+
+
+def tidy_usage_error(message: str) -> str:
+    """argparse's ``argument --steps: invalid int value: 'abc'`` as ``--steps: expected an int, got 'abc'``."""
+    message = re.sub(r"^argument ([^:/]+)(?:/[^:]+)?: ", r"\1: ", message)
+    return re.sub(r"invalid (.+?) value: ('.*')$", lambda m: f"expected {_article(m[1])} {m[1]}, got {m[2]}", message)
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1].lower() in "aeiou" else "a"
+
+
 def build_parser(prog: str = "attnkit") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog, description="attnkit: attention, measured.",
         epilog="A mistake in the input prints one error line and exits with status 2; "
                "set ATTNKIT_TRACEBACK=1 for the full traceback.")
@@ -58,6 +81,17 @@ def build_parser(prog: str = "attnkit") -> argparse.ArgumentParser:
         module.add_arguments(cmd)
         cmd.set_defaults(_module=module, _parser=cmd)
     return parser
+
+
+def command_name() -> str:
+    """How a user runs this attnkit again, for ``python -m attnkit``'s hints: ``attnkit`` when that name on
+    PATH is the console script of this very interpreter, else ``<this interpreter> -m attnkit`` (a bare
+    ``python`` may be another environment's)."""
+    script = shutil.which("attnkit")
+    here = os.path.join(os.path.dirname(sys.executable), "attnkit")
+    if script is not None and os.path.realpath(os.path.dirname(script)) == os.path.realpath(os.path.dirname(here)):
+        return "attnkit"
+    return f"{shlex.quote(sys.executable)} -m attnkit"
 
 
 def missing_extra(command: str) -> str | None:
@@ -100,7 +134,9 @@ def _is_user_error(exc: BaseException) -> bool:
 def main(argv: list[str] | None = None, prog: str = "attnkit") -> int:
     """Run one command; returns its exit status (0 ok, 2 a usage or input error)."""
     parser = build_parser(prog)
-    args = parser.parse_args(argv)  # argparse itself prints usage errors and exits with status 2
+    args, unknown = parser.parse_known_args(argv)  # usage errors: one line, exit status 2 (OneLineParser)
+    if unknown:  # named by the command's own parser, whose --help lists its flags
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args._argv = list(sys.argv[1:] if argv is None else argv)[1:]  # the command's own flags (bench records them)
     args._prog = prog
     where = f"{prog} {args.command}"

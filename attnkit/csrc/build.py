@@ -1,4 +1,4 @@
-"""Build the native CPU attention kernel into the package: ``python -m attnkit.csrc.build``.
+"""Build the native CPU attention kernel into the package: ``attnkit build`` (``make install`` runs it).
 
 ``make install`` runs this step. It compiles three sources, ``attention.cpp`` (the fused
 prefill kernel, forward and backward), ``decode.cpp`` (the split-K decode kernel) and ``fastpath.cpp``
@@ -75,13 +75,14 @@ def build(verbose: bool = False) -> float:
     return seconds
 
 
-def main() -> int:
+def main(verbose: bool | None = None) -> int:
+    """Build, print one line saying where (or why not), and return the exit status (0 built, 1 not)."""
     try:
-        seconds = build(verbose="-v" in sys.argv)
+        seconds = build(verbose="-v" in sys.argv if verbose is None else verbose)
     except Exception as exc:  # no compiler, missing headers, a compile error: say which, exit non-zero
         print(f"attnkit: native kernel not built ({type(exc).__name__}):\n{str(exc).strip()}\nThe 'native' backend "
               "will decline and the pure-PyTorch backends run instead. Fix the error above (no compiler: install "
-              "g++) and rerun `python -m attnkit.csrc.build`.", file=sys.stderr)
+              "g++) and rerun `attnkit build`.", file=sys.stderr)
         return 1
     print(f"attnkit: native kernel built in {seconds:.1f} s ({library_path()})")
     return 0

@@ -1,4 +1,4 @@
-"""Loading the built extension (``python -m attnkit.csrc.build``): the one place that checks its
+"""Loading the built extension (``attnkit build``): the one place that checks its
 stamp and loads it, for the ``native`` backends' ops and for the per-call helpers in C
 (:func:`fastpath`)."""
 
@@ -29,7 +29,8 @@ def load_library() -> str | None:
 
 
 def build_id() -> str | None:
-    """Which usable build this is, for measurements taken with it (the measured dispatch table): a digest of its stamp (torch version, CPU flags and the digest of the sources it was
+    """Which usable build this is, for measurements taken with it (the measured dispatch table): a digest
+    of its stamp (torch version, CPU flags and the digest of the sources it was
     compiled from, :func:`build.sources_digest`; the library's modification time for a stamp from
     before stamps named their sources). None when no build is usable here. Reads the stamp only."""
     problem, stamp = _stamp()
@@ -50,7 +51,7 @@ def _stamp() -> tuple[str | None, dict]:
 
     path = build.library_path()
     if not path.exists():
-        return (f"native extension not built: run `python -m attnkit.csrc.build` (or `make install`); "
+        return (f"native extension not built: run `attnkit build` (or `make install`); "
                 f"no {path.name}"), {}
     try:
         stamp = json.loads(build.STAMP.read_text())
@@ -60,11 +61,11 @@ def _stamp() -> tuple[str | None, dict]:
         stamp = {}
     if stamp.get("torch") != torch.__version__:
         return (f"native extension not built for this torch: built against {stamp.get('torch')}, running "
-                f"{torch.__version__}; rebuild with `python -m attnkit.csrc.build`"), stamp
+                f"{torch.__version__}; rebuild with `attnkit build`"), stamp
     missing = set(stamp.get("cpu_flags", ())) - build.cpu_flags()
     if missing and build.cpu_flags():
         return (f"native extension built for another CPU: this one lacks {', '.join(sorted(missing)[:6])}; "
-                "rebuild here with `python -m attnkit.csrc.build`"), stamp
+                "rebuild here with `attnkit build`"), stamp
     return None, stamp
 
 
