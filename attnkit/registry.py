@@ -75,6 +75,8 @@ class Backend:
     supports_sinks: ClassVar[bool] = False
     #: Who keeps the NaN/Inf contract: ``"policy"`` (attnkit.backends.nonfinite, applied by the entry
     #: point: the backend may assume finite q, K, V) or ``"self"`` (the backend's own kernel does).
+    #: A backend whose answer depends on the call (a kernel that keeps it, a fallback that does not)
+    #: declares ``"policy"`` and overrides :meth:`keeps_nonfinite`.
     nonfinite: ClassVar[str] = "policy"
     #: KV storage formats ``forward`` reads in place (:mod:`attnkit.kv_handle`); for any other the
     #: dispatcher converts a cache handle to dense K/V first (``explain()`` says so).
@@ -161,6 +163,13 @@ class Backend:
     def extra_reasons(cls, inp: AttentionInputs) -> Iterable[str]:
         """Input-specific limits beyond the class data (override in subclasses; a generator or a list)."""
         return ()
+
+    @classmethod
+    def keeps_nonfinite(cls, inp: AttentionInputs, options) -> bool:
+        """Whether ``forward(inp, options)`` keeps the NaN/Inf contract itself, so the policy
+        (:mod:`attnkit.backends.nonfinite`) neither scans q, K, V nor takes its slow path for this
+        call. Default: ``nonfinite == "self"``; override when it depends on the call."""
+        return cls.nonfinite == "self"
 
     @classmethod
     def check_options(cls, options):

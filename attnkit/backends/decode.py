@@ -341,6 +341,12 @@ class DecodeBackend(Backend):
             yield "reads a cache in place only while it holds finite values (NaN/Inf were written)"
 
     @classmethod
+    def keeps_nonfinite(cls, inp: AttentionInputs, options: DecodeOptions | None) -> bool:
+        """The native kernel keeps the NaN/Inf contract itself (:mod:`attnkit.backends.decode_native`),
+        so its calls pay no scan of q, K and V; the PyTorch-op twin runs under the policy."""
+        return (options is None or options.implementation != "torch") and not kernel_reasons(inp)
+
+    @classmethod
     def decodes(cls, inp: AttentionInputs) -> bool:
         """The native decode kernel runs this call, reading the mask's structure (not a materialized mask)."""
         return (inp.mask is None or reads_structure(inp.mask, inp.B)) and not kernel_reasons(inp)
@@ -375,8 +381,8 @@ class DecodeBackend(Backend):
                              "sinks. Fix: implementation='auto' (the native kernel) or another backend.")
         if inp.kv_format != "dense":
             return _read_cache(inp, options)
-        # K/V reach this backend finite (attnkit.backends.nonfinite zeroes NaN/Inf keys first), so
-        # hidden keys need no zeroing per segment.
+        # K/V reach the twin finite (attnkit.backends.nonfinite zeroes NaN/Inf keys first: keeps_nonfinite
+        # is False for it), so hidden keys need no zeroing per segment.
         return decode_attention(inp.q, inp.k, inp.v, keep=inp.materialize_mask(), bias=inp.bias, scale=inp.scale,
                                 options=options, return_lse=inp.return_lse, keys_finite=True)
 

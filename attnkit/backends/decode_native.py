@@ -18,6 +18,11 @@ split's reduction order is fixed. So at one thread count a row decodes to the sa
 or in any batch, under every mask, score modifier, sink and cache format the kernel reads; the
 split size (and with it the last bits) may change with the thread count.
 
+NaN/Inf: the kernel keeps :func:`attnkit.attention`'s contract itself (``DecodeBackend.keeps_nonfinite``),
+so its calls pay no scan of q, K and V: it never reads keys outside a row's span, replaces the
+score of a key a row may not see (never adds to it) and skips that key's value for the row; what a
+row may see reaches that row through IEEE arithmetic only.
+
 What the kernel reads (everything else: :func:`kernel_reasons` says why, and the twin runs):
 
 * masks through their structure: the band bounds (``Causal``, ``SlidingWindow``: only the keys

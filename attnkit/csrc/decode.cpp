@@ -19,9 +19,15 @@
 // Score pipeline per (query, key), positions absolute: s = scale * q.k (* k_scale), + bias, then the
 // score modifiers in order (1: soft-cap c * tanh(s / c); 2: ALiBi s - slope[h] * |pos(q) - pos(k)|),
 // then the mask (band bounds, a byte keep tensor) sets -inf. A row that keeps no key gets output 0
-// and LSE -inf (its sink's logit with sinks). Keys past a sequence's length are never read, and a
-// key that no row keeps contributes no value read, so NaN in unwritten or hidden slots changes
-// nothing.
+// and LSE -inf (its sink's logit with sinks).
+//
+// The NaN/Inf contract of attention() is kept here, with no scan of K/V: keys past a sequence's
+// length or outside its span are never read; a key a row may not see gets the score -inf by
+// replacement (whatever its score held) and its value is skipped for that row (never multiplied by
+// 0: 0 * NaN = NaN), so NaN/Inf there changes no bit of the row. NaN/Inf in a query, or in a key or
+// value a row sees, flows through IEEE arithmetic into that row alone: a +Inf score makes the row
+// NaN (inf - inf in the max subtraction), a -Inf score weight 0, every value the row sees is added
+// (0 * NaN included), and the split merge works row by row.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
@@ -238,9 +244,12 @@ inline float to_float(int8_t x) { return static_cast<float>(x); }
 
 // o[r] += sum over the live keys (in order) of p[r][t] * v_t for R rows: W columns of the R rows
 // held in registers while the keys stream through. Each output is one chain over the keys, in order.
-template <int R, int W, typename KT>
+// Masked: row r adds only the keys its bit set vis[r] holds (bit = key index in the chunk); a key it
+// may not see is skipped, not multiplied by 0 (0 * NaN = NaN), and skipping it adds nothing to the
+// chain, so the row's bits are those of the keys it sees, in order, whatever the other rows see.
+template <int R, int W, bool Masked, typename KT>
 inline void pv_cols(float* __restrict o, int64_t Dv, const float* __restrict p, const KT* const* vr,
-                    const int64_t* live, int64_t nlive, int64_t c) {
+                    const int64_t* live, int64_t nlive, int64_t c, const uint64_t* vis) {
   if constexpr (W % kLanes == 0) {
     constexpr int N = W / kLanes;
     V16 acc[R][N];
@@ -251,6 +260,9 @@ inline void pv_cols(float* __restrict o, int64_t Dv, const float* __restrict p, 
       V16 vv[N];
       for (int u = 0; u < N; ++u) vv[u] = load16(v + u * kLanes);
       for (int r = 0; r < R; ++r) {
+        if constexpr (Masked) {
+          if (!((vis[r] >> live[t]) & 1)) continue;
+        }
         const float pr = p[r * kChunk + live[t]];
         for (int u = 0; u < N; ++u) acc[r][u] += pr * vv[u];
       }
@@ -261,31 +273,49 @@ inline void pv_cols(float* __restrict o, int64_t Dv, const float* __restrict p, 
     for (int r = 0; r < R; ++r)
       for (int u = 0; u < W; ++u) {
         float a = o[r * Dv + c + u];
-        for (int64_t t = 0; t < nlive; ++t) a = std::fma(p[r * kChunk + live[t]], to_float(vr[live[t]][c + u]), a);
+        for (int64_t t = 0; t < nlive; ++t) {
+          if constexpr (Masked) {
+            if (!((vis[r] >> live[t]) & 1)) continue;
+          }
+          a = std::fma(p[r * kChunk + live[t]], to_float(vr[live[t]][c + u]), a);
+        }
         o[r * Dv + c + u] = a;
       }
   }
 }
 
-template <int R, typename KT>
-inline void pv_rows(float* o, int64_t Dv, const float* p, const KT* const* vr, const int64_t* live, int64_t nlive) {
+template <int R, bool Masked, typename KT>
+inline void pv_rows(float* o, int64_t Dv, const float* p, const KT* const* vr, const int64_t* live, int64_t nlive,
+                    const uint64_t* vis) {
   int64_t c = 0;
-  for (; c + 4 * kLanes <= Dv; c += 4 * kLanes) pv_cols<R, 4 * kLanes>(o, Dv, p, vr, live, nlive, c);
-  for (; c + 2 * kLanes <= Dv; c += 2 * kLanes) pv_cols<R, 2 * kLanes>(o, Dv, p, vr, live, nlive, c);
-  for (; c + kLanes <= Dv; c += kLanes) pv_cols<R, kLanes>(o, Dv, p, vr, live, nlive, c);
-  for (; c < Dv; ++c) pv_cols<R, 1>(o, Dv, p, vr, live, nlive, c);
+  for (; c + 4 * kLanes <= Dv; c += 4 * kLanes) pv_cols<R, 4 * kLanes, Masked>(o, Dv, p, vr, live, nlive, c, vis);
+  for (; c + 2 * kLanes <= Dv; c += 2 * kLanes) pv_cols<R, 2 * kLanes, Masked>(o, Dv, p, vr, live, nlive, c, vis);
+  for (; c + kLanes <= Dv; c += kLanes) pv_cols<R, kLanes, Masked>(o, Dv, p, vr, live, nlive, c, vis);
+  for (; c < Dv; ++c) pv_cols<R, 1, Masked>(o, Dv, p, vr, live, nlive, c, vis);
 }
 
+template <bool Masked, typename KT>
+inline void pv_all(float* o, int64_t M, int64_t Dv, const float* p, const KT* const* vr, const int64_t* live,
+                   int64_t nlive, const uint64_t* vis) {
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4) pv_rows<4, Masked>(o + r * Dv, Dv, p + r * kChunk, vr, live, nlive, vis + r);
+  switch (M - r) {
+    case 3: pv_rows<3, Masked>(o + r * Dv, Dv, p + r * kChunk, vr, live, nlive, vis + r); break;
+    case 2: pv_rows<2, Masked>(o + r * Dv, Dv, p + r * kChunk, vr, live, nlive, vis + r); break;
+    case 1: pv_rows<1, Masked>(o + r * Dv, Dv, p + r * kChunk, vr, live, nlive, vis + r); break;
+    default: break;
+  }
+}
+
+// o += p v over the live keys (the keys some row sees). vis[r]: the keys row r sees; when every row
+// sees every live key (one query, or rows that share the band) no row needs its own check.
 template <typename KT>
 inline void pv(float* o, int64_t M, int64_t Dv, const float* p, const KT* const* vr, const int64_t* live,
-               int64_t nlive) {
-  int64_t r = 0;
-  for (; r + 4 <= M; r += 4) pv_rows<4>(o + r * Dv, Dv, p + r * kChunk, vr, live, nlive);
-  switch (M - r) {
-    case 3: pv_rows<3>(o + r * Dv, Dv, p + r * kChunk, vr, live, nlive); break;
-    case 2: pv_rows<2>(o + r * Dv, Dv, p + r * kChunk, vr, live, nlive); break;
-    case 1: pv_rows<1>(o + r * Dv, Dv, p + r * kChunk, vr, live, nlive); break;
-    default: break;
+               int64_t nlive, const uint64_t* vis, bool uniform) {
+  if (uniform) {
+    pv_all<false>(o, M, Dv, p, vr, live, nlive, vis);
+  } else {
+    pv_all<true>(o, M, Dv, p, vr, live, nlive, vis);
   }
 }
 
@@ -361,10 +391,11 @@ inline void prefetch_lines(const Layout& L, const float* base, int64_t b, int64_
 // n rounded up to a multiple of kLanes
 inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
-// One split: keys [j0, j1) of sequence b, K/V head hk; writes m, l (M) and o (M, Dv).
+// One split: keys [j0, j1) of sequence b, K/V head hk; writes m, l (M) and o (M, Dv). vis: scratch
+// for M bit sets (the keys of a chunk each row sees).
 template <typename KT>
 void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ksp, const float* vsp, int64_t b,
-                   int64_t hk, int64_t j0, int64_t j1, float* m, float* l, float* o, float* work) {
+                   int64_t hk, int64_t j0, int64_t j1, float* m, float* l, float* o, float* work, uint64_t* vis) {
   const int64_t M = P.M, D = P.D, Dv = P.Dv, Tq = P.Tq;
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t ld = padded(D);
@@ -435,12 +466,16 @@ void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ks
       if (P.has_right) hi = std::min(hi, qp + P.right - kpos0 + 1);
       lo = std::min(std::max(lo, int64_t(0)), n);
       hi = std::max(std::min(hi, n), lo);
+      // A key the row may not see gets the score -inf (replaced, never added to: its score may be
+      // NaN), and its bit in vis[r] stays clear, so its value is never read for this row.
       std::fill(row, row + lo, ninf);
       std::fill(row + hi, row + n, ninf);
+      uint64_t seen = (hi == kChunk ? ~uint64_t(0) : (uint64_t(1) << hi) - 1) & ~((uint64_t(1) << lo) - 1);
       if (P.keep) {
         for (int64_t jj = lo; jj < hi; ++jj)
-          if (!P.keep[P.keep_st.at(b, h, i, c0 + jj)]) row[jj] = ninf;
+          if (!P.keep[P.keep_st.at(b, h, i, c0 + jj)]) row[jj] = ninf, seen &= ~(uint64_t(1) << jj);
       }
+      vis[r] = seen;
       const float mx = attnkit::row_max(row, n, m[r]);
       // A row with nothing kept so far keeps max -inf: shift by 0 so exp(-inf) = 0, not NaN.
       const float shift = mx == ninf ? 0.f : mx;
@@ -450,16 +485,14 @@ void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ks
       l[r] = l[r] * alpha + sum;
       m[r] = mx;
     }
-    // The values of the keys some row keeps (a key no row keeps is never read), then o += p v.
-    // Bit jj of kept: some row's probability of key jj is not 0.
+    // The values of the keys some row may see (a key no row sees is never read), then o += p v.
+    // Every key a row sees is added, even at probability 0 (a score of -inf, or one that underflows):
+    // a NaN/Inf value there makes the row's output what IEEE arithmetic gives.
     uint64_t kept = 0;
-    for (int64_t j = 0; j < n; j += kLanes) {
-      I16 any = I16{};
-      for (int64_t r = 0; r < M; ++r) any |= load16(s + r * kChunk + j) != V16{};
-      for (int u = 0; u < kLanes; ++u) kept |= uint64_t(any[u] != 0) << (j + u);
-    }
-    if (n < kChunk) kept &= (uint64_t(1) << n) - 1;  // the lanes past n hold no score
+    for (int64_t r = 0; r < M; ++r) kept |= vis[r];
     if (kept == 0) continue;
+    bool uniform = true;
+    for (int64_t r = 0; r < M; ++r) uniform &= vis[r] == kept;
     int64_t nlive = 0;
     for (uint64_t bits = kept; bits; bits &= bits - 1) live[nlive++] = __builtin_ctzll(bits);
     if (vsp) P.vsl.offsets(b, hk, c0, n, vsoff);
@@ -475,7 +508,7 @@ void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ks
       for (int64_t r = 0; r < M; ++r)
         for (int64_t t = 0; t < nlive; ++t) s[r * kChunk + live[t]] *= vscale[live[t]];
     }
-    pv(o, M, Dv, s, vr, live, nlive);
+    pv(o, M, Dv, s, vr, live, nlive, vis, uniform);
   }
 }
 
@@ -521,10 +554,11 @@ void run(const Problem& P, const at::Tensor& k, const at::Tensor& v, const at::T
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     std::vector<float> work(M * padded(P.D) + M * kChunk);
+    std::vector<uint64_t> vis(M);
     for (int64_t i = next++; i < items; i = next++) {
       const int64_t t = order[i / Hkv], hk = i % Hkv, w = t * Hkv + hk;
       split_partial<KT>(P, kp, vp, ksp, vsp, sb[t], hk, sj0[t], sj1[t], part_m.data() + w * M,
-                        part_l.data() + w * M, part_o.data() + w * M * Dv, work.data());
+                        part_l.data() + w * M, part_o.data() + w * M * Dv, work.data(), vis.data());
     }
   });
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -540,8 +574,9 @@ void run(const Problem& P, const at::Tensor& k, const at::Tensor& v, const at::T
         float* ob = out + ((b * P.Hq + h) * Tq + i) * Dv;
         std::fill(ob, ob + Dv, 0.f);
         for (int64_t t = first[b]; t < first[b + 1]; ++t) {
+          // A split where the row sees nothing (m = -inf, l = 0, o = 0) adds 0 * 0; one where every
+          // key it sees scores -inf adds 0 * o, NaN where a value it sees is NaN/Inf (as IEEE gives).
           const int64_t at_ = (t * Hkv + hk) * M + r;
-          if (part_l[at_] == 0.f) continue;  // nothing kept in this split
           const float wgt = std::exp(part_m[at_] - shift);
           l += part_l[at_] * wgt;
           axpy(ob, wgt, part_o.data() + at_ * Dv, Dv);
