@@ -113,3 +113,14 @@ def test_lstm_baseline_trains_and_samples_on_text(tmp_path, text, capsys):
     assert "sample:" in capsys.readouterr().out
     model, meta = load_model(out)
     assert meta["model_kind"] == "lstm" and model.config.hidden_dim == 16
+
+
+@pytest.mark.parametrize("content", [b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" * 20, "caf\u00e9 ".encode("latin-1") * 40],
+                         ids=["nul-bytes", "not-utf8"])
+def test_a_binary_data_file_is_refused_naming_data(tmp_path, content, capsys):
+    path = tmp_path / "file.png"
+    path.write_bytes(content)
+    code = main(["train", "--data", str(path), "--out", str(tmp_path / "run"), *TINY])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--data" in err and "not a UTF-8 text file" in err and not os.path.exists(tmp_path / "run" / "latest")

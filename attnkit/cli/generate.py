@@ -118,7 +118,8 @@ def _serve_file(model, args) -> int:
         with open(args.prompts_file, encoding="utf-8") as f:
             lines = [line.rstrip("\n") for line in f]
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--prompts-file: cannot read {args.prompts_file!r} ({exc}). Fix: give a UTF-8 text "
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)  # not "[Errno 2] ... 'x'"
+        raise ValueError(f"--prompts-file: cannot read {args.prompts_file!r} ({why}). Fix: give a UTF-8 text "
                          "file with one prompt per line.") from None
     prompts = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
     for i, line in prompts:

@@ -101,11 +101,26 @@ def load_corpus(source: str = "default", *, val_fraction: float = 0.05, limit_by
         raise ValueError(f"data: expected 'default', 'shakespeare', 'stdlib', 'task:<name>' or a text file, "
                          f"got {source!r} (no such file).")
     raw = b"".join(open(f, "rb").read() for f in files)[:limit_bytes]
+    if source not in ("shakespeare", "stdlib"):
+        _check_text(source, raw)
     data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
     n_val = max(int(len(data) * val_fraction), 1)
     if len(data) < 64:
         raise ValueError(f"data: {source!r} holds only {len(data)} bytes; give a larger text file.")
     return TextCorpus(name=source, train=data[:-n_val], val=data[-n_val:])
+
+
+def _check_text(source: str, raw: bytes) -> None:
+    """Refuse a file that is not text (an image, an archive): training would learn its bytes."""
+    where = raw.find(b"\0")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:  # a character cut at limit_bytes is fine; any other bad byte is not
+        if exc.reason != "unexpected end of data" or where >= 0:
+            where = exc.start if where < 0 else min(where, exc.start)
+    if where >= 0:
+        raise ValueError(f"data: {source!r} is not a UTF-8 text file (byte {where} is {raw[where:where + 1]!r}: a "
+                         f"binary file such as an image?). Fix: give a text file, or convert it to UTF-8 first.")
 
 
 def batch_rows(global_rows: int, rank: int, world: int, micro: int, accum: int) -> slice:
