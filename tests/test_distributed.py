@@ -523,12 +523,12 @@ def _readme_job(rank, world):
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Context parallelism", 1)[1]
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "context-parallel.md").read_text()
+    section = readme.split("# Context parallelism", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, "context-parallel.md", "exec"), {})
     return printed.getvalue()
 
 

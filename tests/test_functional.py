@@ -154,6 +154,6 @@ def test_readme_sdpa_section_runs():
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("### Coming from `F.scaled_dot_product_attention`", 1)[1]
-    exec(compile(re.search(r"```python\n(.*?)```", section, re.S).group(1), "README.md", "exec"), {})
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "contract.md").read_text()
+    section = readme.split("## Coming from `F.scaled_dot_product_attention`", 1)[1]
+    exec(compile(re.search(r"```python\n(.*?)```", section, re.S).group(1), "contract.md", "exec"), {})

@@ -141,18 +141,18 @@ def test_generate_method_and_argument_errors():
 
 
 def run_readme_example(heading: str) -> None:
-    """Execute the first python block after ``heading`` in README.md, verbatim."""
+    """Execute the first python block after ``heading`` in docs/guide/decoding.md, verbatim."""
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "decoding.md").read_text()
     section = readme.split(heading, 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "decoding.md", "exec"), {})
 
 
 def test_readme_decoding_example_runs(capsys):
-    run_readme_example("## Models and decoding")
+    run_readme_example("## `generate()`")
     printed = capsys.readouterr().out
     assert "torch.Size([2, 13])" in printed and printed.strip().endswith("6")
 

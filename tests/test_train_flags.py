@@ -84,9 +84,9 @@ def test_readme_model_format_example_runs(capsys):
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Training and deployment", 1)[1].split("\n## ", 1)[0]
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "training.md").read_text()
+    section = readme.split("## One model format", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     assert len(blocks) == 1
-    exec(compile(blocks[0], "README.md", "exec"), {})
+    exec(compile(blocks[0], "training.md", "exec"), {})
     assert capsys.readouterr().out.strip() == "True"
