@@ -156,14 +156,14 @@ def test_an_entry_decided_under_another_registry_is_never_used(ran):
     auto = _auto(q, kv, kv)
     attnkit.attention(q, kv, kv)
     assert ran[-1] == auto != "naive"
-    key, (impl, fields, names, cpu) = next(iter(calls._CALLS.items()))
+    key, (impl, fields, names, cpu, generation) = next(iter(calls._CALLS.items()))
     naive = attnkit.list_backends()["naive"]
-    calls._CALLS[key] = (naive, fields, names, cpu)  # as if naive had won then
+    calls._CALLS[key] = (naive, fields, names, cpu, generation)  # as if naive had won then
     attnkit.attention(q, kv, kv)
     assert ran[-1] == "naive"  # the same registry: the entry is used
     register_backend(type("Test_idle", (Backend,), {  # runs nothing: it changes the registry, not the choice
         "name": "idle", "extra_reasons": classmethod(lambda cls, inp: ["a test backend that never runs"])}))
-    calls._CALLS[key] = (naive, fields, names, cpu)
+    calls._CALLS[key] = (naive, fields, names, cpu, generation)
     attnkit.attention(q, kv, kv)
     assert ran[-1] == auto
     assert all(entry[2] == attnkit.registry.registered_names() for entry in calls._CALLS.values())
@@ -183,3 +183,15 @@ def test_an_entry_keeps_no_tensor_of_its_call_alive(ran):
     y = torch.randn(1, 2, 5, 8)
     torch.testing.assert_close(attnkit.attention(y, kv, kv, mask=Causal()),  # the hit runs on this call's tensors
                                attnkit.attention(y, kv, kv, mask=Causal(), backend="naive"))
+
+
+def test_an_entry_decided_before_a_table_reload_is_never_used(ran):
+    """A thread that decided under the old table may store its entry after reload() cleared the cache:
+    the entry names the generation it was decided in."""
+    auto = _auto(q, kv, kv)
+    attnkit.attention(q, kv, kv)
+    key, (impl, fields, names, cpu, generation) = next(iter(calls._CALLS.items()))
+    table.reload()
+    calls._CALLS[key] = (attnkit.list_backends()["naive"], fields, names, cpu, generation)  # stored late
+    attnkit.attention(q, kv, kv)
+    assert ran[-1] == auto

@@ -97,7 +97,7 @@ def resolve(inp: AttentionInputs, backend: str = "auto") -> tuple[type[Backend],
 
 # -- the per-call cache of attention()'s hot path -------------------------------------------------
 
-_CALLS: dict = {}  # call key -> (backend, AttentionInputs.cache_fields(), registered names, on the CPU)
+_CALLS: dict = {}  # call key -> (backend, AttentionInputs.cache_fields(), registered names, on the CPU, generation)
 _CALLS_SIZE = 512
 # Calls whose mask holds tensors (padding lengths, document ids, a layout): keyed by the mask's identity,
 # so an entry keeps its mask alive; a few suffice (a model's layers share one mask per forward).
@@ -106,8 +106,12 @@ _BY_IDENTITY_SIZE = 16
 _CONTEXT_VARS: list = [((), ())]  # (registered names, their backends' reason_contexts)
 
 
+_GENERATION = [0]  # bumped by clear(): an entry decided before it (in another thread) is never used after
+
+
 def clear() -> None:
     """Forget every cached decision (a new table was loaded)."""
+    _GENERATION[0] += 1
     _CALLS.clear()
     _BY_IDENTITY.clear()
 
@@ -155,14 +159,15 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
     except (TypeError, RuntimeError):  # an unhashable or tensor-valued argument (a scale tensor): no cache
         return (*_resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend),
                 None)
-    if hit is not None and hit[2] is names:
+    if hit is not None and hit[2] is names and hit[4] == _GENERATION[0]:
         return hit[0], AttentionInputs.trusted(hit[1], q, k, v), plain and hit[3]
+    generation = _GENERATION[0]
     impl, inp = _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
     if not isinstance(mask, (Mask, type(None))):
         return impl, inp, None  # a raw tensor: wrapped anew each call, its entry could never hit
     if len(cache) >= size:
         cache.clear()
-    cache[key] = (impl, inp.cache_fields(), names, inp.q.is_cpu)
+    cache[key] = (impl, inp.cache_fields(), names, inp.q.is_cpu, generation)
     return impl, inp, None
 
 
