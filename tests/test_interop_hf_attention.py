@@ -411,3 +411,29 @@ def test_mask_structure_is_read_from_how_transformers_built_it_not_evaluated():
     small_packed = masking_utils.packed_sequence_compatibility_function(
         masking_utils.causal_mask_function, small, masking_utils.find_packed_sequence_indices(small))
     assert_same_as_sdpa_mask(make(small_packed, B=1, Tq=7, Tk=7), small_packed, B=1, Tq=7, Tk=7)
+
+
+def test_packed_position_ids_under_a_plain_causal_mask_are_named_once(monkeypatch):
+    """With a cache, transformers does not detect packing: attnkit says so, once, naming the fix; without a
+    cache the documents are read (no warning)."""
+    import warnings
+
+    from attnkit.interop import hf_attention
+
+    monkeypatch.setattr(hf_attention, "_WARNED_PACKED", [False])
+    monkeypatch.setattr(hf_attention, "_CHECKED_POSITIONS", [None])
+    register_hf_attention()
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("attnkit")
+    ids = torch.randint(0, 64, (1, 12))
+    pos = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        model(ids, position_ids=pos, use_cache=False)
+        assert not [w for w in caught if "position_ids restart" in str(w.message)]
+        model(ids, position_ids=pos, use_cache=True)
+        model(ids, position_ids=pos, use_cache=True)
+    named = [w for w in caught if "position_ids restart" in str(w.message)]
+    assert len(named) == 1 and "use_cache=False" in str(named[0].message)

@@ -43,6 +43,7 @@ from .hf_cache import vouched
 __all__ = ["HFMask", "attnkit_mask", "attnkit_attention_forward", "register_hf_attention", "NAME"]
 
 NAME = "attnkit"
+_MASKING: list = [None]  # transformers.masking_utils, imported once by register_hf_attention (not inside a trace)
 
 
 @dataclass(frozen=True)
@@ -219,12 +220,14 @@ def attnkit_mask(
     """The mask function for ``AttentionMaskInterface`` (same arguments as transformers' ``sdpa_mask``)."""
     if isinstance(attention_mask, HFMask):  # generate() builds static-cache masks once and passes them back in
         return attention_mask
-    masking = require("transformers.masking_utils", "attn_implementation='attnkit'")
+    masking = _MASKING[0] or require("transformers.masking_utils", "attn_implementation='attnkit'")
     if mask_function is None:
         mask_function = masking.causal_mask_function
     q_offset, kv_offset = _offset(q_offset), _offset(kv_offset)
     shape = (batch_size, 1, q_length, kv_length)
     padding = masking.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if torch.compiler.is_compiling():
+        return _traced_mask(masking, mask_function, padding, shape, q_offset, kv_offset, use_vmap, device)
     structure = _from_function(mask_function, masking)
     documents = [] if structure is _UNKNOWN or structure is None else [
         leaf for leaf in structure.leaves() if isinstance(leaf, Document)]
@@ -257,6 +260,23 @@ def attnkit_mask(
     parts = [m for m in (structure, pad) if m is not None]
     mask = None if not parts else parts[0] if len(parts) == 1 else And(*parts)
     return HFMask(mask, q_offset, kv_offset, shape)
+
+
+def _traced_mask(masking, mask_function, padding, shape, q_offset, kv_offset, use_vmap, device) -> HFMask:
+    """:func:`attnkit_mask` inside a ``torch.compile`` trace: nothing read on the host. Causal and
+    bidirectional masks are known by identity and padding is a :class:`Padding` (no check of its
+    form); any other pattern is transformers' own boolean mask, as a ``Dense`` (exact everywhere)."""
+    B, _, Tq, Tk = shape
+    if mask_function is masking.causal_mask_function or mask_function is masking.bidirectional_mask_function:
+        structure = Causal() if mask_function is masking.causal_mask_function else None
+        pad = None if padding is None else Padding(padding[:, : kv_offset + Tk].bool())
+        parts = [m for m in (structure, pad) if m is not None]
+        mask = None if not parts else parts[0] if len(parts) == 1 else And(*parts)
+        return HFMask(mask, q_offset, kv_offset, shape)
+    keep = masking.sdpa_mask(batch_size=B, q_length=Tq, kv_length=Tk, q_offset=q_offset, kv_offset=kv_offset,
+                             mask_function=mask_function, attention_mask=padding, allow_is_causal_skip=False,
+                             allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
+    return HFMask(Dense(keep), q_offset, kv_offset, shape)
 
 
 def _added(scores: Tensor, q_offset: int, kv_offset: int) -> CustomScoreMod:
@@ -331,6 +351,8 @@ def attnkit_attention_forward(
             f"attention_mask: expected an attnkit HFMask, a tensor or None, got {type(attention_mask).__name__}. "
             "Fix: load the model with attn_implementation='attnkit' after register_hf_attention()."
         )
+    if Tq > 1 and isinstance(mask, Causal) and not _WARNED_PACKED[0]:
+        _warn_if_packed(kwargs.get("position_ids"))
     config = getattr(module, "config", None)
     backend = getattr(config, "attnkit_backend", None) or "auto"
     out = attention(
@@ -345,13 +367,35 @@ def attnkit_attention_forward(
     return out.transpose(1, 2).contiguous(), weights  # (B, Tq, Hq, Dv)
 
 
+_WARNED_PACKED: list = [False]
+_CHECKED_POSITIONS: list = [None]  # the last position_ids checked (a forward's layers share one tensor)
+
+
+def _warn_if_packed(position_ids) -> None:
+    """Once per process: position ids that restart inside a row under a plain causal mask are packed
+    sequences that transformers did not separate (it detects packing only without a cache), so every
+    implementation attends across them. Checked once per position_ids tensor, never inside a trace."""
+    if (not isinstance(position_ids, Tensor) or position_ids.shape[-1] < 2 or torch.compiler.is_compiling()
+            or position_ids is _CHECKED_POSITIONS[0]):
+        return
+    _CHECKED_POSITIONS[0] = position_ids
+    if bool((position_ids[..., 1:] - position_ids[..., :-1] != 1).any()):
+        _WARNED_PACKED[0] = True
+        import warnings
+
+        warnings.warn("attnkit: position_ids restart inside a row, but the mask is plain causal: these packed "
+                      "sequences attend to each other (transformers detects packing only when the forward runs "
+                      "without a cache). Fix: call the model with use_cache=False (or past_key_values=None) for "
+                      "packed batches, so each sequence attends to itself only.", UserWarning, stacklevel=3)
+
+
 def register_hf_attention(name: str = NAME) -> str:
     """Register attnkit with transformers' attention and mask interfaces under ``name``; returns it.
 
     Idempotent. Afterwards ``from_pretrained(..., attn_implementation=name)`` and
     ``model.set_attn_implementation(name)`` run HF's model code on attnkit backends."""
     modeling = require("transformers.modeling_utils", "register_hf_attention")
-    masking = require("transformers.masking_utils", "register_hf_attention")
+    masking = _MASKING[0] = require("transformers.masking_utils", "register_hf_attention")
     modeling.AttentionInterface.register(name, attnkit_attention_forward)
     masking.AttentionMaskInterface.register(name, attnkit_mask)
     return name
