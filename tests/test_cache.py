@@ -262,3 +262,18 @@ def test_bfloat16_decoding_is_as_accurate_as_the_full_forward(kind):
         full = model(x).double()
         out = _decode(model, x, model.make_cache(kind, max_len=20), 1).double()
     assert (out - ref).abs().max() <= 2 * (full - ref).abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_cache_reused_after_the_model_changed_dtype_names_the_dtype(kind):
+    model = _model()
+    x = torch.randint(0, 50, (2, 6))
+    cache = KVCache.create(kind, 2, max_len=64 if kind == "static" else None)
+    with torch.no_grad():
+        model(x, cache=cache)
+        model.to(torch.bfloat16)
+        with pytest.raises(ValueError) as info:
+            model(x[:, :1], cache=cache)
+    text = str(info.value)
+    assert "dtype" in text and "torch.float32" in text and "torch.bfloat16" in text and "reset()" in text, text
+    assert "batch" not in text, text  # the batch is the same: only what differs is named

@@ -61,14 +61,31 @@ def _check_kv(k: Tensor, v: Tensor) -> None:
 
 
 def _check_same_layout(held_k: Tensor, held_v: Tensor, k: Tensor, v: Tensor) -> None:
-    """New keys must match what the cache holds: batch, heads, D, Dv and dtype."""
-    held = (held_k.shape[0], held_k.shape[1], held_k.shape[3], held_v.shape[3], held_k.dtype, held_v.dtype)
-    got = (k.shape[0], k.shape[1], k.shape[3], v.shape[3], k.dtype, v.dtype)
-    if got != held:
-        raise ValueError(
-            f"k, v: this cache holds (B, Hkv, D, Dv, k dtype, v dtype) = {held}, got {got}. "
-            "Fix: use one cache per model and batch (allocated for its batch size); reset() it for a new batch."
-        )
+    """New keys must match what the cache holds: batch, heads, D, Dv, dtype and device; the refusal
+    names only what differs, and the fix for that."""
+    parts = [  # (what, held, got, fix)
+        ("batch size", held_k.shape[0], k.shape[0], "use one cache per batch; reset() it for a new batch"),
+        ("key/value heads (Hkv)", held_k.shape[1], k.shape[1], "use one cache per model"),
+        ("head_dim of k (D)", held_k.shape[3], k.shape[3], "use one cache per model"),
+        ("head_dim of v (Dv)", held_v.shape[3], v.shape[3], "use one cache per model"),
+        ("dtype", (held_k.dtype, held_v.dtype), (k.dtype, v.dtype),
+         "the model was cast (model.to(dtype)) after this cache was filled: reset() the cache, or make a new "
+         "one, after changing the model's dtype"),
+        ("device", held_k.device, k.device,
+         "the model moved after this cache was filled: reset() the cache, or make a new one, after moving it"),
+    ]
+    wrong = [(what, held, got, fix) for what, held, got, fix in parts if held != got]
+    if wrong:
+        said = "; ".join(f"{what} {_plain(held)} held, {_plain(got)} given" for what, held, got, _ in wrong)
+        fixes = "; ".join(dict.fromkeys(fix for *_, fix in wrong))
+        raise ValueError(f"k, v: they do not match what this cache holds: {said}. Fix: {fixes}.")
+
+
+def _plain(value) -> str:
+    """A (k, v) pair that agrees as one value: ``torch.float32``, not ``(torch.float32, torch.float32)``."""
+    if isinstance(value, tuple) and len(set(value)) == 1:
+        value = value[0]
+    return str(value)
 
 
 def _check_index(index: Tensor, batch_size: int | None) -> Tensor:
