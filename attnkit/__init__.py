@@ -1,6 +1,7 @@
 """attnkit: every attention behind one API and one mask contract.
 
-Shape legend (used in every docstring and shape comment):
+Shape legend (used in every docstring and shape comment)::
+
     B   batch size                 Hq / Hkv  query heads / key-value heads (Hq % Hkv == 0)
     Tq  query length               Tk        key/value length
     D   query/key head dim         Dv        value head dim

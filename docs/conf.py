@@ -13,6 +13,7 @@ import attnkit  # noqa: E402
 
 project = "attnkit"
 author = "attnkit contributors"
+copyright = "attnkit contributors"
 release = version = attnkit.__version__
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 source_suffix = {".md": "markdown"}
@@ -22,8 +23,8 @@ myst_heading_anchors = 3
 
 html_theme = "furo"
 html_title = f"attnkit {release}"
-html_static_path = []
-pygments_style = "sphinx"
+html_static_path = ["_static"]
+html_css_files = ["attnkit.css"]
 
 # The API reference: signatures with their annotations in the description, members in source order.
 autodoc_default_options = {"members": True, "member-order": "bysource", "show-inheritance": False}
