@@ -183,3 +183,21 @@ def test_no_key_heads_or_empty_head_dims_are_refused(shape, match):
     q, k, v = torch.randn(B, Hk, T, Dk), torch.randn(B, Hk, T, Dk), torch.randn(B, Hv, T, Dv)
     with pytest.raises(ValueError, match=match):
         attnkit.gated_linear_attention(q, k, v, -torch.rand(B, Hv, T), torch.rand(B, Hv, T))
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_a_b_t_h_d_layout_is_named_as_the_layout_not_the_gate(per_channel):
+    B, T, H, D = 2, 7, 3, 8  # q, k, v in (B, T, H, D), as many models keep them; g in the documented (B, H, T)
+    q, k, v = (torch.randn(B, T, H, D) for _ in range(3))
+    g = -torch.rand(B, H, T, *((D,) if per_channel else ()))
+    with pytest.raises(ValueError) as info:
+        attnkit.gated_linear_attention(q, k, v, g)
+    text = str(info.value)
+    assert text.startswith("q, k, v:") and "(B, T, H, D)" in text and "transpose(1, 2)" in text, text
+
+
+def test_a_transposed_gate_with_the_right_layout_is_named_as_the_gate():
+    B, H, T, D = 2, 3, 7, 8
+    q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
+    with pytest.raises(ValueError, match=r"^g: .*g.transpose\(1, 2\)"):
+        attnkit.gated_linear_attention(q, k, v, -torch.rand(B, T, H))

@@ -66,6 +66,16 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, *, check_gates: bo
     if not (Dk and v.shape[-1]):
         raise ValueError(f"q, k, v: expected head dims Dk, Dv >= 1, got q {_shape(q)}, v {_shape(v)}. Fix: skip the "
                          "call for empty inputs.")
+    if tuple(g.shape) not in ((B, Hv, T), (B, Hv, T, Dk)) and Hv != T and tuple(g.shape[:3]) == (B, T, Hv):
+        # q's dims 1 and 2 are g's swapped: q, k, v in (B, T, H, D), or g in (B, T, H). Heads are usually
+        # fewer than tokens, so a larger dim 1 points at q, k, v; the message names both fixes.
+        layout = (f"q, k, v: they look like the (B, T, H, D) layout: dims 1 and 2 of q {_shape(q)}, k {_shape(k)} "
+                  f"and v {_shape(v)} are those of g {_shape(g)} swapped. Fix: pass q, k, v as (B, H, T, D), e.g. "
+                  "q.transpose(1, 2), and transpose the output back with .transpose(1, 2)")
+        gate = (f"g: expected (B, Hv, T) = {(B, Hv, T)} (or (B, Hv, T, Dk)), got {_shape(g)}, which looks like "
+                "(B, T, H). Fix: g.transpose(1, 2)")
+        first, second = (layout, gate) if Hv > T else (gate, layout)
+        raise ValueError(f"{first}. Or, if those are right: {second[0].lower()}{second[1:]}.")
     if tuple(g.shape) not in ((B, Hv, T), (B, Hv, T, Dk)):
         raise ValueError(f"g: expected (B, Hv, T) = {(B, Hv, T)} (one gate per head) or (B, Hv, T, Dk) = "
                          f"{(B, Hv, T, Dk)} (one per key channel), got {_shape(g)}.")
