@@ -33,14 +33,16 @@ def table_path(tmp_path, monkeypatch):
 
 @pytest.fixture
 def confirm_at_32(monkeypatch):
-    """The bench's interleaved timing of ties, replaced: it confirms every point at n=32 (the sweep's
-    order, 1.5x) and leaves those at n=16 ties, as a timing within the margin would."""
+    """The bench's interleaved timing of ties, replaced: at n=32 it confirms a leader other than the static
+    rule's pick (1.5x; the rule's pick last), and leaves the points at n=16 ties, as a timing within the margin
+    would."""
     from attnkit.cli import bench
 
     def resolve(table, results, config, budget_s=None):
         entries = {key: [dict(p) for p in points] for key, points in table["entries"].items()}
         for point in (p for points in entries.values() for p in points if p["n"] == 32 and p.get("tie")):
             del point["tie"]
+            point["order"] = [b for b in point["order"] if b != point["rule"]] + [point["rule"]]
             point["interleaved"] = {"ratio": 1.5, "rounds": 5}
         return {**table, "entries": entries}
 
@@ -67,7 +69,7 @@ def test_the_default_run_writes_only_confirmed_points_and_reports_auto_before_an
         assert all("tie" not in p and p["interleaved"]["ratio"] > 1 for p in points)
     written = sum(len(points) for points in data["entries"].values())
     assert f"calibration: {written} points confirmed by an interleaved timing in 2 entries written to {table_path}" \
-        in out and f"({4 - written} not written: unconfirmed, the static rule decides there)" in out
+        in out and f"({4 - written} not written: unconfirmed, or the static rule's pick already" in out
     assert "auto/best before calibration" in out and "auto/best after calibration" in out
     assert f"auto: table at {table_path}: {written} points" in out
     x = torch.randn(1, 2, 32, 8)
@@ -212,20 +214,20 @@ def test_every_ranking_of_two_backends_waits_for_an_interleaved_timing_whatever_
         assert point["order"][0] == "sdpa" and point["tie"]
         assert confirmed(build_calibration(_results(rows)))["entries"] == {}  # unconfirmed: not written
     (point,) = build_calibration(_results([("sdpa", 1.0, 0.0, 1)]))["entries"][KEY]  # one backend: nothing to rank
-    assert "tie" not in point and confirmed({"entries": {KEY: [point]}})["entries"] == {KEY: [point]}
+    assert "tie" not in point and confirmed({"entries": {KEY: [point]}})["entries"] == {}  # the rule's pick unmeasured
 
 
 def test_confirmed_drops_the_ties_and_the_entries_they_empty_and_leaves_its_argument_alone():
     from attnkit.bench.runner import confirmed
 
     sure = {"n": 32, "order": ["sdpa", "tiled"], "times": {"sdpa": 1.0, "tiled": 2.0},
-            "interleaved": {"ratio": 1.9, "rounds": 5}}
+            "interleaved": {"ratio": 1.9, "rounds": 5}, "rule": "tiled"}
     tie = {"n": 64, "order": ["sdpa", "tiled"], "times": {"sdpa": 1.0, "tiled": 1.01}, "tie": True,
-           "interleaved": {"ratio": 1.004, "rounds": 5}}
+           "interleaved": {"ratio": 1.004, "rounds": 5}, "rule": "tiled"}
     other = "cpu|float32|Causal|forward|H2|D8"
     table = {"machine": {}, "entries": {KEY: [sure, tie], other: [dict(tie)]}}
     kept = confirmed(table)
-    assert kept == {"machine": {}, "entries": {KEY: [sure]}}
+    assert kept == {"machine": {}, "entries": {KEY: [{k: v for k, v in sure.items() if k != "rule"}]}}
     assert table["entries"][KEY] == [sure, tie] and other in table["entries"]
 
 
@@ -344,6 +346,7 @@ def test_a_tie_with_one_backend_measurably_slower_is_resolved_and_auto_follows_i
         return (lambda: time.sleep(0.02) or fn()) if backend == "sdpa" else fn
 
     monkeypatch.setattr(runner, "_call", slow_sdpa)
+    monkeypatch.setattr(runner, "rule_pick", lambda per_mask, config: "sdpa")  # as where native is not built
     rows = [{**row, "backend": {"naive": "tiled", "tiled": "naive"}.get(row["backend"], row["backend"])}
             for row in _tied()]  # the sweep had sdpa 3% ahead of tiled (naive well behind)
     results = _sweep(rows)
@@ -433,12 +436,14 @@ def test_interleaved_rounds_grow_for_cheap_calls_and_alternate_the_order(monkeyp
     assert order == ["a", "b", "b", "a"] * (base // 2) + ["a", "b"] * (base % 2)
 
 
-def test_a_pick_timed_faster_than_the_sweeps_best_leads_its_point():
+def test_a_pick_timed_faster_than_the_sweeps_best_leads_its_point(monkeypatch):
     """The sweep ranked sdpa 25% ahead of naive, beyond its noise; the interleaved verification of
     the sweep's pick (naive) found naive faster: that point of the table is led by naive, with the
     measured ratio. A verification within the margin, untimed or of a pooled point changes nothing."""
-    from attnkit.bench.runner import correct_calibration
+    from attnkit.bench import runner
+    from attnkit.bench.runner import confirmed, correct_calibration
 
+    monkeypatch.setattr(runner, "rule_pick", lambda per_mask, config: "sdpa")  # as where native is not built
     rows = [("sdpa", 1.0e-4, 0.0, 20), ("naive", 1.25e-4, 0.0, 20), ("tiled", 5e-4, 0.0, 20)]
     results = _results(rows)
     table = build_calibration(results)
@@ -450,9 +455,21 @@ def test_a_pick_timed_faster_than_the_sweeps_best_leads_its_point():
     assert changed == 1 and point["order"] == ["naive", "sdpa", "tiled"] and "tie" not in point  # confirmed
     assert point["interleaved"] == {"ratio": pytest.approx(1.25), "rounds": 7}
     assert table["entries"][KEY][0]["order"][0] == "sdpa"  # the table given is left alone
-    assert calibration.problem({**fixed, "version": calibration.VERSION, "machine_id": {}}) is None  # dispatch reads it
+    written = {**confirmed(fixed), "version": calibration.VERSION, "machine_id": {}}
+    assert written["entries"] and calibration.problem(written) is None  # dispatch reads it
     for other in ({**row, "auto_over_best": 0.995},  # within the margin: the sweep's order stands
                   {**row, "auto_over_best": 0.8, "timed": False},  # the sweep's own figures: not a measurement
                   {**row, "auto_over_best": 0.8, "dtype": "bfloat16"},  # another point
                   {**row, "auto_over_best": 1.3}):
         assert correct_calibration(table, results, [other])[1] == 0
+
+
+def test_the_table_keeps_only_confirmed_exceptions_to_the_static_rule():
+    from attnkit.bench.runner import confirmed
+
+    point = {"n": 64, "times": {"sdpa": 1.0, "tiled": 2.0}, "interleaved": {"ratio": 2.0, "rounds": 5}}
+    table = {"entries": {KEY: [{**point, "order": ["sdpa", "tiled"], "rule": "sdpa"},  # the rule is right: left out
+                               {**point, "n": 128, "order": ["tiled", "sdpa"], "rule": "sdpa"},  # an exception
+                               {**point, "n": 256, "order": ["tiled", "sdpa"], "rule": "sdpa", "tie": True}]}}
+    kept = confirmed(table)["entries"][KEY]
+    assert [p["n"] for p in kept] == [128] and "rule" not in kept[0]

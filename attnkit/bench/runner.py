@@ -214,8 +214,13 @@ def estimate_seconds(config: BenchConfig) -> float:
 
 
 def confirmed(table: dict) -> dict:
-    """``table`` without the points whose ranking no interleaved timing confirmed (still ``"tie"``)."""
-    entries = {key: [p for p in points if not p.get("tie")] for key, points in table["entries"].items()}
+    """What the table holds: the points where an interleaved timing confirmed a leader (no longer
+    ``"tie"``) other than the one the static rule picks anyway (``"rule"``), which was measured beside it:
+    exceptions to the rule, each measured twice. A point the rule already gets right, one not confirmed, or
+    one whose sweep did not time the rule's pick (``--backends`` left it out) is left out."""
+    entries = {key: [{k: v for k, v in p.items() if k != "rule"} for p in points
+                     if not p.get("tie") and p["order"][0] != p.get("rule") and p.get("rule") in p["times"]]
+               for key, points in table["entries"].items()}
     return {**table, "entries": {key: points for key, points in entries.items() if points}}
 
 
@@ -349,19 +354,33 @@ def build_calibration(results: dict) -> dict:
     Mask specs of one kind (BigBird and Longformer are both ``BlockSparse``) are pooled: a
     backend's time is the sum over the specs, counted only for backends that ran all of them.
     Every point of two or more backends is stored with ``"tie": true`` until :func:`resolve_ties`
-    has timed its leader against the runner-up (and any other within the sweep's noise) interleaved;
-    :func:`confirmed` then drops the points it could not confirm, so the table holds only rankings
-    measured twice."""
+    has timed its leader against the runner-up, the static rule's pick (``"rule"``) and any other within
+    the sweep's noise, interleaved; :func:`confirmed` then keeps the points whose confirmed leader is not
+    the rule's pick: the table holds only exceptions to the rule, each measured twice."""
     floor = noise_floor(results)
+    config = BenchConfig(**results["config"])
     entries: dict[str, list[dict]] = {}
     for (key, n), per_mask in sorted(_calibration_points(results).items()):
         times, spread = _pooled(per_mask, floor)
         order = sorted(times, key=times.get)
-        point = {"n": n, "order": order, "times": times}
+        point = {"n": n, "order": order, "times": times, "rule": rule_pick(per_mask, config)}
         if len(order) > 1:  # confirmed (or dropped) by resolve_ties, whatever the sweep's margin
             point["tie"] = True
         entries.setdefault(key, []).append(point)
     return {"machine": results["machine"], "entries": entries}
+
+
+def rule_pick(per_mask: dict[str, dict[str, dict]], config: BenchConfig) -> str | None:
+    """The backend the static rule (no table) picks for a point's first mask spec."""
+    from ..dispatch import rule
+
+    mask_name, rows = next(iter(per_mask.items()))
+    row = next(iter(rows.values()))
+    one = torch.zeros(1, 1, 1, 1, dtype=getattr(torch, row["dtype"]), device=config.device)
+    x = one.requires_grad_(row["passes"] == "train").expand(config.batch, config.heads, row["n"], config.head_dim)
+    inp = AttentionInputs.create(x, x, x, mask=mask_spec(mask_name).build(row["n"], config))
+    known = list_backends()
+    return next((b for b in rule.builtin_order(inp) if known[b].can_run(inp)), None)
 
 
 def _pooled(per_mask: dict[str, dict[str, dict]], floor: float) -> tuple[dict[str, float], dict[str, float]]:
@@ -436,11 +455,13 @@ def resolve_ties(table: dict, results: dict, config: BenchConfig, budget_s: floa
     floor = noise_floor(results)
     entries = {key: [dict(p) for p in points] for key, points in table["entries"].items()}
 
-    def contenders(item: tuple[str, int]) -> list[str]:
+    def contenders(item: tuple[str, int]) -> list[str]:  # the leaders within noise, and the rule's pick
         key, i = item
         point = entries[key][i]
         times, spread = _pooled(grouped[key, point["n"]], floor)
-        return _within_noise(point["order"], times, spread)
+        near = _within_noise(point["order"], times, spread)
+        pick = point.get("rule")
+        return near + [pick] if pick in times and pick not in near else near
 
     def cost(item: tuple[str, int]) -> float:  # warm-up calls, then each round's timings
         key, i = item

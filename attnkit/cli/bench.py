@@ -266,12 +266,13 @@ def run(args: argparse.Namespace) -> int:
         if table["entries"]:
             table = _resolve_ties(table, results, config)
             table, corrected = correct_calibration(table, results, results.get("auto_before_verification") or ())
-            ties = sum(bool(p.get("tie")) for v in table["entries"].values() for p in v)
+            measured = sum(len(v) for v in table["entries"].values())
             table = confirmed(table)
+            written = sum(len(v) for v in table["entries"].values())
             path = calibration.save({**table, "command": results["command"]}, merge=True)
-            print(f"\ncalibration: {sum(len(v) for v in table['entries'].values())} points confirmed by an interleaved "
-                  f"timing in {len(table['entries'])} entries written to {path} ({ties} not written: unconfirmed, "
-                  "the static rule decides there)"
+            print(f"\ncalibration: {written} points confirmed by an interleaved timing in {len(table['entries'])} "
+                  f"entries written to {path} ({measured - written} not written: unconfirmed, or the static rule's "
+                  "pick already; the rule decides there)"
                   + (f"; {corrected} led by a backend that timed faster than the sweep's best interleaved"
                      if corrected else ""))
             _say_verifying("after calibration", config)
