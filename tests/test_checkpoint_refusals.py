@@ -104,3 +104,25 @@ def test_a_state_file_without_the_rng_state_refuses_to_resume(run, tmp_path):
         train(TrainConfig(resume=str(out), steps=4, device="cpu"))
     assert "exactly" in str(info.value) and "Fix:" in str(info.value)
     load_model(str(out))  # the weights themselves still load (generate, evaluation)
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_every_torchrun_rank_refuses_a_used_out_before_the_process_group_starts(tmp_path, monkeypatch, rank):
+    """Rank 0 is the one that writes --out, but the others must not go on to join a process group rank 0
+    never joins (gloo's timeout tracebacks): every rank refuses alike, with the same one-line error."""
+    import torch.distributed as dist
+
+    out = tmp_path / "used"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+
+    def no_group(*args, **kwargs):
+        raise AssertionError("the process group started before the refusal")
+
+    monkeypatch.setattr(dist, "init_process_group", no_group)
+    with pytest.raises(ValueError, match=r"^out: .*is not empty \(notes.txt\)\. Fix: "):
+        train(tiny_train_config(out), tiny_gpt_config())
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]

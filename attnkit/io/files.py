@@ -18,8 +18,8 @@ import shutil
 import tempfile
 from collections.abc import Callable
 
-__all__ = ["atomic_write", "atomic_write_text", "append_line", "read_json", "fsync_dir", "temp_prefix",
-           "remove_stale_temporaries"]
+__all__ = ["atomic_write", "atomic_write_text", "append_line", "is_stale_temporary", "read_json", "fsync_dir",
+           "temp_prefix", "remove_stale_temporaries"]
 
 # ".<name>.tmp-<pid>-<random>": the pid says whether the writer can still be running
 _TEMP = re.compile(r"^\..*\.tmp-(\d+)-[^/]*$")
@@ -115,6 +115,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def is_stale_temporary(name: str) -> bool:
+    """Whether ``name`` is the temporary file of a writer no longer running (:func:`remove_stale_temporaries`)."""
+    match = _TEMP.match(name)
+    return match is not None and not _alive(int(match.group(1)))
+
+
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[str]:
     """Remove temporary files and directories (``.<name>.tmp-<pid>-...``) of writers that are no
     longer running; a link is removed as a link, never followed. Returns the names removed."""
@@ -124,8 +130,7 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[str]:
     except FileNotFoundError:
         return removed
     for name in names:
-        match = _TEMP.match(name)
-        if match is None or _alive(int(match.group(1))):
+        if not is_stale_temporary(name):
             continue
         path = os.path.join(directory, name)
         if os.path.isdir(path) and not os.path.islink(path):

@@ -46,7 +46,8 @@ from .lstm import LSTMConfig
 from .modeling import build_model, config_dict, default_model_config, load_model, num_params, sample_text
 from .profiler import finish_profiler, start_profiler
 from .run_dir import (
-    LOSS_CURVE, append_metric, discard_failed_start, prepare_new_run, same_directory, write_metrics, write_results,
+    LOSS_CURVE, append_metric, check_new_run, discard_failed_start, prepare_new_run, same_directory, write_metrics,
+    write_results,
 )
 from .tasks import SyntheticTask, make_task
 
@@ -82,6 +83,8 @@ def train(cfg: TrainConfig, model_config=None, *, stop_at: int | None = None,
     ``progress``, ``log_every``, ``profile``, ``quantize``), which always come from ``cfg``. Resuming
     a finished run (``steps`` equal to its step) trains nothing and writes nothing: evaluation and
     ``quantize`` are read-only there."""
+    if not cfg.resume:  # every rank refuses a used --out alike, before the process group starts
+        check_new_run(cfg.out, cfg.overwrite)
     ctx = setup_distributed(cfg.device)
     try:
         with StopSignals() as stop:

@@ -14,10 +14,10 @@ import os
 import shutil
 
 from .checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_names, newest_checkpoint
-from ..io.files import append_line, atomic_write_text, remove_stale_temporaries
+from ..io.files import append_line, atomic_write_text, is_stale_temporary, remove_stale_temporaries
 
-__all__ = ["prepare_new_run", "discard_failed_start", "same_directory", "write_metrics", "append_metric",
-           "write_results",
+__all__ = ["check_new_run", "prepare_new_run", "discard_failed_start", "same_directory", "write_metrics",
+           "append_metric", "write_results",
            "METRICS", "RESULTS", "LOSS_CURVE"]
 
 METRICS, RESULTS, LOSS_CURVE, LATEST = "metrics.jsonl", "results.json", "loss.png", "latest"
@@ -40,27 +40,38 @@ def _remove_run_files(out: str, present: list[str]) -> None:
             os.remove(path)
 
 
-def prepare_new_run(out: str, overwrite: bool) -> None:
-    """Make ``out`` ready for a new run: create it, or refuse a non-empty one unless ``overwrite``.
+def check_new_run(out: str, overwrite: bool) -> None:
+    """Refuse, reading only, an ``out`` a new run cannot use: not a directory, or non-empty without
+    ``overwrite``. Every rank of a multi-process run calls it before the process group starts, so all
+    refuse alike. Temporary files of writers no longer running do not count (a new run removes them).
 
     The refusal offers ``--resume`` only when ``out`` holds a checkpoint to resume."""
     if os.path.lexists(out) and not os.path.isdir(out):
         raise ValueError(f"out: {out!r} exists and is not a directory. Fix: pass a directory for --out.")
+    if overwrite or not os.path.isdir(out):
+        return
+    present = sorted(name for name in os.listdir(out) if not is_stale_temporary(name))
+    if not present:
+        return
+    shown = ", ".join(present[:4]) + (", ..." if len(present) > 4 else "")
+    try:
+        resumable = newest_checkpoint(out) is not None
+    except CheckpointError:
+        resumable = False
+    fix = (f"--resume {out} to continue that run, --overwrite to replace it, or another --out" if resumable
+           else "it holds no checkpoint to resume: --overwrite to replace its files, or another --out")
+    raise ValueError(f"out: {out!r} is not empty ({shown}). Fix: {fix}.")
+
+
+def prepare_new_run(out: str, overwrite: bool) -> None:
+    """Make ``out`` ready for a new run: create it, or refuse a non-empty one unless ``overwrite``
+    (:func:`check_new_run`), removing attnkit's own files there when ``overwrite``."""
+    check_new_run(out, overwrite)
     os.makedirs(out, exist_ok=True)
     remove_stale_temporaries(out)
     present = sorted(os.listdir(out))
-    if not present:
-        return
-    if not overwrite:
-        shown = ", ".join(present[:4]) + (", ..." if len(present) > 4 else "")
-        try:
-            resumable = newest_checkpoint(out) is not None
-        except CheckpointError:
-            resumable = False
-        fix = (f"--resume {out} to continue that run, --overwrite to replace it, or another --out" if resumable
-               else "it holds no checkpoint to resume: --overwrite to replace its files, or another --out")
-        raise ValueError(f"out: {out!r} is not empty ({shown}). Fix: {fix}.")
-    _remove_run_files(out, present)
+    if present:
+        _remove_run_files(out, present)
 
 
 def discard_failed_start(out: str, created: bool) -> None:
