@@ -34,6 +34,8 @@ backend over the handle's dense conversion (tests compare both against the float
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -299,6 +301,21 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tabl
     return _finish(out, lse, B, Hq, Tq, q.dtype, True, return_lse)
 
 
+def _NONE_REF():
+    return None
+
+
+class _KernelRuns(threading.local):
+    """Per thread, a weakref to the inputs ``keeps_nonfinite`` just found the kernel runs: ``forward``,
+    called next with them, takes it once instead of asking ``kernel_reasons`` again."""
+
+    def __init__(self):
+        self.ref = _NONE_REF
+
+
+_KERNEL_RUNS = _KernelRuns()
+
+
 @register_backend
 class DecodeBackend(Backend):
     """``attention(..., backend="decode")``: few queries over contiguous K/V or a cache handle.
@@ -344,7 +361,12 @@ class DecodeBackend(Backend):
     def keeps_nonfinite(cls, inp: AttentionInputs, options: DecodeOptions | None) -> bool:
         """The native kernel keeps the NaN/Inf contract itself (:mod:`attnkit.backends.decode_native`),
         so its calls pay no scan of q, K and V; the PyTorch-op twin runs under the policy."""
-        return (options is None or options.implementation != "torch") and not kernel_reasons(inp)
+        if options is not None and options.implementation == "torch":
+            return False
+        if kernel_reasons(inp):
+            return False
+        _KERNEL_RUNS.ref = weakref.ref(inp)  # forward, called next with this inp, need not ask again
+        return True
 
     @classmethod
     def decodes(cls, inp: AttentionInputs) -> bool:
@@ -370,7 +392,8 @@ class DecodeBackend(Backend):
     def forward(cls, inp: AttentionInputs, options: DecodeOptions | None):
         implementation = "auto" if options is None else options.implementation
         if implementation != "torch":
-            reasons = kernel_reasons(inp)
+            checked, _KERNEL_RUNS.ref = _KERNEL_RUNS.ref, _NONE_REF  # used once, by the call that set it
+            reasons = [] if checked() is inp else kernel_reasons(inp)
             if not reasons:
                 return native_decode(inp, None if options is None else options.native_split_tokens)
             if implementation == "native":
