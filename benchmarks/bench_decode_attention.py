@@ -13,6 +13,12 @@ Three sections, each interleaved in one process (torch.utils.benchmark, median o
    GB/s over the bytes actually read (each sequence's own keys, no padding).
 3. ``mods``: ALiBi and soft-cap decode at Tk=512 (B=1, H=8, D=64): the kernel vs SDPA with the
    materialized float bias (soft-cap has no SDPA form: SDPA runs ALiBi's bias as the yardstick).
+4. ``nonfinite``: one sequence, fp32, at contexts 512, 4096 and 16384: ``attention(q, k, v,
+   backend="decode")`` on plain tensors (the native kernel keeps the NaN/Inf contract itself: no scan
+   of K/V) vs the same call with ``kv_finite=True`` (the baseline: no scan by the caller's word).
+5. ``padded``: 4 sequences padded to one length (``KeyPadding``: lengths T, 3T/4, T/2, T/4) at
+   contexts 512 and 4096, plain tensors: ``attention(..., mask=KeyPadding(lengths))`` (``auto``) vs
+   SDPA with its materialized boolean padding mask (the baseline).
 
 Each row: ms per call (one layer, one token), bytes read, GB/s, % of the triad bandwidth
 (``a = b + s * c`` over arrays much larger than the caches), speed vs the section's baseline.
@@ -35,7 +41,7 @@ from torch.utils import benchmark
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's attnkit
 
-from attnkit import Causal, attention  # noqa: E402
+from attnkit import Causal, KeyPadding, attention  # noqa: E402
 from attnkit.backends.decode import DecodeOptions  # noqa: E402
 from attnkit.backends.decode_native import kernel_reasons  # noqa: E402
 from attnkit.cache import quantize_int8  # noqa: E402
@@ -151,6 +157,36 @@ def mods_cases(g, T: int = 512, H: int = 8, D: int = 64):
     return fns, "sdpa + alibi bias"
 
 
+def nonfinite_cases(T: int, Hq: int, Hkv: int, D: int, g):
+    """Plain tensors (no scan: the kernel keeps the NaN/Inf contract) vs ``kv_finite=True``, one context."""
+    q = torch.randn(1, Hq, 1, D, generator=g)
+    k, v = torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g)
+    nbytes = 2 * k.numel() * 4
+    fns = {
+        f"kv_finite=True T={T}": (lambda: attention(q, k, v, backend="decode", kv_finite=True), nbytes),
+        f"plain T={T}": (lambda: attention(q, k, v, backend="decode"), nbytes),
+    }
+    return fns, f"kv_finite=True T={T}"
+
+
+def padded_cases(T: int, Hq: int, Hkv: int, D: int, g, B: int = 4):
+    """Padded decode on plain tensors (``KeyPadding``, backend auto) vs SDPA with the materialized mask."""
+    lengths = [T * (B - i) // B for i in range(B)]
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    keep = (torch.arange(T).view(1, T) < torch.tensor(lengths).view(B, 1)).view(B, 1, 1, T)
+    nbytes = sum(2 * Hkv * L * D * 4 for L in lengths)
+    mask = KeyPadding(lengths)
+    fns = {
+        f"sdpa bool mask T={T}": (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True),
+                                  nbytes),
+        f"attention KeyPadding T={T}": (lambda: attention(q, k, v, mask=mask), nbytes),
+    }
+    ref = fns[f"sdpa bool mask T={T}"][0]()
+    assert (fns[f"attention KeyPadding T={T}"][0]() - ref).abs().max() < 1e-4
+    return fns, f"sdpa bool mask T={T}"
+
+
 def triad(n: int):
     a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
     return (lambda: torch.add(b, c, alpha=1.5, out=a)), 3 * n * 4
@@ -189,7 +225,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per case per round")
     parser.add_argument("--triad-mib", type=int, default=512, help="size of each triad array")
-    parser.add_argument("--sections", default="single,batch,mods")
+    parser.add_argument("--sections", default="single,batch,mods,nonfinite,padded")
     parser.add_argument("--out", default="bench-results/decode_attention.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -221,6 +257,17 @@ def main() -> None:
         fns, base = mods_cases(g)
         rows, bw = run_section("score modifiers at Tk=512, B=1, H=8, D=64", fns, base, args, tri)
         result["sections"]["mods"] = dict(rows=rows, triad_gb_per_s=bw)
+    for section, contexts, make in (("nonfinite", (512, 4096, 16384), nonfinite_cases),
+                                    ("padded", (512, 4096), padded_cases)):
+        if section not in sections:
+            continue
+        result["sections"][section] = {}
+        for ctx in contexts:
+            fns, base = make(ctx, Hq, Hkv, D, g)
+            rows, bw = run_section(f"{section}, context {ctx}", fns, base, args, tri)
+            result["sections"][section][ctx] = dict(rows=rows, triad_gb_per_s=bw)
+    result["load_average_after"] = os.getloadavg()
+    print(f"load average after: {os.getloadavg()}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
