@@ -17,6 +17,7 @@ def _no_user_calibration(tmp_path_factory, monkeypatch):
     base = tmp_path_factory.getbasetemp()
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(base / "no-calibration.json"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(base / "xdg-cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(base / "xdg-config"))  # matplotlib's config folder, among others
     table.reload()
     yield
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(base / "no-calibration.json"))  # a test may have pointed it elsewhere
