@@ -103,7 +103,8 @@ def attention(
         ±Inf, or weight 0 for a key whose score is -Inf). NaN/Inf in what a row may not see
         (masked keys, keys only later queries see, padding) changes nothing in that row, and a
         row with no allowed key is 0 whatever its inputs hold. ``scale`` NaN/±Inf is refused.
-        Finite inputs pay one read-only scan of q, K and V for this (see
+        The native prefill and decode kernels keep this inside the kernel, at no extra read; other
+        backends' finite inputs pay one read-only scan of q, K and V (see
         :mod:`attnkit.backends.nonfinite`); only a call whose inputs hold NaN/Inf takes the slow path.
 
     Returns:

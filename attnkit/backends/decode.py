@@ -354,8 +354,9 @@ class DecodeBackend(Backend):
                    "(a prefill: dense is faster)")
         if inp.requires_grad:
             yield "reads a cache in place for inference only (the inputs require grad)"
-        if inp.kv_finite is not True:
-            yield "reads a cache in place only while it holds finite values (NaN/Inf were written)"
+        if inp.kv_finite is not True and kernel_reasons(inp):  # the kernel keeps the NaN/Inf contract itself
+            yield ("reads a cache holding NaN/Inf in place only with the native decode kernel, which cannot run: "
+                   + "; ".join(kernel_reasons(inp)))
 
     @classmethod
     def keeps_nonfinite(cls, inp: AttentionInputs, options: DecodeOptions | None) -> bool:
