@@ -90,6 +90,9 @@ class Backend:
     #: ContextVars its reasons read besides the inputs (e.g. a scope that allows it): the dispatcher
     #: keys its cached choices on their values, so a choice never outlives the scope it was made in.
     reason_contexts: ClassVar[tuple] = ()
+    #: True when its first call per device compiles (tens of seconds): ``attnkit bench`` then times it
+    #: only when named.
+    compiles: ClassVar[bool] = False
     #: What it skips, fuses and materializes (:class:`Work`), read by the dispatcher's static order.
     #: The default (computes every pair with PyTorch ops) ranks a new backend after the fused kernels.
     work: ClassVar[Work] = Work()

@@ -61,7 +61,7 @@ def test_the_default_run_writes_only_confirmed_points_and_reports_auto_before_an
     assert "cases" in err and "estimated" in err  # said before it starts
     data = json.loads(table_path.read_text())
     assert set(data["entries"]) == {KEY, "cpu|float32|Causal|forward|H2|D8"}
-    exact = {n for n, impl in attnkit.list_backends().items() if impl.exact and not getattr(impl, "compiles", False)}
+    exact = {n for n, impl in attnkit.list_backends().items() if impl.exact and not impl.compiles}
     for points in data["entries"].values():
         # n=32 confirmed; n=16 written only where the verification of auto's picks confirmed another leader
         assert 32 in [p["n"] for p in points] and {p["n"] for p in points} <= {16, 32}

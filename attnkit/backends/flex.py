@@ -196,8 +196,7 @@ class FlexBackend(Backend):
     supports_lse = True
     supports_score_mod = True  # every kind: attnkit modifiers are Flex score_mods (custom ones included)
     Options = FlexOptions
-    #: The first call per device compiles (tens of seconds on a CPU): ``attnkit bench`` times it only when named.
-    compiles = True
+    compiles = True  # the first call per device compiles (tens of seconds on a CPU)
 
     @classmethod
     def available(cls) -> bool:

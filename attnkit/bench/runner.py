@@ -193,7 +193,7 @@ def sweep_names(config: BenchConfig) -> list[str]:
                 raise ValueError(f"--backends: unknown backend {name!r}; "
                                  f"expected 'auto' or some of {sorted(registry)}.")
         return list(config.backends)
-    return [name for name, impl in registry.items() if not getattr(impl, "compiles", False)] + ["auto"]
+    return [name for name, impl in registry.items() if not impl.compiles] + ["auto"]
 
 
 def estimate_seconds(config: BenchConfig) -> float:

@@ -155,7 +155,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         # the exact backends auto ranks, and auto itself; approximate ones are measured when named or with
         # --no-calibrate, backends that compile on first use (flex) only when named
         backends = [name for name, impl in list_backends().items()
-                    if impl.exact and not getattr(impl, "compiles", False)] + ["auto"]
+                    if impl.exact and not impl.compiles] + ["auto"]
     return BenchConfig(
         backends=backends, lengths=lengths, masks=args.masks, dtypes=dtypes, passes=args.passes,
         device=args.device, batch=args.batch, heads=args.heads, head_dim=args.head_dim, window=args.window,
