@@ -4,6 +4,7 @@ quantized caches (:mod:`.quantized`) and the paged cache for many sequences (:mo
 from .direct import DirectLayerCache
 from .kv import KVCache
 from .layers import (
+    BaseLayerCache,
     DynamicLayerCache,
     LayerCache,
     SlidingWindowLayerCache,
@@ -14,6 +15,7 @@ from .paged import PagedKVCache, PagedLayerCache
 from .quantized import QuantizedLayerCache, dequantize_int8, quantize_int8
 
 __all__ = [
+    "BaseLayerCache",
     "LayerCache",
     "DynamicLayerCache",
     "StaticLayerCache",

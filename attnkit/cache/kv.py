@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from .layers import DynamicLayerCache, LayerCache, SlidingWindowLayerCache, StateCache, StaticLayerCache
+from .layers import BaseLayerCache, DynamicLayerCache, SlidingWindowLayerCache, StateCache, StaticLayerCache
 from .quantized import QuantizedLayerCache, check_quantize
 
 __all__ = ["KVCache"]
@@ -16,10 +16,11 @@ __all__ = ["KVCache"]
 class KVCache:
     """One layer cache per layer. ``seq_len`` is the number of tokens seen (all layers agree)."""
 
-    def __init__(self, layers: Sequence[LayerCache]):
+    def __init__(self, layers: Sequence[BaseLayerCache]):
         layers = list(layers)
-        if not layers or not all(isinstance(layer, LayerCache) for layer in layers):
-            raise TypeError("layers: expected a non-empty sequence of LayerCache (DynamicLayerCache(), ...).")
+        if not layers or not all(isinstance(layer, BaseLayerCache) for layer in layers):
+            raise TypeError("layers: expected a non-empty sequence of layer caches (DynamicLayerCache(), "
+                            "StateCache(...), ...).")
         self.layers = layers
         for layer in layers:  # a step that fails in one layer rolls the others back (all or nothing)
             layer.siblings = layers
@@ -87,10 +88,10 @@ class KVCache:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def __getitem__(self, i: int) -> LayerCache:
+    def __getitem__(self, i: int) -> BaseLayerCache:
         return self.layers[i]
 
-    def __iter__(self) -> Iterator[LayerCache]:
+    def __iter__(self) -> Iterator[BaseLayerCache]:
         return iter(self.layers)
 
     def reset(self) -> None:

@@ -42,6 +42,7 @@ from torch import Tensor
 from .._validate import positive_int, finite_only
 
 __all__ = [
+    "BaseLayerCache",
     "LayerCache",
     "DynamicLayerCache",
     "StaticLayerCache",
@@ -118,30 +119,24 @@ def atomic(update):
     return wrapper
 
 
-class LayerCache:
-    """Base class: one layer's cache. ``seq_len`` counts the tokens seen so far (= the absolute
-    position of the next token). ``cross_kv`` memoizes a cross-attention layer's projected memory
-    ``(k, v)`` (filled on the first decode step; reordered and reset with the rest).
+class BaseLayerCache:
+    """What every layer's cache has, whether it keeps keys (:class:`LayerCache`) or a recurrent state
+    (:class:`StateCache`). ``seq_len`` counts the tokens seen so far (= the absolute position of the
+    next token). ``cross_kv`` memoizes a cross-attention layer's projected memory ``(k, v)`` (filled
+    on the first decode step; reordered and reset with the rest). ``siblings`` are the layer caches of
+    the same :class:`~attnkit.cache.KVCache` (set by it)."""
 
-    ``finite`` is True while every token written since the last reset was finite (each update
-    checks only its new tokens); attention is told so (``kv_finite=``) and skips its NaN/Inf scan.
-    ``siblings`` are the layer caches of the same :class:`~attnkit.cache.KVCache` (set by it)."""
+    seq_len: int = 0  # an attribute here; a cache whose rows hold different lengths computes it
 
     def __init__(self) -> None:
-        self.seq_len = 0
         self.cross_kv: tuple[Tensor, Tensor] | None = None
         self.finite = True
-        self.siblings: list[LayerCache] = [self]
+        self.siblings: list[BaseLayerCache] = [self]
 
     def next_positions(self, length: int, device=None) -> Tensor:
         """Absolute positions of the next ``length`` tokens: ``(length,)`` (``(B, length)`` for
         caches whose rows hold different lengths)."""
         return torch.arange(self.seq_len, self.seq_len + length, device=device)
-
-    def note_written(self, k: Tensor, v: Tensor) -> None:
-        """Record whether the tokens just written are finite."""
-        if self.finite and not all_finite(k, v):
-            self.finite = False
 
     def rollback_siblings(self) -> None:
         """Crop every sibling that holds more tokens than this layer back to this layer's length."""
@@ -151,10 +146,6 @@ class LayerCache:
                     layer.crop(self.seq_len)
                 except (TypeError, ValueError):  # a ring or recurrent state cannot go back
                     pass
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
-        """Append ``k (B, Hkv, Tnew, D)``, ``v (B, Hkv, Tnew, Dv)``; return ``(k_all, v_all, kv_offset)``."""
-        raise NotImplementedError
 
     def reset(self) -> None:
         """Forget everything (start a new sequence)."""
@@ -171,16 +162,38 @@ class LayerCache:
         if self.cross_kv is not None:
             self.cross_kv = tuple(t.index_select(0, index.to(t.device)) for t in self.cross_kv)
 
+    def _check_crop(self, length: int) -> None:
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self.seq_len:
+            raise ValueError(f"length: expected an int in [0, seq_len={self.seq_len}], got {length!r}.")
+
+
+class LayerCache(BaseLayerCache):
+    """Base class: one layer's cache of keys and values (:meth:`update` appends and returns them).
+
+    ``finite`` is True while every token written since the last reset was finite (each update
+    checks only its new tokens); attention is told so (``kv_finite=``) and skips its NaN/Inf scan."""
+
+    def note_written(self, k: Tensor, v: Tensor) -> None:
+        """Record whether the tokens just written are finite."""
+        if self.finite and not all_finite(k, v):
+            self.finite = False
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
+        """Append ``k (B, Hkv, Tnew, D)``, ``v (B, Hkv, Tnew, Dv)``; return ``(k_all, v_all, kv_offset)``."""
+        raise NotImplementedError
+
+    def update_packed(self, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Append packed sequences ``k, v (total, Hkv, D)`` split by ``cu_seqlens``, one per selected row;
+        return all of each row's keys packed, and their offsets. Only a paged cache takes them."""
+        raise TypeError(f"cache: packed sequences (cu_seqlens) are written into a paged cache (PagedKVCache), got "
+                        f"{type(self).__name__}. Fix: model.make_cache('paged', ...).")
+
     def _select_rows(self, index: Tensor, names: tuple[str, ...] = ("k", "v")) -> None:
         """Replace the buffers ``names`` (when allocated) by their batch rows ``index``."""
         if getattr(self, "k", None) is not None:
             index = _check_index(index, self.k.shape[0]).to(self.k.device)
             for name in names:
                 setattr(self, name, getattr(self, name).index_select(0, index))
-
-    def _check_crop(self, length: int) -> None:
-        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self.seq_len:
-            raise ValueError(f"length: expected an int in [0, seq_len={self.seq_len}], got {length!r}.")
 
 
 class DynamicLayerCache(LayerCache):
@@ -353,7 +366,7 @@ class SlidingWindowLayerCache(LayerCache):
         self._select_rows(index)
 
 
-class StateCache(LayerCache):
+class StateCache(BaseLayerCache):
     """Hook for recurrent (linear-attention) layers: holds a state object instead of keys/values.
 
     ``make_state()`` builds the state; it must provide ``step(q, k, v) -> out`` (causal attention
@@ -392,9 +405,6 @@ class StateCache(LayerCache):
         out = self.state.step(q, k, v, **gates)
         self.seq_len += q.shape[2]
         return out
-
-    def update(self, k, v):
-        raise TypeError("StateCache holds a recurrent state, not keys: call step(q, k, v) (MultiHeadAttention does).")
 
     def reset(self):
         super().reset()

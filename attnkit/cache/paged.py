@@ -112,15 +112,13 @@ class PagedLayerCache(DirectLayerCache):
     selected rows (an error when they differ: pass per-row positions instead)."""
 
     def __init__(self, pool: BlockPool, quantize: str | None) -> None:
-        self.cross_kv = None
+        super().__init__()  # cross_kv, finite (every token written since the pool was last emptied), siblings
         self.pool = pool
         self.quantize = quantize
         self.kind = f"paged{' ' + quantize if quantize else ''} (block size {pool.block_size})"
         self.lengths: dict[int, int] = {}
         self.k = self.v = self.k_scale = self.v_scale = None  # (Hkv, N, bs, ·) pools
         self.dtype: torch.dtype | None = None
-        self.finite = True  # every token written since the pool was last emptied was finite
-        self.siblings = [self]
 
     def rollback_siblings(self) -> None:
         """The layers that appended this step go back to this layer's lengths (the pages they wrote

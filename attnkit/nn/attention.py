@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from .._validate import check_bool, finite_float, positive_int
 from ..functional import attention
-from ..cache import LayerCache, StateCache
+from ..cache import BaseLayerCache, StateCache
 from ..masks import Mask, as_mask
 from ..registry import get_backend
 from ..score_mods import ALiBi, RelativeBias, SoftCap
@@ -150,7 +150,7 @@ class MultiHeadAttention(nn.Module):
         q_offset: int | None = None,
         kv_offset: int = 0,
         need_weights: bool = False,
-        cache: LayerCache | None = None,
+        cache: BaseLayerCache | None = None,
         positions: Tensor | None = None,
         cu_seqlens: Tensor | None = None,
     ):
@@ -174,7 +174,7 @@ class MultiHeadAttention(nn.Module):
                 f"x: expected a tensor (B, T, embed_dim={cfg.embed_dim}), got "
                 f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}."
             )
-        if cache is not None and not isinstance(cache, LayerCache):
+        if cache is not None and not isinstance(cache, BaseLayerCache):
             raise TypeError(f"cache: expected a layer cache (e.g. kv_cache[i]), got {type(cache).__name__}.")
         if cfg.cross_attention:
             if cu_seqlens is not None:
@@ -230,10 +230,7 @@ class MultiHeadAttention(nn.Module):
         q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))  # (total, H, hd)
         cu_k = cu_seqlens
         if cache is not None:
-            if not hasattr(cache, "update_packed"):
-                raise TypeError(f"cache: packed sequences (cu_seqlens) are written into a paged cache "
-                                f"(PagedKVCache), got {type(cache).__name__}. Fix: model.make_cache('paged', ...).")
-            k, v, cu_k = cache.update_packed(k, v, cu_seqlens)
+            k, v, cu_k = cache.update_packed(k, v, cu_seqlens)  # a TypeError but on a paged cache
         cfg = self.config
         out = varlen_attention(q, k, v, cu_seqlens, cu_k, mask=mask, dropout_p=cfg.dropout if self.training else 0.0,
                                score_mod=self.score_mod(), sinks=self.sinks, backend=cfg.backend,

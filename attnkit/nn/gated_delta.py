@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..backends.kernelized.gated import GatedLinearState, gated_linear_attention
-from ..cache import LayerCache, StateCache
+from ..cache import BaseLayerCache, StateCache
 from ..masks import Mask, as_mask
 
 __all__ = ["GatedDeltaNet"]
@@ -58,7 +58,7 @@ class GatedDeltaNet(nn.Module):
         return GatedLinearState(qk_l2norm=True)
 
     def forward(self, x: Tensor, *, mask: Mask | Tensor | None = None, bias: Tensor | None = None,
-                positions: Tensor | None = None, cache: LayerCache | None = None) -> Tensor:
+                positions: Tensor | None = None, cache: BaseLayerCache | None = None) -> Tensor:
         """``x (B, T, E) -> (B, T, E)``, causal. ``mask`` must be None or plain causal (the rule sees
         the whole prefix; padding and windows need softmax attention); ``positions`` are not used
         (the decay orders the tokens); ``cache``: a :class:`StateCache` from :meth:`make_state`. NaN/Inf
