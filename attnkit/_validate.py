@@ -21,8 +21,8 @@ from torch import Tensor
 
 from .csrc import loader
 
-__all__ = ["positive_int", "non_negative_int", "finite_float", "check_bool", "padding_mask", "check_int_at_least",
-           "score_scale"]
+__all__ = ["positive_int", "non_negative_int", "finite_float", "check_bool", "padding_mask", "check_int",
+           "check_int_at_least", "score_scale"]
 
 
 def _fail(value, name: str, expected: str, fix: str | None, allow_none: bool, owner: str | None):
@@ -111,6 +111,16 @@ def check_int_at_least(name: str, value, minimum: int = 1, *, allow_none: bool =
         return None
     if not _is_int(value) or value < minimum:
         raise ValueError(f"{name}: expected {'None or ' if allow_none else ''}an int >= {minimum}, got {value!r}.")
+    return value
+
+
+def check_int(name: str, value, *, minimum: int | None = None) -> int:
+    """``value`` if it is an int (``>= minimum`` when given): ``TypeError`` for another type (a float
+    offset is a type mistake), ``ValueError`` below ``minimum``."""
+    if not _is_int(value):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} ({value!r}).")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}.")
     return value
 
 

@@ -25,7 +25,6 @@ the tokens it would get alone (greedy; batched float rounding could only flip ex
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
@@ -33,7 +32,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ._validate import positive_int
+from ._validate import finite_float, positive_int
 from ._validate import padding_mask
 from .cache import KVCache, PagedKVCache
 
@@ -50,11 +49,6 @@ class GenerationMixin:
     def generate(self, input_ids, max_new_tokens: int = 32, **kwargs):
         """See :func:`attnkit.generation.generate` (an encoder-decoder needs ``decoder_start_token``)."""
         return generate(self, input_ids, max_new_tokens, **kwargs)
-
-
-def _check_real(name: str, value, ok: bool, expected: str) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not ok:
-        raise ValueError(f"{name}: expected {expected}, got {value!r}.")
 
 
 def process_logits(logits: Tensor, *, seen: Tensor | None = None, temperature: float = 0.0,
@@ -82,14 +76,12 @@ def process_logits(logits: Tensor, *, seen: Tensor | None = None, temperature: f
 
 def _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty) -> None:
     positive_int(max_new_tokens, "max_new_tokens", fix="pass how many tokens to add, e.g. max_new_tokens=32")
-    _check_real("temperature", temperature, temperature >= 0 if isinstance(temperature, (int, float)) else False,
-                "a finite float >= 0 (0 = greedy)")
+    finite_float(temperature, "temperature", low=0, fix="0 = greedy; e.g. temperature=0.8 samples")
     if top_k is not None:
         positive_int(top_k, "top_k", fix="top_k=None keeps every token; e.g. top_k=50 keeps the 50 likeliest")
     if top_p is not None:
-        _check_real("top_p", top_p, isinstance(top_p, (int, float)) and 0 < top_p <= 1, "a float in (0, 1] (1 = off)")
-    _check_real("repetition_penalty", repetition_penalty,
-                isinstance(repetition_penalty, (int, float)) and repetition_penalty > 0, "a finite float > 0 (1 = off)")
+        finite_float(top_p, "top_p", low=0, low_inclusive=False, high=1, fix="top_p=None or 1 keeps every token")
+    finite_float(repetition_penalty, "repetition_penalty", low=0, low_inclusive=False, fix="1 = off")
 
 
 def _check_model(model) -> bool:

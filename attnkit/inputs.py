@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._validate import broadcast_shapes, score_scale
+from ._validate import broadcast_shapes, check_int, score_scale
 from .kv_handle import KVHandle
 from .masks import Mask, as_mask
 from .score_mods import ScoreMod, as_score_mod, check_sinks
@@ -86,13 +86,6 @@ def _check_tensor(name: str, x, expected: str) -> None:
             f"{name}: expected 4 dims {expected}, got shape {tuple(x.shape)}. "
             "Fix: attnkit uses (batch, heads, length, head_dim); from (B, T, H, D) use .transpose(1, 2)."
         )
-
-
-def _check_int(name: str, value, *, minimum: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} ({value!r}).")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}.")
 
 
 def _read_handle(q, k, v, mask, q_offset, kv_offset, score_mod, kv_finite):
@@ -248,13 +241,13 @@ class AttentionInputs:
                                  "Fix: use 0.0 for no dropout.")
             dropout_p = float(dropout_p)
         if type(kv_offset) is not int or kv_offset < 0:
-            _check_int("kv_offset", kv_offset, minimum=0)
+            check_int("kv_offset", kv_offset, minimum=0)
         if q_offset is None:
             q_offset = kv_offset + Tk - Tq  # bottom-right: the last query sees the last key
         else:
             # The default may be negative (Tq > Tk: the first Tq - Tk queries precede every key
             # and a causal mask hides all keys from them); an explicit offset is a position.
-            _check_int("q_offset", q_offset, minimum=0)
+            check_int("q_offset", q_offset, minimum=0)
         if return_lse is not False and return_lse is not True:
             raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}.")
         if mask is not None:

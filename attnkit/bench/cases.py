@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._validate import check_int_at_least
 from ..masks import BlockSparse, Causal, KeyPadding, Mask, SlidingWindow
 
 __all__ = ["BenchConfig", "MaskSpec", "Case", "MASK_SPECS", "mask_spec", "density", "useful_flops", "estimate_bytes"]
@@ -50,11 +51,11 @@ class BenchConfig:
     def __post_init__(self):
         """Refuse values that would hang (NaN timing budgets), allocate absurd inputs, or mean nothing."""
         for name in ("batch", "heads", "head_dim", "window", "block", "error_rows"):
-            _check_positive_int(getattr(self, name), name)
+            check_int_at_least(_flag(name), getattr(self, name))
         if not isinstance(self.lengths, (list, tuple)) or not self.lengths:
             raise ValueError(f"{_flag('lengths')}: expected a non-empty list of lengths, got {self.lengths!r}")
         for n in self.lengths:
-            _check_positive_int(n, "lengths")
+            check_int_at_least(_flag("lengths"), n)
         if self.run_budget_s is not None:
             value = self.run_budget_s
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -93,11 +94,6 @@ _FLAGS = {"head_dim": "--head-dim", "time_budget_s": "--time-budget", "run_budge
 
 def _flag(field_name: str) -> str:
     return _FLAGS.get(field_name, "--" + field_name.replace("_", "-"))
-
-
-def _check_positive_int(value, field_name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{_flag(field_name)}: expected a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._validate import check_int_at_least as _check_positive
+from .._validate import check_int_at_least
 from ..kv_handle import KVHandle, dequantize_int8
 from .direct import DirectLayerCache, nbytes
 from .kv import KVCache
@@ -50,8 +50,8 @@ class BlockPool:
     reference counts, every sequence's block table and the rows of the current batch."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks = _check_positive("num_blocks", num_blocks)
-        self.block_size = _check_positive("block_size", block_size)
+        self.num_blocks = check_int_at_least("num_blocks", num_blocks)
+        self.block_size = check_int_at_least("block_size", block_size)
         self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() takes the lowest first
         self.refcount = [0] * num_blocks
         self.tables: dict[int, list[int]] = {}
@@ -305,7 +305,7 @@ class PagedKVCache(KVCache):
     :mod:`attnkit.cache.quantized`). See the module docstring for the life cycle of a sequence."""
 
     def __init__(self, num_layers: int, *, num_blocks: int, block_size: int = 16, quantize: str | None = None):
-        _check_positive("num_layers", num_layers)
+        check_int_at_least("num_layers", num_layers)
         self.pool = BlockPool(num_blocks, block_size)
         self.quantize = check_quantize(quantize)
         super().__init__([PagedLayerCache(self.pool, self.quantize) for _ in range(num_layers)])
