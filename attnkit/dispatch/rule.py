@@ -23,6 +23,8 @@ give the same order in every process, whatever the machine's load.
 
 from __future__ import annotations
 
+from torch.compiler import is_compiling
+
 from ..inputs import AttentionInputs
 from ..registry import Backend, list_backends, registered_names
 from . import table
@@ -62,11 +64,14 @@ _SORTED: dict = {}  # registered names -> the exact ones but naive, sorted by _w
 
 
 def _by_work(registered: tuple[str, ...], known: dict) -> list[str]:
-    found = _SORTED.get(registered)
+    # Traced, sorted afresh and never stored: a graph that read or filled the cache would be guarded
+    # on its contents, and the next call (the cache filled since) would compile again.
+    found = None if is_compiling() else _SORTED.get(registered)
     if found is None:
         names = [n for n in registered if known[n].exact and n != "naive"]
-        found = _SORTED[registered] = [n for _, _, n in sorted((_work_key(known[n]), i, n)
-                                                              for i, n in enumerate(names))]
+        found = [n for _, _, n in sorted((_work_key(known[n]), i, n) for i, n in enumerate(names))]
+        if not is_compiling():
+            _SORTED[registered] = found
     return found
 
 
