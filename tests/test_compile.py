@@ -116,9 +116,8 @@ def test_varlen_compiles_fullgraph_on_native_without_recompiles():
 
     counters.clear()
     compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
-    # totals and counts change; 255 and 256 leave a 1-wide and no ragged tile (no guard on either).
-    # (Totals stay above one 128-query tile: a single tile is a 0/1 specialization of its own.)
-    for seed, lengths in enumerate(([50, 100, 17], [60, 1, 194], [100, 28, 120, 8], [130, 70])):
+    # totals and counts change; 255 and 256 leave a 1-wide and no ragged tile, 71 is one tile (no guard on any)
+    for seed, lengths in enumerate(([50, 100, 17], [60, 1, 194], [30, 41], [100, 28, 120, 8], [130, 70])):
         (q, k, v), cu = _packed(lengths, seed=seed)
         out = compiled(q, k, v, cu, max(lengths))
         got = torch.autograd.grad(out.square().sum(), (q, k, v))

@@ -47,6 +47,27 @@ def test_vectorized_tile_grid_equals_block_status_per_tile(name):
         assert torch.equal(tile_grid(mask, Tq, Tk, q_offset, 0, bq, bk, 2, 4), _loop(mask, Tq, Tk, q_offset, bq, bk))
 
 
+@pytest.mark.parametrize("name", [*MASKS, "none", "dense", "or"])
+def test_spare_grid_adds_one_empty_tile_row_and_column(name):
+    # the grid a traced kernel reads: every dimension at least 2, the call's tiles as without the spare one
+    keep = torch.rand(2, 1, 45, 45, generator=g) > 0.5
+    extra = {"none": None, "dense": Dense(keep), "or": SlidingWindow(3, 0) | Causal()}
+    mask = extra[name] if name in extra else MASKS[name]
+    for Tq, Tk, bq, bk in ((37, 45, 8, 16), (1, 45, 4, 4), (45, 45, 7, 9), (20, 45, 16, 16), (3, 5, 8, 16)):
+        q_offset = Tk - Tq
+        try:
+            if mask is not None:
+                mask.validate(2, 4, Tq, Tk, q_offset, 0)
+        except ValueError:
+            continue
+        grid = tile_grid(mask, Tq, Tk, q_offset, 0, bq, bk, 2, 4)
+        spare = tile_grid(mask, Tq, Tk, q_offset, 0, bq, bk, 2, 4, spare=True)
+        nQ, nK = grid.shape
+        assert spare.shape == (nQ + 1, nK + 1) and spare.is_contiguous() and spare.dtype == torch.uint8
+        assert torch.equal(spare[:nQ, :nK], grid)
+        assert not spare[nQ].any() and not spare[:, nK].any()  # EMPTY
+
+
 def test_dense_grid_is_evaluated_exactly():
     keep = torch.rand(2, 1, 37, 45, generator=g) > 0.5
     keep[:, :, :8, :16] = True

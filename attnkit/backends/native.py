@@ -42,7 +42,9 @@ the output cast back. ``NativeOptions(half_tiles=True/False)`` forces either pat
 The extension is built by ``python -m attnkit.csrc.build`` (``make install``); without it the backend
 declines with the reason "native extension not built: ...". Its operators carry fake kernels and
 autograd (:mod:`.native_ops`), so ``torch.compile(fullgraph=True)`` traces the backend, forward and
-backward; traced, nothing is read on the host (the NaN/Inf flags are computed unconditionally).
+backward; traced, nothing is read on the host (the NaN/Inf flags are computed unconditionally). With
+dynamic shapes one graph serves every length: offsets and band bounds are ``SymInt`` in the operators'
+schemas, and the tile grid carries a spare tile row and column (no dimension is 1 for short calls only).
 """
 
 from __future__ import annotations
@@ -153,12 +155,13 @@ class _Plan:
 
 def _build_plan(mask: Mask | None, B: int, H: int, Tq: int, Tk: int, q_offset: int, kv_offset: int,
                 bq: int, bk: int) -> _Plan:
-    grid = tile_grid(mask, Tq, Tk, q_offset, kv_offset, bq, bk, B, H)
+    grid = tile_grid(mask, Tq, Tk, q_offset, kv_offset, bq, bk, B, H, spare=True)  # no dimension of 1 to trace
     params = mask_params(mask, B)
     extra_index, extra = _EMPTY_LONG, _EMPTY_BYTE
     if params.rest:
         rest = params.rest[0] if len(params.rest) == 1 else And(*params.rest)
-        extra_index, extra = _keep_tiles(rest, grid, Tq, Tk, q_offset, kv_offset, bq, bk, B, H)
+        keep_tiles = _all_keep_tiles if torch.compiler.is_compiling() else _keep_tiles
+        extra_index, extra = keep_tiles(rest, grid, Tq, Tk, q_offset, kv_offset, bq, bk, B, H)
     left, right = params.band.left, params.band.right
     band = [int(left is not None), left or 0, int(right is not None), right or 0]
     args = (grid, band, _or(params.lengths, _EMPTY_LONG), _or(params.valid, _EMPTY_BOOL), _or(params.doc, _EMPTY_LONG),
@@ -187,6 +190,19 @@ def _keep_tiles(mask: Mask, grid: Tensor, Tq, Tk, q_offset, kv_offset, bq, bk, B
         return index, torch.zeros((0, 1, 1, bq, bk), dtype=torch.uint8)
     shape = broadcast_shapes(*(t.shape for t in tiles))
     return index, torch.stack([t.expand(shape) for t in tiles]).contiguous()
+
+
+def _all_keep_tiles(mask: Mask, grid: Tensor, Tq, Tk, q_offset, kv_offset, bq, bk, B, H) -> tuple[Tensor, Tensor]:
+    """:func:`_keep_tiles` for every tile of ``grid``, with no host read (traced: which tiles are PARTIAL
+    is data): ``mask`` evaluated over the whole call, ``Tq x Tk`` bytes per batch row and head it
+    distinguishes (what a backend that materializes the mask holds), cut into the grid's tiles."""
+    nQ, nK = grid.shape  # the spare tile row and column too: the pads below are never 0 wide
+    keep = mask.evaluate((q_offset, q_offset + Tq), (kv_offset, kv_offset + Tk), q_offset=q_offset,
+                         kv_offset=kv_offset, batch_size=B, num_heads=H).cpu()  # (Bx, Hx, Tq, Tk)
+    Bx, Hx = keep.shape[:2]
+    keep = torch.nn.functional.pad(keep.to(torch.uint8), (0, nK * bk - Tk, 0, nQ * bq - Tq))
+    tiles = keep.view(Bx, Hx, nQ, bq, nK, bk).permute(2, 4, 0, 1, 3, 5).reshape(nQ * nK, Bx, Hx, bq, bk)
+    return torch.arange(nQ * nK).view(nQ, nK), tiles.contiguous()
 
 
 def default_options(inp: AttentionInputs, given: NativeOptions | None = None) -> NativeOptions:

@@ -101,8 +101,10 @@ class SDPABackend(Backend):
         if bias is not None:
             bias = _bias_dtype(bias, inp.dtype)
             attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
+        # a plain bool: traced with dynamic shapes, G > 1 is a SymBool, which SDPA's signature refuses
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=inp.dropout_p, is_causal=is_causal, scale=scale, enable_gqa=G > 1,
+            q, k, v, attn_mask=attn_mask, dropout_p=inp.dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=True if G > 1 else False,
         )
         if empty is not None:
             out = out.masked_fill(empty[..., None], 0.0)

@@ -55,8 +55,8 @@ using attnkit::vnni_available;
 
 // Everything that decides keep(b, h, i, j) inside a PARTIAL tile.
 struct MaskSpec {
-  const uint8_t* grid;  // (nQ, nK)
-  int64_t nK;
+  const uint8_t* grid;  // (at least nQ, nK): the call's tiles first (a traced call's grid has a spare row and column)
+  int64_t nK;           // the grid's row stride
   bool has_left, has_right;
   int64_t left, right;          // -left <= pos(k) - pos(q) <= right
   const int64_t* lengths;       // (B): pos(k) < lengths[b]; or null
@@ -66,7 +66,7 @@ struct MaskSpec {
   int64_t doc_b, doc_p;
   const bool* layout;           // (Hl, nQB, nKB) with block size layout_bs; or null
   int64_t layout_h, layout_r, layout_c, layout_bs;
-  const int64_t* extra_index;   // (nQ, nK): tile number in extra, -1 = none; or null
+  const int64_t* extra_index;   // shaped like grid: tile number in extra, -1 = none; or null
   const uint8_t* extra;         // (n, Bx, Hx, block_q, block_k)
   int64_t extra_b, extra_h;
 };
@@ -101,9 +101,17 @@ void tile_keep(const MaskSpec& m, int64_t b, int64_t h, int64_t qt, int64_t kt, 
   }
 }
 
-MaskSpec make_spec(const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
+MaskSpec make_spec(const at::Tensor& q, const at::Tensor& k, int64_t block_q, int64_t block_k,
+                   const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
                    const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout, int64_t layout_bs,
                    const at::Tensor& extra_index, const at::Tensor& extra) {
+  TORCH_CHECK(block_q > 0 && block_k > 0, "tile sizes must be positive");
+  const int64_t nQ = (q.size(2) + block_q - 1) / block_q, nK = (k.size(2) + block_k - 1) / block_k;
+  TORCH_CHECK(grid.scalar_type() == at::kByte && grid.dim() == 2 && grid.size(0) >= nQ && grid.size(1) >= nK,
+              "tile grid: expected uint8 with at least (", nQ, ", ", nK, ") tiles, got ", grid.sizes());
+  TORCH_CHECK(extra_index.numel() == 0 || extra_index.sizes() == grid.sizes(),
+              "extra tile index: expected the grid's shape");
+  TORCH_CHECK(band.size() == 4, "band: expected 4 integers (has_left, left, has_right, right)");
   MaskSpec m{};
   m.grid = grid.data_ptr<uint8_t>();
   m.nK = grid.size(1);
@@ -310,7 +318,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       std::fill_n(mrow.data(), P.bq, std::min(sink, std::numeric_limits<A>::max()));
       std::fill_n(lrow.data(), P.bq, A(0));
       for (int64_t kt = 0; kt < P.nK; ++kt) {
-        if (m.grid[qt * P.nK + kt] == 0) continue;
+        if (m.grid[qt * m.nK + kt] == 0) continue;
         const int64_t k0 = kt * P.bk, nk = std::min(P.bk, P.Tk - k0);
         gemm<T>(nq, nk, P.Dp, qA, P.Dp, kT.at(P.kv_tile(b, hk, kt)), nk, s.data(), P.bk, false);
         score_tile(P, {b, h, qt, kt, q0, nq, k0, nk}, s.data(), keep.data(), nullptr);
@@ -471,7 +479,7 @@ struct Backward {
     }
   }
 
-  bool live(int64_t qt, int64_t kt) const { return P.m->grid[qt * P.nK + kt] != 0; }
+  bool live(int64_t qt, int64_t kt) const { return P.m->grid[qt * P.m->nK + kt] != 0; }
 
   // dst (columns c0..c0+nc of src, as rows of width `rows`) = src (rows x Tk) transposed, in T.
   void store_transposed(const A* src, int64_t rows, int64_t c0, int64_t nc, T* dst) const {
@@ -605,7 +613,8 @@ Outs3 forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, dou
   auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(stat));
   auto hit = bad.numel() ? at::zeros({q.size(0), q.size(1), q.size(2)}, bad.options()) : at::empty({0}, bad.options());
-  MaskSpec m = make_spec(grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
+  MaskSpec m =
+      make_spec(q, k, block_q, block_k, grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
   ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native_forward", [&] {
     auto mods = attnkit::make_mods<Acc<scalar_t>>(q, k, q_offset, kv_offset, bias, dist, dmin, ops, caps, sinks);
     Problem<scalar_t> P(q, k, v, scale, q_offset, kv_offset, block_q, block_k, m, mods);
@@ -637,7 +646,8 @@ Outs5 backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   auto dbias = need_dbias ? at::zeros({q.size(0), q.size(1), q.size(2), k.size(2)}, opts) : at::empty({0}, opts);
   auto dk = at::empty(k.sizes(), k.options()), dv = at::empty(v.sizes(), v.options());
   auto dq_out = q.scalar_type() == stat ? dq : at::empty(q.sizes(), q.options());
-  MaskSpec m = make_spec(grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
+  MaskSpec m =
+      make_spec(q, k, block_q, block_k, grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
   ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native_backward", [&] {
     using T = scalar_t;
     auto mods = attnkit::make_mods<Acc<T>>(q, k, q_offset, kv_offset, bias, dist, dmin, ops, caps, sinks);
@@ -678,14 +688,16 @@ Outs5 backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // Dtypes: out, dq, dk, dv have the inputs' dtype; lse, delta, bias, dist, sinks and their gradients are
 // float32 (float64 for float64).
 TORCH_LIBRARY(attnkit_native, m) {
-  m.def("forward(Tensor q, Tensor k, Tensor v, float scale, int q_offset, int kv_offset, int block_q, int block_k, "
-        "Tensor grid, int[] band, Tensor lengths, Tensor valid, Tensor doc, Tensor layout, int layout_bs, "
-        "Tensor extra_index, Tensor extra, Tensor bias, Tensor dist, int dmin, int[] ops, float[] caps, "
-        "Tensor sinks, Tensor bad) -> (Tensor, Tensor, Tensor)");
-  m.def("backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, float scale, int q_offset, "
-        "int kv_offset, int block_q, int block_k, Tensor grid, int[] band, Tensor lengths, Tensor valid, Tensor doc, "
-        "Tensor layout, int layout_bs, Tensor extra_index, Tensor extra, Tensor bias, Tensor dist, int dmin, "
-        "int[] ops, float[] caps, Tensor sinks, bool need_dist, bool need_dbias) "
+  // Positions (offsets, band bounds, the modifiers' first distance) are SymInt: traced with dynamic
+  // shapes they follow the lengths without a guard on their values; the CPU kernels get int64_t.
+  m.def("forward(Tensor q, Tensor k, Tensor v, float scale, SymInt q_offset, SymInt kv_offset, int block_q, "
+        "int block_k, Tensor grid, SymInt[] band, Tensor lengths, Tensor valid, Tensor doc, Tensor layout, "
+        "int layout_bs, Tensor extra_index, Tensor extra, Tensor bias, Tensor dist, SymInt dmin, int[] ops, "
+        "float[] caps, Tensor sinks, Tensor bad) -> (Tensor, Tensor, Tensor)");
+  m.def("backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, float scale, "
+        "SymInt q_offset, SymInt kv_offset, int block_q, int block_k, Tensor grid, SymInt[] band, Tensor lengths, "
+        "Tensor valid, Tensor doc, Tensor layout, int layout_bs, Tensor extra_index, Tensor extra, Tensor bias, "
+        "Tensor dist, SymInt dmin, int[] ops, float[] caps, Tensor sinks, bool need_dist, bool need_dbias) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.impl("forward", c10::DispatchKey::CPU, TORCH_FN(forward));
   m.impl("backward", c10::DispatchKey::CPU, TORCH_FN(backward));

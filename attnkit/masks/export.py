@@ -6,7 +6,10 @@ with a few tensor operations (:meth:`Mask.tile_grid`, over a :class:`Tiles`): a 
 bound vectors, key lengths and validity per key tile, document ids per tile range, a block layout
 through its summed-area table; ``And`` is the elementwise min of its parts' grids and ``Or`` the
 max (EMPTY < PARTIAL < FULL). A mask with no structure (``Dense``, ``Custom``) is evaluated one
-strip of query tiles at a time and reduced per tile.
+strip of query tiles at a time and reduced per tile. With ``spare=True`` the grid has one more
+(EMPTY) tile row and column at the end, so no tensor of the export has a dimension that is 1 for
+short calls only: traced with dynamic shapes, a length crossing one tile then needs no new graph
+(a kernel reads the grid's row stride from the grid itself).
 
 :func:`mask_params` gives one :class:`MaskParams`: the conjuncts' positional parameters (band
 bounds, key lengths, key validity, document ids, a block layout), which a kernel evaluates per
@@ -39,7 +42,9 @@ _STRIP_ELEMENTS = 1 << 26
 @dataclass(frozen=True)
 class Tiles:
     """A call's tiling: queries at absolute positions ``q_offset .. q_offset+Tq-1`` in tiles of
-    ``block_q``, keys likewise, for a call with ``batch_size`` rows and ``num_heads`` query heads."""
+    ``block_q``, keys likewise, for a call with ``batch_size`` rows and ``num_heads`` query heads.
+    ``spare``: one more tile past the last, in :attr:`shape` and every per-tile vector (its bounds
+    lie past the call's end; :func:`tile_grid` marks it EMPTY)."""
 
     Tq: int
     Tk: int
@@ -49,34 +54,44 @@ class Tiles:
     block_k: int
     batch_size: int | None = None
     num_heads: int | None = None
+    spare: bool = False
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        """The call's tiles ``(nQ, nK)``, the spare one not counted."""
+        return -(-self.Tq // self.block_q), -(-self.Tk // self.block_k)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return -(-self.Tq // self.block_q), -(-self.Tk // self.block_k)
+        """The grid's shape: :attr:`counts`, plus the spare tile row and column."""
+        nQ, nK = self.counts
+        return nQ + self.spare, nK + self.spare
 
     def q_bounds(self) -> tuple[Tensor, Tensor]:
-        """First and last absolute query position of each query tile (int64, ``nQ`` each)."""
-        return _bounds(self.q_offset, self.Tq, self.block_q)
+        """First and last absolute query position of each query tile (int64, ``shape[0]`` each)."""
+        return _bounds(self.q_offset, self.Tq, self.block_q, self.shape[0])
 
     def k_bounds(self) -> tuple[Tensor, Tensor]:
-        return _bounds(self.kv_offset, self.Tk, self.block_k)
+        return _bounds(self.kv_offset, self.Tk, self.block_k, self.shape[1])
 
     def per_q_tile(self, values: Tensor, fill) -> Tensor:
-        """``values (rows, positions)`` at the call's query positions as ``(rows, nQ, block_q)``."""
-        return _per_tile(values, self.q_offset, self.Tq, self.block_q, fill)
+        """``values (rows, positions)`` at the call's query positions as ``(rows, shape[0], block_q)``."""
+        return _per_tile(values, self.q_offset, self.Tq, self.block_q, fill, self.shape[0])
 
     def per_k_tile(self, values: Tensor, fill) -> Tensor:
-        return _per_tile(values, self.kv_offset, self.Tk, self.block_k, fill)
+        return _per_tile(values, self.kv_offset, self.Tk, self.block_k, fill, self.shape[1])
 
 
-def _bounds(offset: int, length: int, block: int) -> tuple[Tensor, Tensor]:
-    start = torch.arange(0, length, block, dtype=torch.long) + offset
+# Both take the tile count from Tiles.shape: one expression of the lengths for every per-tile tensor,
+# so a tracer sees equal sizes as equal (no guard relating two spellings of one count).
+def _bounds(offset: int, length: int, block: int, tiles: int) -> tuple[Tensor, Tensor]:
+    start = torch.arange(tiles, dtype=torch.long) * block + offset
     return start, torch.clamp(start + block, max=offset + length) - 1
 
 
-def _per_tile(values: Tensor, start: int, length: int, block: int, fill) -> Tensor:
-    """``values[:, start:start+length]`` as ``(rows, tiles, block)``, the ragged end padded with ``fill``."""
-    tiles = -(-length // block)
+def _per_tile(values: Tensor, start: int, length: int, block: int, fill, tiles: int) -> Tensor:
+    """``values[:, start:start+length]`` as ``(rows, tiles, block)``, the ragged end (and a spare
+    tile) filled with ``fill``."""
     # One filled buffer, no branch on the padding: a traced length (torch.compile, dynamic shapes)
     # then needs no guard on it (a 0- or 1-wide padding piece would specialize the graph).
     out = values.new_full((values.shape[0], tiles * block), fill)
@@ -140,38 +155,49 @@ def box_counts(sat: Tensor, r0: Tensor, r1: Tensor, c0: Tensor, c1: Tensor) -> T
 
 def evaluated_grid(mask: Mask, tiles: Tiles) -> Tensor:
     """The grid of any mask by evaluation: strips of whole query tiles against every key, reduced
-    per tile (one ``evaluate`` per strip, never per tile)."""
-    nQ, nK = tiles.shape
-    bq, bk, Tq, Tk = tiles.block_q, tiles.block_k, tiles.Tq, tiles.Tk
+    per tile (one ``evaluate`` per strip, never per tile). Traced by ``torch.compile``, one strip of
+    every tile (a loop over a traced tile count would be unrolled, the graph specialized per count)."""
+    rows, cols = tiles.shape
+    if torch.compiler.is_compiling():  # the spare tile, if any, is padding alone: EMPTY
+        return _strip_grid(mask, tiles, 0, rows, cols)
+    nQ, nK = tiles.counts
     nb, nh = mask.index_sizes(tiles.batch_size, tiles.num_heads)
-    rows_per_strip = max(1, _STRIP_ELEMENTS // max(1, nb * nh * bq * nK * bk))
-    out = torch.empty(nQ, nK, dtype=torch.uint8)
-    pad_k = nK * bk - Tk
+    rows_per_strip = max(1, _STRIP_ELEMENTS // max(1, nb * nh * tiles.block_q * nK * tiles.block_k))
+    out = torch.full(tiles.shape, EMPTY, dtype=torch.uint8)  # the spare tile (if any) stays EMPTY
     for r0 in range(0, nQ, rows_per_strip):
         r1 = min(r0 + rows_per_strip, nQ)
-        q0, q1 = r0 * bq, min(r1 * bq, Tq)
-        keep = mask.evaluate((tiles.q_offset + q0, tiles.q_offset + q1), (tiles.kv_offset, tiles.kv_offset + Tk),
-                             q_offset=tiles.q_offset, kv_offset=tiles.kv_offset, batch_size=tiles.batch_size,
-                             num_heads=tiles.num_heads).cpu()
-        keep = keep.reshape(-1, q1 - q0, Tk)  # (B*H, n, Tk)
-        pad_q = (r1 - r0) * bq - (q1 - q0)
-        kept = torch.nn.functional.pad(keep, (0, pad_k, 0, pad_q), value=True)  # padding: never breaks FULL
-        seen = torch.nn.functional.pad(keep, (0, pad_k, 0, pad_q), value=False)  # nor makes a tile non-EMPTY
-        shape = (keep.shape[0], r1 - r0, bq, nK, bk)
-        full = kept.view(shape).all(4).all(2).all(0)
-        empty = ~seen.view(shape).any(4).any(2).any(0)
-        out[r0:r1] = status(full, empty)
+        out[r0:r1, :nK] = _strip_grid(mask, tiles, r0, r1, nK)
     return out
 
 
+def _strip_grid(mask: Mask, tiles: Tiles, r0: int, r1: int, cols: int) -> Tensor:
+    """The statuses of query tiles ``r0 .. r1-1`` by key tiles ``0 .. cols-1``; tiles past the call's
+    end are padding (EMPTY)."""
+    bq, bk, Tq, Tk = tiles.block_q, tiles.block_k, tiles.Tq, tiles.Tk
+    q0, q1 = r0 * bq, torch.sym_min(r1 * bq, Tq)
+    keep = mask.evaluate((tiles.q_offset + q0, tiles.q_offset + q1), (tiles.kv_offset, tiles.kv_offset + Tk),
+                         q_offset=tiles.q_offset, kv_offset=tiles.kv_offset, batch_size=tiles.batch_size,
+                         num_heads=tiles.num_heads).cpu()
+    keep = keep.reshape(-1, q1 - q0, Tk)  # (B*H, n, Tk)
+    pad = (0, cols * bk - Tk, 0, (r1 - r0) * bq - (q1 - q0))
+    kept = torch.nn.functional.pad(keep, pad, value=True)  # padding: never breaks FULL
+    seen = torch.nn.functional.pad(keep, pad, value=False)  # nor makes a tile non-EMPTY
+    shape = (keep.shape[0], r1 - r0, bq, cols, bk)
+    return status(kept.view(shape).all(4).all(2).all(0), ~seen.view(shape).any(4).any(2).any(0))
+
+
 def tile_grid(mask: Mask | None, Tq: int, Tk: int, q_offset: int, kv_offset: int, block_q: int, block_k: int,
-              batch_size: int | None = None, num_heads: int | None = None) -> Tensor:
+              batch_size: int | None = None, num_heads: int | None = None, *, spare: bool = False) -> Tensor:
     """``(ceil(Tq / block_q), ceil(Tk / block_k))`` uint8 on the CPU, contiguous: the status of
-    each tile over every batch row and head (``FULL`` everywhere without a mask)."""
-    tiles = Tiles(Tq, Tk, q_offset, kv_offset, block_q, block_k, batch_size, num_heads)
-    if mask is None:
-        return torch.full(tiles.shape, FULL, dtype=torch.uint8)
-    return mask.tile_grid(tiles).contiguous()
+    each tile over every batch row and head (``FULL`` everywhere without a mask). ``spare=True``
+    adds one EMPTY tile row and column at the end (see the module's docstring)."""
+    tiles = Tiles(Tq, Tk, q_offset, kv_offset, block_q, block_k, batch_size, num_heads, spare)
+    grid = torch.full(tiles.shape, FULL, dtype=torch.uint8) if mask is None else mask.tile_grid(tiles)
+    if spare:  # out of place, no branch on the counts: the spare tile is EMPTY whatever a class computed
+        (nQ, nK), (rows, cols) = tiles.counts, tiles.shape
+        real = (torch.arange(rows) < nQ)[:, None] & (torch.arange(cols) < nK)[None, :]
+        grid = torch.where(real, grid, EMPTY).to(torch.uint8)
+    return grid.contiguous()
 
 
 @dataclass(frozen=True, eq=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -123,11 +124,17 @@ class KeyPadding(Mask):
                 f"KeyPadding(lengths): expected a non-empty 1-D sequence with one length per batch element, "
                 f"got shape {tuple(lengths.shape)}."
             )
-        if bool((lengths < 0).any()):
-            raise ValueError(f"KeyPadding(lengths): expected lengths >= 0, got {lengths.tolist()}.")
         object.__setattr__(self, "lengths", lengths)
-        object.__setattr__(self, "_min", int(lengths.min()))
-        object.__setattr__(self, "_max", int(lengths.max()))
+        if torch.compiler.is_compiling():
+            # Traced, the lengths are data the host does not read (a read breaks the graph): the
+            # bounds take the safe answer (every tile PARTIAL to block_status); kernels read the lengths.
+            object.__setattr__(self, "_min", 0)
+            object.__setattr__(self, "_max", sys.maxsize)
+        else:
+            if bool((lengths < 0).any()):
+                raise ValueError(f"KeyPadding(lengths): expected lengths >= 0, got {lengths.tolist()}.")
+            object.__setattr__(self, "_min", int(lengths.min()))
+            object.__setattr__(self, "_max", int(lengths.max()))
         object.__setattr__(self, "batch_size", lengths.numel())
 
     def mask_mod(self, b, h, q_idx, kv_idx, *, q_offset=0, kv_offset=0):
