@@ -64,9 +64,10 @@ def test_json_schema(tiny_run):
 def test_outputs_written(tiny_run):
     out, results = tiny_run
     pytest.importorskip("matplotlib")
-    for name in ("time_vs_length.png", "memory_vs_length.png", "error_vs_speed.png"):
-        assert (out / name).stat().st_size > 1000
-        assert f"]({name})" in (out / "report.md").read_text()
+    for stem in ("time_vs_length", "memory_vs_length", "error_vs_speed"):  # one PNG, or one per pass and dtype
+        pngs = sorted(out.glob(f"{stem}*.png"))
+        assert pngs and all(p.stat().st_size > 1000 for p in pngs), stem
+        assert all(f"]({p.name})" in (out / "report.md").read_text() for p in pngs)
     report = (out / "report.md").read_text()
     assert "crossovers" in report and "results.json" in report
     assert str(out) not in report and str(out) not in (out / "results.json").read_text()  # no machine paths
@@ -421,3 +422,60 @@ def test_memory_measurement_leaves_the_allocator_as_a_process_has_it():
         torch.ones(size)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert faults < 20 * 1024 // 2, f"{faults} page faults for 20 reused 4 MiB tensors (1024 pages each)"
+
+
+def test_a_backend_name_never_wraps_in_the_terminal_table(monkeypatch):
+    pytest.importorskip("rich")
+    from attnkit.bench.report import terminal_table
+
+    monkeypatch.setenv("COLUMNS", "100")
+    rows = [_row(backend="auto", chosen="sliding_window", mask="bigbird", dtype="bfloat16", passes="train", n=16384,
+                 median_s=12.3456, iqr_s=0.5, runs=17, peak_bytes=3 * 2**30, gflops=1234.5),
+            _row(backend="sliding_window", chosen="sliding_window", mask="window"),
+            {**_row(backend="block_sparse"), "status": "skipped", "reason": "a long reason " * 12}]
+    text = terminal_table({"results": rows})
+    assert text.count("sliding_window") == 2, text  # whole, on one line each time
+
+
+def _sweep(masks, passes=("forward", "train"), dtypes=("float32",), lengths=(256, 1024), backends=("sdpa", "linear")):
+    return {"memory_method": "none", "results": [
+        _row(backend=b, chosen="sdpa" if b == "auto" else b, exact=b != "linear", mask=m, passes=p, dtype=d, n=n,
+             median_s=n * 1e-6)
+        for b in backends for m in masks for p in passes for d in dtypes for n in lengths]}
+
+
+def test_plots_hold_at_most_six_panels_and_no_single_point_panel(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    from attnkit.bench import plots
+
+    panels: list[int] = []
+    real = matplotlib.figure.Figure.savefig
+
+    def count(fig, *args, **kwargs):
+        drawn = [ax for ax in fig.axes if ax.get_visible() and (ax.lines or ax.collections)]
+        panels.append(len(drawn))
+        lines = [line for ax in drawn for line in ax.lines if line.get_label()[:1] != "_"]
+        assert all(len(line.get_xdata()) >= 2 for line in lines)
+        assert all(line.get_label() in plots.APPROXIMATE for line in lines if line.get_linestyle() == "--")
+        return real(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", count)
+    masks = ["none", "causal", "window", "bigbird", "padding"]
+    results = _sweep(masks, dtypes=("float32", "bfloat16"), backends=("sdpa", "linear", "auto"))
+    results["results"].append(_row(backend="naive", chosen="naive", mask="causal", n=256))  # one point: no line
+    made = plots.write_plots(results, tmp_path)
+    assert made and panels and max(panels) <= 6, panels
+    assert len({p.name for p in made}) == len(made) and all(p.exists() for p in made)
+    assert sum(panels[:len([p for p in made if p.name.startswith("time_vs_length")])]) == 2 * 2 * 5  # every panel drawn
+
+
+def test_dashed_lines_mean_approximate_in_every_plot_and_markers_differ():
+    from attnkit.bench.plots import STYLES, style
+
+    markers = [marker for _, marker in STYLES.values()]
+    assert len(set(markers)) == len(markers)
+    similar = [{"x", "X"}, {"p", "h", "H", "8"}, {"d", "D"}, {"1", "2", "3", "4"}, {".", ","}]
+    assert all(len(group & set(markers)) <= 1 for group in similar), markers
+    assert style("auto")["linestyle"] != "--" and style("sdpa")["linestyle"] != "--"

@@ -21,7 +21,8 @@ def missing_extra() -> str | None:
 
 
 # One colour and marker per backend in every plot and every run (a sweep measuring fewer backends
-# keeps the others' colours); exact backends are drawn solid, approximate ones dashed, auto dotted.
+# keeps the others' colours), with markers no two of which look alike. In every plot a dashed line means
+# one thing, an approximate backend: exact backends are drawn solid, approximate ones dashed, auto dotted.
 STYLES = {
     "naive": ("#1f77b4", "o"),
     "sdpa": ("#d62728", "s"),
@@ -31,13 +32,13 @@ STYLES = {
     "linear": ("#ff7f0e", "P"),
     "performer": ("#e377c2", "X"),
     "lsh": ("#17becf", "*"),
-    "native": ("#bcbd22", "p"),
+    "native": ("#bcbd22", ">"),
     "flex": ("#7f7f7f", "h"),
     "decode": ("#aec7e8", "<"),
-    "auto": ("#000000", "x"),
+    "auto": ("#000000", "+"),
 }
 _SPARE = ["#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d"]
-_SPARE_MARKERS = [">", "d", "8", "H", "1", "2"]
+_SPARE_MARKERS = ["8", "d", "H", "1", "2", "|"]
 APPROXIMATE = frozenset({"linear", "performer", "lsh"})
 
 
@@ -67,50 +68,63 @@ def _series(results: dict, passes: str, dtype: str, mask: str, key: str) -> dict
     return out
 
 
-def _grid(results: dict, key: str, scale: float, ylabel: str, title: str, path: Path) -> Path | None:
-    """One panel per (pass, dtype) row and mask column with at least one backend measured at two
-    or more lengths (a single point is no curve); None when no panel qualifies."""
+MAX_PANELS = 6  # per PNG: more panels are too small to read
+
+
+def _grid(results: dict, key: str, scale: float, ylabel: str, title: str, path: Path) -> list[Path]:
+    """Time (or memory) against length: one panel per (pass, dtype, mask) where a backend was measured
+    at two or more lengths (a single point is no curve, and is not drawn); one PNG per pass and dtype,
+    of at most ``MAX_PANELS`` panels (more masks: more PNGs). ``path`` itself when one PNG holds
+    everything, else ``<stem>-<pass>-<dtype>[-<page>].png`` beside it; [] when no panel qualifies."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [r for r in results["results"] if r["status"] == "ok"]
-    combos = sorted({(r["passes"], r["dtype"]) for r in ok})
-    masks = list(dict.fromkeys(r["mask"] for r in ok))
+    panels: dict[tuple[str, str], list] = {}  # (pass, dtype) -> [(mask, {backend: (xs, ys, exact)})]
+    for passes, dtype, mask in sorted(dict.fromkeys((r["passes"], r["dtype"], r["mask"]) for r in ok),
+                                      key=lambda c: (c[0], c[1])):
+        curves = {b: c for b, c in _series(results, passes, dtype, mask, key).items() if len(c[0]) >= 2}
+        if curves:
+            panels.setdefault((passes, dtype), []).append((mask, curves))
+    pages = [(group, page, cells[i:i + MAX_PANELS]) for group, cells in panels.items()
+             for page, i in enumerate(range(0, len(cells), MAX_PANELS), 1)]
+    made = []
+    for (passes, dtype), page, cells in pages:
+        several = len(cells) < len(panels[passes, dtype])  # this pass and dtype take more than one page
+        name = path.name if len(pages) == 1 else (
+            f"{path.stem}-{passes}-{dtype}{f'-{page}' if several else ''}{path.suffix}")
+        made.append(_grid_page(plt, f"{passes}, {dtype}", cells, scale, ylabel, title, path.with_name(name)))
+    return made
 
-    def has_curve(passes, dtype, mask):
-        return any(len(xs) >= 2 for xs, _, _ in _series(results, passes, dtype, mask, key).values())
 
-    combos = [c for c in combos if any(has_curve(*c, m) for m in masks)]
-    masks = [m for m in masks if any(has_curve(*c, m) for c in combos)]
-    if not combos or not masks:
-        return None
-    fig, axes = plt.subplots(len(combos), len(masks), figsize=(3.6 * len(masks) + 1.6, 3.0 * len(combos)),
-                             squeeze=False)
+def _grid_page(plt, what: str, cells: list, scale: float, ylabel: str, title: str, path: Path) -> Path:
+    cols = min(3, len(cells))
+    rows = -(-len(cells) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols + 1.6, 3.0 * rows), squeeze=False)
     handles: dict[str, object] = {}
-    for i, (passes, dtype) in enumerate(combos):
-        for j, mask in enumerate(masks):
-            ax = axes[i][j]
-            series = _series(results, passes, dtype, mask, key)
-            for backend, (xs, ys, exact) in sorted(series.items()):
-                (line,) = ax.plot(xs, [y * scale for y in ys], markersize=4, label=backend, **style(backend, exact))
-                handles.setdefault(backend, line)
-            if not series:
-                ax.text(0.5, 0.5, "nothing measured", ha="center", va="center", transform=ax.transAxes, fontsize=8)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_title(f"{mask_spec(mask).label}, {dtype}, {passes}", fontsize=9)
-            ax.tick_params(labelsize=8)
-            ax.grid(True, which="major", alpha=0.3)
-            if i == len(combos) - 1:
-                ax.set_xlabel("sequence length n", fontsize=9)
-            if j == 0:
-                ax.set_ylabel(ylabel, fontsize=9)
+    for n, ax in enumerate(ax for row in axes for ax in row):
+        if n >= len(cells):
+            ax.set_visible(False)
+            continue
+        mask, curves = cells[n]
+        for backend, (xs, ys, exact) in sorted(curves.items()):
+            (line,) = ax.plot(xs, [y * scale for y in ys], markersize=4, label=backend, **style(backend, exact))
+            handles.setdefault(backend, line)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(mask_spec(mask).label, fontsize=9)
+        ax.tick_params(labelsize=8)
+        ax.grid(True, which="major", alpha=0.3)
+        if n + cols >= len(cells):
+            ax.set_xlabel("sequence length n", fontsize=9)
+        if n % cols == 0:
+            ax.set_ylabel(ylabel, fontsize=9)
     order = [b for b in STYLES if b in handles] + sorted(b for b in handles if b not in STYLES)
     fig.legend([handles[b] for b in order], order, loc="center right", fontsize=8,
                title="solid: exact\ndashed: approximate\ndotted: auto", title_fontsize=7)
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle(f"{title} ({what})", fontsize=11)
     fig.subplots_adjust(left=0.07, right=1 - 1.5 / fig.get_figwidth(), bottom=0.12, top=0.86, wspace=0.3,
                         hspace=0.5)  # tight_layout is slow
     fig.savefig(path, dpi=90)
@@ -154,7 +168,8 @@ def _error_vs_speed(results: dict, path: Path) -> Path | None:
 
 def _auto_over_best(results: dict, path: Path) -> Path | None:
     """Is ``auto`` the fastest? auto's time over the best measured backend's against length, one
-    panel per pass, one line per mask (solid float32, dashed other dtypes), 1.0 and 1.05 marked."""
+    panel per pass, one line per mask and dtype (a colour per mask, a marker per dtype: dashed lines
+    mean approximate backends in every plot), 1.0 and 1.05 marked."""
     from .report import AUTO_GOOD_ENOUGH, auto_ratios
 
     rows = auto_ratios(results)
@@ -168,12 +183,13 @@ def _auto_over_best(results: dict, path: Path) -> Path | None:
     passes = sorted({r["passes"] for r in rows})
     fig, axes = plt.subplots(1, len(passes), figsize=(5.5 * len(passes), 4), squeeze=False, sharey=True)
     colours = dict(zip(dict.fromkeys(r["mask"] for r in rows), plt.get_cmap("tab10").colors))
+    markers = dict(zip(dict.fromkeys(r["dtype"] for r in rows), "os^vD"))
     for ax, passes_name in zip(axes[0], passes):
         for (mask, dtype) in dict.fromkeys((r["mask"], r["dtype"]) for r in rows if r["passes"] == passes_name):
             pts = sorted((r["n"], r["auto_over_best"]) for r in rows
                          if (r["mask"], r["dtype"], r["passes"]) == (mask, dtype, passes_name))
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colours[mask],
-                    linestyle="-" if dtype == "float32" else "--", label=f"{mask_spec(mask).label} {dtype}")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[dtype], color=colours[mask],
+                    linestyle="-", label=f"{mask_spec(mask).label} {dtype}")
         ax.axhline(1.0, color="gray", linewidth=0.8)
         ax.axhline(AUTO_GOOD_ENOUGH, color="gray", linewidth=0.8, linestyle=":")
         ax.set_xscale("log", base=2)
@@ -194,10 +210,10 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
     auto over the best backend."""
     method = results["memory_method"].split(" (")[0]
     made = [
-        _grid(results, "median_s", 1e3, "median time per call (ms)", "Time per call vs sequence length",
-              out_dir / "time_vs_length.png"),
-        _grid(results, "peak_bytes", 2**-20, "peak memory (MiB)", f"Peak memory vs sequence length ({method})",
-              out_dir / "memory_vs_length.png"),
+        *_grid(results, "median_s", 1e3, "median time per call (ms)", "Time per call vs sequence length",
+               out_dir / "time_vs_length.png"),
+        *_grid(results, "peak_bytes", 2**-20, "peak memory (MiB)", f"Peak memory vs sequence length ({method})",
+               out_dir / "memory_vs_length.png"),
         _error_vs_speed(results, out_dir / "error_vs_speed.png"),
         _auto_over_best(results, out_dir / "auto_vs_best.png"),
     ]

@@ -52,11 +52,14 @@ def format_table(rows: list[list[str]], header: list[str], markdown: bool = Fals
                                     for i, (c, w) in enumerate(zip(r, widths))).rstrip()
         return "\n".join([align(header), align(["-" * w for w in widths])] + [align(r) for r in rows])
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="")
-    # Too wide: narrow the widest text column first (never below 12 characters or its header), so
-    # short cells stay on one line and only long text (reasons, lists) wraps; no column is dropped.
+    # Too wide: narrow the widest text column first (never below 12 characters, its header or its
+    # longest word up to 24 characters, so a name such as sliding_window is never cut), so short cells
+    # stay on one line and only long text (reasons, lists) wraps at spaces; no column is dropped.
     widths = [max([len(name)] + [len(str(r[i])) for r in rows]) for i, name in enumerate(header)]
+    floors = [max([12, len(name)] + [min(len(word), 24) for r in rows for word in str(r[i]).split()])
+              for i, name in enumerate(header)]
     while sum(widths) + 3 * (len(widths) - 1) > width:
-        text = [i for i in range(len(widths)) if i not in right and widths[i] > max(12, len(header[i]))]
+        text = [i for i in range(len(widths)) if i not in right and widths[i] > floors[i]]
         if not text:
             break
         widths[max(text, key=lambda i: widths[i])] -= 1
@@ -89,7 +92,7 @@ def terminal_table(results: dict, markdown: bool = False, group_skips: bool = Fa
     line per backend and reason, with the case count, for the terminal)."""
     rows, skipped = [], []
     for r in results["results"]:
-        name = r["backend"] + (f"->{r['chosen']}" if r["backend"] == "auto" and r["status"] == "ok" else "")
+        name = r["backend"] + (f" -> {r['chosen']}" if r["backend"] == "auto" and r["status"] == "ok" else "")
         head = [r["dtype"], r["passes"], r["mask"], str(r["n"]), name]
         if r["status"] == "ok":
             mem = "-" if r["peak_bytes"] is None else describe_bytes(r["peak_bytes"])
