@@ -42,7 +42,18 @@ _FILE_MARKS = {
 }
 # A test (or a module-level helper or fixture it uses) whose source contains one of these is marked.
 _SOURCE_MARKS = (("subprocess.", "subprocess"), ("os.fork(", "subprocess"), ("torch.compile(", "compile"),
-                 ("init_process_group", "distributed"))
+                 ("torch._dynamo.", "compile"), ("init_process_group", "distributed"))
+# The costliest tests of the suite (each several seconds on 2 shared cores): they run whole benchmarks and
+# calibrations, load Hugging Face models, search with hypothesis, or repeat decode sweeps on two threads.
+# `make test` runs them; the fast tier keeps the one-thread decode sweeps, the table-file tests and test_properties.
+_SLOW_TESTS = {
+    "test_bench.py": ("test_json_schema", "test_outputs_written"),
+    "test_bench_calibrate.py": ("*",),
+    "test_properties_fuzz.py": ("*",),
+    "test_interop_bert.py": ("test_every_layer_matches_hf_on_every_exact_backend",),
+    "test_cli_usage.py": ("test_embed_with_an_approximate_backend_says_so",),
+}
+_SLOW_IDS = (("test_decode_batch_invariance.py", "threads2"),)  # (file, a part of the test id)
 
 
 def _sources(item) -> str:
@@ -76,6 +87,10 @@ def pytest_collection_modifyitems(config, items):
         marks = set()
         if item.path.name in _FILE_MARKS:
             marks.add(_FILE_MARKS[item.path.name])
+        slow = _SLOW_TESTS.get(item.path.name, ())
+        if "*" in slow or getattr(item, "originalname", item.name) in slow or any(
+                item.path.name == name and part in item.name for name, part in _SLOW_IDS):
+            marks.add("slow")
         source = _sources(item)
         marks.update(mark for needle, mark in _SOURCE_MARKS if needle in source)
         for mark in sorted(marks):
