@@ -152,3 +152,88 @@ def test_compiled_native_runs_learnable_score_mods_and_sinks():
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(got_grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _padded_or_packed(kind: str):
+    """(model class, input_ids, keyword arguments) of a padded or packed batch."""
+    g = torch.Generator().manual_seed(3)
+    if kind == "padded":  # right padded: rows of 17 and 9 tokens
+        attention_mask = torch.ones(2, 17, dtype=torch.long)
+        attention_mask[1, 9:] = 0
+        return GPT, torch.randint(0, 64, (2, 17), generator=g), {"attention_mask": attention_mask}
+    if kind == "packed":  # three sequences in one row, each at its own positions
+        return GPT, torch.randint(0, 64, (1, 30), generator=g), {"cu_seqlens": torch.tensor([0, 7, 19, 30])}
+    if kind == "restarting positions":  # packed by the caller: positions restart, padding after the second
+        positions = torch.cat([torch.arange(7), torch.arange(10)])[None].expand(2, -1)
+        attention_mask = torch.ones(2, 17, dtype=torch.long)
+        attention_mask[0, 14:] = 0
+        return GPT, torch.randint(0, 64, (2, 17), generator=g), {"positions": positions,
+                                                                  "attention_mask": attention_mask}
+    # document ids: an encoder whose tokens attend within their document, and padding
+    from attnkit.masks import Document
+    from attnkit.nn.models import Encoder
+
+    ids = torch.tensor([[0] * 6 + [1] * 11, [0] * 12 + [1] * 5])
+    attention_mask = torch.ones(2, 17, dtype=torch.long)
+    attention_mask[1, 15:] = 0
+    return Encoder, torch.randint(0, 64, (2, 17), generator=g), {"mask": Document(ids),
+                                                                  "attention_mask": attention_mask}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["padded", "packed", "restarting positions", "document ids"])
+def test_padded_and_packed_models_compile_without_graph_breaks(kind, dtype):
+    # the mask path reads nothing on the host while traced (a density, a lengths check, an all-valid test)
+    torch.manual_seed(0)
+    cls, x, kwargs = _padded_or_packed(kind)
+    cfg = TransformerConfig(vocab_size=64, max_len=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    model = cls(cfg).to(dtype)
+    explained = torch._dynamo.explain(model)(x, **kwargs)
+    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+    got = torch.compile(model, fullgraph=True, backend="aot_eager")(x, **kwargs)
+    ref = model(x, **kwargs)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got, ref, **tol)
+
+
+@pytest.mark.parametrize("backend", ["auto", pytest.param("native", marks=needs_build)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_half_precision_attention_compiles_and_equals_eager(dtype, backend):
+    # forward and gradients under fullgraph, without a graph break, as eager within the dtype's rounding
+    from attnkit.masks import KeyPadding
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 53, 16, generator=g).to(dtype).requires_grad_()
+    k, v = (torch.randn(2, 2, 53, 16, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    mask = (SlidingWindow(9, 0) & Causal()) & KeyPadding([50, 31])
+
+    def f(q, k, v):
+        return attnkit.attention(q, k, v, mask=mask, backend=backend)
+
+    assert torch._dynamo.explain(f)(q, k, v).graph_break_count == 0
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    got_grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+    ref = f(q, k, v)
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 5e-3, "atol": 5e-3}
+    torch.testing.assert_close(got, ref, **tol)
+    for a, b in zip(got_grads, ref_grads):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@needs_build
+@pytest.mark.parametrize("mask", [Causal(), SlidingWindow(5, 3), SlidingWindow(7, 0) & Causal(),
+                                  SlidingWindow(None, 4), SlidingWindow(3, 0) | SlidingWindow(0, 2)],
+                         ids=["Causal", "SlidingWindow", "SlidingWindow&Causal", "SlidingWindow(None,4)", "Or"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_varlen_band_masks_compile_under_auto_without_graph_breaks(mask, dtype):
+    (q, k, v), cu = _packed([30, 1, 75, 44], seed=5)
+    q, k, v = (x.detach().to(dtype) for x in (q, k, v))
+
+    def f(q, k, v, cu):
+        return attnkit.varlen_attention(q, k, v, cu, cu, mask=mask)
+
+    assert torch._dynamo.explain(f)(q, k, v, cu).graph_break_count == 0
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, cu)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got, f(q, k, v, cu), **tol)
