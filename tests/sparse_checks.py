@@ -7,14 +7,11 @@ import torch
 
 import attnkit
 from tests.reference import flash_rule_ok, max_error, reference_attention, reference_attention_lowp
+from tests.inputs import qkv
 
 
 def make_qkv(B, Hq, Hkv, Tq, Tk, D, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, Tq, D, generator=g).to(dtype).requires_grad_()
-    k = torch.randn(B, Hkv, Tk, D, generator=g).to(dtype).requires_grad_()
-    v = torch.randn(B, Hkv, Tk, D, generator=g).to(dtype).requires_grad_()
-    return q, k, v
+    return qkv(B, Hq, Hkv, Tq, Tk, D, dtype=dtype, seed=seed, requires_grad=True)
 
 
 def check_against_reference(backend, q, k, v, *, mask=None, bias=None, options=None, q_offset=None, kv_offset=0,

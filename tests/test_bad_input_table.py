@@ -23,6 +23,8 @@ from attnkit.cli.main import main
 from attnkit.masks import BlockSparse, GlobalTokens, longformer
 from attnkit.nn import AttentionConfig, TransformerConfig
 
+from .inputs import tiny_gpt
+
 NAN, INF = math.nan, math.inf
 # the backends' option dataclasses, found through the registry (their modules may move)
 NaiveOptions, TiledOptions, SlidingWindowOptions, LinearOptions, PerformerOptions, LSHOptions = (
@@ -49,10 +51,7 @@ def _cache_dv_change():
 
 
 def _gpt():
-    from attnkit.nn import GPT
-
-    torch.manual_seed(0)
-    return GPT(TransformerConfig(vocab_size=16, max_len=32, embed_dim=8, num_layers=1, num_heads=2)).eval()
+    return tiny_gpt(vocab_size=16, max_len=32, embed_dim=8, num_layers=1, num_heads=2)
 
 
 def gen(**kwargs):

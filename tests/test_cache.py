@@ -10,8 +10,10 @@ from attnkit.cache import (
     StaticLayerCache,
 )
 from attnkit.inputs import AttentionInputs
-from attnkit.nn import GPT, AttentionConfig, MultiHeadAttention, TransformerConfig
+from attnkit.nn import AttentionConfig, MultiHeadAttention
 from attnkit.registry import list_backends as backends
+
+from .inputs import tiny_gpt
 
 T, WINDOW = 37, 5
 KINDS = ["dynamic", "static", "sliding_window"]
@@ -38,11 +40,8 @@ BACKENDS = _offset_backends()
 
 
 def _model(backend="auto", kind="dynamic", position="rope", **kw):
-    torch.manual_seed(0)
-    cfg = TransformerConfig(vocab_size=50, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, max_len=64,
-                            position=position, backend=backend,
-                            sliding_window=WINDOW if kind == "sliding_window" else None, **kw)
-    return GPT(cfg).eval()
+    return tiny_gpt(num_kv_heads=2, position=position, backend=backend,
+                    sliding_window=WINDOW if kind == "sliding_window" else None, **kw)
 
 
 def _decode(model, x, cache, chunk):

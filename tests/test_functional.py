@@ -12,11 +12,11 @@ from attnkit import Causal, KeyPadding
 from attnkit.backends.naive import NaiveOptions
 from attnkit.backends.tiled import TiledOptions
 
+from .inputs import qkv
+
 
 def _qkv(B=2, Hq=4, Hkv=4, Tq=6, Tk=9, D=8, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, Hq, Tq, D, generator=g).to(dtype), torch.randn(B, Hkv, Tk, D, generator=g).to(dtype),
-            torch.randn(B, Hkv, Tk, D, generator=g).to(dtype))
+    return qkv(B, Hq, Hkv, Tq, Tk, D, dtype=dtype, seed=seed)
 
 
 # -- SDPA drop-in ---------------------------------------------------------------------------------

@@ -2,13 +2,13 @@ import pytest
 import torch
 
 from attnkit.generation import generate, process_logits, stream
-from attnkit.nn import GPT, EncoderDecoder, TransformerConfig
+from attnkit.nn import EncoderDecoder, TransformerConfig
+
+from .inputs import tiny_gpt
 
 
 def _gpt(position="learned", **kw):
-    torch.manual_seed(0)
-    return GPT(TransformerConfig(vocab_size=50, embed_dim=32, num_layers=2, num_heads=4, max_len=64,
-                                 position=position, **kw)).eval()
+    return tiny_gpt(position=position, **kw)
 
 
 def test_greedy_equals_argmax_of_full_forward():

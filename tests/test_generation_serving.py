@@ -7,13 +7,13 @@ import torch
 
 from attnkit.cache import PagedKVCache
 from attnkit.generation import generate, stream
-from attnkit.nn import GPT, TransformerConfig
+from attnkit.nn import GPT
+
+from .inputs import tiny_gpt
 
 
 def _gpt(position="learned", **kw):
-    torch.manual_seed(0)
-    return GPT(TransformerConfig(vocab_size=50, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, max_len=96,
-                                 position=position, **kw)).eval()
+    return tiny_gpt(num_kv_heads=2, max_len=96, position=position, **kw)
 
 
 @pytest.mark.parametrize("quantize", [None, "int8"])

@@ -24,6 +24,7 @@ from attnkit.masks import base as mask_base
 from attnkit.registry import list_backends
 
 from .reference import reference_attention
+from .inputs import qkv
 
 T, B, H = 24, 2, 2
 _gen = torch.Generator().manual_seed(0)
@@ -174,9 +175,7 @@ def test_structure_key_tells_combinations_apart_for_the_measured_table():
 
 # -- Custom masks see every b and h (FlexAttention's contract) ------------------------------------------------
 def _qkv(Bq=3, Hq=4, Hkv=2, Tq=16, Tk=16, D=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(Bq, Hq, Tq, D, generator=g), torch.randn(Bq, Hkv, Tk, D, generator=g),
-            torch.randn(Bq, Hkv, Tk, D, generator=g))
+    return qkv(Bq, Hq, Hkv, Tq, Tk, D, seed=seed)
 
 
 LENGTHS = torch.tensor([5, 16, 11])

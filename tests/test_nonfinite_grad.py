@@ -22,6 +22,8 @@ from attnkit.backends import nonfinite
 from attnkit.inputs import AttentionInputs
 from attnkit.masks import BlockSparse
 
+from .inputs import qkv
+
 NAN, INF = float("nan"), float("inf")
 B, HQ, HKV, T, D = 2, 4, 2, 37, 16  # GQA: two query heads per key/value head
 LENGTHS = [T, 23]
@@ -43,9 +45,7 @@ def _mask_for(backend, kind):
 
 
 def _qkv(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, HQ, T, D, generator=g), torch.randn(B, HKV, T, D, generator=g),
-            torch.randn(B, HKV, T, D, generator=g))
+    return qkv(B, HQ, HKV, T, T, D, seed=seed)
 
 
 def _exact_backends():

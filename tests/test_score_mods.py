@@ -15,6 +15,8 @@ from attnkit.backends.native import load_extension as _load_native
 from attnkit.backends.tiled import TiledOptions
 from attnkit.score_mods import ALiBi, CustomScoreMod, RelativeBias, SoftCap, as_score_mod, t5_bucket
 
+from .inputs import tiny_gpt
+
 B, H, HKV, T, D = 2, 4, 2, 50, 16
 # Candidate masks, most general first; each backend that declares score modifiers and sinks is
 # tested with the first one it accepts (so a newly registered backend is tested at once).
@@ -233,12 +235,7 @@ def test_bad_score_mods_are_refused_clearly(make, fragment):
 
 # -- models -------------------------------------------------------------------------------------
 def _gpt(backend, **kw):
-    from attnkit.nn import GPT, TransformerConfig
-
-    torch.manual_seed(0)
-    cfg = TransformerConfig(vocab_size=40, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, max_len=64,
-                            backend=backend, **kw)
-    model = GPT(cfg).eval()
+    model = tiny_gpt(vocab_size=40, num_kv_heads=2, backend=backend, **kw)
     for name, p in model.named_parameters():  # learned biases/sinks start at zero: make them matter
         if "relative_bias" in name or name.endswith("sinks"):
             torch.nn.init.normal_(p, std=1.0)
