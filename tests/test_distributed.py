@@ -352,9 +352,10 @@ def test_a_rank_that_raises_inside_the_exchange_ends_every_rank_with_its_error()
         assert status == "ok", f"rank {rank}: {value}"
     for rank, (_, seen) in results.items():
         for name in ("ring-forward", "zigzag-forward", "ring-backward", "ulysses-forward", "ulysses-backward"):
-            message, waited, ranks = seen[name]
+            message, _, ranks = seen[name]  # (no bound on the time taken: run_group's join timeout, under the
+            # process group's, already tells a raised error from a hang that only the group's timeout ends)
             assert "failed on rank(s) [1]" in message and "simulated failure" in message, (rank, name, message)
-            assert ranks == (1,) and waited < 20, (rank, name, waited)
+            assert ranks == (1,), (rank, name, ranks)
         assert seen["after"] < 1e-12
 
 
