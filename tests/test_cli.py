@@ -102,7 +102,8 @@ def test_demo_runs_as_module():
 
 MISTAKES = [
     (["info", "--shape", "1,2,3"], "--shape"),
-    (["info", "--shape", "1,8,16,64", "--kv-heads", "3"], "--kv-heads 3"),
+    (["info", "--shape", "1,8,16,64", "--num-kv-heads", "3"], "--num-kv-heads 3"),
+    (["info", "--shape", "1,8,16,64", "--num-kv-heads", "0"], "--num-kv-heads"),
     (["info", "--shape", "1,8,16,64", "--kv-heads", "0"], "--kv-heads"),
     (["info", "--shape", "1,8,16,64", "--kv-len", "-4"], "--kv-len"),
     (["info", "--mask", "window:0"], "--mask"),
@@ -298,3 +299,10 @@ def test_argparse_mistakes_are_one_line_without_the_usage(argv, first, capsys):
     assert code == 2 and not out
     assert len(err.strip().splitlines()) == 1 and err.startswith(first), err
     assert "--help" in err  # where the usage is, since it is no longer printed
+
+
+def test_the_old_kv_heads_flag_still_works_and_says_to_write_num_kv_heads(capsys):
+    code, out, err = run_cli(["info", "--shape", "1,8,16,64", "--kv-heads", "2"], capsys)
+    assert code == 0 and "--kv-heads is deprecated; use --num-kv-heads" in err
+    assert "k (1, 2, 16, 64)" in " ".join(out.split()), out
+    assert "--kv-heads" not in run_cli(["info", "--help"], capsys)[1]  # not advertised any more

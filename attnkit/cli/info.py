@@ -3,7 +3,7 @@
 Examples:
     python -m attnkit info
     python -m attnkit info --shape 1,8,1024,64 --mask causal
-    python -m attnkit info --shape 1,8,4096,64 --kv-heads 2 --mask window:256 --dtype bfloat16
+    python -m attnkit info --shape 1,8,4096,64 --num-kv-heads 2 --mask window:256 --dtype bfloat16
     python -m attnkit info --shape 1,8,4096,64 --mask bigbird
 """
 
@@ -26,7 +26,7 @@ from ..dispatch import explain
 from ..masks import Custom, Dense, Document, KeyPadding, Mask, SlidingWindow
 from ..inputs import FLOAT_DTYPES
 from ..registry import ALL_DEVICES, list_backends
-from .options import device, positive_int
+from .options import add_deprecated_alias, device, positive_int
 
 MASK_HELP = (
     "one of the masks `bench` measures: none | causal | window[:LEFT[,RIGHT]] (default 256,0) | "
@@ -85,8 +85,9 @@ def parse_mask(text: str) -> MaskChoice:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", type=parse_shape, help="query shape B,H,T,D: explain the choice for this input")
     parser.add_argument("--kv-len", type=positive_int, default=None, help="key length Tk (default: T)")
-    parser.add_argument("--kv-heads", type=positive_int, default=None,
+    parser.add_argument("--num-kv-heads", type=positive_int, default=None,
                         help="key/value heads Hkv, a divisor of H (default: H)")
+    add_deprecated_alias(parser, "--kv-heads", "--num-kv-heads")
     parser.add_argument("--mask", type=parse_mask, default=None, help=MASK_HELP)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     parser.add_argument("--device", type=device, default="cpu", help="a device this machine has (default cpu)")
@@ -213,10 +214,10 @@ def run(args: argparse.Namespace) -> int:
     if args.shape is not None:  # build and check the input first: a mistake is reported before any output
         B, H, T, D = args.shape
         Tk = args.kv_len or T
-        Hkv = args.kv_heads or H
+        Hkv = args.num_kv_heads or H
         if H % Hkv:
-            raise ValueError(f"--kv-heads {Hkv}: must divide the {H} query heads of --shape "
-                             f"(grouped-query attention); e.g. --kv-heads {H} or 1")
+            raise ValueError(f"--num-kv-heads {Hkv}: must divide the {H} query heads of --shape "
+                             f"(grouped-query attention); e.g. --num-kv-heads {H} or 1")
         dtype = getattr(torch, args.dtype)
         need = (B * H * T * D + 2 * B * Hkv * Tk * D) * dtype.itemsize
         have = _memory_bytes()

@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["bounded_int", "positive_int", "nonnegative_int", "int_list", "name_list", "device", "warn_if_approximate"]
+__all__ = ["bounded_int", "positive_int", "nonnegative_int", "int_list", "name_list", "device", "warn_if_approximate",
+           "add_deprecated_alias"]
 
 
 def _int(text: str) -> int:
@@ -103,3 +104,19 @@ def device(text: str) -> str:
     if dev.index is not None and dev.index >= count:
         raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} {dev.type} device(s) (0..{count - 1})")
     return text
+
+
+def add_deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Accept flag ``old`` as a hidden alias of the flag ``new`` (already added, with its type): it
+    stores into ``new``'s destination and says on stderr, once per use, to write ``new``."""
+    import sys
+
+    target = next(a for a in parser._actions if new in a.option_strings)
+
+    class Alias(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            print(f"{parser.prog}: warning: {old} is deprecated; use {new}", file=sys.stderr)
+            setattr(namespace, self.dest, values)
+
+    parser.add_argument(old, dest=target.dest, type=target.type, default=argparse.SUPPRESS, action=Alias,
+                        help=argparse.SUPPRESS)
