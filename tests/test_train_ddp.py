@@ -55,3 +55,27 @@ def test_two_process_ddp_matches_one_process(tmp_path):
     assert two == pytest.approx(one, rel=1e-5)
     # rank 0 alone wrote the checkpoint
     assert sorted(d for d in os.listdir(tmp_path / "two") if d.startswith("step-")) == ["step-000004"]
+
+
+def test_context_parallels_rank_local_buffers_raise_no_future_warning(tmp_path):
+    """ContextParallel keeps rank-local buffers with DDP's broadcast_buffers=False, which torch's own
+    deprecation message says to keep using: attnkit says nothing about it to the user."""
+    import types
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from attnkit.train.distributed import DistContext
+    from attnkit.train.parallel import ContextParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        fake = types.SimpleNamespace(ctx=DistContext(rank=0, world=2), _ddp_options=ContextParallel._ddp_options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapped = ContextParallel.wrap(fake, torch.nn.Linear(2, 2))
+        assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+        assert not [w for w in caught if "broadcast_buffers" in str(w.message)], [str(w.message) for w in caught]
+    finally:
+        dist.destroy_process_group()

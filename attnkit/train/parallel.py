@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import resource
 import sys
+import warnings
 
 from torch import Tensor, nn
 
@@ -49,8 +50,13 @@ class DataParallel:
         if not self.ctx.enabled:
             return model
         device = self.ctx.device
-        return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                                   **self._ddp_options)
+        with warnings.catch_warnings():
+            # torch deprecates broadcast_buffers for forward_sync_buffers, whose False still syncs the
+            # buffers at init; its own message says to keep broadcast_buffers=False for rank-local
+            # buffers (ContextParallel's) until init_sync_buffers exists: not the user's to act on.
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+            return nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None, **self._ddp_options)
 
     _ddp_options: dict = {}
 
