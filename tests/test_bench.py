@@ -14,6 +14,7 @@ from attnkit.dispatch import table as calibration
 from attnkit.inputs import AttentionInputs
 
 from .test_bench_calibrate import confirm_at_32  # noqa: F401  (a fixture)
+from .inputs import qkv
 
 TINY = ["--lengths", "16,32", "--heads", "2", "--head-dim", "8", "--window", "8", "--min-run-time", "0.001",
         "--no-progress"]
@@ -91,7 +92,7 @@ def test_skip_by_time_budget():
 
 
 def _qkv(n=64):
-    return torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
+    return qkv(1, 2, 2, n, n, 8)
 
 
 def test_without_a_table_the_static_rule_decides_and_info_says_so(capsys):

@@ -15,6 +15,8 @@ import attnkit
 from attnkit import Causal, KeyPadding, SlidingWindow
 from attnkit.inputs import AttentionInputs
 
+from .inputs import qkv
+
 B, HQ, HKV, T, D = 2, 4, 2, 24, 8
 NAN, INF = float("nan"), float("inf")
 EXACT = [name for name, impl in attnkit.list_backends().items() if impl.exact]
@@ -25,11 +27,7 @@ KEY = 13
 
 
 def _inputs(dtype=torch.float32):
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, HQ, T, D, generator=g, dtype=dtype)
-    k = torch.randn(B, HKV, T, D, generator=g, dtype=dtype)
-    v = torch.randn(B, HKV, T, D, generator=g, dtype=dtype)
-    return q, k, v
+    return qkv(B, HQ, HKV, T, T, D, dtype=dtype)
 
 
 def _mask_for(backend):

@@ -19,14 +19,14 @@ from attnkit.backends import nonfinite
 from attnkit.inputs import AttentionInputs
 from attnkit.masks import BlockSparse
 
+from .inputs import qkv
+
 NAN, INF = float("nan"), float("inf")
 B, HQ, HKV, T, D = 3, 6, 3, 53, 19  # odd sizes, GQA, unlike the other NaN tests
 
 
 def _qkv(Tq=T, Tk=T, Dh=D, seed=1, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, HQ, Tq, Dh, generator=g, dtype=dtype), torch.randn(B, HKV, Tk, Dh, generator=g, dtype=dtype),
-            torch.randn(B, HKV, Tk, Dh, generator=g, dtype=dtype))
+    return qkv(B, HQ, HKV, Tq, Tk, Dh, dtype=dtype, seed=seed)
 
 
 def _masks(n=T):

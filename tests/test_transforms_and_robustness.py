@@ -12,6 +12,7 @@ from attnkit.backends import sliding_window as sw
 from attnkit.backends.tiled import TiledOptions
 
 from .reference import reference_attention as _reference
+from .inputs import qkv
 
 
 def reference_attention(*args, **kwargs):
@@ -34,8 +35,7 @@ SMALL_TILES = {
 
 
 def _inputs(B=2, H=2, T=64, D=16, seed=0, grad=True):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, H, T, D, generator=g).requires_grad_(grad) for _ in range(3)]
+    return list(qkv(B, H, H, T, T, D, seed=seed, requires_grad=grad))
 
 
 def _call(name):
