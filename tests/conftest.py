@@ -51,7 +51,7 @@ _SLOW_TESTS = {
     "test_bench_calibrate.py": ("*",),
     "test_properties_fuzz.py": ("*",),
     "test_interop_bert.py": ("test_every_layer_matches_hf_on_every_exact_backend",),
-    "test_cli_usage.py": ("test_embed_with_an_approximate_backend_says_so",),
+    "test_cli.py": ("test_embed_with_an_approximate_backend_says_so",),
 }
 _SLOW_IDS = (("test_decode_batch_invariance.py", "threads2"),)  # (file, a part of the test id)
 
