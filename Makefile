@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 # step says why and install goes on (the `native` backend then declines; everything else runs).
 NATIVE := attnkit/csrc/_build/stamp.json
 $(NATIVE): $(wildcard attnkit/csrc/*.cpp attnkit/csrc/*.h) attnkit/csrc/build.py $(VENV)/.installed
-	-$(PY) -c "import sys, attnkit.csrc.build as b; sys.exit(b.main())"  # (not -m: attnkit imports it first) "-": attnkit works without the kernel; build.py prints the real error and exits 1
+	-$(PY) -m attnkit build  # "-": attnkit works without the kernel; the command prints the real error and exits 1
 
 install: $(VENV)/.installed $(NATIVE)
 

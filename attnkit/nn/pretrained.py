@@ -41,7 +41,7 @@ __all__ = ["PretrainedModel", "save_pretrained", "load_pretrained", "config_from
 
 FORMAT_VERSION = 1
 CONFIG_LIMIT_BYTES = 2**20  # a config.json is a few KB; more is not a config
-_FIX = "pass a directory written by save_pretrained() or the --out directory of `python -m attnkit train`"
+_FIX = "pass a directory written by save_pretrained() or the --out directory of `attnkit train`"
 _MODELS: dict[str, type] = {}
 
 
