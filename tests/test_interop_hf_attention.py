@@ -437,3 +437,32 @@ def test_packed_position_ids_under_a_plain_causal_mask_are_named_once(monkeypatc
         model(ids, position_ids=pos, use_cache=True)
     named = [w for w in caught if "position_ids restart" in str(w.message)]
     assert len(named) == 1 and "use_cache=False" in str(named[0].message)
+
+
+@pytest.mark.parametrize("batch", ["plain", "padded", "packed"])
+def test_an_hf_model_on_attnkit_compiles_fullgraph_under_auto_and_equals_eager(batch):
+    register_hf_attention()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("attnkit")
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    kwargs = {"input_ids": ids}
+    if batch == "padded":
+        mask = torch.ones(2, 20, dtype=torch.long)
+        mask[1, 13:] = 0
+        kwargs["attention_mask"] = mask
+    elif batch == "packed":
+        kwargs = {"input_ids": ids[:1], "position_ids": torch.cat([torch.arange(8), torch.arange(12)])[None]}
+
+    def logits(**kw):
+        return model(**kw, use_cache=False).logits
+
+    torch._dynamo.reset()
+    compiled = torch.compile(logits, fullgraph=True, backend="aot_eager")  # a graph break raises
+    with torch.no_grad():
+        got, ref = compiled(**kwargs), logits(**kwargs)
+    torch._dynamo.reset()
+    keep = kwargs["attention_mask"].bool() if batch == "padded" else torch.ones(got.shape[:2], dtype=torch.bool)
+    torch.testing.assert_close(got[keep], ref[keep], rtol=1e-5, atol=1e-5)
