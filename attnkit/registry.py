@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import ClassVar
 
@@ -93,6 +93,11 @@ class Backend:
     #: True when its first call per device compiles (tens of seconds): ``attnkit bench`` then times it
     #: only when named.
     compiles: ClassVar[bool] = False
+    #: Kernelized backends: ``feature_maps(options, head_dim, scale)``, the feature maps of their
+    #: recurrent decoding state (:class:`attnkit.RecurrentState`); None: no recurrent state, for the
+    #: reason ``no_recurrent_reason`` gives.
+    feature_maps: ClassVar[Callable | None] = None
+    no_recurrent_reason: ClassVar[str] = "Fix: decode with a KV cache and an exact backend."
     #: What it skips, fuses and materializes (:class:`Work`), read by the dispatcher's static order.
     #: The default (computes every pair with PyTorch ops) ranks a new backend after the fused kernels.
     work: ClassVar[Work] = Work()

@@ -43,3 +43,12 @@ def test_a_paged_layer_cache_is_initialised_by_its_base():
     finally:
         LayerCache.__init__ = original
     assert calls == ["PagedLayerCache"]
+
+
+def test_only_kernelized_backends_have_a_recurrent_state_and_the_others_say_why():
+    assert Backend.feature_maps is None and Backend.no_recurrent_reason.startswith("Fix:")
+    with_state = {name for name, impl in attnkit.list_backends().items() if impl.feature_maps is not None}
+    assert with_state == {"linear", "performer"}
+    for name in ("lsh", "sdpa"):
+        with pytest.raises(ValueError, match=rf"^backend: '{name}' has no recurrent state.* Fix:"):
+            attnkit.RecurrentState.create(name, 8)

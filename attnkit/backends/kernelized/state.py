@@ -79,12 +79,10 @@ class RecurrentState:
         from ...registry import get_backend  # a name lookup: the registry never imports backends
 
         impl = get_backend(backend)
-        feature_maps = getattr(impl, "feature_maps", None)
+        feature_maps = impl.feature_maps
         if feature_maps is None:
-            raise ValueError(
-                f"backend: {backend!r} has no recurrent state; expected 'linear' or 'performer'. "
-                + getattr(impl, "no_recurrent_reason", "Fix: decode with a KV cache and an exact backend.")
-            )
+            raise ValueError(f"backend: {backend!r} has no recurrent state; expected 'linear' or 'performer'. "
+                             + impl.no_recurrent_reason)
         positive_int(head_dim, "head_dim")
         scale = head_dim**-0.5 if scale is None else float(scale)
         queries, keys, chunk, segment = feature_maps(options, head_dim, scale)
