@@ -145,3 +145,25 @@ def test_kernel_reads_the_grid_stride_from_the_grid():
     assert torch.equal(run(grid), run(grid[:5, :3].contiguous()))
     with pytest.raises(RuntimeError, match="tile grid"):
         run(grid[:5, :2].contiguous())
+
+
+@needs_build
+def test_training_compiles_once_for_every_length():
+    # the backward operator's positions are SymInt too: gradients at every length from one graph
+    def f(q, k, v, lengths):
+        return attnkit.attention(q, k, v, mask=SlidingWindow(20, 0) & KeyPadding(lengths), backend="native")
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(3)
+    for T in (141, 60, 323, 129, 256):
+        q = torch.randn(2, 4, T, 16, generator=g).requires_grad_()
+        k, v = (torch.randn(2, 2, T, 16, generator=g).requires_grad_() for _ in range(2))
+        lengths = torch.tensor([T, T - 5])
+        got = compiled(q, k, v, lengths)
+        got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+        ref = f(q, k, v, lengths)
+        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        for a, b in zip(got_grads, ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert _graphs() == 1
