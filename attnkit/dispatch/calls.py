@@ -25,7 +25,7 @@ from ..inputs import AttentionInputs
 from ..masks import Mask
 from ..masks.export import value_keyed
 from ..registry import Backend, get_backend, list_backends, names_now
-from . import tuning
+from . import table, tuning
 from .rule import priority
 
 __all__ = ["NoBackendError", "select", "resolve", "resolve_call", "use_backend", "candidates", "clear",
@@ -114,6 +114,9 @@ def clear() -> None:
     _GENERATION[0] += 1
     _CALLS.clear()
     _BY_IDENTITY.clear()
+
+
+table.ON_RELOAD.append(clear)
 
 
 def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite,

@@ -211,13 +211,16 @@ def _table() -> _Table | None:
     return _CACHE[0]
 
 
+#: Called after every reload (the per-call cache registers its ``clear``: decisions taken from the old table).
+ON_RELOAD: list = []
+
+
 def reload() -> None:
     """Read the table again (after writing one, or changing ``ATTNKIT_CALIBRATION``) and forget the
     decisions taken from the old one."""
     _CACHE[0] = _parsed(load())
-    from . import calls
-
-    calls.clear()
+    for forget in ON_RELOAD:
+        forget()
 
 
 def save(data: dict, *, merge: bool = False) -> Path:
