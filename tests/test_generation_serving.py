@@ -122,7 +122,7 @@ def test_cli_generate_refuses_bad_sampling_flags(flags, capsys):
 def test_readme_serving_example_runs(capsys):
     from .test_generation import run_readme_example
 
-    run_readme_example("### Serving many prompts")
+    run_readme_example("## Serving many prompts")
     printed = capsys.readouterr().out
     assert "[13, 48, 20, 11]" in printed and "[6, 6]" in printed and "read in place by decode" in printed
 
