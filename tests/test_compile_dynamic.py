@@ -167,3 +167,21 @@ def test_training_compiles_once_for_every_length():
         for a, b in zip(got_grads, ref_grads):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert _graphs() == 1
+
+
+def test_dispatch_caches_filled_between_calls_compile_nothing_new():
+    # the rule's per-registry order is cached on first use: a graph that read or filled the cache
+    # would be guarded on it and compile again once an eager call (or its own first run) filled it
+    from attnkit.dispatch import rule
+
+    rule._SORTED.clear()
+
+    def f(q):
+        return attnkit.attention(q, q, q, mask=Causal())
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    q = torch.randn(1, 2, 40, 8)
+    compiled(q)
+    f(q)
+    torch.testing.assert_close(compiled(q), f(q))
+    assert _graphs() == 1
