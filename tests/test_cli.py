@@ -209,20 +209,21 @@ def test_build_command_builds_where_attnkit_is_and_info_says_where_it_looked(mon
     from attnkit.backends import native
     from attnkit.csrc import build
 
-    def fail(verbose=False):
+    def fail(family, verbose=False):
         raise RuntimeError("no compiler")
 
     monkeypatch.setattr(build, "build", fail)
     code, out, err = run_cli(["build"], capsys)
     assert code == 1 and "no compiler" in err and "rerun `attnkit build`" in err
-    monkeypatch.setattr(build, "build", lambda verbose=False: 1.5)
+    monkeypatch.setattr(build, "build", lambda family, verbose=False: 1.5)
     code, out, _ = run_cli(["build"], capsys)
-    assert code == 0 and str(build.library_path()) in out
+    assert code == 0 and all(str(build.library_path(family)) in out for family in build.FAMILIES)
     assert Path(attnkit.__file__).parent in build.library_path().parents  # inside the imported package
     monkeypatch.setattr(native, "load_extension", lambda: (None, "native extension not built: no attnkit_native.so"))
     code, out, _ = run_cli(["info"], capsys)
     out = " ".join(out.split())  # the line is wrapped to the terminal
-    assert code == 0 and f"native kernel: looked for {build.library_path()}: native extension not built" in out
+    assert code == 0 and (f"native kernel: prefill unavailable, looked for {build.library_path()}: native extension "
+                          "not built") in out
     assert "`attnkit build` builds it there" in out
 
 

@@ -284,9 +284,10 @@ def test_copied_build_declines_on_a_cpu_lacking_its_flags(monkeypatch, tmp_path)
     from attnkit.csrc import build
 
     monkeypatch.setattr(build, "STAMP", tmp_path / "stamp.json")
-    monkeypatch.setattr(build, "library_path", lambda: tmp_path / "attnkit_native.so")
+    monkeypatch.setattr(build, "library_path", lambda family="prefill": tmp_path / "attnkit_native.so")
     (tmp_path / "attnkit_native.so").write_bytes(b"")
-    build.STAMP.write_text('{"torch": "%s", "cpu_flags": ["sse2", "made_up_isa"]}' % torch.__version__)
+    build.STAMP.write_text('{"torch": "%s", "cpu_flags": ["sse2", "made_up_isa"], "families": {"prefill": {}}}'
+                           % torch.__version__)
     monkeypatch.setattr(build, "cpu_flags", lambda: {"sse2", "avx2"})
     native.load_extension.cache_clear()
     try:
@@ -300,7 +301,7 @@ def test_copied_build_declines_on_a_cpu_lacking_its_flags(monkeypatch, tmp_path)
 def test_build_failure_exits_non_zero_with_the_error(monkeypatch, capsys):
     from attnkit.csrc import build
 
-    def fail(verbose=False):
+    def fail(family, verbose=False):
         raise RuntimeError("attention.cpp:12: error: something the compiler said")
 
     monkeypatch.setattr(build, "build", fail)

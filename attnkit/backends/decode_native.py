@@ -34,6 +34,8 @@ What the kernel reads (everything else: :func:`kernel_reasons` says why, and the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -56,14 +58,20 @@ _EMPTY_BIAS = _EMPTY_F.view(0, 1, 1, 1)
 _SPLIT_ALIGN, _MIN_SPLIT, _MAX_SPLIT = 256, 256, 4096
 
 
+@functools.lru_cache(maxsize=1)
 def _extension():
-    from .native import load_extension  # the one loader of the built extension (imported late: no registration)
+    """``(torch.ops.attnkit_decode, None)`` when the decode kernel's library loads, else ``(None, reason)``
+    (its own library: the prefill kernel's state does not matter here)."""
+    from ..csrc import loader  # imported late: ``import attnkit`` loads no library
 
-    ext, reason = load_extension()
-    if ext is not None and not (hasattr(ext, "decode") and hasattr(ext, "decode_spans")):
+    reason = loader.load_library("decode")
+    if reason is not None:
+        return None, reason
+    ext = torch.ops.attnkit_decode
+    if not (hasattr(ext, "decode") and hasattr(ext, "decode_spans")):
         return None, ("native extension built without this decode kernel (its ops decode and decode_spans): "
                       "rebuild with `python -m attnkit.csrc.build`")
-    return ext, reason
+    return ext, None
 
 
 #: The score modifier kinds (:class:`~attnkit.score_mods.ScoreModTerm`) the kernel runs.

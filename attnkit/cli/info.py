@@ -184,15 +184,22 @@ def native_precision_line() -> str | None:
 
 
 def native_kernel_line(prog: str = "attnkit") -> str:
-    """Where the native kernel was looked for, and whether it loaded there (or why not)."""
-    from ..backends import native
-    from ..csrc import build
+    """Where each native kernel family was looked for, and whether it loaded there (or why not): one
+    line per family (prefill, decode, fastpath; each its own library)."""
+    from ..backends import decode_native, native
+    from ..csrc import build, loader
 
-    reason = native.load_extension()[1]
-    where = build.library_path()
-    if reason is None:
-        return f"native kernel: loaded from {where}"
-    return f"native kernel: looked for {where}: {reason}. `{prog} build` builds it there"
+    reasons = {"prefill": native.load_extension()[1], "decode": decode_native._extension()[1],
+               "fastpath": None if loader.fastpath() is not None else loader.load_library("fastpath")}
+    lines = []
+    for family, reason in reasons.items():
+        where = build.library_path(family)
+        if reason is None:
+            lines.append(f"native kernel: {family} loaded from {where}")
+        else:
+            lines.append(f"native kernel: {family} unavailable, looked for {where}: {reason}. "
+                         f"`{prog} build` builds it there")
+    return "\n".join(lines)
 
 
 def policy_line(prog: str = "attnkit") -> str:
@@ -241,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     print(backend_table())
     print()
     prog = getattr(args, "_prog", "attnkit")
-    print(wrap(native_kernel_line(prog)))
+    print("\n".join(wrap(line) for line in native_kernel_line(prog).splitlines()))
     precision = native_precision_line()
     if precision:
         print(wrap(precision) + "\n")

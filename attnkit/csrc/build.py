@@ -1,16 +1,23 @@
-"""Build the native CPU attention kernel into the package: ``attnkit build`` (``make install`` runs it).
+"""Build the native CPU kernels into the package: ``attnkit build`` (``make install`` runs it).
 
-``make install`` runs this step. It compiles three sources, ``attention.cpp`` (the fused
-prefill kernel, forward and backward), ``decode.cpp`` (the split-K decode kernel) and ``fastpath.cpp``
-(the per-call key and finiteness scan), with ``torch.utils.cpp_extension`` and the machine's C++
-compiler (``-O3 -march=native``: the kernel is built for the CPU it runs on) into
-``attnkit/csrc/_build/``, and writes a stamp naming the torch version and the CPU's instruction
-set flags it was built for; a copy on a CPU lacking any of those flags declines instead of dying
-with SIGILL. No OpenMP runtime is linked: the parallel loops run on torch's own (at::parallel_for),
-and the tile products call oneDNN's micro-kernel through ``at::native::cpublas::brgemm``, which every
-torch CPU build exports (no BLAS symbol of one torch build is required). On a build error it
-prints the compiler's message and exits 1 (the ``native`` backend then declines with the reason
-"native extension not built: ...").
+``make install`` runs this step. Each kernel family is its own library, compiled on its own with
+``torch.utils.cpp_extension`` and the machine's C++ compiler (``-O3 -march=native``: the kernels are
+built for the CPU they run on) into ``attnkit/csrc/_build/<family>/``:
+
+* ``prefill``: ``attention.cpp``, the fused prefill kernel, forward and backward (ops
+  ``torch.ops.attnkit_native``);
+* ``decode``: ``decode.cpp``, the split-K decode kernel (ops ``torch.ops.attnkit_decode``);
+* ``fastpath``: ``fastpath.cpp``, the per-call key and finiteness scan (a small CPython module).
+
+A family whose source fails to compile takes only itself down: the others still build, load and
+run. The stamp names the torch version and the CPU's instruction-set flags the build was made for
+(a copy on a CPU lacking any of those flags declines instead of dying with SIGILL), and per family
+the digest of its sources or the compiler's first error line. No OpenMP runtime is linked: the
+parallel loops run on torch's own (at::parallel_for), and the tile products call oneDNN's
+micro-kernel through ``at::native::cpublas::brgemm``, which every torch CPU build exports (no BLAS
+symbol of one torch build is required). When a family fails, the step prints which one and the
+compiler's message and exits 1 (the backends using it then decline with the reason "native
+extension not built: ..."); ``make install`` goes on.
 """
 
 from __future__ import annotations
@@ -19,24 +26,45 @@ import hashlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-NAME = "attnkit_native"
 HERE = Path(__file__).resolve().parent
 BUILD_DIR = HERE / "_build"
 STAMP = BUILD_DIR / "stamp.json"
-# attention.cpp includes tiles.h and score_mod.h, decode.cpp tiles.h (ninja tracks the headers)
-SOURCES = [HERE / "attention.cpp", HERE / "decode.cpp", HERE / "fastpath.cpp"]
-HEADERS = [HERE / "tiles.h", HERE / "score_mod.h"]
 
 
-def sources_digest() -> str:
-    """A digest of the kernel's sources (what a build compiles), kept in the stamp: measurements of
+@dataclass(frozen=True)
+class Family:
+    """One kernel family: its library (and op namespace, for the torch ops), source and the headers it includes."""
+
+    name: str
+    library: str
+    source: str
+    headers: tuple[str, ...] = ()
+
+
+# ninja tracks the headers; the digests below name them too
+FAMILIES = {
+    "prefill": Family("prefill", "attnkit_native", "attention.cpp", ("tiles.h", "score_mod.h")),
+    "decode": Family("decode", "attnkit_decode", "decode.cpp", ("tiles.h",)),
+    "fastpath": Family("fastpath", "attnkit_fastpath", "fastpath.cpp"),
+}
+NAME = FAMILIES["prefill"].library  # the prefill kernel's op namespace: torch.ops.attnkit_native
+
+
+def sources_digest(family: str = "prefill") -> str:
+    """A digest of a family's sources (what its build compiles), kept in the stamp: measurements of
     the kernel (a calibration table, the probed constants) name the build they were taken with."""
+    fam = FAMILIES[family]
     digest = hashlib.sha256()
-    for path in sorted(SOURCES + HEADERS):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for name in sorted((fam.source, *fam.headers)):
+        digest.update(name.encode() + b"\0" + (HERE / name).read_bytes() + b"\0")
     return digest.hexdigest()[:16]
+
+
+# -march=native: the kernels are built for the CPU they run on (the stamp records its flags; the
+# ISA-specific code in the sources sits behind #if guards, with a portable path for any target).
 # -fno-trapping-math lets the exp and mask loops vectorize (IEEE inf/NaN semantics are kept).
 # -fopenmp: at::parallel_for is a header template; on torch's OpenMP builds its `omp parallel`
 # region is compiled into this library, and without the flag every parallel loop would run on one
@@ -44,9 +72,9 @@ def sources_digest() -> str:
 CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 
 
-def library_path() -> Path:
-    """Where the built extension lives (it may not exist)."""
-    return BUILD_DIR / f"{NAME}.so"
+def library_path(family: str = "prefill") -> Path:
+    """Where a family's built library lives (it may not exist)."""
+    return BUILD_DIR / family / f"{FAMILIES[family].library}.so"
 
 
 def cpu_flags() -> set[str]:
@@ -60,31 +88,76 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def build(verbose: bool = False) -> float:
-    """Compile the extension; returns the build time in seconds (raises on failure)."""
+def first_error(message: str) -> str:
+    """The compiler's first error line in a build failure's message (else its first line)."""
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    for line in lines:
+        if "error" in line.lower() and not line.startswith(("FAILED:", "[")) and "Error building extension" not in line:
+            return line
+    return lines[0] if lines else "unknown error"
+
+
+def read_stamp() -> dict:
+    """The stamp's contents ({} when there is none or it is unreadable)."""
+    try:
+        stamp = json.loads(STAMP.read_text())
+    except (OSError, ValueError):
+        return {}
+    return stamp if isinstance(stamp, dict) else {}
+
+
+def _record(family: str, entry: dict) -> None:
+    """Write ``entry`` as ``family``'s part of the stamp (the torch version and CPU flags of this build)."""
     import torch
+
+    stamp = read_stamp()
+    if stamp.get("torch") != torch.__version__ or not isinstance(stamp.get("families"), dict):
+        stamp = {"families": {}}  # a stamp of another torch (or of the single-library layout) names nothing built now
+    stamp.update(torch=torch.__version__, cpu_flags=sorted(cpu_flags()))
+    stamp["families"][family] = entry
+    STAMP.parent.mkdir(parents=True, exist_ok=True)
+    STAMP.write_text(json.dumps(stamp))
+
+
+def build(family: str, verbose: bool = False) -> float:
+    """Compile one family; returns the build time in seconds (raises on failure, after recording
+    the compiler's first error line in the stamp so the loader and ``attnkit info`` can say why)."""
     from torch.utils.cpp_extension import load
 
-    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    fam = FAMILIES[family]
+    out = library_path(family).parent
+    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    load(name=NAME, sources=[str(s) for s in SOURCES], build_directory=str(BUILD_DIR), extra_cflags=CFLAGS,
-         is_python_module=False, verbose=verbose)
+    try:
+        load(name=fam.library, sources=[str(HERE / fam.source)], build_directory=str(out), extra_cflags=CFLAGS,
+             is_python_module=False, verbose=verbose)
+    except Exception as exc:
+        _record(family, {"error": first_error(str(exc))})
+        raise
     seconds = time.perf_counter() - start
-    STAMP.write_text(json.dumps({"torch": torch.__version__, "cpu_flags": sorted(cpu_flags()),
-                                 "sources": sources_digest(), "build_seconds": round(seconds, 1)}))
+    _record(family, {"sources": sources_digest(family), "build_seconds": round(seconds, 1)})
     return seconds
 
 
 def main(verbose: bool | None = None) -> int:
-    """Build, print one line saying where (or why not), and return the exit status (0 built, 1 not)."""
-    try:
-        seconds = build(verbose="-v" in sys.argv if verbose is None else verbose)
-    except Exception as exc:  # no compiler, missing headers, a compile error: say which, exit non-zero
-        print(f"attnkit: native kernel not built ({type(exc).__name__}):\n{str(exc).strip()}\nThe 'native' backend "
-              "will decline and the pure-PyTorch backends run instead. Fix the error above (no compiler: install "
-              "g++) and rerun `attnkit build`.", file=sys.stderr)
+    """Build every family, print one line each saying where (or why not), and return the exit status
+    (0 all built, 1 some family not built: the others are built and usable all the same)."""
+    verbose = "-v" in sys.argv if verbose is None else verbose
+    failed = []
+    for family in FAMILIES:
+        try:
+            seconds = build(family, verbose=verbose)
+        except Exception as exc:  # no compiler, missing headers, a compile error: say which, go on with the others
+            failed.append(family)
+            print(f"attnkit: native kernel {family} ({FAMILIES[family].source}) not built ({type(exc).__name__}):\n"
+                  f"{str(exc).strip()}", file=sys.stderr)
+            continue
+        print(f"attnkit: native kernel {family} built in {seconds:.1f} s ({library_path(family)})")
+    if failed:
+        print(f"attnkit: native kernels not built: {', '.join(failed)}. The backends using them will decline and "
+              "the pure-PyTorch backends run instead (the other kernels are built and used). Fix the error above "
+              "(no compiler: install g++) and rerun `attnkit build`.", file=sys.stderr)
         return 1
-    print(f"attnkit: native kernel built in {seconds:.1f} s ({library_path()})")
     return 0
 
 

@@ -42,10 +42,12 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
-#include <immintrin.h>
 #include <limits>
 #include <type_traits>
 #include <vector>
+#if defined(__AVX__)
+#include <immintrin.h>  // the AVX/AVX2/F16C/AVX-512 conversions below, each behind its own guard
+#endif
 
 namespace {
 
@@ -709,7 +711,9 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const a
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(attnkit_native, m) {
+// The decode family's own library and op namespace (attnkit_decode): it loads, or fails to build,
+// independently of the prefill kernel's (attnkit_native).
+TORCH_LIBRARY(attnkit_decode, m) {
   m.def("decode(Tensor q, Tensor k, Tensor v, Tensor k_scale, Tensor v_scale, Tensor block_table, Tensor rows, "
         "int kv_offset, float scale, int[] band, Tensor keep, Tensor bias, int[] mod_codes, float[] mod_caps, "
         "Tensor slopes, Tensor sinks) -> Tensor[]");

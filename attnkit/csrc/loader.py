@@ -1,6 +1,7 @@
-"""Loading the built extension (``attnkit build``): the one place that checks its
-stamp and loads it, for the ``native`` backends' ops and for the per-call helpers in C
-(:func:`fastpath`)."""
+"""Loading the built kernel libraries (``attnkit build``): the one place that checks their
+stamp and loads them, one family at a time (``prefill``, ``decode``, ``fastpath``: see
+:mod:`attnkit.csrc.build`), for the ``native`` and ``decode`` backends' ops and for the per-call
+helpers in C (:func:`fastpath`). A family that is not built leaves the others usable."""
 
 from __future__ import annotations
 
@@ -12,53 +13,59 @@ import json
 from . import build
 
 
-def load_library() -> str | None:
-    """Load the built extension's ops into ``torch.ops``; ``None`` when it loaded, else why not
-    (not built, built for another torch, built for a CPU with instruction sets this one lacks, or
-    failing to load). Not cached: its callers cache what they build on it."""
+def load_library(family: str = "prefill") -> str | None:
+    """Load a kernel family's library (its ops into ``torch.ops``); ``None`` when it loaded, else why
+    not (not built, its source failed to compile, built for another torch, built for a CPU with
+    instruction sets this one lacks, or failing to load). Not cached: its callers cache what they
+    build on it."""
     import torch
 
-    problem = _stamp()[0]
+    problem = _stamp(family)[0]
     if problem is not None:
         return problem
     try:
-        torch.ops.load_library(str(build.library_path()))
-    except (ImportError, OSError, RuntimeError) as exc:
-        return f"native extension not built: it fails to load ({exc})"
+        if family == "fastpath":  # a CPython module's constructor, not torch ops (see fastpath())
+            ctypes.PyDLL(str(build.library_path(family))).attnkit_fastpath_module  # noqa: B018 (the symbol exists)
+        else:
+            torch.ops.load_library(str(build.library_path(family)))
+    except (ImportError, OSError, RuntimeError, AttributeError) as exc:
+        return f"native extension not built: its {family} kernel fails to load ({exc})"
     return None
+
+
+def family_reasons() -> dict[str, str | None]:
+    """Per kernel family, why it cannot be loaded here (None: it can), from the stamp and the files
+    alone (loads nothing)."""
+    return {family: _stamp(family)[0] for family in build.FAMILIES}
 
 
 def build_id() -> str | None:
     """Which usable build this is, for measurements taken with it (the measured dispatch table): a digest
-    of its stamp (torch version, CPU flags and the digest of the sources it was
-    compiled from, :func:`build.sources_digest`; the library's modification time for a stamp from
-    before stamps named their sources). None when no build is usable here. Reads the stamp only."""
-    problem, stamp = _stamp()
-    if problem is not None:
+    of its stamp (torch version, CPU flags and, per usable family, the digest of the sources it was
+    compiled from, :func:`build.sources_digest`). None when no family is usable here. Reads the stamp only."""
+    usable = [family for family, problem in family_reasons().items() if problem is None]
+    if not usable:
         return None
-    ident = {key: value for key, value in stamp.items() if key != "build_seconds"}
-    if "sources" not in ident:
-        try:
-            ident["mtime_ns"] = build.library_path().stat().st_mtime_ns
-        except OSError:
-            return None
+    stamp = build.read_stamp()
+    ident = {"torch": stamp.get("torch"), "cpu_flags": stamp.get("cpu_flags"),
+             "families": {f: stamp["families"][f].get("sources") for f in usable}}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _stamp() -> tuple[str | None, dict]:
-    """``(why the build cannot be loaded here or None, its stamp)``."""
+def _stamp(family: str) -> tuple[str | None, dict]:
+    """``(why the family's build cannot be loaded here or None, the stamp)``."""
     import torch
 
-    path = build.library_path()
-    if not path.exists():
+    stamp = build.read_stamp()
+    families = stamp.get("families")
+    entry = families.get(family) if isinstance(families, dict) else None
+    if isinstance(entry, dict) and entry.get("error"):
+        return (f"native extension not built: its {family} kernel failed to compile ({entry['error']}); fix that "
+                f"and rerun `attnkit build` (the other kernels are unaffected)"), stamp
+    path = build.library_path(family)
+    if not path.exists() or not isinstance(entry, dict):
         return (f"native extension not built: run `attnkit build` (or `make install`); "
-                f"no {path.name}"), {}
-    try:
-        stamp = json.loads(build.STAMP.read_text())
-    except (OSError, ValueError):
-        stamp = {}
-    if not isinstance(stamp, dict):
-        stamp = {}
+                f"no {family} kernel ({path.name})"), stamp
     if stamp.get("torch") != torch.__version__:
         return (f"native extension not built for this torch: built against {stamp.get('torch')}, running "
                 f"{torch.__version__}; rebuild with `attnkit build`"), stamp
@@ -71,7 +78,7 @@ def _stamp() -> tuple[str | None, dict]:
 
 @functools.lru_cache(maxsize=1)
 def fastpath():
-    """The extension's per-call helpers (``attnkit/csrc/fastpath.cpp``), or None without the
+    """The fastpath family's per-call helpers (``attnkit/csrc/fastpath.cpp``), or None without the
     extension (Python's own path then runs, with the same results):
 
     * ``key(q, k, v, *scalars) -> bytes | None``: the exact key of the tensors' shapes, dtypes,
@@ -83,12 +90,9 @@ def fastpath():
 
     Both answer None for what they do not read (tensor subclasses, functorch and functionalization
     wrappers, non-CPU tensors for ``finite``); the caller then takes its Python path."""
-    if load_library() is not None:
+    if load_library("fastpath") is not None:
         return None
-    try:
-        create = ctypes.PyDLL(str(build.library_path())).attnkit_fastpath_module
-    except (OSError, AttributeError):  # a build from before the helpers existed
-        return None
+    create = ctypes.PyDLL(str(build.library_path("fastpath"))).attnkit_fastpath_module
     create.restype, create.argtypes = ctypes.py_object, []
     return create()
 
