@@ -278,7 +278,7 @@ def list_backends() -> dict[str, type[Backend]]:
     """All registered backends by name, in registration order (the live registry: do not mutate)."""
     global _BUILTINS_LOADED
     # Traced (torch.compile), the import is skipped: ``import attnkit`` has imported the built-ins already.
-    if not torch.compiler.is_compiling() and not _BUILTINS_LOADED:
+    if not _BUILTINS_LOADED and not torch.compiler.is_compiling():
         importlib.import_module(f"{__package__}.backends")  # registers the built-in backends
         _BUILTINS_LOADED = True
     return _REGISTRY
