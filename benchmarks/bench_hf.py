@@ -186,13 +186,29 @@ def _share(impl: str, fn) -> float:
     return clock.seconds / total
 
 
+class _Printed(list):
+    """Rows printed as they are measured (a long run shows its cells as it goes)."""
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        print(interop_line(row), flush=True)
+
+
+def interop_line(r: dict) -> str:
+    share = ", ".join(f"{k} {v:.0%}" for k, v in r["attention_share"].items())
+    extra = "".join(f"; {k} {v}" for k, v in r.items() if k in ("same_greedy_tokens", "loss_diff",
+                                                               "attnkit_packed_over_padded"))
+    return (f"{r['arch']}: {r['cell']}: sdpa {r['sdpa_s'] * 1e3:.1f} ms, attnkit {r['attnkit_s'] * 1e3:.1f} ms, "
+            f"attnkit {r['speed']:.2f}x sdpa's speed (median of interleaved ratios); attention {share}{extra}")
+
+
 def interop_figures(args) -> list[dict]:
     import transformers
 
     from attnkit.interop import hf_cache, register_hf_attention
 
     register_hf_attention()
-    rows = []
+    rows = _Printed()
     T, steps, rounds = args.context, args.decode_steps, args.repeats
     for arch in args.archs.split(","):
         model = small_decoder(arch)
@@ -329,12 +345,6 @@ def main(argv=None) -> int:
         extra = f"same tokens: {r['same_tokens']}" if "same_tokens" in r else f"max |diff| {r['max_abs_diff']:.1e}"
         print(f"{r['figure']}\n  HF {r['hf']:.1f} {r['unit']}  attnkit {r['attnkit']:.1f} {r['unit']}  "
               f"ratio attnkit/HF {r['ratio']:.2f}x  ({extra})\n  runs (s): {r['runs']}")
-    for r in interop:
-        share = ", ".join(f"{k} {v:.0%}" for k, v in r["attention_share"].items())
-        extra = "".join(f"; {k} {v}" for k, v in r.items() if k in ("same_greedy_tokens", "loss_diff",
-                                                                       "attnkit_packed_over_padded"))
-        print(f"{r['arch']}: {r['cell']}: sdpa {r['sdpa_s'] * 1e3:.1f} ms, attnkit {r['attnkit_s'] * 1e3:.1f} ms, "
-              f"attnkit {r['speed']:.2f}x sdpa's speed (median of interleaved ratios); attention {share}{extra}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results, "interop": interop},
                                    indent=2) + "\n")
