@@ -171,7 +171,7 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
     if len(cache) >= size:
         cache.clear()
     cache[key] = (impl, inp.cache_fields(), names, inp.q.is_cpu, generation)
-    return impl, inp, plain and inp.q.is_cpu  # as a hit would say
+    return impl, inp, None
 
 
 def _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend):
