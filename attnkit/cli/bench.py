@@ -64,7 +64,7 @@ from .options import device, int_list, name_list
 
 # A calibration's lengths (a lookup takes the nearest on a log scale) and the run's default budget.
 CALIBRATE_LENGTHS = [256, 1024, 4096, 8192]
-DEFAULT_RUN_BUDGET_S = 420.0
+DEFAULT_RUN_BUDGET_S = 600.0
 CALIBRATE_TIME_BUDGET_S = 3.0  # per call: the promised n=8192 training cells of the fused kernels fit
 
 
