@@ -93,5 +93,4 @@ def test_explain_says_the_decode_kernel_reads_the_int8_cache_in_place():
     handle = cache.layers[0].store.handle()
     q = torch.randn(1, 4, 1, 16)
     e = attnkit.explain(q, handle, handle)
-    if attnkit.list_backends()["decode"].decodes(attnkit.inputs.AttentionInputs.create(q, handle, handle)):
-        assert "read in place by decode" in e.kv
+    assert "read in place by decode" in e.kv  # the native kernel, or without it the decode backend's PyTorch twin
