@@ -24,16 +24,17 @@ def _generate(model, ids, **kwargs):
     return model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, **kwargs)
 
 
-@pytest.mark.parametrize("kind", ["static", "dynamic", "int8"])
+@pytest.mark.parametrize("kind", ["static", "dynamic", "int8", "paged", "paged-int8"])
 def test_generate_with_an_attnkit_cache_gives_sdpas_tokens(kind):
     model = tiny_llama()
     ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(1))
     model.set_attn_implementation("sdpa")
     ref = _generate(model, ids)
     model.set_attn_implementation("attnkit")
-    cache = hf_cache(model.config, kind, max_cache_len=27 if kind == "static" else None)
+    cache = hf_cache(model.config, kind, max_cache_len=27 if kind == "static" else None,
+                     num_blocks=8 if kind.startswith("paged") else None, block_size=8)
     got = _generate(model, ids, past_key_values=cache)
-    if kind == "int8":  # int8 storage: the same tokens on this model (its logits move by the quantization error)
+    if kind.endswith("int8"):  # int8 storage: the same tokens on this model (its logits move by the quantization error)
         assert (got == ref).float().mean() > 0.9
     else:
         assert torch.equal(got, ref)
@@ -76,12 +77,37 @@ def test_a_decode_step_reads_the_cache_without_scanning_it(monkeypatch):
         assert all(shape[2] == 1 for shape in scanned), (kind, scanned)
 
 
+def test_beam_search_on_a_paged_cache_forks_blocks_and_gives_sdpas_beams():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(2))
+    model.set_attn_implementation("sdpa")
+    ref = _generate(model, ids, num_beams=3)
+    model.set_attn_implementation("attnkit")
+    cache = hf_cache(model.config, "paged", max_cache_len=24, max_batch_size=6, block_size=4)
+    got = _generate(model, ids, num_beams=3, past_key_values=cache)
+    assert torch.equal(got, ref)
+    paged = cache.layers[0].paged
+    assert all(layer.paged is paged for layer in cache.layers)
+    assert len(paged.active) == 6  # 2 rows x 3 beams, reordered by forking, not by copying rows
+    # beams that share a prefix share its blocks: fewer blocks in use than 6 private copies would take
+    in_use = paged.pool.num_blocks - paged.free_block_count
+    assert in_use < 6 * paged.blocks_needed(paged.lengths()[0])
+    cache.reset()
+    assert paged.free_block_count == paged.pool.num_blocks and not paged.active
+    got = _generate(model, ids, num_beams=3, past_key_values=cache)  # a reset cache serves the next call
+    assert torch.equal(got, ref)
+
+
 def test_bad_arguments_are_refused():
     model = tiny_llama()
     with pytest.raises(ValueError, match="kind"):
         hf_cache(model.config, "paged4")
     with pytest.raises(ValueError, match="max_cache_len"):
         hf_cache(model.config, "static")
+    with pytest.raises(ValueError, match="num_blocks"):
+        hf_cache(model.config, "paged")
+    with pytest.raises(ValueError, match="block_size"):
+        hf_cache(model.config, "paged", num_blocks=4, block_size=0)
 
 
 def test_explain_says_the_decode_kernel_reads_the_int8_cache_in_place():
