@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -178,6 +180,15 @@ def _ratio(times: dict, ours: str, base: str) -> float:
     return statistics.median(b / a for a, b in zip(times[ours], times[base]))
 
 
+def _cache_bytes(cache) -> int:
+    """Bytes of an attnkit ``hf_cache``'s storage, over all layers (a paged cache's whole pool)."""
+    paged = getattr(cache.layers[0], "paged", None)
+    if paged is not None:
+        return paged.memory_bytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for name in ("k", "v", "k_scale", "v_scale")
+               if isinstance(t := getattr(layer.store, name, None), torch.Tensor))
+
+
 def _share(impl: str, fn) -> float:
     with AttentionClock(impl) as clock:
         start = time.perf_counter()
@@ -197,7 +208,7 @@ class _Printed(list):
 def interop_line(r: dict) -> str:
     share = ", ".join(f"{k} {v:.0%}" for k, v in r["attention_share"].items())
     extra = "".join(f"; {k} {v}" for k, v in r.items() if k in ("same_greedy_tokens", "loss_diff",
-                                                               "attnkit_packed_over_padded"))
+                                                               "attnkit_packed_over_padded", "cache_bytes"))
     return (f"{r['arch']}: {r['cell']}: sdpa {r['sdpa_s'] * 1e3:.1f} ms, attnkit {r['attnkit_s'] * 1e3:.1f} ms, "
             f"attnkit {r['speed']:.2f}x sdpa's speed (median of interleaved ratios); attention {share}{extra}")
 
@@ -247,6 +258,8 @@ def interop_figures(args) -> list[dict]:
                                                                                      max_cache_len=size)),
             "attnkit int8 cache (sdpa: DynamicCache)": (dynamic, lambda: hf_cache(model.config, "int8",
                                                                                    max_cache_len=size)),
+            "attnkit paged cache (sdpa: DynamicCache)": (dynamic, lambda: hf_cache(model.config, "paged",
+                                                                                    max_cache_len=size)),
         }
         for name, makers in configs.items():
             sides = {}
@@ -265,7 +278,8 @@ def interop_figures(args) -> list[dict]:
             share = {i: _share(i, lambda i=i: step(i)) for i in impls}
             rows.append({"arch": arch, "cell": f"decode per token at {T}, {name}",
                          "sdpa_s": statistics.median(times["sdpa"]), "attnkit_s": statistics.median(times["attnkit"]),
-                         "speed": _ratio(times, "attnkit", "sdpa"), "attention_share": share})
+                         "speed": _ratio(times, "attnkit", "sdpa"), "attention_share": share,
+                         **({"cache_bytes": _cache_bytes(sides["attnkit"][0])} if name.startswith("attnkit") else {})})
 
         # training: padded and packed, the same tokens
         lengths = [int(x) for x in args.train_lengths.split(",")]
@@ -311,6 +325,61 @@ def interop_figures(args) -> list[dict]:
     return rows
 
 
+RECORD_START, RECORD_END = "<!-- hf_interop: written by benchmarks/bench_hf.py --record -->", "<!-- hf_interop end -->"
+
+
+def _cpu() -> str:
+    from attnkit.hardware import cpu_features, machine_id
+
+    features = cpu_features()
+    isa = ", ".join(f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "avx2")
+                    if features.get(f)) or "no AVX-512/AVX2 reported"
+    return f"{machine_id()['cpu']} ({os.cpu_count()} cores; {isa})"
+
+
+def interop_table(rows: list[dict]) -> str:
+    """The figures page's table: each cell's speed, the share of attention on each side, and the speed
+    attnkit would reach if its attention took no time at all (the headroom left to attention)."""
+    lines = ["| model | cell | sdpa | attnkit | attnkit speed | attention share (sdpa / attnkit) | "
+             "speed if attention were free |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        share = r["attention_share"]
+        free = r["sdpa_s"] / max(r["attnkit_s"] * (1 - share["attnkit"]), 1e-12)
+        lines.append(f"| {r['arch']} | {r['cell']} | {r['sdpa_s'] * 1e3:.1f} ms | {r['attnkit_s'] * 1e3:.1f} ms | "
+                     f"{r['speed']:.2f}× | {share['sdpa']:.0%} / {share['attnkit']:.0%} | {free:.2f}× |")
+    return "\n".join(lines)
+
+
+def write_record(path: Path, rows: list[dict], argv: list[str], page: Path) -> None:
+    """The figure record (command, CPU, threads, torch, load) and its table on the figures page."""
+    import transformers
+
+    command = "python benchmarks/bench_hf.py " + " ".join(argv)
+    record = {"figure": "hf_interop", "command": command, "cpu": _cpu(), "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "load_average_after": [round(x, 2) for x in os.getloadavg()],
+              "what": f"small {' and '.join(sorted({r['arch'] for r in rows}))} decoders "
+                      "(2 layers, hidden 512, 8/2 heads of 64, vocab 32000, fp32) through "
+                      "transformers with attn_implementation='attnkit' against 'sdpa', same weights, interleaved "
+                      "runs in one process: seconds per call (medians), attnkit's speed as the median of per-round "
+                      "ratios, and the share of each call spent inside the attention function",
+              "rows": rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    text = page.read_text(encoding="utf-8")
+    body = (f"{RECORD_START}\n\n| record | |\n| --- | --- |\n| command | `{command}` |\n| CPU | {record['cpu']} |\n"
+            f"| threads | {record['threads']} |\n"
+            f"| torch | {record['torch']} (transformers {record['transformers']}) |\n"
+            f"| load average after | {', '.join(map(str, record['load_average_after']))} |\n\n"
+            f"{record['what'][0].upper() + record['what'][1:]}.\n\n{interop_table(rows)}\n\n{RECORD_END}")
+    if RECORD_START in text:
+        head, rest = text.split(RECORD_START, 1)
+        text = head + body + rest.split(RECORD_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + f"\n\n## Hugging Face models on attnkit (`{path.name}`)\n\n{body}\n"
+    page.write_text(text, encoding="utf-8")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["decode", "encoder", "interop"], default=None)
@@ -328,6 +397,10 @@ def main(argv=None) -> int:
                         help="MiniLM-shaped encoder with random weights instead of the checkpoint (same speed)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/bench_hf.json"))
+    parser.add_argument("--record", type=Path, default=None,
+                        help="interop: also write this figure record (docs/figures/hf_interop.json) and its table on "
+                             "docs/figures.md")
+    raw = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -349,6 +422,10 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results, "interop": interop},
                                    indent=2) + "\n")
     print(f"wrote {args.out}")
+    if args.record is not None and interop:
+        write_record(args.record, interop, [a for a in raw if not a.startswith("--record") and a != str(args.record)],
+                     Path(__file__).resolve().parents[1] / "docs" / "figures.md")
+        print(f"wrote {args.record} and its table on docs/figures.md")
     return 0
 
 
