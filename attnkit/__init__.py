@@ -23,6 +23,7 @@ from .approximation import approximation_error
 from .dispatch import NoBackendError, autotune, explain, use_backend
 from .functional import attention, attention_weights
 from .varlen import varlen_attention
+from .mla import mla_decode
 from .inputs import AttentionInputs
 from .kv_handle import KVHandle
 from .masks import (
@@ -55,6 +56,7 @@ from ._version import __version__ as __version__
 __all__ = [
     "attention",
     "varlen_attention",
+    "mla_decode",
     "attention_weights",
     "explain",
     "use_backend",

@@ -10,7 +10,7 @@ Layers, top to bottom (an import may only point down or sideways within a row); 
     interop
     train  bench
     distributed
-    nn  generation
+    nn  generation  mla
     cache
     functional  varlen  approximation        the entry points
     dispatch
@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("interop",),
     ("train", "bench"),
     ("distributed",),
-    ("nn", "generation"),
+    ("nn", "generation", "mla"),
     ("cache",),
     ("functional", "varlen", "approximation"),
     ("dispatch",),

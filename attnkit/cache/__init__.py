@@ -1,8 +1,10 @@
 """KV caches for autoregressive decoding: contiguous layer caches (:mod:`.layers`), int8
-quantized caches (:mod:`.quantized`) and the paged cache for many sequences (:mod:`.paged`)."""
+quantized caches (:mod:`.quantized`), the paged cache for many sequences (:mod:`.paged`) and
+the latent cache of multi-head latent attention (:mod:`.latent`)."""
 
 from .direct import DirectLayerCache
 from .kv import KVCache
+from .latent import LatentLayerCache, latent_update
 from .layers import (
     BaseLayerCache,
     DynamicLayerCache,
@@ -26,6 +28,8 @@ __all__ = [
     "QuantizedLayerCache",
     "PagedKVCache",
     "PagedLayerCache",
+    "LatentLayerCache",
+    "latent_update",
     "quantize_int8",
     "dequantize_int8",
 ]

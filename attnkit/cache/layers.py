@@ -251,7 +251,7 @@ class StaticLayerCache(LayerCache):
         """Allocate the buffers now (otherwise the first ``update`` does)."""
         shape = (batch_size, num_kv_heads, self.max_len)
         self.k = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(*shape, value_dim or head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(*shape, head_dim if value_dim is None else value_dim, dtype=dtype, device=device)
 
     @atomic
     def update(self, k, v):

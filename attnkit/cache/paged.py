@@ -177,8 +177,9 @@ class PagedLayerCache(DirectLayerCache):
         if T == 0:
             raise ValueError("k: expected at least one new token (Tnew >= 1), got 0.")
         before = self.row_lengths()
-        k_rows = k.transpose(0, 1).reshape(k.shape[1], -1, k.shape[3])  # (Hkv, B*T, D), row-major tokens
-        v_rows = v.transpose(0, 1).reshape(v.shape[1], -1, v.shape[3])
+        B, H = k.shape[:2]
+        k_rows = k.transpose(0, 1).reshape(H, B * T, k.shape[3])  # (Hkv, B*T, D), row-major tokens
+        v_rows = v.transpose(0, 1).reshape(H, B * T, v.shape[3])  # (Dv = 0: a latent cache's values)
         self._write(k_rows, v_rows, [T] * len(active))
         return before
 

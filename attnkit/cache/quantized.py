@@ -42,7 +42,10 @@ def quantize_int8(x: Tensor, finite: bool = True) -> tuple[Tensor, Tensor]:
     """``x (..., D)`` float -> ``(values (..., D) int8, scales (...) float32)`` with
     ``x ≈ values * scales[..., None]`` (symmetric, one scale per vector; an all-zero vector gets scale 1).
     A vector holding NaN or Inf (``finite=False`` says there may be one) is stored as zeros with
-    scale NaN: it reads back as NaN (int8 has no Inf)."""
+    scale NaN: it reads back as NaN (int8 has no Inf). Zero-width vectors (``D = 0``: a latent
+    cache's values, which alias its keys) get scale 1."""
+    if x.shape[-1] == 0:
+        return torch.empty(x.shape, dtype=torch.int8, device=x.device), torch.ones(x.shape[:-1], device=x.device)
     xf = x.float()
     scale = xf.abs().amax(dim=-1) / 127.0
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
