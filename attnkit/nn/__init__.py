@@ -1,6 +1,7 @@
 """Modules built on :func:`attnkit.attention`."""
 
 from .attention import AttentionConfig, MultiHeadAttention
+from .latent_attention import LatentAttentionConfig, MultiHeadLatentAttention
 from .layers import DecoderLayer, EncoderLayer, FeedForward, TransformerConfig
 from .models import GPT, Decoder, Embeddings, Encoder, EncoderDecoder, ViT, ViTConfig
 from .positional import (
@@ -14,6 +15,8 @@ from .positional import (
 __all__ = [
     "AttentionConfig",
     "MultiHeadAttention",
+    "LatentAttentionConfig",
+    "MultiHeadLatentAttention",
     "TransformerConfig",
     "FeedForward",
     "EncoderLayer",
