@@ -1,0 +1,171 @@
+"""transformers' DeepSeek-V3 decoding over the latents, on attnkit's latent cache and decode kernel.
+
+With ``attn_implementation="attnkit"`` alone, DeepSeek-V3 runs on attnkit's kernels in its
+non-absorbed form: transformers' cache keeps the latents (``kv_nope`` as keys, the rotary key as
+values), but its attention layer expands them to every head (``kv_b_proj``) at every step before
+the attention function sees them. :func:`use_latent_decoding` makes the layers that find a
+:func:`latent_cache` decode over the latents themselves instead (the absorbed form,
+:func:`attnkit.mla_decode`: one row of ``kv_lora_rank + qk_rope_head_dim`` numbers per token read
+once for every head); prompts (more than 16 new tokens) and training keep the per-head form::
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attnkit")
+    cache = attnkit.interop.latent_cache(model.config)            # or "static"/"int8"
+    with attnkit.interop.use_latent_decoding():
+        out = model.generate(input_ids, past_key_values=cache, max_new_tokens=32)
+
+The cache also serves transformers' own attention layer (outside the block): ``update`` then
+returns the latents and rotary keys as it expects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from ..backends.decode_native import KERNEL_MAX_QUERIES
+from ..cache import DynamicLayerCache, QuantizedLayerCache, StaticLayerCache, latent_update
+from ..kv_handle import KVHandle
+from ..mla import mla_decode
+from ._deps import require
+from .hf_attention import HFMask
+
+__all__ = ["latent_cache", "use_latent_decoding", "KINDS"]
+
+KINDS = ("dynamic", "static", "int8")
+_MODELING = "transformers.models.deepseek_v3.modeling_deepseek_v3"
+
+
+def _layer_class():
+    cache_utils = require("transformers.cache_utils", "attnkit.interop.latent_cache")
+
+    class LatentLayer(cache_utils.DynamicLayer):
+        """One DeepSeek layer's latent rows ``(B, 1, T, kv_lora_rank + rope)`` in an attnkit layer cache."""
+
+        is_sliding = False
+        is_croppable = False
+
+        def __init__(self, make):
+            super().__init__()
+            self.store = make()
+            self.rank: int | None = None
+
+        def update_rows(self, rows: Tensor, rank: int):
+            """Append the rows; return every row held (a tensor, or an int8 handle)."""
+            if not self.is_initialized:
+                self.lazy_initialization(rows, rows)
+            self.rank = rank
+            return latent_update(self.store, rows, rank)[0]
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+            """transformers' attention layer: ``kv_nope (B, 1, T, rank)``, ``k_rot (B, 1, T, rope)``."""
+            rank = key_states.shape[-1]
+            rows = self.update_rows(torch.cat([key_states, value_states], dim=-1), rank)
+            if isinstance(rows, KVHandle):
+                rows = rows.dense()[0]
+            return rows[..., :rank], rows[..., rank:]
+
+        def get_seq_length(self) -> int:
+            return self.store.seq_len
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.store.seq_len + query_length, 0
+
+        def get_max_length(self) -> int:
+            return getattr(self.store, "max_len", None) or -1
+
+        def reset(self) -> None:
+            self.store.reset()
+
+        def reorder_cache(self, beam_idx) -> None:
+            self.store.reorder(beam_idx)
+
+        def batch_select_indices(self, indices) -> None:
+            self.store.reorder(indices)
+
+    return cache_utils, LatentLayer
+
+
+def latent_cache(config, kind: str = "dynamic", *, max_cache_len: int | None = None):
+    """A ``transformers.Cache`` holding one latent row per token and layer for a DeepSeek-V3
+    ``config``: ``kind`` ``"dynamic"`` (grown as needed), ``"static"`` (preallocated
+    ``max_cache_len`` tokens) or ``"int8"`` (one int8 row and a float32 scale per token)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}.")
+    if kind == "static" and max_cache_len is None:
+        raise ValueError("max_cache_len: a static cache needs its size (prompt plus new tokens), got None. "
+                         "Fix: latent_cache(config, 'static', max_cache_len=prompt_len + max_new_tokens).")
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers < 1 or not hasattr(config, "kv_lora_rank"):
+        raise ValueError(f"config: expected a DeepSeek-V3 config (num_hidden_layers >= 1, kv_lora_rank), got "
+                         f"{type(config).__name__}.")
+    make = {"dynamic": DynamicLayerCache, "static": lambda: StaticLayerCache(max_cache_len),
+            "int8": lambda: QuantizedLayerCache(max_cache_len)}[kind]
+    cache_utils, layer = _layer_class()
+    return cache_utils.Cache(layers=[layer(make) for _ in range(layers)])
+
+
+def _latent_layer(module, past_key_values):
+    layers = getattr(past_key_values, "layers", None)
+    if not layers or module.layer_idx >= len(layers):
+        return None
+    layer = layers[module.layer_idx]
+    return layer if hasattr(layer, "update_rows") else None
+
+
+def _forward(original):
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        layer = _latent_layer(self, past_key_values)
+        B, T = hidden_states.shape[:-1]
+        absorbed = (layer is not None and T <= KERNEL_MAX_QUERIES and not (torch.is_grad_enabled() and self.training)
+                    and (attention_mask is None or isinstance(attention_mask, HFMask)))
+        if not absorbed:  # transformers' own layer (per-head form); a latent cache serves it too
+            return original(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        modeling = require(_MODELING, "use_latent_decoding")
+        R, rope = self.kv_lora_rank, self.qk_rope_head_dim
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden_states)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q = q.view(B, T, -1, self.qk_head_dim).transpose(1, 2)  # (B, H, T, nope + rope)
+        q_nope, q_rot = q.split([self.qk_nope_head_dim, rope], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([R, rope], dim=-1)
+        latent = self.kv_a_layernorm(latent).view(B, 1, T, R)
+        k_rot = k_rot.view(B, 1, T, rope)
+        cos, sin = position_embeddings
+        interleave = self.config.rope_interleave
+        rotate = modeling.apply_rotary_pos_emb_interleave if interleave else modeling.apply_rotary_pos_emb
+        q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
+        rows = layer.update_rows(torch.cat([latent, k_rot], dim=-1), R)  # (B, 1, Tk, R + rope) or a handle
+        H = q.shape[1]
+        w = self.kv_b_proj.weight.view(H, self.qk_nope_head_dim + self.v_head_dim, R)
+        q_latent = torch.einsum("bhtd,hdr->bhtr", q_nope, w[:, :self.qk_nope_head_dim])  # (B, H, T, R)
+        mask, q_offset, kv_offset = None, None, 0
+        if isinstance(attention_mask, HFMask):
+            mask, q_offset, kv_offset = attention_mask.mask, attention_mask.q_offset, attention_mask.kv_offset
+        out = mla_decode(torch.cat([q_latent, q_rot], dim=-1), rows, kv_lora_rank=R, scale=self.scaling, mask=mask,
+                         q_offset=q_offset, kv_offset=kv_offset, kv_finite=layer.store.finite)  # (B, H, T, R)
+        out = torch.einsum("bhtr,hvr->bthv", out, w[:, self.qk_nope_head_dim:])  # (B, T, H, v_head_dim)
+        return self.o_proj(out.reshape(B, T, -1)), None
+
+    forward.attnkit_latent = True
+    return forward
+
+
+@contextlib.contextmanager
+def use_latent_decoding() -> Iterator[None]:
+    """Within the block, transformers' DeepSeek-V3 attention layers decode over a :func:`latent_cache`
+    in the absorbed form (see the module docstring); restored on exit, also after an exception."""
+    modeling = require(_MODELING, "use_latent_decoding")
+    cls = modeling.DeepseekV3Attention
+    original = cls.forward
+    if getattr(original, "attnkit_latent", False):  # nested: already on
+        yield
+        return
+    cls.forward = _forward(original)
+    try:
+        yield
+    finally:
+        cls.forward = original
