@@ -31,6 +31,7 @@ from ..kv_handle import KVHandle
 from ..mla import mla_decode
 from ._deps import require
 from .hf_attention import HFMask
+from .hf_cache import _layer_class as hf_cache_layer_class
 
 __all__ = ["latent_cache", "use_latent_decoding", "KINDS"]
 
@@ -39,24 +40,15 @@ _MODELING = "transformers.models.deepseek_v3.modeling_deepseek_v3"
 
 
 def _layer_class():
-    cache_utils = require("transformers.cache_utils", "attnkit.interop.latent_cache")
+    cache_utils, base = hf_cache_layer_class()
 
-    class LatentLayer(cache_utils.DynamicLayer):
+    class LatentLayer(base):
         """One DeepSeek layer's latent rows ``(B, 1, T, kv_lora_rank + rope)`` in an attnkit layer cache."""
-
-        is_sliding = False
-        is_croppable = False
-
-        def __init__(self, make):
-            super().__init__()
-            self.store = make()
-            self.rank: int | None = None
 
         def update_rows(self, rows: Tensor, rank: int):
             """Append the rows; return every row held (a tensor, or an int8 handle)."""
             if not self.is_initialized:
                 self.lazy_initialization(rows, rows)
-            self.rank = rank
             return latent_update(self.store, rows, rank)[0]
 
         def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
@@ -66,24 +58,6 @@ def _layer_class():
             if isinstance(rows, KVHandle):
                 rows = rows.dense()[0]
             return rows[..., :rank], rows[..., rank:]
-
-        def get_seq_length(self) -> int:
-            return self.store.seq_len
-
-        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-            return self.store.seq_len + query_length, 0
-
-        def get_max_length(self) -> int:
-            return getattr(self.store, "max_len", None) or -1
-
-        def reset(self) -> None:
-            self.store.reset()
-
-        def reorder_cache(self, beam_idx) -> None:
-            self.store.reorder(beam_idx)
-
-        def batch_select_indices(self, indices) -> None:
-            self.store.reorder(indices)
 
     return cache_utils, LatentLayer
 
