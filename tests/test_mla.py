@@ -173,3 +173,19 @@ def test_gradients_flow_through_the_absorbed_form():
     want = torch.autograd.grad(ref.sum(), (q, rows))
     for a, b in zip(grads, want):
         assert torch.allclose(a, b, atol=1e-10)
+
+
+@pytest.mark.parametrize("implementation", ["torch", "native"])
+def test_strided_rows_and_queries_and_fully_masked_rows(implementation):
+    """Rows inside a wider buffer and queries laid out (B, T, H, D) are read in place; a query
+    that may see no key gives 0."""
+    if implementation == "native" and _native_reason():
+        pytest.skip(_native_reason())
+    g = torch.Generator().manual_seed(6)
+    B, H, T = 2, 4, 37
+    rows = torch.randn(B, 1, T, R + P + 5, generator=g)[..., :R + P]  # (B, 1, T, R + P), row stride R + P + 5
+    q = torch.randn(B, 2, H, R + P, generator=g).transpose(1, 2)  # (B, H, 2, R + P), non-contiguous
+    mask = attnkit.KeyPadding(torch.tensor([0, 30]))  # row 0 sees nothing
+    out = mla_decode(q, rows, kv_lora_rank=R, scale=SCALE, mask=mask, implementation=implementation)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    _check_decode(q[1:], rows[1:, :, :30], out[1:], torch.float32)

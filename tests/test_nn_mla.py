@@ -169,3 +169,25 @@ def test_bad_configuration_and_input_name_the_argument():
     with pytest.raises(TypeError, match="cache"):
         layer(torch.randn(1, 3, 48), cache=KVCache.dynamic(1))
     assert math.isclose(layer.config.softmax_scale, 24 ** -0.5)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_ragged_paged_rows_equal_their_full_forwards(quantize):
+    """Continuous batching: two sequences of different lengths decode together over paged latent
+    rows; each equals its own full forward (RoPE and the mask at each row's own positions)."""
+    layer = _layer(seed=7)
+    x = torch.randn(2, 21, SMALL["embed_dim"], generator=torch.Generator().manual_seed(8))
+    cache = PagedKVCache(1, num_blocks=20, block_size=4, quantize=quantize)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    with torch.no_grad():
+        full = layer(x, mask=Causal())
+        cache.select([a])
+        first = layer(x[:1, :6], mask=Causal(), cache=cache[0])  # a runs 6 tokens ahead
+        cache.select([a, b])
+        steps = [layer(torch.stack([x[0, 6 + s:7 + s], x[1, s:s + 1]]), mask=Causal(), cache=cache[0])
+                 for s in range(15)]
+    out = torch.cat(steps, 1)
+    assert cache.lengths() == [21, 15]
+    tol = 0.03 if quantize else 1e-5
+    assert (torch.cat([first, out[:1]], 1) - full[:1]).abs().max() <= tol * full.abs().max()
+    assert (out[1:] - full[1:, :15]).abs().max() <= tol * full.abs().max()
