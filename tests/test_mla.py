@@ -189,3 +189,32 @@ def test_strided_rows_and_queries_and_fully_masked_rows(implementation):
     out = mla_decode(q, rows, kv_lora_rank=R, scale=SCALE, mask=mask, implementation=implementation)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     _check_decode(q[1:], rows[1:, :, :30], out[1:], torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["static", "int8", "paged", "paged-int8"])
+def test_the_kernel_reads_the_values_as_a_view_of_the_keys(kind, monkeypatch):
+    """No copy of the values is made on the way to the decode kernel: it gets the keys' storage
+    with the values' strides (and, for int8, the keys' scales), so each row is read once."""
+    if _native_reason():
+        pytest.skip(_native_reason())
+    from attnkit.backends import decode_native
+
+    ext, _ = decode_native._extension()
+    seen = []
+
+    class Spy:
+        decode_spans = ext.decode_spans
+
+        @staticmethod
+        def decode(q, k, v, ks, vs, *rest):
+            seen.append((k.data_ptr() == v.data_ptr(), v.shape[-1], v.stride(), ks.data_ptr() == vs.data_ptr()))
+            return ext.decode(q, k, v, ks, vs, *rest)
+
+    monkeypatch.setattr(decode_native, "_extension", lambda: (Spy, None))
+    cache, _ = _storage(kind, 1, max_len=64)
+    cache.update(torch.randn(1, 1, 30, R + P))
+    k, _, _ = cache.update(torch.randn(1, 1, 1, R + P))
+    mla_decode(torch.randn(1, 8, 1, R + P), k, kv_lora_rank=R, scale=SCALE, implementation="native")
+    (same_storage, width, strides, same_scales), = seen
+    assert same_storage and width == R and strides[2] == R + P
+    assert same_scales or "int8" not in kind  # int8: the values' scales are the keys' own
