@@ -156,6 +156,8 @@ def test_every_exact_backend_runs_unequal_key_and_value_dims_or_declines_with_a_
         assert all(torch.isfinite(t.grad).all() for t in (qq, kk, vv)), name
         ran.append(name)
     assert {"naive", "sdpa", "tiled"} <= set(ran)
+    if attnkit.get_backend("native").available():  # the native prefill kernel, forward and backward
+        assert "native" in ran
 
 
 def test_bad_configuration_and_input_name_the_argument():
