@@ -7,6 +7,7 @@ numbers per token, one K/V head, values the first 512 columns of the keys) at 8k
 
 * ``native``: ``mla_decode(..., implementation="native")``, the decode kernel over the rows in place;
 * ``torch``: the decode backend's PyTorch-op twin (``implementation="torch"``);
+* ``int8``: the kernel over an int8 latent cache (one int8 row and a float32 scale per token) in place;
 * ``matmul``: the same attention as two plain matmuls (``softmax(q Kᵀ) K[:, :512]`` in float32, the
   rows read twice): the straightforward baseline the ratios are taken against.
 
@@ -68,6 +69,11 @@ def cases(T: int, H: int, dtype: torch.dtype, native: bool) -> dict:
     fns = {"matmul": matmul, "torch": run("torch")}
     if native:
         fns["native"] = run("native")
+        store = LatentLayerCache(QuantizedLayerCache(T), RANK)
+        store.update(rows[:, :, :-1])
+        handle, _, _ = store.update(rows[:, :, -1:])  # int8 rows, read in place
+        fns["int8"] = lambda: mla_decode(q, handle, kv_lora_rank=RANK, scale=SCALE, implementation="native",
+                                         kv_finite=True)
     return fns
 
 
