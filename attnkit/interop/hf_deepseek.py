@@ -9,7 +9,7 @@ the attention function sees them. :func:`use_latent_decoding` makes the layers t
 once for every head); prompts (more than 16 new tokens) and training keep the per-head form::
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attnkit")
-    cache = attnkit.interop.latent_cache(model.config)            # or "static"/"int8"
+    cache = attnkit.interop.latent_cache(model.config)            # or "static", "int8", "paged", ...
     with attnkit.interop.use_latent_decoding():
         out = model.generate(input_ids, past_key_values=cache, max_new_tokens=32)
 
@@ -26,30 +26,33 @@ import torch
 from torch import Tensor
 
 from ..backends.decode_native import KERNEL_MAX_QUERIES
-from ..cache import DynamicLayerCache, QuantizedLayerCache, StaticLayerCache, latent_update
+from ..cache.latent import alias_values
 from ..kv_handle import KVHandle
 from ..mla import mla_decode
 from ._deps import require
 from .hf_attention import HFMask
-from .hf_cache import _layer_class as hf_cache_layer_class
+from .hf_cache import hf_cache
 
-__all__ = ["latent_cache", "use_latent_decoding", "KINDS"]
-
-KINDS = ("dynamic", "static", "int8")
+__all__ = ["latent_cache", "use_latent_decoding"]
 _MODELING = "transformers.models.deepseek_v3.modeling_deepseek_v3"
 
 
-def _layer_class():
-    cache_utils, base = hf_cache_layer_class()
+_CLASSES: dict = {}
+
+
+def _latent_class(base):
+    """``base`` (an :func:`~attnkit.interop.hf_cache` layer class) extended to hold latent rows."""
+    if base in _CLASSES:
+        return _CLASSES[base]
 
     class LatentLayer(base):
-        """One DeepSeek layer's latent rows ``(B, 1, T, kv_lora_rank + rope)`` in an attnkit layer cache."""
+        """One DeepSeek layer's latent rows ``(B, 1, T, kv_lora_rank + rope)`` in an attnkit layer cache
+        (values zero-wide: they are the rows' first columns)."""
 
         def update_rows(self, rows: Tensor, rank: int):
-            """Append the rows; return every row held (a tensor, or an int8 handle)."""
-            if not self.is_initialized:
-                self.lazy_initialization(rows, rows)
-            return latent_update(self.store, rows, rank)[0]
+            """Append the rows; return every row held (a tensor, or an int8/paged handle)."""
+            k, _ = base.update(self, rows, rows[..., :0])
+            return alias_values(k, rank)[0]
 
         def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
             """transformers' attention layer: ``kv_nope (B, 1, T, rank)``, ``k_rot (B, 1, T, rope)``."""
@@ -59,26 +62,21 @@ def _layer_class():
                 rows = rows.dense()[0]
             return rows[..., :rank], rows[..., rank:]
 
-    return cache_utils, LatentLayer
+    _CLASSES[base] = LatentLayer
+    return LatentLayer
 
 
-def latent_cache(config, kind: str = "dynamic", *, max_cache_len: int | None = None):
+def latent_cache(config, kind: str = "dynamic", **sizes):
     """A ``transformers.Cache`` holding one latent row per token and layer for a DeepSeek-V3
-    ``config``: ``kind`` ``"dynamic"`` (grown as needed), ``"static"`` (preallocated
-    ``max_cache_len`` tokens) or ``"int8"`` (one int8 row and a float32 scale per token)."""
-    if kind not in KINDS:
-        raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}.")
-    if kind == "static" and max_cache_len is None:
-        raise ValueError("max_cache_len: a static cache needs its size (prompt plus new tokens), got None. "
-                         "Fix: latent_cache(config, 'static', max_cache_len=prompt_len + max_new_tokens).")
-    layers = getattr(config, "num_hidden_layers", None)
-    if not isinstance(layers, int) or layers < 1 or not hasattr(config, "kv_lora_rank"):
-        raise ValueError(f"config: expected a DeepSeek-V3 config (num_hidden_layers >= 1, kv_lora_rank), got "
-                         f"{type(config).__name__}.")
-    make = {"dynamic": DynamicLayerCache, "static": lambda: StaticLayerCache(max_cache_len),
-            "int8": lambda: QuantizedLayerCache(max_cache_len)}[kind]
-    cache_utils, layer = _layer_class()
-    return cache_utils.Cache(layers=[layer(make) for _ in range(layers)])
+    ``config``: every kind of :func:`~attnkit.interop.hf_cache` (``"dynamic"``, ``"static"``,
+    ``"int8"``, ``"paged"``, ``"paged-int8"``) with its sizes (``max_cache_len=``, ``num_blocks=``,
+    ...), each layer storing the rows alone (int8: one int8 row and a float32 scale per token)."""
+    if not hasattr(config, "kv_lora_rank"):
+        raise ValueError(f"config: expected a DeepSeek-V3 config (with kv_lora_rank), got {type(config).__name__}.")
+    cache = hf_cache(config, kind, **sizes)
+    for layer in cache.layers:
+        layer.__class__ = _latent_class(type(layer))  # the same layer, with the latent row methods
+    return cache
 
 
 def _latent_layer(module, past_key_values):
