@@ -1,0 +1,156 @@
+"""Context-parallel gated linear attention on CPU with gloo: 2 and 4 processes against one process.
+
+Every rule (gated delta, KDA, SSD, GLA), contiguous, uneven and zigzag layouts, initial and final
+states: each rank's output slice, its inputs' gradients, the final state and the initial state's
+gradient (summed over the ranks) equal ``gated_linear_attention`` on the whole sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnkit import gated_linear_attention
+from attnkit.distributed import ContextParallelError, SequenceLayout, context_parallel_gated_linear_attention
+
+from .test_distributed import run_group
+
+pytestmark = pytest.mark.xdist_group("distributed")  # one worker, one forkserver
+
+_TENSORS = ("q", "k", "v", "g", "beta")
+
+
+def _inputs(seed, *, B, Hk, Hv, T, Dk, Dv, per_channel, delta, dtype, init):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    x = {"q": r(B, Hk, T, Dk), "k": r(B, Hk, T, Dk), "v": r(B, Hv, T, Dv),
+         "g": -0.3 * F.softplus(r(B, Hv, T, *([Dk] if per_channel else []))),
+         "beta": torch.sigmoid(r(B, Hv, T)) if delta else None}
+    extra = {"init": r(B, Hv, Dk, Dv) * 0.5 if init else None, "w": r(B, Hv, T, Dv), "wf": r(B, Hv, Dk, Dv)}
+    return {n: None if t is None else t.to(dtype) for n, t in {**x, **extra}.items()}
+
+
+def _cases(world):
+    T = 24 if world == 2 else 40
+    uneven = [5, T - 5] if world == 2 else [3, 11, T - 20, 6]
+    zig = SequenceLayout.zigzag(T, world)
+    f64, f32 = torch.float64, torch.float32
+    return T, {
+        "delta-gqa-init": dict(Hk=1, Hv=2, Dk=5, Dv=3, delta=True, dtype=f64, init=True, chunk_size=4),
+        "delta-zigzag-f32": dict(Dk=8, Dv=8, delta=True, dtype=f32, init=True, layout=zig, chunk_size=4),
+        "delta-uneven-implicit": dict(Dk=4, Dv=6, delta=True, dtype=f64, lengths=uneven),
+        "kda-zigzag": dict(Dk=4, Dv=3, delta=True, per_channel=True, dtype=f64, init=True, layout=zig,
+                           chunk_size=4),
+        "kda-f32": dict(Hk=1, Hv=2, Dk=6, Dv=4, delta=True, per_channel=True, dtype=f32, chunk_size=8),
+        "ssd-uneven": dict(Dk=4, Dv=5, dtype=f64, layout=SequenceLayout.contiguous(uneven), init=True),
+        "gla-zigzag-f32": dict(Dk=4, Dv=4, per_channel=True, dtype=f32, layout=zig, chunk_size=4),
+    }
+
+
+def _equality_job(rank, world):
+    torch.set_num_threads(1)
+    T, cases = _cases(world)
+    report = {}
+    for seed, (name, c) in enumerate(cases.items()):
+        x = _inputs(seed, B=c.get("B", 2), Hk=c.get("Hk", 2), Hv=c.get("Hv", 2), T=T, Dk=c["Dk"], Dv=c["Dv"],
+                    per_channel=c.get("per_channel", False), delta=c.get("delta", False), dtype=c["dtype"],
+                    init=c.get("init", False))
+        opts = dict(qk_l2norm=c.get("delta", False), chunk_size=c.get("chunk_size"), return_state=True)
+        names = [n for n in _TENSORS if x[n] is not None] + (["init"] if x["init"] is not None else [])
+        ref_in = {n: x[n].clone().requires_grad_() for n in names}
+        o, final = gated_linear_attention(*(ref_in.get(n) for n in _TENSORS), initial_state=ref_in.get("init"),
+                                          **opts)
+        ref_grads = dict(zip(names, torch.autograd.grad((o * x["w"]).sum() + (final * x["wf"]).sum(),
+                                                        list(ref_in.values()))))
+        layout = c.get("layout")
+        shards = layout or SequenceLayout.contiguous(c.get("lengths", [T // world] * world))
+        local = {n: (shards.shard(x[n], rank) if n != "init" else x[n]).clone().requires_grad_() for n in names}
+        out, state = context_parallel_gated_linear_attention(*(local.get(n) for n in _TENSORS), layout=layout,
+                                                             initial_state=local.get("init"), **opts)
+        loss = (out * shards.shard(x["w"], rank)).sum() + (rank == 0) * (state * x["wf"]).sum()
+        grads = dict(zip(names, torch.autograd.grad(loss, list(local.values()))))
+
+        def rel(a, b):
+            return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-30))
+
+        report[name] = {
+            "dtype": str(out.dtype),
+            "out": rel(out, shards.shard(o, rank)),
+            "state": rel(state, final),
+            "state_bits": state.detach(),
+            "grads": {n: rel(grads[n], shards.shard(ref_grads[n], rank)) for n in names if n != "init"},
+            "init_grad": (grads["init"], ref_grads["init"]) if "init" in names else None,
+        }
+    return report
+
+
+def _check_equality(world):
+    results = run_group(world, _equality_job, join_timeout=150)
+    for rank, (status, value) in results.items():
+        assert status == "ok", f"rank {rank}: {value}"
+    reports = {rank: value for rank, (_, value) in results.items()}
+    _, cases = _cases(world)
+    for name, c in cases.items():
+        tol = 1e-5 if c["dtype"] == torch.float32 else 1e-11
+        for rank, report in reports.items():
+            r = report[name]
+            where = f"{name} on rank {rank} of {world}: {r}"
+            assert r["dtype"] == str(c["dtype"]), where
+            assert r["out"] <= tol and r["state"] <= tol and max(r["grads"].values()) <= tol, where
+            assert set(r["grads"]) == {n for n in _TENSORS if n != "beta" or c.get("delta")}, where
+            # every rank ran the same prefix on the same summaries: the same bits
+            assert torch.equal(r["state_bits"], reports[0][name]["state_bits"]), where
+        if c.get("init"):  # each rank holds its own tokens' share of the initial state's gradient
+            total = sum(reports[rank][name]["init_grad"][0] for rank in reports)
+            ref = reports[0][name]["init_grad"][1]
+            assert float((total - ref).abs().max() / ref.abs().max()) <= tol, name
+            assert not torch.allclose(reports[0][name]["init_grad"][0], ref), name  # a share, not the whole
+
+
+def test_two_ranks_equal_one_process():
+    _check_equality(2)
+
+
+def test_four_ranks_equal_one_process():
+    _check_equality(4)
+
+
+def _failure_job(rank, world):
+    q = k = torch.randn(1, 2, 6, 4)
+    v = torch.randn(1, 2, 6, 4)
+    g = -torch.rand(1, 2, 6)
+    if rank == 1:
+        g = g.abs() + 1  # a growing state: rank 1 alone rejects its gates
+    try:
+        context_parallel_gated_linear_attention(q, k, v, g, torch.rand(1, 2, 6))
+    except (ValueError, ContextParallelError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_rank_with_bad_inputs_stops_every_rank():
+    results = run_group(2, _failure_job)
+    assert results[1] == ("ok", results[1][1]) and "g: expected finite log-decays" in results[1][1], results
+    assert "rank(s) [1] rejected their inputs" in results[0][1], results
+
+
+def test_one_rank_is_the_plain_function():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 9, 4, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(2, 2, 9, generator=gen), torch.rand(2, 2, 9, generator=gen)
+    got = context_parallel_gated_linear_attention(q, k, v, g, beta, qk_l2norm=True, return_state=True)
+    want = gated_linear_attention(q, k, v, g, beta, qk_l2norm=True, return_state=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_bad_arguments_name_the_argument():
+    q = k = v = torch.randn(1, 2, 8, 4)
+    g = -torch.rand(1, 2, 8)
+    with pytest.raises(ValueError, match="layout: built for 2 ranks"):
+        context_parallel_gated_linear_attention(q, k, v, g, layout=SequenceLayout.even(8, 2))
+    with pytest.raises(TypeError, match="layout: expected a SequenceLayout"):
+        context_parallel_gated_linear_attention(q, k, v, g, layout=[(0, 8)])
+    with pytest.raises(ValueError, match="g: expected"):
+        context_parallel_gated_linear_attention(q, k, v, g[..., :5])
+    with pytest.raises(ValueError, match="timeout"):
+        context_parallel_gated_linear_attention(q, k, v, g, timeout=-1)
