@@ -25,7 +25,7 @@ from torch import Tensor
 from ..inputs import AttentionInputs
 from ..masks import BlockStatus, Mask, as_mask
 from .comm import Ring, agree, digest_ints, exchange_checks, heads_to_seq, resolve_timeout, seq_to_heads
-from .layout import SequenceLayout
+from .layout import SequenceLayout, check_layout
 from .ring import BlockPair, RingPlan, ring_attention
 
 __all__ = ["context_parallel_attention", "explain_context_parallel", "ContextParallelPlan", "STRATEGIES"]
@@ -222,15 +222,7 @@ def _plan(q, k, v, mask, group, layout, strategy, scale, dropout_p, timeout):
         ring.timeout = resolve_timeout(timeout)
         inp = _check_local(q, k, v, dropout_p)
         B, Hq, Hkv, T = inp.B, inp.Hq, inp.Hkv, inp.Tq
-        if layout is not None:
-            if not isinstance(layout, SequenceLayout):
-                raise TypeError(f"layout: expected a SequenceLayout or None, got {type(layout).__name__}.")
-            if layout.world != ring.world:
-                raise ValueError(f"layout: built for {layout.world} ranks, but the group has {ring.world}. "
-                                 f"Fix: SequenceLayout.zigzag(T, {ring.world}) or similar.")
-            if layout.local_len(ring.rank) != T:
-                raise ValueError(f"q: rank {ring.rank} holds {T} positions, but the layout gives it "
-                                 f"{layout.local_len(ring.rank)}. Fix: pass layout.shard(x, rank) of the full tensors.")
+        check_layout(layout, ring.world, ring.rank, T)
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}.")
         mine = [B, Hq, Hkv, inp.D, inp.Dv, T, _DTYPE_CODES[inp.dtype], STRATEGIES.index(strategy)]

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..backends.kernelized.gated.rule import check_inputs, gated_linear_attention, rule_name
 from .comm import Ring, agree, digest_ints, exchange_checks, resolve_timeout, wait_all
-from .layout import SequenceLayout
+from .layout import SequenceLayout, check_layout
 
 __all__ = ["context_parallel_gated_linear_attention"]
 
@@ -78,15 +78,7 @@ def _check(ring, q, k, v, g, beta, initial_state, layout, check_gates, timeout, 
     try:
         ring.timeout = resolve_timeout(timeout)
         check_inputs(q, k, v, g, beta, initial_state, None, check_gates=check_gates)
-        if layout is not None:
-            if not isinstance(layout, SequenceLayout):
-                raise TypeError(f"layout: expected a SequenceLayout or None, got {type(layout).__name__}.")
-            if layout.world != ring.world:
-                raise ValueError(f"layout: built for {layout.world} ranks, but the group has {ring.world}. "
-                                 f"Fix: SequenceLayout.even(T, {ring.world}) or similar.")
-            if layout.local_len(ring.rank) != q.shape[2]:
-                raise ValueError(f"q: rank {ring.rank} holds {q.shape[2]} positions, but the layout gives it "
-                                 f"{layout.local_len(ring.rank)}. Fix: pass layout.shard(x, rank) of the full tensors.")
+        check_layout(layout, ring.world, ring.rank, q.shape[2])
         B, Hk, T, Dk = q.shape
         digest = digest_ints("none" if layout is None else repr(layout.segments))
         mine = [B, Hk, v.shape[1], Dk, v.shape[-1], _DTYPES.get(q.dtype, 4), _RULES.index(rule_name(g, beta)),
