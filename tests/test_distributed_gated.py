@@ -154,3 +154,39 @@ def test_bad_arguments_name_the_argument():
         context_parallel_gated_linear_attention(q, k, v, g[..., :5])
     with pytest.raises(ValueError, match="timeout"):
         context_parallel_gated_linear_attention(q, k, v, g, timeout=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# A hybrid model (gated-delta and softmax layers) trained by `attnkit train --context-parallel 2`.
+
+_TRAIN_FLAGS = ["--steps", "3", "--batch-size", "2", "--seq-len", "32", "--lr", "1e-2", "--warmup-steps", "1",
+                "--eval-every", "0", "--sample-tokens", "0", "--no-progress", "--device", "cpu", "--embed-dim", "32",
+                "--num-layers", "2", "--num-heads", "2", "--max-len", "64", "--layer-pattern", "ga"]
+
+
+def _cli_train_job(rank, world, text, out):
+    import os
+
+    from attnkit.cli.main import main
+
+    from .train_helpers import read_losses
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    code = main(["train", "--data", text, "--out", out, "--context-parallel", "2", *_TRAIN_FLAGS])
+    return {"code": code, "losses": read_losses(out) if rank == 0 else None}
+
+
+def test_hybrid_model_trains_context_parallel_like_one_process(tmp_path, capsys):
+    from attnkit.cli.main import main
+
+    from .train_helpers import read_losses
+
+    text = tmp_path / "text.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(200)))
+    assert main(["train", "--data", str(text), "--out", str(tmp_path / "one"), *_TRAIN_FLAGS]) == 0
+    one = read_losses(tmp_path / "one")
+    results = run_group(2, _cli_train_job, str(text), str(tmp_path / "cp"), join_timeout=150)
+    for rank, (status, value) in results.items():
+        assert status == "ok" and value["code"] == 0, f"rank {rank}: {value}"
+    assert len(one) == 3 and one[-1] < one[0]  # it learns: the comparison is about training
+    assert results[0][1]["losses"] == pytest.approx(one, rel=1e-5)
