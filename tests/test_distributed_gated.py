@@ -38,10 +38,12 @@ def _cases(world):
     return T, {
         "delta-gqa-init": dict(Hk=1, Hv=2, Dk=5, Dv=3, delta=True, dtype=f64, init=True, chunk_size=4),
         "delta-zigzag-f32": dict(Dk=8, Dv=8, delta=True, dtype=f32, init=True, layout=zig, chunk_size=4),
-        "delta-uneven-implicit": dict(Dk=4, Dv=6, delta=True, dtype=f64, lengths=uneven),
+        # no state returned: on a contiguous split rank 0's output reads no summary, yet its backward
+        # must still take part in the exchange
+        "delta-uneven-implicit": dict(Dk=4, Dv=6, delta=True, dtype=f64, lengths=uneven, state=False),
         "kda-zigzag": dict(Dk=4, Dv=3, delta=True, per_channel=True, dtype=f64, init=True, layout=zig,
                            chunk_size=4),
-        "kda-f32": dict(Hk=1, Hv=2, Dk=6, Dv=4, delta=True, per_channel=True, dtype=f32, chunk_size=8),
+        "kda-f32": dict(Hk=1, Hv=2, Dk=6, Dv=4, delta=True, per_channel=True, dtype=f32, chunk_size=8, state=False),
         "ssd-uneven": dict(Dk=4, Dv=5, dtype=f64, layout=SequenceLayout.contiguous(uneven), init=True),
         "gla-zigzag-f32": dict(Dk=4, Dv=4, per_channel=True, dtype=f32, layout=zig, chunk_size=4),
     }
@@ -55,19 +57,23 @@ def _equality_job(rank, world):
         x = _inputs(seed, B=c.get("B", 2), Hk=c.get("Hk", 2), Hv=c.get("Hv", 2), T=T, Dk=c["Dk"], Dv=c["Dv"],
                     per_channel=c.get("per_channel", False), delta=c.get("delta", False), dtype=c["dtype"],
                     init=c.get("init", False))
-        opts = dict(qk_l2norm=c.get("delta", False), chunk_size=c.get("chunk_size"), return_state=True)
+        opts = dict(qk_l2norm=c.get("delta", False), chunk_size=c.get("chunk_size"))
+        with_state = c.get("state", True)
         names = [n for n in _TENSORS if x[n] is not None] + (["init"] if x["init"] is not None else [])
         ref_in = {n: x[n].clone().requires_grad_() for n in names}
         o, final = gated_linear_attention(*(ref_in.get(n) for n in _TENSORS), initial_state=ref_in.get("init"),
-                                          **opts)
+                                          return_state=True, **opts)
+        final = final if with_state else final.detach()
         ref_grads = dict(zip(names, torch.autograd.grad((o * x["w"]).sum() + (final * x["wf"]).sum(),
                                                         list(ref_in.values()))))
         layout = c.get("layout")
         shards = layout or SequenceLayout.contiguous(c.get("lengths", [T // world] * world))
         local = {n: (shards.shard(x[n], rank) if n != "init" else x[n]).clone().requires_grad_() for n in names}
-        out, state = context_parallel_gated_linear_attention(*(local.get(n) for n in _TENSORS), layout=layout,
-                                                             initial_state=local.get("init"), **opts)
-        loss = (out * shards.shard(x["w"], rank)).sum() + (rank == 0) * (state * x["wf"]).sum()
+        out = context_parallel_gated_linear_attention(*(local.get(n) for n in _TENSORS), layout=layout,
+                                                      initial_state=local.get("init"), return_state=with_state,
+                                                      **opts)
+        out, state = out if with_state else (out, final)
+        loss = (out * shards.shard(x["w"], rank)).sum() + (rank == 0 and with_state) * (state * x["wf"]).sum()
         grads = dict(zip(names, torch.autograd.grad(loss, list(local.values()))))
 
         def rel(a, b):

@@ -67,6 +67,21 @@ class _AllGather(torch.autograd.Function):
         return total, None
 
 
+class _Joined(torch.autograd.Function):
+    """``out`` itself, made to depend on ``gathered`` for autograd: a rank whose output never reads
+    the exchanged summaries (rank 0 of a contiguous split) still runs the exchange's backward, in which
+    every other rank waits for it (zeros: its tokens have no gradient to send)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, gathered: Tensor) -> Tensor:
+        ctx.shape, ctx.dtype = gathered.shape, gathered.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, grad.new_zeros(ctx.shape, dtype=ctx.dtype)
+
+
 def _scale_bits(scale: float | None) -> int:
     return -1 if scale is None else struct.unpack("<q", struct.pack("<d", float(scale)))[0]
 
@@ -129,7 +144,9 @@ def context_parallel_gated_linear_attention(
 
     What travels is the state summary of each segment (see the module docstring), ``B·Hv·Dk·(Dk+Dv)``
     numbers whatever the sequence length, once forward and once backward. Every rank must call it
-    with the same options and layout; input errors on one rank raise on every rank, and a rank whose
+    with the same options and layout, and run backward through its output or the state when any
+    rank does (as every rank of DDP must; a rank whose output reads no summary, such as rank 0 of a
+    contiguous split, still sends zeros). Input errors on one rank raise on every rank, and a rank whose
     local run fails still takes part in the exchange, then every rank raises
     :class:`~attnkit.distributed.ContextParallelError` naming it. Packed sequences (``cu_seqlens``)
     are not taken: split the packed batch by sequence first.
@@ -177,4 +194,6 @@ def context_parallel_gated_linear_attention(
         U, A = gathered[r, i].split([Dv, Dk], dim=-1)
         state = A @ state + U
     o = torch.cat([o0 + qa @ incoming[ring.rank, i] for i, (o0, qa) in enumerate(outs)], dim=2).to(q.dtype)
+    if gathered.requires_grad:
+        o = _Joined.apply(o, gathered)
     return (o, state) if return_state else o
