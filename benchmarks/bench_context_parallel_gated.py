@@ -24,28 +24,24 @@ table; the load average is recorded, since other work on the machine changes eve
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from attnkit import gated_linear_attention
-from attnkit.distributed import SequenceLayout, context_parallel_gated_linear_attention
-from attnkit.distributed.comm import WAIT_LABEL
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark's process group
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's attnkit
+from bench_context_parallel import run_group  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from attnkit import gated_linear_attention  # noqa: E402
+from attnkit.bench.report import write_json  # noqa: E402
+from attnkit.bench.runner import machine_description  # noqa: E402
+from attnkit.distributed import SequenceLayout, context_parallel_gated_linear_attention  # noqa: E402
+from attnkit.distributed.comm import WAIT_LABEL  # noqa: E402
 
 
 def _inputs(T: int, H: int, D: int):
@@ -81,6 +77,7 @@ def _timed(fn, group=None) -> float:
 
 
 def _job(rank, world, lengths, H, D, rounds, threads, threads_per_rank):
+    torch.set_num_threads(threads_per_rank)
     layout_of = {T: SequenceLayout.even(T, world) for T in lengths}
     pair = dist.new_group(list(range(world)))
     results = {}
@@ -126,17 +123,6 @@ def _job(rank, world, lengths, H, D, rounds, threads, threads_per_rank):
     return results
 
 
-def _entry(rank, world, port, args, queue):
-    torch.set_num_threads(args[-1])
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=1800))
-        queue.put((rank, _job(rank, world, *args)))
-        dist.destroy_process_group()
-    except BaseException as exc:
-        queue.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
@@ -152,21 +138,11 @@ def main(argv=None) -> int:
         args.lengths, args.heads, args.head_dim, args.rounds = [256], 2, 32, 1
     world = 2
     load_before = os.getloadavg()
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    job_args = (args.lengths, args.heads, args.head_dim, args.rounds, args.threads, args.threads_per_rank)
-    procs = [ctx.Process(target=_entry, args=(r, world, port, job_args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=3600) for _ in range(world))
-    for p in procs:
-        p.join()
-    errors = {r: v["error"] for r, v in results.items() if "error" in v}
-    if errors:
-        raise SystemExit(f"benchmark failed: {errors}")
+    results = run_group(world, _job, args.lengths, args.heads, args.head_dim, args.rounds, args.threads,
+                        args.threads_per_rank)
     report = {
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0],
-                    "load_average_before": load_before, "load_average_after": os.getloadavg()},
+        "machine": {**machine_description("cpu"), "load_average_before": load_before,
+                    "load_average_after": os.getloadavg()},
         "config": {"rule": "gated_delta", "batch": 1, "heads": args.heads, "head_dim": args.head_dim,
                    "dtype": "float32", "layout": "contiguous", "ranks": world, "rounds": args.rounds,
                    "threads_one_process": args.threads, "threads_per_rank": args.threads_per_rank},
@@ -185,8 +161,7 @@ def main(argv=None) -> int:
             print(f"  {name:<40} {s * 1e3:>10.1f} ms")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {write_json(report, out)}")
     return 0
 
 
