@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from attnkit import gated_linear_attention
 from attnkit.distributed import ContextParallelError, SequenceLayout, context_parallel_gated_linear_attention
 
-from .test_distributed import run_group
+from .test_distributed import _readme_job, run_group
 
 pytestmark = pytest.mark.xdist_group("distributed")  # one worker, one forkserver
 
@@ -198,23 +198,8 @@ def test_hybrid_model_trains_context_parallel_like_one_process(tmp_path, capsys)
     assert results[0][1]["losses"] == pytest.approx(one, rel=1e-5)
 
 
-def _guide_job(rank, world):
-    import contextlib
-    import io
-    import pathlib
-    import re
-
-    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "context-parallel.md").read_text()
-    section = page.split("## Gated linear attention", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        exec(compile(code, "context-parallel.md", "exec"), {})
-    return printed.getvalue()
-
-
 def test_guide_example_runs_on_two_ranks():
-    results = run_group(2, _guide_job)
+    results = run_group(2, _readme_job, "## Gated linear attention")
     for rank, (status, value) in results.items():
         assert status == "ok", f"rank {rank}: {value}"
         assert f"rank {rank}: matches one process: True" in value
