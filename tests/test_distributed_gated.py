@@ -46,6 +46,8 @@ def _cases(world):
         "kda-f32": dict(Hk=1, Hv=2, Dk=6, Dv=4, delta=True, per_channel=True, dtype=f32, chunk_size=8, state=False),
         "ssd-uneven": dict(Dk=4, Dv=5, dtype=f64, layout=SequenceLayout.contiguous(uneven), init=True),
         "gla-zigzag-f32": dict(Dk=4, Dv=4, per_channel=True, dtype=f32, layout=zig, chunk_size=4),
+        # computed in fp32 from the same bf16 values: one rounding of the output apart
+        "delta-bf16": dict(Dk=8, Dv=8, delta=True, dtype=torch.bfloat16, init=True, chunk_size=4),
     }
 
 
@@ -97,7 +99,7 @@ def _check_equality(world):
     reports = {rank: value for rank, (_, value) in results.items()}
     _, cases = _cases(world)
     for name, c in cases.items():
-        tol = 1e-5 if c["dtype"] == torch.float32 else 1e-11
+        tol = {torch.float32: 1e-5, torch.float64: 1e-11, torch.bfloat16: 2e-2}[c["dtype"]]
         for rank, report in reports.items():
             r = report[name]
             where = f"{name} on rank {rank} of {world}: {r}"
@@ -138,6 +140,51 @@ def test_a_rank_with_bad_inputs_stops_every_rank():
     results = run_group(2, _failure_job)
     assert results[1] == ("ok", results[1][1]) and "g: expected finite log-decays" in results[1][1], results
     assert "rank(s) [1] rejected their inputs" in results[0][1], results
+
+
+def _local_failure_job(rank, world):
+    from attnkit.distributed import gated
+
+    if rank == 1:  # this rank's local run fails after every check passed
+        def broken(*args, **kwargs):
+            raise RuntimeError("out of memory (simulated)")
+
+        gated.gated_linear_attention = broken
+    q = k = v = torch.randn(1, 2, 6, 4)
+    try:
+        context_parallel_gated_linear_attention(q, k, v, -torch.rand(1, 2, 6), torch.rand(1, 2, 6))
+    except ContextParallelError as exc:
+        return f"{exc} {exc.ranks}"
+    return "no error"
+
+
+def test_a_rank_whose_local_run_fails_stops_every_rank_with_its_error():
+    results = run_group(2, _local_failure_job)
+    for rank, (status, value) in results.items():
+        assert status == "ok" and "rank(s) [1]" in value and "out of memory (simulated)" in value, (rank, value)
+
+
+def _nonfinite_job(rank, world):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 4, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(1, 2, 16, generator=gen), torch.rand(1, 2, 16, generator=gen)
+    v[0, 1, 3] = float("nan")  # rank 0's token 3, value head 1: later outputs of that head, on every rank
+    q[0, 0, 12] = float("inf")  # rank 1's query 12: its own output only
+    want = gated_linear_attention(q, k, v, g, beta, qk_l2norm=True)
+    layout = SequenceLayout.even(16, world)
+    got = context_parallel_gated_linear_attention(*(layout.shard(t, rank) for t in (q, k, v, g, beta)), qk_l2norm=True)
+    want = layout.shard(want, rank)
+    same_nan = torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    return {"same_nan": same_nan, "nan": int(want.isnan().sum()),
+            "close": bool(torch.allclose(got[finite], want[finite], rtol=1e-5, atol=1e-6))}
+
+
+def test_nonfinite_tokens_reach_what_they_reach_in_one_process():
+    results = run_group(2, _nonfinite_job)
+    for rank, (status, value) in results.items():
+        assert status == "ok" and value["same_nan"] and value["close"], (rank, value)
+    assert results[0][1]["nan"] and results[1][1]["nan"]  # both ranks hold poisoned outputs
 
 
 def test_one_rank_is_the_plain_function():
@@ -203,3 +250,26 @@ def test_guide_example_runs_on_two_ranks():
     for rank, (status, value) in results.items():
         assert status == "ok", f"rank {rank}: {value}"
         assert f"rank {rank}: matches one process: True" in value
+
+
+def test_make_context_parallel_swaps_gated_layers_and_keeps_the_weights():
+    from attnkit.cache import StateCache
+    from attnkit.distributed.training import (
+        ContextParallelGatedDeltaNet, ContextParallelSelfAttention, make_context_parallel,
+    )
+    from attnkit.nn import GPT
+
+    from .train_helpers import tiny_gpt_config
+
+    model = GPT(tiny_gpt_config(layer_pattern="ga"))
+    before = {n: p.data_ptr() for n, p in model.state_dict().items()}
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    want = model(ids)
+    make_context_parallel(model, None, SequenceLayout.even(8, 1))
+    kinds = [type(m) for m in model.modules()]
+    assert ContextParallelGatedDeltaNet in kinds and ContextParallelSelfAttention in kinds
+    assert {n: p.data_ptr() for n, p in model.state_dict().items()} == before  # the same tensors, the same keys
+    assert torch.allclose(model(ids), want, atol=1e-6)  # one rank: the model as it was
+    layer = next(m for m in model.modules() if isinstance(m, ContextParallelGatedDeltaNet))
+    with pytest.raises(ValueError, match="cache: a context-parallel gated-delta layer"):
+        layer(torch.randn(1, 8, 32), cache=StateCache(layer.make_state))

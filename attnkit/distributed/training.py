@@ -82,6 +82,12 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         new.group, new.layout = group, layout
         return new
 
+    def forward(self, x, *, cache=None, **kwargs):
+        if cache is not None:
+            raise ValueError("cache: a context-parallel gated-delta layer runs one sequence split across ranks and "
+                             "keeps no decoding state. Fix: decode with the model itself (unwrapped), cache and all.")
+        return super().forward(x, **kwargs)
+
     def mix(self, q, k, v, g, beta):
         return context_parallel_gated_linear_attention(q, k, v, g, beta, group=self.group, layout=self.layout,
                                                        qk_l2norm=True, check_gates=False)
