@@ -18,6 +18,8 @@ One local run gives both the summary and the output: the run starts from ``[0 | 
 values widened to ``[v | 0]``, so the extra ``Dk`` state columns carry ``A_t`` (the transition up to
 token ``t``) and the extra output columns ``A_tᵀ q_t``; once the segment's incoming state ``S_in``
 is known, ``o_t = o_t(from 0) + S_inᵀ A_tᵀ q_t`` is one small matmul. No second pass, no recompute.
+The sequence's first segment, without an ``initial_state``, starts from a known zero state: it is
+the plain run (no extra columns) and sends its final state with a zero transition.
 
 The backward is autograd's: the local run's gradients (with respect to its initial state
 included), the prefix, and the all-gather, whose backward sends each rank the gradients of its
@@ -170,13 +172,20 @@ def context_parallel_gated_linear_attention(
         lengths = [b - a for a, b, _, _ in ranges]
         # q in the compute dtype, so the uncorrected output keeps its precision (the rule computes in
         # it anyway); split, not slices, so autograd joins the pieces' gradients once
-        pieces = zip(*(x.split(lengths, dim=2) for x in (q.to(acc), k, v, g)),
-                     beta.split(lengths, dim=2) if beta is not None else [None] * len(lengths))
-        for q_s, k_s, v_s, g_s, b_s in pieces:
+        pieces = [x.split(lengths, dim=2) for x in (q.to(acc), k, v, g)]
+        pieces.append(beta.split(lengths, dim=2) if beta is not None else [None] * len(lengths))
+        options = dict(scale=scale, qk_l2norm=qk_l2norm, return_state=True, chunk_size=chunk_size,
+                       recompute_segment=recompute_segment, check_gates=False)
+        for (_, _, first, _), q_s, k_s, v_s, g_s, b_s in zip(ranges, *pieces):
+            if first == 0 and initial_state is None:
+                # the sequence's first segment starts from zero: the plain run, nothing to correct later,
+                # and the prefix takes its final state as it is (no transition: [U | 0])
+                o_s, final = gated_linear_attention(q_s, k_s, v_s, g_s, b_s, **options)
+                outs.append((o_s, None))
+                summaries.append(torch.cat([final.to(acc), final.new_zeros(B, Hv, Dk, Dk, dtype=acc)], dim=-1))
+                continue
             wide = torch.cat([v_s, v_s.new_zeros(*v_s.shape[:-1], Dk)], dim=-1)  # (B, Hv, T_s, Dv + Dk)
-            o_s, final = gated_linear_attention(q_s, k_s, wide, g_s, b_s, scale=scale, qk_l2norm=qk_l2norm,
-                                                initial_state=start, return_state=True, chunk_size=chunk_size,
-                                                recompute_segment=recompute_segment, check_gates=False)
+            o_s, final = gated_linear_attention(q_s, k_s, wide, g_s, b_s, initial_state=start, **options)
             outs.append(o_s.split([Dv, Dk], dim=-1))  # (o from 0, A_tᵀ q_t)
             summaries.append(final.to(acc))  # [U | A]
         summaries += [summaries[0].new_zeros(summaries[0].shape)] * (most - len(summaries))
@@ -187,13 +196,14 @@ def context_parallel_gated_linear_attention(
     agree(ring, error, _WHAT)
     # the prefix over every segment in position order: the same products, in the same order, on every rank
     order = sorted((a, r, i) for r in range(ring.world) for i, (a, _) in enumerate(layout.segments[r]))
-    state = (q.new_zeros(B, Hv, Dk, Dv, dtype=acc) if initial_state is None else initial_state.to(acc))
+    state = None if initial_state is None else initial_state.to(acc)  # None: zero, the plain first segment's
     incoming = {}
     for _, r, i in order:
         incoming[r, i] = state
         U, A = gathered[r, i].split([Dv, Dk], dim=-1)
-        state = A @ state + U
-    o = torch.cat([o0 + qa @ incoming[ring.rank, i] for i, (o0, qa) in enumerate(outs)], dim=2).to(q.dtype)
+        state = U if state is None else A @ state + U
+    o = torch.cat([o0 if qa is None else o0 + qa @ incoming[ring.rank, i] for i, (o0, qa) in enumerate(outs)],
+                  dim=2).to(q.dtype)
     if gathered.requires_grad:
         o = _Joined.apply(o, gathered)
     return (o, state) if return_state else o
