@@ -9,8 +9,10 @@ forward + backward of:
 * **one process**, ``gated_linear_attention`` over the whole sequence, with 1 thread and with
   ``--threads`` threads (the same cores the 2 ranks use);
 * **2 ranks**, ``context_parallel_gated_linear_attention`` over a contiguous split, 1 thread each
-  (``--threads-per-rank``): each rank runs its half with ``Dk`` extra state columns (the transition
-  it sends), then corrects its output with the incoming state.
+  (``--threads-per-rank``): rank 1 runs its tokens with ``Dk`` extra state columns (the transition
+  it sends), then corrects its output with the incoming state; rank 0 (position 0, zero state) runs
+  the plain rule. Two splits: even halves, and rank 0 holding ``--first-share`` of the tokens
+  (the extra columns make a rank-1 token dearer, so a larger first share balances the ranks).
 
 Rounds are interleaved inside one group of 2 processes (the one-process runs on rank 0 while rank 1
 waits at a barrier); the best of ``--rounds`` is kept, and a rank pair's time is the slower rank's.
@@ -76,14 +78,16 @@ def _timed(fn, group=None) -> float:
     return float(elapsed)
 
 
-def _job(rank, world, lengths, H, D, rounds, threads, threads_per_rank):
+def _job(rank, world, lengths, H, D, rounds, threads, threads_per_rank, first_share):
     torch.set_num_threads(threads_per_rank)
-    layout_of = {T: SequenceLayout.even(T, world) for T in lengths}
     pair = dist.new_group(list(range(world)))
     results = {}
     for T in lengths:
         full = _inputs(T, H, D)
-        layout = layout_of[T]
+        first = round(first_share * T)
+        layouts = {"even split": SequenceLayout.even(T, world),
+                   f"rank 0 holds {first_share:.0%}": SequenceLayout.contiguous([first, T - first])}
+        layout = layouts["even split"]
         local = [layout.shard(x, rank) for x in full]
         best = {}
         keep = lambda name, s: best.__setitem__(name, min(best.get(name, float("inf")), s))  # noqa: E731
@@ -98,10 +102,12 @@ def _job(rank, world, lengths, H, D, rounds, threads, threads_per_rank):
                         if r:
                             keep(f"one process, {n} thread(s), {what}", s)
                     torch.set_num_threads(threads_per_rank)
-                dist.barrier()
-                s = _timed(lambda: _run(local, backward, pair, layout), pair)
-                if r:
-                    keep(f"{world} ranks, {threads_per_rank} thread(s) each, {what}", s)
+                for split, lay in layouts.items():
+                    dist.barrier()
+                    mine = [lay.shard(x, rank) for x in full]
+                    s = _timed(lambda: _run(mine, backward, pair, lay), pair)
+                    if r:
+                        keep(f"{world} ranks, {threads_per_rank} thread(s) each, {split}, {what}", s)
         # waiting and exactness, once
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             dist.barrier(pair)
@@ -131,6 +137,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds after a warm-up (best is kept)")
     parser.add_argument("--threads", type=int, default=2, help="threads of the one-process comparison")
     parser.add_argument("--threads-per-rank", type=int, default=1)
+    parser.add_argument("--first-share", type=float, default=0.64,
+                        help="rank 0's share of the tokens in the uneven split")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--out", default="bench-results/context_parallel_gated.json")
     args = parser.parse_args(argv)
@@ -139,13 +147,14 @@ def main(argv=None) -> int:
     world = 2
     load_before = os.getloadavg()
     results = run_group(world, _job, args.lengths, args.heads, args.head_dim, args.rounds, args.threads,
-                        args.threads_per_rank)
+                        args.threads_per_rank, args.first_share)
     report = {
         "machine": {**machine_description("cpu"), "load_average_before": load_before,
                     "load_average_after": os.getloadavg()},
         "config": {"rule": "gated_delta", "batch": 1, "heads": args.heads, "head_dim": args.head_dim,
-                   "dtype": "float32", "layout": "contiguous", "ranks": world, "rounds": args.rounds,
-                   "threads_one_process": args.threads, "threads_per_rank": args.threads_per_rank},
+                   "dtype": "float32", "layout": "contiguous, even and uneven", "ranks": world, "rounds": args.rounds,
+                   "threads_one_process": args.threads, "threads_per_rank": args.threads_per_rank,
+                   "first_share": args.first_share},
         "lengths": {str(T): {**results[0][T], "waiting_fraction_per_rank":
                              [results[r][T]["waiting_fraction"] for r in range(world)]} for T in args.lengths},
     }
@@ -158,7 +167,7 @@ def main(argv=None) -> int:
               f"{', '.join(f'{w:.0%}' for w in entry['waiting_fraction_per_rank'])}, max relative difference "
               f"{entry['max_relative_difference']:.1e}")
         for name, s in entry["seconds"].items():
-            print(f"  {name:<40} {s * 1e3:>10.1f} ms")
+            print(f"  {name:<56} {s * 1e3:>10.1f} ms")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"wrote {write_json(report, out)}")
