@@ -170,21 +170,24 @@ def _nonfinite_job(rank, world):
     g, beta = -torch.rand(1, 2, 16, generator=gen), torch.rand(1, 2, 16, generator=gen)
     v[0, 1, 3] = float("nan")  # rank 0's token 3, value head 1: later outputs of that head, on every rank
     q[0, 0, 12] = float("inf")  # rank 1's query 12: its own output only
-    want = gated_linear_attention(q, k, v, g, beta, qk_l2norm=True)
     layout = SequenceLayout.even(16, world)
-    got = context_parallel_gated_linear_attention(*(layout.shard(t, rank) for t in (q, k, v, g, beta)), qk_l2norm=True)
-    want = layout.shard(want, rank)
-    same_nan = torch.equal(got.isnan(), want.isnan())
-    finite = ~want.isnan()
-    return {"same_nan": same_nan, "nan": int(want.isnan().sum()),
-            "close": bool(torch.allclose(got[finite], want[finite], rtol=1e-5, atol=1e-6))}
+    report = {}
+    for name, b in (("delta", beta), ("ssd", None)):  # extra state columns, and the diagonal transition
+        want = layout.shard(gated_linear_attention(q, k, v, g, b, qk_l2norm=True), rank)
+        got = context_parallel_gated_linear_attention(*(layout.shard(t, rank) for t in (q, k, v, g)),
+                                                      None if b is None else layout.shard(b, rank), qk_l2norm=True)
+        finite = ~want.isnan()
+        report[name] = {"same_nan": torch.equal(got.isnan(), want.isnan()), "nan": int(want.isnan().sum()),
+                        "close": bool(torch.allclose(got[finite], want[finite], rtol=1e-5, atol=1e-6))}
+    return report
 
 
 def test_nonfinite_tokens_reach_what_they_reach_in_one_process():
     results = run_group(2, _nonfinite_job)
     for rank, (status, value) in results.items():
-        assert status == "ok" and value["same_nan"] and value["close"], (rank, value)
-    assert results[0][1]["nan"] and results[1][1]["nan"]  # both ranks hold poisoned outputs
+        assert status == "ok", (rank, value)
+        for name, r in value.items():
+            assert r["same_nan"] and r["close"] and r["nan"], (rank, name, r)  # both ranks hold poisoned outputs
 
 
 def test_one_rank_is_the_plain_function():

@@ -14,10 +14,12 @@ values, so every rank holds bitwise the same states)::
     S_in(seg 0) = S0 (initial_state or 0)
     S_in(seg 1) = A0 S_in(seg 0) + U0      ...      final state = A1 S_in(seg 1) + U1
 
-One local run gives both the summary and the output: the run starts from ``[0 | I]`` with the
-values widened to ``[v | 0]``, so the extra ``Dk`` state columns carry ``A_t`` (the transition up to
-token ``t``) and the extra output columns ``A_tᵀ q_t``; once the segment's incoming state ``S_in``
-is known, ``o_t = o_t(from 0) + S_inᵀ A_tᵀ q_t`` is one small matmul. No second pass, no recompute.
+One local run gives both the summary and the output: for the delta rules (gated delta, KDA) the
+run starts from ``[0 | I]`` with the values widened to ``[v | 0]``, so the extra ``Dk`` state columns
+carry ``A_t`` (the transition up to token ``t``) and the extra output columns ``A_tᵀ q_t``; once the
+segment's incoming state ``S_in`` is known, ``o_t = o_t(from 0) + S_inᵀ A_tᵀ q_t`` is one small
+matmul. No second pass, no recompute. Without the delta rule (SSD, GLA) ``A_t`` is the diagonal
+``exp(g_1 + ... + g_t)``, computed directly: the run is the plain one, from zero.
 The sequence's first segment, without an ``initial_state``, starts from a known zero state: it is
 the plain run (no extra columns) and sends its final state with a zero transition.
 
@@ -36,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..backends.kernelized.gated.rule import check_inputs, gated_linear_attention, rule_name
+from .._validate import score_scale
+from ..backends.kernelized.gated.rule import check_inputs, gated_linear_attention, prepare, rule_name
 from .comm import Ring, agree, digest_ints, exchange_checks, resolve_timeout, wait_all
 from .layout import SequenceLayout, check_layout
 
@@ -90,11 +93,12 @@ def _scale_bits(scale: float | None) -> int:
 
 def _check(ring, q, k, v, g, beta, initial_state, layout, check_gates, timeout, scale, qk_l2norm, return_state):
     """This rank's checks, exchanged so that every rank raises when one rank's inputs are wrong;
-    returns the layout (built from every rank's length when None)."""
+    returns the layout (built from every rank's length when None) and the scale."""
     error, mine = None, [0] * 16  # as many ints as a valid descriptor: every rank gathers the same size
     try:
         ring.timeout = resolve_timeout(timeout)
         check_inputs(q, k, v, g, beta, initial_state, None, check_gates=check_gates)
+        scale = score_scale(scale, q.shape[-1])
         check_layout(layout, ring.world, ring.rank, q.shape[2])
         B, Hk, T, Dk = q.shape
         digest = digest_ints("none" if layout is None else repr(layout.segments))
@@ -112,7 +116,7 @@ def _check(ring, q, k, v, g, beta, initial_state, layout, check_gates, timeout, 
             f"return_state, scale, layout): rank {ring.rank} has {mine[:10]}, rank(s) {differ} have "
             f"{[everyone[r][:10] for r in differ]} (or a different scale or layout). Fix: every rank passes its "
             "slice of the same q, k, v, g, beta, the same options and the same layout (or None on every rank).")
-    return layout if layout is not None else SequenceLayout.contiguous([d[-1] for d in everyone])
+    return (layout if layout is not None else SequenceLayout.contiguous([d[-1] for d in everyone])), scale
 
 
 def context_parallel_gated_linear_attention(
@@ -154,8 +158,8 @@ def context_parallel_gated_linear_attention(
     are not taken: split the packed batch by sequence first.
     """
     ring = Ring(group)
-    layout = _check(ring, q, k, v, g, beta, initial_state, layout, check_gates, timeout, scale, qk_l2norm,
-                    return_state)
+    layout, scale = _check(ring, q, k, v, g, beta, initial_state, layout, check_gates, timeout, scale, qk_l2norm,
+                           return_state)
     if ring.world == 1:
         return gated_linear_attention(q, k, v, g, beta, scale=scale, qk_l2norm=qk_l2norm, initial_state=initial_state,
                                       return_state=return_state, chunk_size=chunk_size,
@@ -183,6 +187,14 @@ def context_parallel_gated_linear_attention(
                 o_s, final = gated_linear_attention(q_s, k_s, v_s, g_s, b_s, **options)
                 outs.append((o_s, None))
                 summaries.append(torch.cat([final.to(acc), final.new_zeros(B, Hv, Dk, Dk, dtype=acc)], dim=-1))
+                continue
+            if b_s is None:  # SSD, GLA: A_t = Diag(exp(g_1 + ... + g_t)), no extra columns
+                o_s, final = gated_linear_attention(q_s, k_s, v_s, g_s, None, **options)
+                q_hat = prepare(q_s, k_s, v_s[..., :1], g_s, None, scale=scale, qk_l2norm=qk_l2norm)[0]
+                decay = g_s.to(acc).cumsum(2).exp()  # (B, Hv, T_s) or (B, Hv, T_s, Dk)
+                decay = (decay if decay.dim() == 4 else decay[..., None]).expand(q_hat.shape)
+                outs.append((o_s, q_hat * decay))  # A_tᵀ q_t
+                summaries.append(torch.cat([final.to(acc), torch.diag_embed(decay[:, :, -1])], dim=-1))
                 continue
             wide = torch.cat([v_s, v_s.new_zeros(*v_s.shape[:-1], Dk)], dim=-1)  # (B, Hv, T_s, Dv + Dk)
             o_s, final = gated_linear_attention(q_s, k_s, wide, g_s, b_s, initial_state=start, **options)
