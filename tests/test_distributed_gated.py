@@ -210,6 +210,8 @@ def test_bad_arguments_name_the_argument():
         context_parallel_gated_linear_attention(q, k, v, g[..., :5])
     with pytest.raises(ValueError, match="timeout"):
         context_parallel_gated_linear_attention(q, k, v, g, timeout=-1)
+    with pytest.raises(ValueError, match="scale: expected a finite number"):
+        context_parallel_gated_linear_attention(q, k, v, g, scale=float("nan"))
 
 
 # ---------------------------------------------------------------------------------------------
