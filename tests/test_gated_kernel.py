@@ -163,3 +163,21 @@ def test_step_under_autograd_runs_the_differentiable_recurrence():
     o = attnkit.gated_linear_attention(q, k, v, g, beta)
     o.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("native", [None, False])
+def test_state_in_place_overwrites_the_given_state(native):
+    """``state_in_place=True`` writes the final state into ``initial_state`` (the same storage), equal to
+    the returned state of a plain call, on the kernel's step and on the PyTorch paths."""
+    q, k, v, g, beta, state = (x.float() for x in make(2, 3, 5, 8, 6, seed=10))
+    for T in (1, 5):
+        want_o, want_state = attnkit.gated_linear_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T], g[:, :, :T],
+                                                            beta[:, :, :T], initial_state=state, return_state=True,
+                                                            native=native)
+        S = state.clone()
+        o, final = attnkit.gated_linear_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T], g[:, :, :T], beta[:, :, :T],
+                                                  initial_state=S, return_state=True, state_in_place=True,
+                                                  native=native)
+        assert final is S and torch.allclose(S, want_state, atol=1e-6) and torch.allclose(o, want_o, atol=1e-6)
+    with pytest.raises(ValueError, match="state_in_place=True"):
+        attnkit.gated_linear_attention(q, k, v, g, beta, state_in_place=True)

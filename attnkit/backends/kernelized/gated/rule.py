@@ -145,7 +145,8 @@ def native_reason(device: torch.device, dtype: torch.dtype, T: int, per_channel:
 
 
 def _run(q, k, v, g, beta, state, method: str, chunk_size: int | None,
-         recompute_segment: int | None = None, native: bool | None = None) -> tuple[Tensor, Tensor]:
+         recompute_segment: int | None = None, native: bool | None = None,
+         in_place: bool = False) -> tuple[Tensor, Tensor]:
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, state))
     why_not = native_reason(q.device, q.dtype, q.shape[2], g.dim() == 4, grad, method, native)
     if native and why_not is not None:
@@ -153,8 +154,11 @@ def _run(q, k, v, g, beta, state, method: str, chunk_size: int | None,
                          "native=None runs the PyTorch path where the kernel declines.")
     if _recurrent(method, q.shape[2]):
         if why_not is None:
-            S = q.new_zeros(q.shape[:2] + (q.shape[-1], v.shape[-1])) if state is None \
-                else state.clone(memory_format=torch.contiguous_format)
+            if in_place and state is not None and state.is_contiguous():
+                S = state  # the caller's state, written in place (no copy)
+            else:
+                S = q.new_zeros(q.shape[:2] + (q.shape[-1], v.shape[-1])) if state is None \
+                    else state.clone(memory_format=torch.contiguous_format)
             return kernel.step(q, k, v, g, beta, S), S  # S updated in place
         return recurrent_rule(q, k, v, g, beta, state)
     T = q.shape[2]
@@ -229,7 +233,7 @@ def gated_linear_attention(
     scale: float | None = None, qk_l2norm: bool = False, initial_state: Tensor | None = None,
     return_state: bool = False, cu_seqlens: Tensor | None = None, method: str = "auto",
     chunk_size: int | None = None, recompute_segment: int | None = None, check_gates: bool = True,
-    native: bool | None = None,
+    native: bool | None = None, state_in_place: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Causal gated linear attention: the gated delta rule, KDA or SSD (chosen by ``g`` and ``beta``).
 
@@ -254,7 +258,9 @@ def gated_linear_attention(
     and the recurrent step of every rule outside autograd — and the PyTorch path otherwise (KDA and
     GLA chunked, float64, an unbuilt kernel: :func:`explain_gated` says why); False always runs the
     PyTorch path; True requires the kernel (``ValueError`` with the reason where it declines). Both
-    paths compute the same function. Returns ``o (B, Hv, T, Dv)`` in q's dtype (and the state).
+    paths compute the same function. ``state_in_place=True`` overwrites ``initial_state`` (float32)
+    with the final state instead of returning a new tensor (decoding: the kernel's step then
+    writes it directly, no copy); not under autograd. Returns ``o (B, Hv, T, Dv)`` in q's dtype (and the state).
 
     NaN/Inf in one token reach only what can see it, on either method: a bad query makes its own
     output NaN; a bad key, value, gate (NaN or +inf; ``-inf`` is a decay of 0) or beta makes that
@@ -266,6 +272,11 @@ def gated_linear_attention(
         raise ValueError(f"method: expected one of {_METHODS}, got {method!r}.")
     if native not in (None, True, False):
         raise TypeError(f"native: expected None (the kernel where it runs), True or False, got {native!r}.")
+    if state_in_place and (not isinstance(initial_state, Tensor) or initial_state.dtype != torch.float32
+                           or (torch.is_grad_enabled() and initial_state.requires_grad)):
+        raise ValueError(f"state_in_place=True: expected a float32 initial_state outside autograd to overwrite, got "
+                         f"{getattr(initial_state, 'dtype', initial_state)!r}. Fix: pass the state (e.g. the "
+                         "final state of the previous call) or drop state_in_place.")
     positive_int(chunk_size, "chunk_size", allow_none=True)
     positive_int(recompute_segment, "recompute_segment", allow_none=True)
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_gates=check_gates)
@@ -278,7 +289,8 @@ def gated_linear_attention(
     state = None if initial_state is None else initial_state.to(q.dtype)
     offsets = None if cu_seqlens is None else cu_seqlens.tolist()
     if offsets is None:
-        o, final = _run(q, k, v, g, beta, state, method, chunk_size, recompute_segment, native)
+        o, final = _run(q, k, v, g, beta, state, method, chunk_size, recompute_segment, native,
+                        state_in_place and state is initial_state)
     else:
         lengths = [b - a for a, b in zip(offsets, offsets[1:])]
         pieces = zip(*(x.split(lengths, dim=2) for x in (q, k, v, g)),
@@ -292,6 +304,8 @@ def gated_linear_attention(
         o, final = torch.cat(outs, dim=2), torch.cat(finals, dim=0)
     if flags is not None:
         o, final = _poison(o, final, *flags, offsets)
+    if state_in_place and final is not initial_state:
+        final = initial_state.copy_(final)
     o = o.to(out_dtype)
     return (o, final) if return_state else o
 

@@ -9,6 +9,7 @@ into ``attnkit.cache.StateCache`` (``StateCache(lambda: GatedLinearState(...))``
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .rule import gated_linear_attention
@@ -28,8 +29,11 @@ class GatedLinearState:
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, *, g: Tensor, beta: Tensor | None = None) -> Tensor:
         """Attend ``T`` new tokens ``(B, H, T, ·)`` over everything seen, and absorb them."""
+        # decoding outside autograd writes the held state in place (no copy of it per token)
+        in_place = self.state is not None and self.state.dtype == torch.float32 and not (
+            torch.is_grad_enabled() and self.state.requires_grad)
         o, self.state = gated_linear_attention(q, k, v, g, beta, scale=self.scale, qk_l2norm=self.qk_l2norm,
-                                               initial_state=self.state, return_state=True)
+                                               initial_state=self.state, return_state=True, state_in_place=in_place)
         self.seq_len += q.shape[2]
         return o
 
