@@ -1,5 +1,5 @@
-"""The native gated kernel (``attnkit/csrc/gated.cpp``): the chunked gated delta rule and SSD, forward
-and backward, and the recurrent step of every rule, against the float64 recurrence.
+"""The native gated kernel (``attnkit/csrc/gated.cpp``): every chunked rule (gated delta, KDA, SSD, GLA),
+forward and backward, and the recurrent step of every rule, against the float64 recurrence.
 
 Skipped where the gated family is not built (``attnkit build``); the PyTorch path it falls back to is
 tested in ``test_gated_linear.py``."""
@@ -34,14 +34,22 @@ def rel(a, b):
     return ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("rule", ["gated_delta", "ssd"])
+RULES = ["gated_delta", "kda", "ssd", "gla"]
+
+
+def with_rule(rule, B, H, T, Dk, Dv, seed):
+    """Inputs for ``rule``: per-channel gates for KDA and GLA, no beta for SSD and GLA."""
+    q, k, v, g, beta, state = make(B, H, T, Dk, Dv, per_channel=rule in ("kda", "gla"), seed=seed)
+    return q, k, v, g, beta if rule in ("gated_delta", "kda") else None, state
+
+
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("T", [1, 17, 37, 127])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_chunked_kernel_equals_the_float64_recurrence(rule, T, with_state):
     """Output, final state and every gradient (q, k, v, g, beta, initial state) within 1e-5 relative
     of the float64 recurrence, over lengths that are not multiples of the chunk, B > 1 and odd dims."""
-    q, k, v, g, beta, state = make(2, 3, T, 21, 19, seed=T)
-    beta = beta if rule == "gated_delta" else None
+    q, k, v, g, beta, state = with_rule(rule, 2, 3, T, 21, 19, seed=T)
     state = state if with_state else None
     inputs64 = [x for x in (q, k, v, g, beta, state) if x is not None]
     for x in inputs64:
@@ -64,19 +72,19 @@ def test_chunked_kernel_equals_the_float64_recurrence(rule, T, with_state):
         assert rel(got, want) <= 1e-5, name
 
 
-@pytest.mark.parametrize("rule", ["gated_delta", "ssd"])
+@pytest.mark.parametrize("rule", RULES)
 def test_chunked_kernel_default_chunk_and_full_head_dim(rule):
-    """The default chunk (64) over a length with a partial last chunk, D = 128."""
-    q, k, v, g, beta, _ = make(1, 2, 130, 128, 128, seed=3)
-    beta = beta if rule == "gated_delta" else None
+    """The default chunk (64; 16 for per-channel gates) over a length with a partial last chunk, D = 128."""
+    q, k, v, g, beta, _ = with_rule(rule, 1, 2, 130, 128, 128, seed=3)
     ref, ref_state = recurrent_rule(q, k, v, g, beta)
     o, final = kernel.chunked(q.float(), k.float(), v.float(), g.float(), None if beta is None else beta.float(), None)
     assert rel(o, ref) <= 1e-5 and rel(final, ref_state) <= 1e-5
 
 
-def test_chunked_kernel_repeats_bitwise():
+@pytest.mark.parametrize("rule", ["gated_delta", "kda"])
+def test_chunked_kernel_repeats_bitwise(rule):
     """Deterministic: the same call twice gives the same bits, forward and backward."""
-    q, k, v, g, beta, state = (x.float() for x in make(2, 2, 77, 16, 12, seed=5))
+    q, k, v, g, beta, state = (x.float() for x in with_rule(rule, 2, 2, 77, 16, 12, seed=5))
 
     def run():
         xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta, state)]
@@ -89,8 +97,8 @@ def test_chunked_kernel_repeats_bitwise():
 
 
 def test_gated_linear_attention_runs_the_kernel_by_default():
-    """Float32 scalar gates run the kernel (explain says so), equal to the PyTorch path; bf16 inputs
-    are computed in float32; float64, KDA and native=False run the PyTorch path with the reason."""
+    """Float32 runs the kernel for every rule (explain says so), equal to the PyTorch path; bf16
+    inputs are computed in float32; float64 and native=False run the PyTorch path with the reason."""
     q, k, v, g, beta, _ = (x.float() for x in make(2, 2, 37, 16, 16, seed=6))
     assert "kernel: native gated kernel (the chunked kernel" in explain_gated(q, k, v, g, beta)
     calls = []
@@ -99,18 +107,20 @@ def test_gated_linear_attention_runs_the_kernel_by_default():
     try:
         o = attnkit.gated_linear_attention(q, k, v, g, beta)
         o_ssd = attnkit.gated_linear_attention(q, k, v, g, None)
+        kda_gates = g[..., None] * torch.linspace(0.5, 1.5, 16)  # (B, H, T, Dk)
+        o_kda = attnkit.gated_linear_attention(q, k, v, kda_gates, beta)
         o_bf16 = attnkit.gated_linear_attention(*(x.bfloat16() for x in (q, k, v, g, beta)))
     finally:
         kernel.chunked = real
-    assert len(calls) == 3
+    assert len(calls) == 4
+    assert torch.allclose(o_kda, attnkit.gated_linear_attention(q, k, v, kda_gates, beta, native=False), atol=1e-5)
+    assert "kernel: native gated kernel" in explain_gated(q, k, v, kda_gates, beta)
     assert torch.allclose(o, attnkit.gated_linear_attention(q, k, v, g, beta, native=False), atol=1e-5)
     assert torch.allclose(o_ssd, attnkit.gated_linear_attention(q, k, v, g, None, native=False), atol=1e-5)
     want = attnkit.gated_linear_attention(*(x.bfloat16() for x in (q, k, v, g, beta)), native=False)
     assert o_bf16.dtype == torch.bfloat16 and torch.equal(o_bf16, want) or torch.allclose(o_bf16.float(),
                                                                                          want.float(), atol=2e-2)
     assert "computes in float32 only, the compute dtype here is float64" in explain_gated(q.double(), k, v, g, beta)
-    kda_gates = g[..., None].expand(*g.shape, 16)
-    assert "KDA and GLA" in explain_gated(q, k, v, kda_gates, beta)
     assert "native=False" in explain_gated(q, k, v, g, beta, native=False)
     with pytest.raises(ValueError, match="native=True.*float64"):
         attnkit.gated_linear_attention(q.double(), k, v, g, beta, native=True)

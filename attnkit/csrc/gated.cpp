@@ -127,13 +127,231 @@ void check(const Tensor& x, const char* name, int64_t dim) {
               " with ", x.dim());
 }
 
+// ---- Per-channel gates (KDA; GLA without b): g (B, H, T, Dk), as kda.py. Γ_ijd = exp(G_id - G_jd)
+// is a vector per pair, so the two within-chunk products are Γ-weighted sums, not matmuls:
+//     KK_ij = sum_d k_id k_jd Γ_ijd        A_ij = sum_d q_id k_jd Γ_ijd      (j <= i)
+// and the decays exp(G), exp(G_C - G), exp(G_C) are per channel (the state's rows). The scan and the
+// UT transform are those of the scalar rule. Γ is formed for a segment of chunks at a time.
+
+// One head's cumulative gates per chunk, float64 (N, C, Dk), from g (T, Dk) padded with 0.
+Tensor channel_cumgates(const Tensor& g_head, int64_t N, int64_t C) {
+  return g_head.to(at::kDouble).view({N, C, g_head.size(-1)}).cumsum(1);
+}
+
+// Γ (n, C, C, Dk) float for the chunks of G (n, C, Dk): exp(G_i - G_j), 0 above the diagonal.
+Tensor channel_gamma(const Tensor& G) {
+  const int64_t C = G.size(1);
+  Tensor diff = G.unsqueeze(2) - G.unsqueeze(1);  // (n, C, C, Dk): [i, j] = G_i - G_j
+  Tensor upper = at::ones({C, C}, at::TensorOptions().dtype(at::kBool)).triu(1).view({1, C, C, 1});
+  return diff.masked_fill_(upper, -std::numeric_limits<double>::infinity()).exp_().to(at::kFloat);
+}
+
+// Segments of chunks whose Γ stays near 4 MiB.
+int64_t channel_segment(int64_t C, int64_t Dk) { return std::max<int64_t>(1, (int64_t(1) << 20) / (C * C * Dk)); }
+
+struct ChannelGates {
+  Tensor G, eg, er, decay;  // G float64 (N, C, Dk); exp(G), exp(G_C - G) (N, C, Dk); exp(G_C) (N, Dk)
+};
+
+ChannelGates channel_gates(const Tensor& g_head, int64_t N, int64_t C) {
+  Tensor G = channel_cumgates(g_head, N, C);
+  Tensor last = G.narrow(1, C - 1, 1);
+  return {G, G.exp().to(at::kFloat), (last - G).exp_().to(at::kFloat), last.squeeze(1).exp().to(at::kFloat)};
+}
+
+// KK (strict lower part used) and A (lower) for every chunk, by segments.
+std::pair<Tensor, Tensor> channel_products(const Tensor& G, const Tensor& qh, const Tensor& kh, bool with_kk) {
+  const int64_t N = qh.size(0), C = qh.size(1), seg = channel_segment(C, qh.size(2));
+  Tensor kk = with_kk ? at::empty({N, C, C}, qh.options()) : Tensor(), a = at::empty({N, C, C}, qh.options());
+  for (int64_t s = 0; s < N; s += seg) {
+    const int64_t n = std::min(seg, N - s);
+    Tensor gamma = channel_gamma(G.narrow(0, s, n));
+    Tensor kj = kh.narrow(0, s, n).unsqueeze(1);  // (n, 1, C, Dk): k_j
+    Tensor gk = gamma * kj;  // Γ_ijd k_jd
+    a.narrow(0, s, n).copy_((gk * qh.narrow(0, s, n).unsqueeze(2)).sum(-1));
+    if (with_kk) kk.narrow(0, s, n).copy_((gk * kh.narrow(0, s, n).unsqueeze(2)).sum(-1));
+  }
+  return {kk, a};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> channel_forward(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const c10::optional<Tensor>& beta_opt,
+    const c10::optional<Tensor>& initial_opt, int64_t chunk, bool keep) {
+  const bool delta = beta_opt.has_value() && beta_opt->defined();
+  const bool has_init = initial_opt.has_value() && initial_opt->defined();
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dk = q.size(3), Dv = v.size(3);
+  const int64_t C = std::max<int64_t>(1, std::min(chunk, T));
+  const int64_t N = T ? (T + C - 1) / C : 0, pad = N * C - T, BH = B * H;
+  const Tensor qp = padded(q, pad), kp = padded(k, pad), vp = padded(v, pad), gp = padded(g, pad);
+  const Tensor bp = delta ? padded_rows(*beta_opt, pad) : Tensor();
+  const Tensor init = has_init ? initial_opt->reshape({BH, Dk, Dv}).to(at::kFloat).contiguous() : Tensor();
+  auto opts = q.options();
+  Tensor o = at::empty({BH, N * C, Dv}, opts);
+  Tensor final_state = at::empty({BH, Dk, Dv}, opts);
+  Tensor inv_all = keep && delta ? at::empty({BH, N, C, C}, opts) : at::empty({0}, opts);
+  Tensor states_all = keep ? at::empty({BH, N, Dk, Dv}, opts) : at::empty({0}, opts);
+  Tensor vnew_all = keep && delta ? at::empty({BH, N, C, Dv}, opts) : at::empty({0}, opts);
+  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+    at::AutoDispatchBelowAutograd below;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      Tensor qh = tiles(qp, bh, N, C), kh = tiles(kp, bh, N, C), vh = tiles(vp, bh, N, C);
+      ChannelGates gt = channel_gates(gp[bh], N, C);
+      auto [kk, a] = channel_products(gt.G, qh, kh, delta);
+      Tensor kdT = (kh * gt.er).transpose(1, 2).contiguous();  // (N, Dk, C)
+      Tensor states = keep ? states_all[bh] : at::empty({N, Dk, Dv}, opts);
+      Tensor vnew = vh, w;
+      if (delta) {
+        Tensor b = bp[bh].view({N, C, 1});
+        Tensor inv = unit_lower_inverse((kk * b).contiguous());
+        if (keep) inv_all[bh].copy_(inv);
+        Tensor inv_b = inv * b.view({N, 1, C});
+        vnew = keep ? vnew_all[bh] : at::empty({N, C, Dv}, opts);
+        at::bmm_out(vnew, inv_b, vh);
+        w = at::bmm(inv_b, kh * gt.eg);
+      }
+      Tensor decay = gt.decay.unsqueeze(-1);  // (N, Dk, 1): scales the state's rows
+      Tensor S = has_init ? init[bh].clone() : at::zeros({Dk, Dv}, opts);
+      for (int64_t n = 0; n < N; ++n) {
+        states[n].copy_(S);
+        if (delta) vnew[n].addmm_(w[n], S, 1, -1);
+        S.mul_(decay[n]).addmm_(kdT[n], vnew[n]);
+      }
+      final_state[bh].copy_(S);
+      Tensor oh = o[bh].view({N, C, Dv});
+      at::bmm_out(oh, qh * gt.eg, states);
+      oh.baddbmm_(a, vnew);
+    }
+  });
+  Tensor out = o.narrow(1, 0, T).view({B, H, T, Dv});
+  if (pad) out = out.contiguous();
+  return {out, final_state.view({B, H, Dk, Dv}), inv_all, states_all, vnew_all};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> channel_backward(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const c10::optional<Tensor>& beta_opt,
+    const Tensor& inv_all, const Tensor& states_all, const Tensor& vnew_all, const Tensor& d_out,
+    const c10::optional<Tensor>& d_final_opt, int64_t chunk) {
+  const bool delta = beta_opt.has_value() && beta_opt->defined();
+  const bool has_df = d_final_opt.has_value() && d_final_opt->defined();
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dk = q.size(3), Dv = v.size(3);
+  const int64_t C = std::max<int64_t>(1, std::min(chunk, T));
+  const int64_t N = T ? (T + C - 1) / C : 0, pad = N * C - T, BH = B * H;
+  const Tensor qp = padded(q, pad), kp = padded(k, pad), vp = padded(v, pad), gp = padded(g, pad);
+  const Tensor dop = padded(d_out, pad);
+  const Tensor bp = delta ? padded_rows(*beta_opt, pad) : Tensor();
+  const Tensor df = has_df ? d_final_opt->reshape({BH, Dk, Dv}).to(at::kFloat).contiguous() : Tensor();
+  auto opts = q.options();
+  Tensor dq = at::empty({BH, N * C, Dk}, opts), dk = at::empty({BH, N * C, Dk}, opts);
+  Tensor dv = at::empty({BH, N * C, Dv}, opts), dg = at::empty({BH, N * C, Dk}, opts);
+  Tensor dbeta = at::zeros({BH, N * C}, opts), dS0 = at::empty({BH, Dk, Dv}, opts);
+  const int64_t seg = channel_segment(C, Dk);
+  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+    at::AutoDispatchBelowAutograd below;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      Tensor qh = tiles(qp, bh, N, C), kh = tiles(kp, bh, N, C), vh = tiles(vp, bh, N, C);
+      Tensor doh = tiles(dop, bh, N, C);
+      ChannelGates gt = channel_gates(gp[bh], N, C);
+      auto [kk, a] = channel_products(gt.G, qh, kh, delta);
+      Tensor st = states_all[bh];
+      Tensor vn = delta ? vnew_all[bh] : vh;
+      Tensor qg = qh * gt.eg, kd = kh * gt.er;
+      Tensor b, bk, inv, u, w;
+      if (delta) {
+        b = bp[bh].view({N, C, 1});
+        bk = kh * (b * gt.eg);
+        inv = inv_all[bh];
+        u = at::bmm(inv, vh * b);
+        w = at::bmm(inv, bk);
+      }
+      Tensor dvn = at::bmm(a.transpose(1, 2), doh);
+      Tensor dS_o = at::bmm(qg.transpose(1, 2), doh);
+      Tensor d_after = at::empty({N, Dk, Dv}, opts);
+      Tensor decay = gt.decay.unsqueeze(-1);
+      Tensor dS = has_df ? df[bh].clone() : at::zeros({Dk, Dv}, opts);
+      Tensor wT = delta ? w.transpose(1, 2) : Tensor();
+      for (int64_t n = N - 1; n >= 0; --n) {
+        d_after[n].copy_(dS);
+        dvn[n].addmm_(kd[n], dS);
+        Tensor next = at::addcmul(dS_o[n], dS, decay[n]);
+        if (delta) next.addmm_(wT[n], dvn[n], 1, -1);
+        dS = next;
+      }
+      dS0[bh].copy_(dS);
+      Tensor stT = st.transpose(1, 2);
+      Tensor dqg = at::bmm(doh, stT);  // (N, C, Dk)
+      Tensor d_a = at::bmm(doh, vn.transpose(1, 2)).tril_();  // the gradient of A (lower)
+      Tensor dkd = at::bmm(vn, d_after.transpose(1, 2));  // (N, C, Dk)
+      Tensor d_decay = (st * d_after).sum(-1) * gt.decay;  // (N, Dk)
+      Tensor dqh = tiles(dq, bh, N, C), dkh = tiles(dk, bh, N, C), dvh = tiles(dv, bh, N, C);
+      Tensor dGh = dg[bh].view({N, C, Dk});
+      at::mul_out(dqh, dqg, gt.eg);
+      at::mul_out(dkh, dkd, gt.er);
+      Tensor dG = dqg * qg;
+      Tensor to_rest = dkd * kd;  // d/d(G_C - G_i), per channel
+      dG.sub_(to_rest);
+      dG.select(1, C - 1).add_(to_rest.sum(1) + d_decay);
+      Tensor d_kk;
+      if (delta) {
+        Tensor dw = at::bmm(dvn, stT).neg_();
+        Tensor invT = inv.transpose(1, 2);
+        Tensor dbv = at::bmm(invT, dvn), dbk = at::bmm(invT, dw);
+        Tensor dm = at::bmm(dbv, u.transpose(1, 2)).baddbmm_(dbk, w.transpose(1, 2)).tril_(-1).neg_();
+        d_kk = dm * b;
+        dkh.addcmul_(dbk, b * gt.eg);
+        at::mul_out(dvh, dbv, b);
+        Tensor db = (dm * kk).sum(-1) + (dbv * vh).sum(-1) + (dbk * kh * gt.eg).sum(-1);
+        dbeta[bh].view({N, C}).copy_(db);
+        dG.add_(dbk * bk);
+      } else {
+        dvh.copy_(dvn);
+      }
+      // through the Γ-weighted products, a segment of chunks at a time
+      for (int64_t s = 0; s < N; s += seg) {
+        const int64_t n = std::min(seg, N - s);
+        Tensor gamma = channel_gamma(gt.G.narrow(0, s, n));  // (n, C, C, Dk)
+        Tensor q_s = qh.narrow(0, s, n), k_s = kh.narrow(0, s, n);
+        Tensor ki = k_s.unsqueeze(2), kj = k_s.unsqueeze(1), qi = q_s.unsqueeze(2);
+        Tensor y = d_a.narrow(0, s, n).unsqueeze(-1) * gamma;  // dA_ij Γ_ijd
+        Tensor yk = y * kj;
+        dqh.narrow(0, s, n).add_(yk.sum(2));
+        Tensor yq = y * qi;
+        dkh.narrow(0, s, n).add_(yq.sum(1));
+        Tensor p = yq * kj;  // dA_ij Γ_ijd q_id k_jd
+        Tensor dG_s = dG.narrow(0, s, n);
+        dG_s.add_(p.sum(2)).sub_(p.sum(1));
+        if (delta) {
+          Tensor x = d_kk.narrow(0, s, n).unsqueeze(-1) * gamma;  // dKK_ij Γ_ijd
+          Tensor xk = x * kj;
+          dkh.narrow(0, s, n).add_(xk.sum(2)).add_((x * ki).sum(1));
+          Tensor r = xk * ki;
+          dG_s.add_(r.sum(2)).sub_(r.sum(1));
+        }
+      }
+      // G = cumsum(g) within each chunk, per channel
+      dGh.copy_(at::flip(at::flip(dG, {1}).cumsum(1), {1}));
+    }
+  });
+  auto unpad = [&](const Tensor& x, int64_t D) {
+    Tensor y = x.narrow(1, 0, T);
+    return (pad ? y.contiguous() : y).view({B, H, T, D});
+  };
+  Tensor db = dbeta.narrow(1, 0, T);
+  return {unpad(dq, Dk), unpad(dk, Dk), unpad(dv, Dv), unpad(dg, Dk),
+          delta ? (pad ? db.contiguous() : db).view({B, H, T}) : at::empty({0}, opts), dS0.view({B, H, Dk, Dv})};
+}
+
 // Forward. beta undefined: SSD. Returns (o, final state, inv, states, v_new); the last three are
 // what backward reads (empty when `keep` is false).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_forward(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const c10::optional<Tensor>& beta_opt,
     const c10::optional<Tensor>& initial_opt, int64_t chunk, bool keep) {
-  check(q, "q", 4); check(k, "k", 4); check(v, "v", 4); check(g, "g", 3);
+  check(q, "q", 4); check(k, "k", 4); check(v, "v", 4);
   at::AutoDispatchBelowAutograd below;
+  if (g.dim() == 4) {
+    check(g, "g", 4);
+    return channel_forward(q, k, v, g, beta_opt, initial_opt, chunk, keep);
+  }
+  check(g, "g", 3);
   const bool delta = beta_opt.has_value() && beta_opt->defined();
   const bool has_init = initial_opt.has_value() && initial_opt->defined();
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dk = q.size(3), Dv = v.size(3);
@@ -191,8 +409,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_backward(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const c10::optional<Tensor>& beta_opt,
     const Tensor& inv_all, const Tensor& states_all, const Tensor& vnew_all, const Tensor& d_out,
     const c10::optional<Tensor>& d_final_opt, int64_t chunk) {
-  check(q, "q", 4); check(k, "k", 4); check(v, "v", 4); check(g, "g", 3); check(d_out, "d_out", 4);
+  check(q, "q", 4); check(k, "k", 4); check(v, "v", 4); check(d_out, "d_out", 4);
   at::AutoDispatchBelowAutograd below;
+  if (g.dim() == 4) {
+    check(g, "g", 4);
+    return channel_backward(q, k, v, g, beta_opt, inv_all, states_all, vnew_all, d_out, d_final_opt, chunk);
+  }
+  check(g, "g", 3);
   const bool delta = beta_opt.has_value() && beta_opt->defined();
   const bool has_df = d_final_opt.has_value() && d_final_opt->defined();
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dk = q.size(3), Dv = v.size(3);

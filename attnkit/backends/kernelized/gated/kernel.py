@@ -2,10 +2,12 @@
 
 Two operations, each equal to its PyTorch twin:
 
-* ``chunked(q, k, v, g, beta, initial_state, C)``: the chunked gated delta rule (``beta`` given, scalar
-  gates) and SSD (``beta`` None, scalar gates), forward and a hand-written backward; the twins are
-  ``gated_delta.chunk_gated_delta_rule`` and ``ssd.chunk_ssd`` (and the recurrence,
-  ``recurrence.recurrent_rule``, both equal). Work is parallel over (batch, head) and repeats
+* ``chunked(q, k, v, g, beta, initial_state, C)``: every chunked rule — the gated delta rule
+  (``beta`` given, per-head gates ``g (B, H, T)``), SSD (``beta`` None, per-head gates), KDA
+  (``beta`` given, per-channel gates ``g (B, H, T, Dk)``) and GLA (``beta`` None, per-channel
+  gates) — forward and a hand-written backward; the twins are ``gated_delta.chunk_gated_delta_rule``,
+  ``ssd.chunk_ssd`` and ``kda.chunk_kda`` (and the recurrence, ``recurrence.recurrent_rule``, which
+  they all equal). Work is parallel over (batch, head) and repeats
   bitwise at one thread count.
 * ``step(q, k, v, g, beta, state)``: the recurrence itself for a few tokens (decode), every rule
   (per-head or per-channel gates, with or without ``beta``), updating ``state`` in place; its twin
@@ -82,10 +84,8 @@ def _common_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return extension_reason()
 
 
-def chunked_reason(device: torch.device, dtype: torch.dtype, per_channel: bool) -> str | None:
+def chunked_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why :func:`chunked` declines inputs of this compute ``dtype`` (None: it runs them)."""
-    if per_channel:
-        return "covers scalar (per-head) gates only: KDA and GLA (per-channel gates) run the PyTorch chunked path"
     return _common_reason(device, dtype)
 
 
@@ -119,10 +119,13 @@ class _Chunked(torch.autograd.Function):
 
 
 def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial_state: Tensor | None,
-            chunk_size: int = 64) -> tuple[Tensor, Tensor]:
-    """The chunked gated delta rule (``beta`` given) or SSD (``beta`` None) in the kernel: ``(o, S_T)``,
+            chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
+    """Any chunked gated rule in the kernel (chosen by ``g``'s dims and ``beta``): ``(o, S_T)``,
     differentiable in every input and the initial state. Inputs as ``chunk_gated_delta_rule``
-    (``g`` already clamped by ``scan.forgetting_gates``)."""
+    (``g`` already clamped by ``scan.forgetting_gates``); ``chunk_size`` defaults to the PyTorch
+    rules' (64 tokens; 16 for per-channel gates, whose ``Γ`` is ``C²·Dk`` numbers)."""
+    if chunk_size is None:
+        chunk_size = 16 if g.dim() == 4 else 64
     C = max(1, min(chunk_size, q.shape[2]))
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
     beta = None if beta is None else beta.contiguous()

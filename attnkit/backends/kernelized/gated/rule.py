@@ -131,7 +131,7 @@ def _recurrent(method: str, T: int) -> bool:
     return method == "recurrent" or (method == "auto" and T == 1) or T == 0
 
 
-def native_reason(device: torch.device, dtype: torch.dtype, T: int, per_channel: bool, grad: bool, method: str,
+def native_reason(device: torch.device, dtype: torch.dtype, T: int, grad: bool, method: str,
                   native: bool | None) -> str | None:
     """Why the native gated kernel does not run inputs of this compute ``dtype`` (None: it runs them);
     ``grad``: autograd records the call."""
@@ -141,14 +141,14 @@ def native_reason(device: torch.device, dtype: torch.dtype, T: int, per_channel:
         return "has no tokens to run"
     if _recurrent(method, T):
         return kernel.step_reason(device, dtype, grad)
-    return kernel.chunked_reason(device, dtype, per_channel)
+    return kernel.chunked_reason(device, dtype)
 
 
 def _run(q, k, v, g, beta, state, method: str, chunk_size: int | None,
          recompute_segment: int | None = None, native: bool | None = None,
          in_place: bool = False) -> tuple[Tensor, Tensor]:
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, state))
-    why_not = native_reason(q.device, q.dtype, q.shape[2], g.dim() == 4, grad, method, native)
+    why_not = native_reason(q.device, q.dtype, q.shape[2], grad, method, native)
     if native and why_not is not None:
         raise ValueError(f"native=True: the native gated kernel cannot run these inputs: it {why_not}. Fix: "
                          "native=None runs the PyTorch path where the kernel declines.")
@@ -176,8 +176,8 @@ def _run(q, k, v, g, beta, state, method: str, chunk_size: int | None,
             outs.append(o)
         return torch.cat(outs, dim=2), state
     rule = rule_name(g, beta)
-    if why_not is None:  # the gated delta rule or SSD in the native kernel
-        return kernel.chunked(q, k, v, forgetting_gates(g), beta, state, chunk_size or 64)
+    if why_not is None:  # every rule in the native kernel
+        return kernel.chunked(q, k, v, forgetting_gates(g), beta, state, chunk_size)
     opts = {} if chunk_size is None else {"chunk_size": chunk_size}
     if rule == "ssd":
         return chunk_ssd(q, k, v, g, initial_state=state, **opts)
@@ -254,9 +254,9 @@ def gated_linear_attention(
     ``recompute_segment`` (tokens) trades time for memory in training: backward recomputes each
     segment from its starting state instead of keeping every chunk's intermediates (the result is
     the same). ``native``: None (default) runs the native gated kernel (``attnkit build``) where it
-    can — the chunked gated delta rule and SSD in float32 (bf16/fp16 inputs are computed in float32),
-    and the recurrent step of every rule outside autograd — and the PyTorch path otherwise (KDA and
-    GLA chunked, float64, an unbuilt kernel: :func:`explain_gated` says why); False always runs the
+    can — every rule chunked, forward and backward, in float32 (bf16/fp16 inputs are computed in
+    float32), and the recurrent step outside autograd — and the PyTorch path otherwise (float64, a
+    step under autograd, an unbuilt kernel: :func:`explain_gated` says why); False always runs the
     PyTorch path; True requires the kernel (``ValueError`` with the reason where it declines). Both
     paths compute the same function. ``state_in_place=True`` overwrites ``initial_state`` (float32)
     with the final state instead of returning a new tensor (decoding: the kernel's step then
@@ -321,7 +321,7 @@ def explain_gated(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | Non
     dtype = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else torch.float32
     groups = v.shape[1] // k.shape[1]
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta))
-    why_not = native_reason(q.device, dtype, T, g.dim() == 4, grad, method, native)
+    why_not = native_reason(q.device, dtype, T, grad, method, native)
     lines = [f"rule: {rule} ({'per-channel' if g.dim() == 4 else 'per-head'} gates, "
              f"{'delta rule' if beta is not None else 'no delta'})",
              f"method: {how}, compute dtype {str(dtype).removeprefix('torch.')}",
