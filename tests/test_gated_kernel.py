@@ -191,3 +191,22 @@ def test_state_in_place_overwrites_the_given_state(native):
         assert final is S and torch.allclose(S, want_state, atol=1e-6) and torch.allclose(o, want_o, atol=1e-6)
     with pytest.raises(ValueError, match="state_in_place=True"):
         attnkit.gated_linear_attention(q, k, v, g, beta, state_in_place=True)
+
+
+def test_the_kernel_compiles_with_fullgraph():
+    """The ops carry fake kernels: ``torch.compile(fullgraph=True)`` traces the chunked kernel, forward
+    and backward, and the step, with the eager results."""
+    q, k, v, g, beta, state = (x.float() for x in make(1, 2, 37, 16, 8, seed=11))
+    chunked = torch.compile(lambda *x: kernel.chunked(*x, None, 16), fullgraph=True)
+    xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    o, final = chunked(*xs)
+    o.sum().backward()
+    want = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    o_eager, final_eager = kernel.chunked(*want, None, 16)
+    o_eager.sum().backward()
+    assert torch.allclose(o, o_eager, atol=1e-6) and torch.allclose(final, final_eager, atol=1e-6)
+    assert all(torch.allclose(a.grad, b.grad, atol=1e-5) for a, b in zip(xs, want))
+    step = torch.compile(kernel.step, fullgraph=True)
+    S1, S2 = state.clone(), state.clone()
+    one = [x[:, :, :1] for x in (q, k, v, g, beta)]
+    assert torch.allclose(step(*one, S1), kernel.step(*one, S2), atol=1e-6) and torch.allclose(S1, S2, atol=1e-6)

@@ -44,8 +44,13 @@ def _extension():
 
 
 def extension_reason() -> str | None:
-    """Why the gated kernel's library cannot be used here (None: it can)."""
+    """Why the gated kernel's library cannot be used here (None: it can; the ops are then loaded)."""
     return _extension()[1]
+
+
+# A constant to ``torch.compile`` (as ``native.unavailable_reason``): it neither traces the file checks
+# nor breaks the graph on them.
+extension_reason._dynamo_marked_constant = True
 
 
 def _register_fakes() -> None:
@@ -100,8 +105,7 @@ class _Chunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, C):
         keep = any(ctx.needs_input_grad)
-        ops = _extension()[0]
-        o, final, inv, states, v_new = ops.chunk_forward(q, k, v, g, beta, initial_state, C, keep)
+        o, final, inv, states, v_new = torch.ops.attnkit_gated.chunk_forward(q, k, v, g, beta, initial_state, C, keep)
         if keep:
             ctx.save_for_backward(q, k, v, g, beta, inv, states, v_new)
         ctx.C, ctx.has_state = C, initial_state is not None
@@ -113,7 +117,7 @@ class _Chunked(torch.autograd.Function):
         q, k, v, g, beta, inv, states, v_new = ctx.saved_tensors
         if d_o is None:
             d_o = torch.zeros(q.shape[:3] + v.shape[-1:], dtype=q.dtype)
-        dq, dk, dv, dg, dbeta, ds = _extension()[0].chunk_backward(
+        dq, dk, dv, dg, dbeta, ds = torch.ops.attnkit_gated.chunk_backward(
             q, k, v, g, beta, inv, states, v_new, d_o.contiguous(), d_final, ctx.C)
         return dq, dk, dv, dg, dbeta if beta is not None else None, ds if ctx.has_state else None, None
 
@@ -124,6 +128,8 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, ini
     differentiable in every input and the initial state. Inputs as ``chunk_gated_delta_rule``
     (``g`` already clamped by ``scan.forgetting_gates``); ``chunk_size`` defaults to the PyTorch
     rules' (64 tokens; 16 for per-channel gates, whose ``Γ`` is ``C²·Dk`` numbers)."""
+    if extension_reason() is not None:
+        raise RuntimeError(f"the native gated kernel cannot run: {extension_reason()}")
     if chunk_size is None:
         chunk_size = 16 if g.dim() == 4 else 64
     C = max(1, min(chunk_size, q.shape[2]))
@@ -135,4 +141,6 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, ini
 def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, state: Tensor) -> Tensor:
     """``T`` recurrent steps of any gated rule from ``state (B, H, Dk, Dv)`` float32 contiguous,
     which is updated in place; returns ``o (B, H, T, Dv)``. No autograd."""
-    return _extension()[0].step(q, k, v, g, beta, state)
+    if extension_reason() is not None:
+        raise RuntimeError(f"the native gated kernel cannot run: {extension_reason()}")
+    return torch.ops.attnkit_gated.step(q, k, v, g, beta, state)
