@@ -108,7 +108,8 @@ struct Gates {
 };
 
 // Per head: the exponents (differences of float64 cumulative sums, all <= 0), then one vectorized exp.
-Gates head_gates(const Tensor& g_head, int64_t T, int64_t N, int64_t C) {
+// g_head: the log-decays of N whole chunks (zero padding included).
+Gates head_gates(const Tensor& g_head, int64_t N, int64_t C) {
   auto opts = at::TensorOptions().dtype(at::kFloat);
   Tensor gamma = at::empty({N, C, C}, opts), eg = at::empty({N, C, 1}, opts), er = at::empty({N, C, 1}, opts);
   Tensor decay = at::empty({N, 1, 1}, opts);
@@ -120,8 +121,7 @@ Gates head_gates(const Tensor& g_head, int64_t T, int64_t N, int64_t C) {
   for (int64_t n = 0; n < N; ++n) {
     double acc = 0;
     for (int64_t i = 0; i < C; ++i) {
-      const int64_t t = n * C + i;
-      acc += t < T ? static_cast<double>(g[t]) : 0.0;
+      acc += static_cast<double>(g[n * C + i]);
       G[i] = acc;
     }
     const double last = G[C - 1];
@@ -144,8 +144,16 @@ Gates channel_gates(const Tensor& g_head, int64_t N, int64_t C) {
           Tensor(), G};
 }
 
-Gates gates(const Problem& p, int64_t bh) {
-  return p.per_channel ? channel_gates(p.gp[bh], p.N, p.C) : head_gates(p.gp[bh], p.T, p.N, p.C);
+// The gates of head bh's chunks s0 .. s0 + n - 1.
+Gates gates(const Problem& p, int64_t bh, int64_t s0, int64_t n) {
+  Tensor g = p.gp[bh].narrow(0, s0 * p.C, n * p.C);
+  return p.per_channel ? channel_gates(g, n, p.C) : head_gates(g, n, p.C);
+}
+
+// Chunks processed together per head (about 1 MiB of their q, k, v), so a segment's temporaries
+// stay in cache and the memory of inference does not grow with T.
+int64_t chunks_per_segment(const Problem& p) {
+  return std::max<int64_t>(1, (int64_t(1) << 20) / (p.C * (2 * p.Dk + p.Dv) * 4));
 }
 
 // Per channel: Γ (n, C, C, Dk) float for the chunks of G (n, C, Dk), exp(G_i - G_j), 0 above the diagonal.
@@ -164,9 +172,10 @@ std::pair<Tensor, Tensor> products(const Problem& p, const Gates& gt, const Tens
   Tensor kT = kh.transpose(1, 2);
   if (!p.per_channel)
     return {p.delta ? at::bmm(kh, kT).mul_(gt.gamma) : Tensor(), at::bmm(qh, kT).mul_(gt.gamma)};
-  Tensor kk = p.delta ? at::empty({p.N, p.C, p.C}, p.opts) : Tensor(), a = at::empty({p.N, p.C, p.C}, p.opts);
-  for (int64_t s = 0, seg = segment(p); s < p.N; s += seg) {
-    const int64_t n = std::min(seg, p.N - s);
+  const int64_t N = qh.size(0);
+  Tensor kk = p.delta ? at::empty({N, p.C, p.C}, p.opts) : Tensor(), a = at::empty({N, p.C, p.C}, p.opts);
+  for (int64_t s = 0, seg = segment(p); s < N; s += seg) {
+    const int64_t n = std::min(seg, N - s);
     Tensor gk = channel_gamma(gt.G.narrow(0, s, n)) * kh.narrow(0, s, n).unsqueeze(1);  // Γ_ijd k_jd
     Tensor a_s = a.narrow(0, s, n);
     at::sum_out(a_s, gk * qh.narrow(0, s, n).unsqueeze(2), {-1});
@@ -195,8 +204,8 @@ void products_backward(const Problem& p, const Gates& gt, const Tensor& qh, cons
     dG.add_(d_gamma.sum(-1)).sub_(d_gamma.sum(-2));  // Γ_ij = exp(G_i - G_j)
     return;
   }
-  for (int64_t s = 0, seg = segment(p); s < p.N; s += seg) {
-    const int64_t n = std::min(seg, p.N - s);
+  for (int64_t s = 0, seg = segment(p), N = qh.size(0); s < N; s += seg) {
+    const int64_t n = std::min(seg, N - s);
     Tensor gamma = channel_gamma(gt.G.narrow(0, s, n));  // (n, C, C, Dk)
     Tensor q_s = qh.narrow(0, s, n), k_s = kh.narrow(0, s, n);
     Tensor ki = k_s.unsqueeze(2), kj = k_s.unsqueeze(1), qi = q_s.unsqueeze(2);
@@ -248,7 +257,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_forward(
     const c10::optional<Tensor>& initial_opt, int64_t chunk, bool keep) {
   at::AutoDispatchBelowAutograd below;
   const Problem p = problem(q, k, v, g, beta, chunk);
-  const int64_t N = p.N, C = p.C, Dk = p.Dk, Dv = p.Dv, BH = p.BH;
+  const int64_t N = p.N, C = p.C, Dk = p.Dk, Dv = p.Dv, BH = p.BH, seg = chunks_per_segment(p);
   const bool delta = p.delta, has_init = given(initial_opt);
   const Tensor init = has_init ? initial_opt->reshape({BH, Dk, Dv}).to(at::kFloat).contiguous() : Tensor();
   const auto opts = p.opts;
@@ -259,39 +268,47 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_forward(
   Tensor vnew_all = keep && delta ? at::empty({BH, N, C, Dv}, opts) : at::empty({0}, opts);
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
     at::AutoDispatchBelowAutograd below_in_worker;  // plain tensor arithmetic in every worker thread
+    // inference keeps one segment's states and v_new, reused
+    Tensor states_seg = keep ? Tensor() : at::empty({std::min(seg, N), Dk, Dv}, opts);
+    Tensor vnew_seg = keep || !delta ? Tensor() : at::empty({std::min(seg, N), C, Dv}, opts);
     for (int64_t bh = begin; bh < end; ++bh) {
-      Tensor qh = p.tiles(p.qp, bh), kh = p.tiles(p.kp, bh), vh = p.tiles(p.vp, bh);
-      const Gates gt = gates(p, bh);
-      auto [kk, a] = products(p, gt, qh, kh);
-      Tensor kdT = (kh * gt.er).transpose(1, 2).contiguous();  // (N, Dk, C)
-      Tensor states = keep ? states_all[bh] : at::empty({N, Dk, Dv}, opts);
-      Tensor vnew = vh, w;  // no delta rule: v_new = v
-      if (delta) {
-        Tensor b = p.bp[bh].view({N, C, 1});
-        Tensor inv = unit_lower_inverse((kk * b).contiguous());
-        if (keep) inv_all[bh].copy_(inv);
-        Tensor inv_b = inv * b.view({N, 1, C});  // (I + M)⁻¹ diag(b)
-        vnew = keep ? vnew_all[bh] : at::empty({N, C, Dv}, opts);
-        at::bmm_out(vnew, inv_b, vh);  // u, made v_new in place by the scan
-        w = at::bmm(inv_b, kh * gt.eg);  // (N, C, Dk)
-      }
       Tensor S = has_init ? init[bh].clone() : at::zeros({Dk, Dv}, opts);
-      for (int64_t n = 0; n < N; ++n) {  // the one sequential part: carry S across the chunks
-        states[n].copy_(S);
-        if (delta) vnew[n].addmm_(w[n], S, 1, -1);
-        S.mul_(gt.decay[n]).addmm_(kdT[n], vnew[n]);
+      for (int64_t s0 = 0; s0 < N; s0 += seg) {
+        const int64_t n = std::min(seg, N - s0);
+        Tensor qh = p.tiles(p.qp, bh).narrow(0, s0, n), kh = p.tiles(p.kp, bh).narrow(0, s0, n);
+        Tensor vh = p.tiles(p.vp, bh).narrow(0, s0, n);
+        const Gates gt = gates(p, bh, s0, n);
+        auto [kk, a] = products(p, gt, qh, kh);
+        Tensor kdT = (kh * gt.er).transpose(1, 2).contiguous();  // (n, Dk, C)
+        Tensor states = keep ? states_all[bh].narrow(0, s0, n) : states_seg.narrow(0, 0, n);
+        Tensor vnew = vh, w;  // no delta rule: v_new = v
+        if (delta) {
+          Tensor b = p.bp[bh].view({N, C, 1}).narrow(0, s0, n);
+          Tensor inv = unit_lower_inverse((kk * b).contiguous());
+          if (keep) inv_all[bh].narrow(0, s0, n).copy_(inv);
+          Tensor inv_b = inv * b.view({n, 1, C});  // (I + M)⁻¹ diag(b)
+          vnew = keep ? vnew_all[bh].narrow(0, s0, n) : vnew_seg.narrow(0, 0, n);
+          at::bmm_out(vnew, inv_b, vh);  // u, made v_new in place by the scan
+          w = at::bmm(inv_b, kh * gt.eg);  // (n, C, Dk)
+        }
+        for (int64_t i = 0; i < n; ++i) {  // the one sequential part: carry S across the chunks
+          states[i].copy_(S);
+          if (delta) vnew[i].addmm_(w[i], S, 1, -1);
+          S.mul_(gt.decay[i]).addmm_(kdT[i], vnew[i]);
+        }
+        Tensor oh = o[bh].view({N, C, Dv}).narrow(0, s0, n);
+        at::bmm_out(oh, qh * gt.eg, states);
+        oh.baddbmm_(a, vnew);
       }
       final_state[bh].copy_(S);
-      Tensor oh = o[bh].view({N, C, Dv});
-      at::bmm_out(oh, qh * gt.eg, states);
-      oh.baddbmm_(a, vnew);
     }
   });
   return {p.unpad(o), final_state.view({p.B, p.H, Dk, Dv}), inv_all, states_all, vnew_all};
 }
 
 // Backward of chunk_forward (gradients of q, k, v, g, beta and the initial state), reading what it
-// saved (the chunks' inverses, starting states and v_new) and recomputing the rest per head.
+// saved (the chunks' inverses, starting states and v_new) and recomputing the rest, a segment of
+// chunks at a time from the last.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_backward(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const c10::optional<Tensor>& beta,
     const Tensor& inv_all, const Tensor& states_all, const Tensor& vnew_all, const Tensor& d_out,
@@ -299,7 +316,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_backward(
   at::AutoDispatchBelowAutograd below;
   check(d_out, "d_out", 4);
   const Problem p = problem(q, k, v, g, beta, chunk);
-  const int64_t N = p.N, C = p.C, Dk = p.Dk, Dv = p.Dv, BH = p.BH;
+  const int64_t N = p.N, C = p.C, Dk = p.Dk, Dv = p.Dv, BH = p.BH, seg = chunks_per_segment(p);
   const bool delta = p.delta, has_df = given(d_final_opt);
   const Tensor dop = p.pad_tokens(d_out);
   const Tensor df = has_df ? d_final_opt->reshape({BH, Dk, Dv}).to(at::kFloat).contiguous() : Tensor();
@@ -310,66 +327,70 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_backward(
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
     at::AutoDispatchBelowAutograd below_in_worker;
     for (int64_t bh = begin; bh < end; ++bh) {
-      Tensor qh = p.tiles(p.qp, bh), kh = p.tiles(p.kp, bh), vh = p.tiles(p.vp, bh), doh = p.tiles(dop, bh);
-      const Gates gt = gates(p, bh);
-      auto [kk, a] = products(p, gt, qh, kh);
-      Tensor st = states_all[bh];  // (N, Dk, Dv)
-      Tensor vn = delta ? vnew_all[bh] : vh;
-      Tensor qg = qh * gt.eg, kd = kh * gt.er;
-      Tensor b, bk, inv, u, w;
-      if (delta) {
-        b = p.bp[bh].view({N, C, 1});
-        bk = kh * (b * gt.eg);
-        inv = inv_all[bh];
-        u = at::bmm(inv, vh * b);
-        w = at::bmm(inv, bk);
-      }
-      // the reverse scan over chunks; d_after[n] is the gradient of the state after chunk n
-      Tensor dvn = at::bmm(a.transpose(1, 2), doh);  // (N, C, Dv): the outputs' part
-      Tensor dS_o = at::bmm(qg.transpose(1, 2), doh);  // (N, Dk, Dv)
-      Tensor d_after = at::empty({N, Dk, Dv}, opts);
       Tensor dS = has_df ? df[bh].clone() : at::zeros({Dk, Dv}, opts);
-      Tensor wT = delta ? w.transpose(1, 2) : Tensor();
-      for (int64_t n = N - 1; n >= 0; --n) {
-        d_after[n].copy_(dS);
-        dvn[n].addmm_(kd[n], dS);
-        Tensor next = at::addcmul(dS_o[n], dS, gt.decay[n]);
-        if (delta) next.addmm_(wT[n], dvn[n], 1, -1);
-        dS = next;
+      for (int64_t s0 = N ? (N - 1) / seg * seg : -1; s0 >= 0; s0 -= seg) {
+        const int64_t n = std::min(seg, N - s0);
+        auto part = [&](const Tensor& x) { return p.tiles(x, bh).narrow(0, s0, n); };
+        Tensor qh = part(p.qp), kh = part(p.kp), vh = part(p.vp), doh = part(dop);
+        const Gates gt = gates(p, bh, s0, n);
+        auto [kk, a] = products(p, gt, qh, kh);
+        Tensor st = states_all[bh].narrow(0, s0, n);  // (n, Dk, Dv)
+        Tensor vn = delta ? vnew_all[bh].narrow(0, s0, n) : vh;
+        Tensor qg = qh * gt.eg, kd = kh * gt.er;
+        Tensor b, bk, inv, u, w;
+        if (delta) {
+          b = p.bp[bh].view({N, C, 1}).narrow(0, s0, n);
+          bk = kh * (b * gt.eg);
+          inv = inv_all[bh].narrow(0, s0, n);
+          u = at::bmm(inv, vh * b);
+          w = at::bmm(inv, bk);
+        }
+        // the reverse scan; d_after[i] is the gradient of the state after chunk s0 + i
+        Tensor dvn = at::bmm(a.transpose(1, 2), doh);  // (n, C, Dv): the outputs' part
+        Tensor dS_o = at::bmm(qg.transpose(1, 2), doh);  // (n, Dk, Dv)
+        Tensor d_after = at::empty({n, Dk, Dv}, opts);
+        Tensor wT = delta ? w.transpose(1, 2) : Tensor();
+        for (int64_t i = n - 1; i >= 0; --i) {
+          d_after[i].copy_(dS);
+          dvn[i].addmm_(kd[i], dS);
+          Tensor next = at::addcmul(dS_o[i], dS, gt.decay[i]);
+          if (delta) next.addmm_(wT[i], dvn[i], 1, -1);
+          dS = next;
+        }
+        Tensor stT = st.transpose(1, 2);  // (n, Dv, Dk)
+        Tensor dqg = at::bmm(doh, stT);  // (n, C, Dk)
+        Tensor d_a = at::bmm(doh, vn.transpose(1, 2)).tril_();  // the gradient of A
+        Tensor dkd = at::bmm(vn, d_after.transpose(1, 2));  // (n, C, Dk)
+        Tensor dqh = part(dq), dkh = part(dk), dvh = part(dv);
+        at::mul_out(dqh, dqg, gt.eg);
+        at::mul_out(dkh, dkd, gt.er);
+        // dG per channel (summed over the channels at the end for per-head gates)
+        Tensor dGc = dqg * qg;  // through exp(G) in q ⊙ exp(G)
+        Tensor to_rest = dkd * kd;  // through exp(G_C - G) in k ⊙ exp(G_C - G)
+        dGc.sub_(to_rest);
+        Tensor d_decay = (st * d_after).sum(-1) * gt.decay.squeeze(-1);  // (n, Dk) through exp(G_C)
+        dGc.select(1, C - 1).add_(to_rest.sum(1) + d_decay);
+        Tensor d_kk;
+        if (delta) {
+          Tensor dw = at::bmm(dvn, stT).neg_();
+          Tensor invT = inv.transpose(1, 2);
+          Tensor dbv = at::bmm(invT, dvn), dbk = at::bmm(invT, dw);  // d(bV), d(bK ⊙ exp(G))
+          Tensor dm = at::bmm(dbv, u.transpose(1, 2)).baddbmm_(dbk, w.transpose(1, 2)).tril_(-1).neg_();
+          d_kk = dm * b;  // the gradient of KK
+          dkh.addcmul_(dbk, b * gt.eg);
+          at::mul_out(dvh, dbv, b);
+          Tensor db = (dm * kk).sum(-1) + (dbv * vh).sum(-1) + (dbk * kh * gt.eg).sum(-1);
+          dbeta[bh].view({N, C}).narrow(0, s0, n).copy_(db);
+          dGc.addcmul_(dbk, bk);
+        } else {
+          dvh.copy_(dvn);
+        }
+        Tensor dG = p.per_channel ? dGc : dGc.sum(-1);
+        products_backward(p, gt, qh, kh, kk, a, d_kk, d_a, dqh, dkh, dG);
+        // G = cumsum(g) within each chunk: dg is the reverse cumulative sum of dG
+        dg[bh].narrow(0, s0 * C, n * C).view(dG.sizes()).copy_(at::flip(at::flip(dG, {1}).cumsum(1), {1}));
       }
       dS0[bh].copy_(dS);
-      Tensor stT = st.transpose(1, 2);  // (N, Dv, Dk)
-      Tensor dqg = at::bmm(doh, stT);  // (N, C, Dk)
-      Tensor d_a = at::bmm(doh, vn.transpose(1, 2)).tril_();  // the gradient of A
-      Tensor dkd = at::bmm(vn, d_after.transpose(1, 2));  // (N, C, Dk)
-      Tensor dqh = p.tiles(dq, bh), dkh = p.tiles(dk, bh), dvh = p.tiles(dv, bh);
-      at::mul_out(dqh, dqg, gt.eg);
-      at::mul_out(dkh, dkd, gt.er);
-      // dG per channel (summed over the channels at the end for per-head gates)
-      Tensor dGc = dqg * qg;  // through exp(G) in q ⊙ exp(G)
-      Tensor to_rest = dkd * kd;  // through exp(G_C - G) in k ⊙ exp(G_C - G)
-      dGc.sub_(to_rest);
-      Tensor d_decay = (st * d_after).sum(-1) * gt.decay.squeeze(-1);  // (N, Dk) through exp(G_C)
-      dGc.select(1, C - 1).add_(to_rest.sum(1) + d_decay);
-      Tensor d_kk;
-      if (delta) {
-        Tensor dw = at::bmm(dvn, stT).neg_();
-        Tensor invT = inv.transpose(1, 2);
-        Tensor dbv = at::bmm(invT, dvn), dbk = at::bmm(invT, dw);  // d(bV), d(bK ⊙ exp(G))
-        Tensor dm = at::bmm(dbv, u.transpose(1, 2)).baddbmm_(dbk, w.transpose(1, 2)).tril_(-1).neg_();
-        d_kk = dm * b;  // the gradient of KK
-        dkh.addcmul_(dbk, b * gt.eg);
-        at::mul_out(dvh, dbv, b);
-        Tensor db = (dm * kk).sum(-1) + (dbv * vh).sum(-1) + (dbk * kh * gt.eg).sum(-1);
-        dbeta[bh].view({N, C}).copy_(db);
-        dGc.addcmul_(dbk, bk);
-      } else {
-        dvh.copy_(dvn);
-      }
-      Tensor dG = p.per_channel ? dGc : dGc.sum(-1);
-      products_backward(p, gt, qh, kh, kk, a, d_kk, d_a, dqh, dkh, dG);
-      // G = cumsum(g) within each chunk: dg is the reverse cumulative sum of dG
-      dg[bh].view(dG.sizes()).copy_(at::flip(at::flip(dG, {1}).cumsum(1), {1}));
     }
   });
   return {p.unpad(dq), p.unpad(dk), p.unpad(dv), p.unpad(dg), delta ? p.unpad(dbeta) : at::empty({0}, opts),
