@@ -83,9 +83,9 @@ def _register_fakes() -> None:
 
 def _common_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type != "cpu":
-        return f"runs on CPU tensors only, got {device.type}"
+        return f"CPU tensors only, got {device.type} tensors"
     if dtype != torch.float32:
-        return f"computes in float32 only, the compute dtype here is {str(dtype).removeprefix('torch.')}"
+        return f"float32 compute only, the compute dtype here is {str(dtype).removeprefix('torch.')}"
     return extension_reason()
 
 
@@ -97,7 +97,7 @@ def chunked_reason(device: torch.device, dtype: torch.dtype) -> str | None:
 def step_reason(device: torch.device, dtype: torch.dtype, grad: bool) -> str | None:
     """Why :func:`step` declines (None: it runs); ``grad``: autograd records the call."""
     if grad:
-        return "has no backward: under autograd the PyTorch recurrence runs"
+        return "the recurrent step has no backward: under autograd the PyTorch recurrence runs"
     return _common_reason(device, dtype)
 
 

@@ -138,7 +138,7 @@ def native_reason(device: torch.device, dtype: torch.dtype, T: int, grad: bool, 
     if native is False:
         return "native=False asks for the PyTorch path"
     if T == 0:
-        return "has no tokens to run"
+        return "no tokens"
     if _recurrent(method, T):
         return kernel.step_reason(device, dtype, grad)
     return kernel.chunked_reason(device, dtype)
@@ -150,7 +150,7 @@ def _run(q, k, v, g, beta, state, method: str, chunk_size: int | None,
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, state))
     why_not = native_reason(q.device, q.dtype, q.shape[2], grad, method, native)
     if native and why_not is not None:
-        raise ValueError(f"native=True: the native gated kernel cannot run these inputs: it {why_not}. Fix: "
+        raise ValueError(f"native=True: the native gated kernel declines these inputs ({why_not}). Fix: "
                          "native=None runs the PyTorch path where the kernel declines.")
     if _recurrent(method, q.shape[2]):
         if why_not is None:
@@ -330,7 +330,7 @@ def explain_gated(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | Non
     if why_not is None:
         lines.append(f"kernel: native gated kernel ({what}, attnkit_gated)")
     else:
-        lines.append(f"kernel: PyTorch path (the native gated kernel {why_not})")
+        lines.append(f"kernel: PyTorch path (the native gated kernel declines: {why_not})")
     if cu_seqlens is not None:
         lines.append(f"packed: {cu_seqlens.numel() - 1} sequences, state reset at each boundary")
     return "\n".join(lines)
