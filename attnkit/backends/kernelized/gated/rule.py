@@ -260,7 +260,8 @@ def gated_linear_attention(
     PyTorch path; True requires the kernel (``ValueError`` with the reason where it declines). Both
     paths compute the same function. ``state_in_place=True`` overwrites ``initial_state`` (float32)
     with the final state instead of returning a new tensor (decoding: the kernel's step then
-    writes it directly, no copy); not under autograd. Returns ``o (B, Hv, T, Dv)`` in q's dtype (and the state).
+    writes it directly, no copy); not under autograd. Returns ``o (B, Hv, T, Dv)`` in q's dtype (and
+    the state).
 
     NaN/Inf in one token reach only what can see it, on either method: a bad query makes its own
     output NaN; a bad key, value, gate (NaN or +inf; ``-inf`` is a decay of 0) or beta makes that

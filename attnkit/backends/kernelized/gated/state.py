@@ -19,7 +19,8 @@ __all__ = ["GatedLinearState"]
 
 class GatedLinearState:
     """The running state of one gated-linear-attention layer (``scale``, ``qk_l2norm`` as in
-    :func:`gated_linear_attention`)."""
+    :func:`gated_linear_attention`). Outside autograd, ``step`` updates the held float32 ``state``
+    tensor in place (no copy per token): ``state.clone()`` keeps a snapshot."""
 
     def __init__(self, *, scale: float | None = None, qk_l2norm: bool = False) -> None:
         self.scale = scale
