@@ -164,8 +164,8 @@ Tensor channel_gamma(const Tensor& G) {
   return diff.masked_fill_(upper, -std::numeric_limits<double>::infinity()).exp_().to(at::kFloat);
 }
 
-// Chunks whose per-channel Γ stays near 4 MiB.
-int64_t segment(const Problem& p) { return std::max<int64_t>(1, (int64_t(1) << 20) / (p.C * p.C * p.Dk)); }
+// Chunks whose per-channel Γ (float32) stays near 4 MiB, formed together.
+int64_t gamma_chunks(const Problem& p) { return std::max<int64_t>(1, (int64_t(1) << 20) / (p.C * p.C * p.Dk)); }
 
 // KK = (K Kᵀ) ⊙ Γ (only with the delta rule) and A = (Q Kᵀ) ⊙ Γ, (N, C, C) each.
 std::pair<Tensor, Tensor> products(const Problem& p, const Gates& gt, const Tensor& qh, const Tensor& kh) {
@@ -174,7 +174,7 @@ std::pair<Tensor, Tensor> products(const Problem& p, const Gates& gt, const Tens
     return {p.delta ? at::bmm(kh, kT).mul_(gt.gamma) : Tensor(), at::bmm(qh, kT).mul_(gt.gamma)};
   const int64_t N = qh.size(0);
   Tensor kk = p.delta ? at::empty({N, p.C, p.C}, p.opts) : Tensor(), a = at::empty({N, p.C, p.C}, p.opts);
-  for (int64_t s = 0, seg = segment(p); s < N; s += seg) {
+  for (int64_t s = 0, seg = gamma_chunks(p); s < N; s += seg) {
     const int64_t n = std::min(seg, N - s);
     Tensor gk = channel_gamma(gt.G.narrow(0, s, n)) * kh.narrow(0, s, n).unsqueeze(1);  // Γ_ijd k_jd
     Tensor a_s = a.narrow(0, s, n);
@@ -204,7 +204,7 @@ void products_backward(const Problem& p, const Gates& gt, const Tensor& qh, cons
     dG.add_(d_gamma.sum(-1)).sub_(d_gamma.sum(-2));  // Γ_ij = exp(G_i - G_j)
     return;
   }
-  for (int64_t s = 0, seg = segment(p), N = qh.size(0); s < N; s += seg) {
+  for (int64_t s = 0, seg = gamma_chunks(p), N = qh.size(0); s < N; s += seg) {
     const int64_t n = std::min(seg, N - s);
     Tensor gamma = channel_gamma(gt.G.narrow(0, s, n));  // (n, C, C, Dk)
     Tensor q_s = qh.narrow(0, s, n), k_s = kh.narrow(0, s, n);
