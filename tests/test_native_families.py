@@ -75,8 +75,9 @@ from attnkit.backends.kernelized.gated import kernel as gated_kernel
 result["gated_reason"] = gated_kernel.extension_reason()
 gq, gk, gv = (torch.randn(1, 2, 9, 8, generator=g) for _ in range(3))
 gg, gb = -torch.rand(1, 2, 9, generator=g), torch.rand(1, 2, 9, generator=g)
-want = attnkit.gated_linear_attention(gq, gk, gv, gg, gb, native=False)
-result["gated_ok"] = bool(torch.allclose(attnkit.gated_linear_attention(gq, gk, gv, gg, gb), want, atol=1e-5))
+want = attnkit.gated_linear_attention(gq, gk, gv, gg, gb, qk_l2norm=True, native=False)
+got = attnkit.gated_linear_attention(gq, gk, gv, gg, gb, qk_l2norm=True)
+result["gated_ok"] = bool(torch.allclose(got, want, atol=1e-5))
 print(json.dumps(result))
 """
 
