@@ -22,9 +22,10 @@
 //
 // Only the gates and the two within-chunk products depend on the kind of gate: per head they are
 // matmuls times Γ, per channel Γ-weighted sums over a segment of chunks (Γ is C²·Dk numbers per
-// chunk). The rest is shared. Work items are (batch, head) pairs under at::parallel_for; each runs
-// its whole sequence with ATen's matmuls on its chunk tiles (single-threaded inside the parallel
-// region) and loops for the gates and the unit-lower inverse. Shapes, tile orders and reduction
+// chunk). The rest is shared. Work items are (batch, head) pairs under at::parallel_for; each works
+// through its sequence a segment of chunks at a time (about 1 MiB of q, k, v, so the temporaries
+// stay in cache; backward from the last segment), with ATen's matmuls on the chunk tiles
+// (single-threaded inside the parallel region) and loops for the gates and the unit-lower inverse. Shapes, tile orders and reduction
 // orders depend on the shapes alone, so a call repeats bitwise at one thread count. Zero padding to
 // whole chunks is inert (g = 0, b = 0, k = v = 0, after the real tokens).
 #include <ATen/ATen.h>
