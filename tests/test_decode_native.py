@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnkit import Causal, KeyPadding, SlidingWindow, attention, explain
-from attnkit.score_mods import ALiBi, SoftCap
+from attnkit.score_mods import ALiBi, RelativeBias, SoftCap
 from attnkit.backends.decode import DecodeOptions
 from attnkit.backends.decode_native import _extension, split_tokens
 from attnkit.cache import quantize_int8
@@ -139,13 +139,20 @@ def test_masks_and_queries(fmt, Tq, mask):
 
 @native
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("mods", ["alibi", "softcap", "sinks", "all"])
+@pytest.mark.parametrize("mods", ["alibi", "softcap", "sinks", "relative", "relative-causal", "all"])
 def test_score_mods_and_sinks(fmt, mods):
     Hq = 8
-    score_mod = {"alibi": ALiBi.geometric(Hq), "softcap": SoftCap(2.0), "sinks": None,
-                 "all": ALiBi.geometric(Hq) >> SoftCap(3.0)}[mods]
+    g = torch.Generator().manual_seed(1)
+    # max_distance 16 < the 97 keys: the values per clamped distance cover every farther key
+    rel = RelativeBias(torch.randn(Hq, 8, generator=g), max_distance=16)
+    score_mod = {"alibi": ALiBi.geometric(Hq), "softcap": SoftCap(2.0), "sinks": None, "relative": rel,
+                 "relative-causal": RelativeBias(torch.randn(Hq, 6, generator=g), max_distance=20,
+                                                 bidirectional=False),
+                 "all": ALiBi.geometric(Hq) >> SoftCap(3.0) >> rel}[mods]
     sinks = torch.randn(Hq) if mods in ("sinks", "all") else None
     lengths = (97,) if fmt == "dense" else (97, 30, 5)
+    if mods.startswith("relative"):  # a bidirectional bias sees keys past the query too: no causal mask
+        _check(fmt, torch.float32, lengths, 2, Hq=Hq, score_mod=score_mod)
     _check(fmt, torch.float32, lengths, 3, Hq=Hq, mask=Causal(), score_mod=score_mod, sinks=sinks)
     _check(fmt, torch.float32, lengths, 1, Hq=Hq, mask=SlidingWindow(4, 0), score_mod=score_mod, sinks=sinks)
 
@@ -242,17 +249,36 @@ def test_vmap_runs_the_twin():
     torch.testing.assert_close(torch.vmap(f)(q, k), torch.stack([f(q[i], k[i]) for i in range(2)]))
 
 
-def test_decode_declares_the_score_mod_kinds_it_runs():
-    """Relative biases have no kernel form: decode declines them by kind, and the cache is read
-    through its dense conversion by a backend that runs them."""
-    from attnkit.score_mods import RelativeBias
-
+def test_decode_reads_relative_biases_in_place():
+    """A relative bias runs in the kernel (its values per clamped distance): a paged cache is read in
+    place, and the result is the naive backend's over the dense keys."""
     q = torch.randn(1, 4, 1, 16)
     k = torch.randn(1, 2, 40, 16)
     (h, _), _ = _handle("paged", k, k, (40,))
     mod = RelativeBias(torch.randn(4, 8), max_distance=16)
     e = explain(q, h, h, mask=Causal(), score_mod=mod)
-    assert e.chosen != "decode" and any("relative_bias" in r for r in e.reasons["decode"]), e.reasons["decode"]
+    if _REASON is None:
+        assert e.chosen == "decode", e.reasons
     out = attention(q, h, h, mask=Causal(), score_mod=mod)
     ref = attention(q, k, k, mask=Causal(), score_mod=mod, backend="naive")
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+@native
+@pytest.mark.parametrize("cap", [0.7, 5.0, 30.0])
+def test_softcap_is_bitwise_the_prefill_kernels(cap):
+    """Both kernels cap a score with one function (spec.h): with integer queries and keys (every dot
+    product exact in any order) and one key block, the scores, exps and their sum are the same
+    operations in the same order, so the LSE agrees bit for bit (whatever the ISA)."""
+    from attnkit.backends import native
+
+    if native.unavailable_reason():
+        pytest.skip(native.unavailable_reason())
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-3, 4, (1, 4, 1, 16), generator=g).float()
+    k = torch.randint(-3, 4, (1, 2, 50, 16), generator=g).float()
+    v = torch.randn(1, 2, 50, 16, generator=g)
+    kw = dict(mask=Causal(), score_mod=SoftCap(cap), scale=0.25, return_lse=True)
+    _, lse_decode = attention(q, k, v, backend="decode", options=DecodeOptions(implementation="native"), **kw)
+    _, lse_prefill = attention(q, k, v, backend="native", **kw)
+    assert torch.equal(lse_decode, lse_prefill), (lse_decode - lse_prefill).abs().max()

@@ -28,7 +28,9 @@ What the kernel reads (everything else: :func:`kernel_reasons` says why, and the
 * masks through their structure: the band bounds (``Causal``, ``SlidingWindow``: only the keys
   inside the band are read), ``KeyPadding`` lengths, and any other mask materialized as a byte
   keep tensor (``B·Hq·Tq·Tk`` bytes: small at ``Tq <= 16``);
-* score modifiers ``SoftCap`` and ``ALiBi`` (in chain order), sinks, an additive bias;
+* score modifiers ``SoftCap``, ``ALiBi`` and ``RelativeBias`` (in chain order, read through the kernel
+  spec that the prefill kernel reads too: see :func:`attnkit.backends.native_ops.kernel_spec`), sinks,
+  an additive bias;
 * inference only (no gradients), float32/bfloat16/float16 queries, ``Tq <= 16``.
 """
 
@@ -41,8 +43,9 @@ from torch import Tensor
 
 from ..inputs import AttentionInputs
 from ..masks import Mask, mask_params
+from .native_ops import kernel_spec
 
-__all__ = ["kernel_reasons", "native_decode", "split_tokens", "score_mod_data", "reads_structure",
+__all__ = ["kernel_reasons", "native_decode", "split_tokens", "score_mod_reason", "reads_structure",
            "KERNEL_SCORE_MOD_KINDS", "KERNEL_MAX_QUERIES"]
 
 #: The most queries one decode-kernel call takes (speculative and chunked decode); more is a prefill.
@@ -52,7 +55,6 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EMPTY_F = torch.empty(0)
 _EMPTY_B = torch.empty(0, 1, 1, 1, dtype=torch.bool)
 _EMPTY_L = torch.empty(0, dtype=torch.long)
-_EMPTY_BIAS = _EMPTY_F.view(0, 1, 1, 1)
 # Split sizes: multiples of this many keys, at least _MIN_SPLIT and at most _MAX_SPLIT (a split's
 # partial result is G·Tq·(Dv + 2) floats; bigger splits merge less, smaller ones balance threads).
 _SPLIT_ALIGN, _MIN_SPLIT, _MAX_SPLIT = 256, 256, 4096
@@ -75,23 +77,16 @@ def _extension():
 
 
 #: The score modifier kinds (:class:`~attnkit.score_mods.ScoreModTerm`) the kernel runs.
-KERNEL_SCORE_MOD_KINDS = frozenset({"softcap", "alibi"})
+KERNEL_SCORE_MOD_KINDS = frozenset({"softcap", "alibi", "relative_bias"})
 
 
-def score_mod_data(score_mod) -> tuple[list[int], list[float], list[Tensor | None]] | str:
-    """The kernel's form of a score modifier, read from its data (:meth:`ScoreMod.terms`): codes
-    (1 soft-cap, 2 ALiBi), caps and ALiBi slopes, in chain order; or a reason string when a term
-    has no kernel form."""
-    codes, caps, slopes = [], [], []
+def score_mod_reason(score_mod) -> str | None:
+    """Why the kernel cannot run ``score_mod`` (a term with no kernel form), or None."""
     for term in () if score_mod is None else score_mod.terms():
-        if term.kind == "softcap":
-            codes.append(1), caps.append(term.cap), slopes.append(None)
-        elif term.kind == "alibi":
-            codes.append(2), caps.append(0.0), slopes.append(term.slopes)
-        else:
+        if term.kind not in KERNEL_SCORE_MOD_KINDS:
             return (f"the native decode kernel runs the score modifiers {', '.join(sorted(KERNEL_SCORE_MOD_KINDS))}, "
                     f"not {term.kind} ({term.mod!r})")
-    return codes, caps, slopes
+    return None
 
 
 def kernel_reasons(inp: AttentionInputs) -> list[str]:
@@ -113,9 +108,9 @@ def kernel_reasons(inp: AttentionInputs) -> list[str]:
     if inp.requires_grad or (inp.sinks is not None and inp.sinks.requires_grad and torch.is_grad_enabled()):
         reasons.append("the native decode kernel has no backward pass (inputs require grad)")
     if inp.score_mod is not None:
-        data = score_mod_data(inp.score_mod)
-        if isinstance(data, str):
-            reasons.append(data)
+        reason = score_mod_reason(inp.score_mod)
+        if reason is not None:
+            reasons.append(reason)
         elif torch.is_grad_enabled() and any(t.requires_grad for t in inp.score_mod.parameters()):
             reasons.append("the native decode kernel has no backward pass (learnable score modifier)")
     return reasons
@@ -190,15 +185,12 @@ def native_decode(inp: AttentionInputs, split: int | None = None):
         vs = _EMPTY_F if handle.v_scale is None else handle.v_scale
         table = _EMPTY_L if handle.block_table is None else handle.block_table
     k, v = _last_contiguous(k), _last_contiguous(v)
-    bias = _EMPTY_BIAS if inp.bias is None else _four(inp.bias.float(), inp)
-    codes, caps, slopes = score_mod_data(inp.score_mod)
-    slope_t = torch.stack([(s if s is not None else torch.zeros(inp.Hq)).detach().float().expand(inp.Hq)
-                           for s in slopes]).contiguous() if 2 in codes else _EMPTY_F
-    sinks = _EMPTY_F if inp.sinks is None else inp.sinks.detach().float().contiguous()
-    band = [int(left is not None), left or 0, int(right is not None), right or 0]
+    bias = None if inp.bias is None else _four(inp.bias.float(), inp)
+    spec = kernel_spec(inp.scale, kv_offset=kv_offset, left=left, right=right, keep=None if keep is None else keep_t,
+                       bias=bias, score_mod=inp.score_mod, sinks=None if inp.sinks is None else inp.sinks.detach(),
+                       num_heads=inp.Hq, Tq=Tq, Tk=Tk)
     q = inp.q.float().contiguous()
-    out, lse = ext.decode(q, k, v, ks, vs, table, rows_t, kv_offset, inp.scale, band, keep_t, bias, codes, caps,
-                          slope_t, sinks)
+    out, lse = ext.decode(q, k, v, [ks, vs, table, rows_t], spec.tensors, spec.ints, spec.floats, 0)
     if out.dtype != inp.dtype:
         out = out.to(inp.dtype)
     return (out, lse) if inp.return_lse else out
