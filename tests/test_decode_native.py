@@ -90,7 +90,7 @@ def _reference(q, k, v, lengths, mask, score_mod, sinks, dtype):
     return torch.cat(outs)
 
 
-def _check(fmt, dtype, lengths, Tq, Hq=8, Hkv=2, D=40, mask=None, score_mod=None, sinks=None, seed=0):
+def _check(fmt, dtype, lengths, Tq, Hq=8, Hkv=2, D=40, mask=None, score_mod=None, sinks=None, seed=0, **options):
     g = torch.Generator().manual_seed(seed)
     B, S = len(lengths), max(lengths)
     q = torch.randn(B, Hq, Tq, D, generator=g).to(dtype)
@@ -102,7 +102,7 @@ def _check(fmt, dtype, lengths, Tq, Hq=8, Hkv=2, D=40, mask=None, score_mod=None
     if fmt.endswith("int8"):
         q = q.float()
     out = attention(q, hk, hv, mask=mask, score_mod=score_mod, sinks=sinks, backend="decode",
-                    options=DecodeOptions(implementation="native"))
+                    options=DecodeOptions(implementation="native", **options))
     ref = _reference(q, dk, dv, lengths, mask, score_mod, sinks, torch.float64)
     low = _reference(q, dk, dv, lengths, mask, score_mod, sinks, q.dtype)
     err, lowp = (out.double() - ref).abs().max().item(), (low.double() - ref).abs().max().item()
@@ -124,8 +124,72 @@ def test_every_format_matches_float64(fmt, lengths):
 @native
 @pytest.mark.parametrize("fmt", ["dense", "paged"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_caches(fmt, dtype):
-    _check(fmt, dtype, (333,) if fmt == "dense" else (333, 40), 3, mask=Causal())
+@pytest.mark.parametrize("bf16_dot", [True, False], ids=["dot", "convert"])
+def test_low_precision_caches(fmt, dtype, bf16_dot):
+    """bfloat16 runs bf16 dot products where the CPU has them (else, and with bf16_dot=False, the keys
+    converted to float32): either path passes the float64 rule, odd head dims (dot-product tails) too."""
+    lengths = (333,) if fmt == "dense" else (333, 40)
+    _check(fmt, dtype, lengths, 3, mask=Causal(), bf16_dot=bf16_dot)
+    _check(fmt, dtype, lengths, 1, D=59, mask=Causal(), bf16_dot=bf16_dot)
+
+
+@native
+def test_explain_names_the_dot_products_the_cpu_runs():
+    from attnkit.backends.decode_native import dot_products
+
+    q, k = torch.randn(1, 4, 1, 32, dtype=torch.bfloat16), torch.randn(1, 2, 50, 32, dtype=torch.bfloat16)
+    text = str(explain(q, k, k, backend="decode"))
+    assert ("bf16 dot products (AVX512_BF16)" in text) == dot_products()[0], text
+    assert "converted to float32" in str(explain(q.half(), k.half(), k.half(), backend="decode"))
+
+
+def _int8_handle(g, B, Hkv, T, D):
+    k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+    h = KVHandle("int8", kq, vq, (T,) * B, torch.float32, True, ks, vs)
+    return h, kq.float() * ks[..., None], vq.float() * vs[..., None]
+
+
+@native
+@pytest.mark.parametrize("D", [128, 59, 64, 200])
+@pytest.mark.parametrize("q_scale", [1.0, 4.0])
+def test_quantized_query_error_is_within_its_bound(D, q_scale):
+    """quantized_query=True rounds q per row to int8 (step max|q| / 127): each score moves by at most
+    eps_j = scale * step / 2 * sum_c |k_jc|, so the output moves by at most max|v| * (exp(2 max eps) - 1)
+    from attention over the dequantized cache in float64; the exact default stays at float32 rounding,
+    and the quantized path is really taken (its error is well above the exact one)."""
+    g = torch.Generator().manual_seed(D)
+    B, Hq, Hkv, T = 2, 8, 2, 700
+    h, dk, dv = _int8_handle(g, B, Hkv, T, D)
+    q = torch.randn(B, Hq, 2, D, generator=g) * q_scale
+    ref = attention(q.double(), dk.double(), dv.double(), mask=Causal(), backend="naive")
+    exact = attention(q, h, h, mask=Causal(), backend="decode", options=DecodeOptions(implementation="native"))
+    quant = attention(q, h, h, mask=Causal(), backend="decode",
+                      options=DecodeOptions(implementation="native", quantized_query=True))
+    step = q.double().abs().amax(-1) / 127  # (B, Hq, Tq)
+    k_l1 = dk.double().abs().sum(-1).repeat_interleave(Hq // Hkv, 1)  # (B, Hq, T)
+    eps = (D**-0.5 * step[..., None] / 2 * k_l1[:, :, None, :]).amax()
+    bound = dv.abs().max().item() * (torch.exp(2 * eps).item() - 1)
+    err_q, err_x = (quant.double() - ref).abs().max().item(), (exact.double() - ref).abs().max().item()
+    assert err_x <= 1e-5 and err_q <= bound + 1e-6, (err_x, err_q, bound)
+    assert err_q > 10 * err_x, (err_q, err_x)
+
+
+@native
+def test_quantized_query_keeps_rows_apart_and_nan_rows_nan():
+    """A NaN query row is NaN (as the exact path makes it), the other rows keep their bits; a zero row
+    gives the mean of its values."""
+    g = torch.Generator().manual_seed(1)
+    h, dk, dv = _int8_handle(g, 1, 2, 90, 32)
+    q = torch.randn(1, 4, 1, 32, generator=g)
+    opts = DecodeOptions(implementation="native", quantized_query=True)
+    base = attention(q, h, h, backend="decode", options=opts)
+    q2 = q.clone()
+    q2[0, 1] = float("nan")
+    q2[0, 2] = 0.0
+    out = attention(q2, h, h, backend="decode", options=opts)
+    assert out[0, 1].isnan().all() and torch.equal(out[0, 0], base[0, 0]) and torch.equal(out[0, 3], base[0, 3])
+    torch.testing.assert_close(out[0, 2, 0], dv[0, 1].mean(0), atol=1e-5, rtol=0)
 
 
 @native
@@ -194,7 +258,7 @@ def test_fully_masked_rows_are_zero_and_key_padding():
 
 
 @native
-@pytest.mark.parametrize("fmt", ["paged", "paged-int8", "int8"])
+@pytest.mark.parametrize("fmt", ["paged", "paged-int8", "int8", "paged-int8-qq", "paged-bf16"])
 def test_batch_invariance_is_bitwise(fmt):
     """A sequence decoded alone or in a ragged batch gives the same bits (same kernel, same shapes
     per sequence: its splits follow its own kept span only)."""
@@ -202,14 +266,15 @@ def test_batch_invariance_is_bitwise(fmt):
     g = torch.Generator().manual_seed(3)
     Hq, Hkv, D, Tq = 8, 2, 64, 1
     B, S = len(lengths), max(lengths)
-    q = torch.randn(B, Hq, Tq, D, generator=g)
-    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
-    (h, _), _ = _handle(fmt, k, v, lengths)
-    batch = attention(q, h, h, mask=Causal(), backend="decode", options=DecodeOptions(implementation="native"))
+    dtype = torch.bfloat16 if fmt.endswith("bf16") else torch.float32
+    q = torch.randn(B, Hq, Tq, D, generator=g).to(dtype)
+    k, v = torch.randn(B, Hkv, S, D, generator=g).to(dtype), torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    (h, _), _ = _handle(fmt.removesuffix("-qq").removesuffix("-bf16"), k, v, lengths)
+    opts = DecodeOptions(implementation="native", quantized_query=fmt.endswith("-qq"))
+    batch = attention(q, h, h, mask=Causal(), backend="decode", options=opts)
     for b in range(B):
         one = h.rows([b])
-        alone = attention(q[b:b + 1], one, one, mask=Causal(), backend="decode",
-                          options=DecodeOptions(implementation="native"))
+        alone = attention(q[b:b + 1], one, one, mask=Causal(), backend="decode", options=opts)
         assert torch.equal(alone, batch[b:b + 1]), b
 
 

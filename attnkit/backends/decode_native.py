@@ -45,7 +45,8 @@ from ..inputs import AttentionInputs
 from ..masks import Mask, mask_params
 from .native_ops import kernel_spec
 
-__all__ = ["kernel_reasons", "native_decode", "split_tokens", "score_mod_reason", "reads_structure",
+__all__ = ["kernel_reasons", "native_decode", "split_tokens", "score_mod_reason", "reads_structure", "qmode",
+           "dot_products", "qmode_note",
            "KERNEL_SCORE_MOD_KINDS", "KERNEL_MAX_QUERIES"]
 
 #: The most queries one decode-kernel call takes (speculative and chunked decode); more is a prefill.
@@ -153,9 +154,11 @@ def _mask_data(mask: Mask | None, inp: AttentionInputs):
     return p.band.left, p.band.right, limits, keep
 
 
-def native_decode(inp: AttentionInputs, split: int | None = None):
-    """Run the kernel (``kernel_reasons(inp) == []``): ``out`` or ``(out, lse)`` like a backend."""
+def native_decode(inp: AttentionInputs, options=None):
+    """Run the kernel (``kernel_reasons(inp) == []``): ``out`` or ``(out, lse)`` like a backend;
+    ``options``: the call's :class:`~attnkit.backends.decode.DecodeOptions` (or None)."""
     ext, _ = _extension()
+    split = None if options is None else options.native_split_tokens
     handle = inp.k if inp.kv_format != "dense" else None
     B, Tq, Tk = inp.B, inp.Tq, inp.Tk
     left, right, limits, keep = _mask_data(inp.mask, inp)
@@ -190,10 +193,48 @@ def native_decode(inp: AttentionInputs, split: int | None = None):
                        bias=bias, score_mod=inp.score_mod, sinks=None if inp.sinks is None else inp.sinks.detach(),
                        num_heads=inp.Hq, Tq=Tq, Tk=Tk)
     q = inp.q.float().contiguous()
-    out, lse = ext.decode(q, k, v, [ks, vs, table, rows_t], spec.tensors, spec.ints, spec.floats, 0)
+    mode = qmode(inp.dtype, k.dtype, options)
+    out, lse = ext.decode(q, k, v, [ks, vs, table, rows_t], spec.tensors, spec.ints, spec.floats, mode)
     if out.dtype != inp.dtype:
         out = out.to(inp.dtype)
     return (out, lse) if inp.return_lse else out
+
+
+#: How the kernel computes q·k (decode.cpp's QMode): float32, bf16 dot products, int8 dot products.
+FLOAT, BF16_DOT, INT8_DOT = 0, 1, 2
+
+
+@functools.lru_cache(maxsize=1)
+def dot_products() -> tuple[bool, bool]:
+    """``(bf16 dot products, int8 dot products in hardware)``: whether this build runs on this CPU
+    AVX512_BF16's ``vdpbf16ps`` and AVX512_VNNI's ``vpdpbusd`` (from the CPU's features)."""
+    ext, _ = _extension()
+    if ext is None:
+        return False, False
+    bf16, vnni = ext.dot_products()
+    return bool(bf16), bool(vnni)
+
+
+def qmode(q_dtype: torch.dtype, kv_dtype: torch.dtype, options=None) -> int:
+    """The kernel's q·k for these dtypes and options: :data:`BF16_DOT` for bfloat16 queries over a
+    bfloat16 cache where the CPU has bf16 dot products (unless ``bf16_dot=False``), :data:`INT8_DOT`
+    for an int8 cache with ``quantized_query=True``, else :data:`FLOAT`."""
+    if (kv_dtype == torch.bfloat16 and q_dtype == torch.bfloat16 and (options is None or options.bf16_dot)
+            and dot_products()[0]):
+        return BF16_DOT
+    if kv_dtype == torch.int8 and options is not None and options.quantized_query:
+        return INT8_DOT
+    return FLOAT
+
+
+def qmode_note(mode: int) -> str:
+    """How ``mode`` computes q·k, for ``explain()``."""
+    if mode == BF16_DOT:
+        return "q·k as bf16 dot products (AVX512_BF16), float32 accumulation"
+    if mode == INT8_DOT:
+        how = "AVX512_VNNI" if dot_products()[1] else "portable int32 vectors"
+        return f"q·k as int8 dot products over a per-row quantized q ({how})"
+    return "keys converted to float32 as read"
 
 
 _ROWS: dict = {}  # rows -> their (B, 4) int64 tensor, which the kernel only reads
