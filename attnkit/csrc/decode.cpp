@@ -56,6 +56,9 @@ namespace {
 using attnkit::kLanes;
 constexpr int64_t kChunk = 64;  // keys scored together (a small block of scores per row)
 static_assert(kChunk % kLanes == 0 && kChunk <= 64, "a chunk is whole 16-key blocks, its live keys one 64-bit mask");
+// A row's softmax reference moves only when a score passes it by more than this (natural log units:
+// exps stay below e^8 ~ 3e3, sums over a 4096-key split below 1.3e7: far from float32's range).
+constexpr float kRescaleAbove = 8.f;
 
 // The kernel's vector code is GCC's generic 16-float vectors (kLanes, as in tiles.h) that the
 // compiler maps onto the machine's registers (one zmm, two ymm): ATen's Vectorized<float> is its
@@ -180,68 +183,91 @@ inline int64_t q_stride(int mode, int64_t D) {
   return (D + kLanes - 1) / kLanes * kLanes;
 }
 
-// out[r] = the 16 lane partials of q_r . k over the head dim for R query rows and one key (the lane
-// tree of qk16 then adds them): kFloat lane u takes dims u, u + 16, ... in order, the tail dims add
-// into lanes 0...; a tail lane past D adds 0 * 0. The key is read once, straight through (several
-// rows read in interleaved pieces ran at half the memory speed), and each piece of it converted once
-// for all R rows. kInt8Dot lanes hold exact integers (|q.k| < 2^24 for D <= 1040: exact as floats too).
+// out[j][r] = the 16 lane partials of q_r . k_j over the head dim for R query rows and four keys
+// (the lane tree of qk16 then adds them): kFloat lane u takes dims u, u + 16, ... in order, the tail
+// dims add into lanes 0...; a tail lane past D adds 0 * 0. Each piece of the query rows is loaded
+// once for the four keys (a row's piece feeds four products), each piece of a key converted once for
+// all R rows; every accumulator is one chain over the head dim in order, whatever the loop nest.
+// kInt8Dot lanes hold exact integers (|q.k| < 2^24 for D <= 1040: exact as floats too).
 template <int R, int Mode, typename KT>
-inline void qk_lanes(const typename QOf<Mode>::type* __restrict q, int64_t ld, int64_t D, const KT* __restrict k,
-                     V16* __restrict out) {
+inline void qk_lanes(const typename QOf<Mode>::type* __restrict q, int64_t ld, int64_t D, const KT* const* k,
+                     V16 (*__restrict out)[R]) {
   if constexpr (Mode == kFloat) {
-    V16 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = V16{};
+    V16 acc[4][R];
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) acc[j][r] = V16{};
     for (int64_t c = 0; c < D; c += kLanes) {
-      const V16 kv = c + kLanes <= D ? load16(k + c) : load_part(k + c, D - c);
-      for (int r = 0; r < R; ++r) acc[r] += load16(q + r * ld + c) * kv;
+      V16 qv[R];
+      for (int r = 0; r < R; ++r) qv[r] = load16(q + r * ld + c);
+      for (int j = 0; j < 4; ++j) {
+        const V16 kv = c + kLanes <= D ? load16(k[j] + c) : load_part(k[j] + c, D - c);
+        for (int r = 0; r < R; ++r) acc[j][r] += qv[r] * kv;
+      }
     }
-    for (int r = 0; r < R; ++r) out[r] = acc[r];
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) out[j][r] = acc[j][r];
   } else if constexpr (Mode == kBf16Dot) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    __m512 acc[4][R];
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < D; c += 32) {
-      const __m512i kv = c + 32 <= D ? _mm512_loadu_si512(k + c)
-                                     : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t(1) << (D - c)) - 1), k + c);
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm512_dpbf16_ps(acc[r], reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + r * ld + c)),
-                                  reinterpret_cast<__m512bh>(kv));
+      const __mmask32 tail = c + 32 <= D ? ~__mmask32(0) : static_cast<__mmask32>((uint64_t(1) << (D - c)) - 1);
+      __m512bh qv[R];
+      for (int r = 0; r < R; ++r) qv[r] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + r * ld + c));
+      for (int j = 0; j < 4; ++j) {
+        const __m512bh kv = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(tail, k[j] + c));
+        for (int r = 0; r < R; ++r) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], qv[r], kv);
+      }
     }
-    for (int r = 0; r < R; ++r) out[r] = reinterpret_cast<V16>(acc[r]);
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) out[j][r] = reinterpret_cast<V16>(acc[j][r]);
 #else
     TORCH_CHECK(false, "decode: bf16 dot products are not compiled in (no AVX512_BF16)");
 #endif
   } else {
-    const int64_t Dp = (D + 63) / 64 * 64;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     // vpdpbusd multiplies unsigned by signed bytes: (k + 128) . q, the 128 . q part taken out by the
     // per-lane corrections stored after the row (-128 times the lane's q elements summed).
+    const int64_t Dp = (D + 63) / 64 * 64;
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    __m512i acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_loadu_si512(q + r * ld + Dp);
-    for (int64_t c = 0; c < D; c += 64) {
-      __m512i kv = c + 64 <= D ? _mm512_loadu_si512(k + c)
-                               : _mm512_maskz_loadu_epi8((D - c == 64 ? ~uint64_t(0) : (uint64_t(1) << (D - c)) - 1), k + c);
-      kv = _mm512_xor_si512(kv, flip);
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], kv, _mm512_loadu_si512(q + r * ld + c));
+    __m512i acc[4][R];
+    for (int r = 0; r < R; ++r) {
+      const __m512i corr = _mm512_loadu_si512(q + r * ld + Dp);
+      for (int j = 0; j < 4; ++j) acc[j][r] = corr;
     }
-    for (int r = 0; r < R; ++r) out[r] = reinterpret_cast<V16>(_mm512_cvtepi32_ps(acc[r]));
+    for (int64_t c = 0; c < D; c += 64) {
+      const __mmask64 tail = c + 64 <= D ? ~__mmask64(0) : (uint64_t(1) << (D - c)) - 1;
+      __m512i qv[R];
+      for (int r = 0; r < R; ++r) qv[r] = _mm512_loadu_si512(q + r * ld + c);
+      for (int j = 0; j < 4; ++j) {
+        const __m512i kv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(tail, k[j] + c), flip);
+        for (int r = 0; r < R; ++r) acc[j][r] = _mm512_dpbusd_epi32(acc[j][r], kv, qv[r]);
+      }
+    }
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) out[j][r] = reinterpret_cast<V16>(_mm512_cvtepi32_ps(acc[j][r]));
 #else
     typedef int8_t B16 __attribute__((vector_size(16)));
-    (void)Dp;
-    I16 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = I16{};
+    I16 acc[4][R];
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) acc[j][r] = I16{};
     for (int64_t c = 0; c < D; c += kLanes) {
-      B16 kb = {};
-      std::memcpy(&kb, k + c, std::min<int64_t>(kLanes, D - c));
-      const I16 kv = __builtin_convertvector(kb, I16);
+      I16 qv[R];
       for (int r = 0; r < R; ++r) {
         B16 qb;
         std::memcpy(&qb, q + r * ld + c, sizeof qb);
-        acc[r] += __builtin_convertvector(qb, I16) * kv;
+        qv[r] = __builtin_convertvector(qb, I16);
+      }
+      for (int j = 0; j < 4; ++j) {
+        B16 kb = {};
+        std::memcpy(&kb, k[j] + c, std::min<int64_t>(kLanes, D - c));
+        const I16 kv = __builtin_convertvector(kb, I16);
+        for (int r = 0; r < R; ++r) acc[j][r] += qv[r] * kv;
       }
     }
-    for (int r = 0; r < R; ++r) out[r] = __builtin_convertvector(acc[r], V16);
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) out[j][r] = __builtin_convertvector(acc[j][r], V16);
 #endif
   }
 }
@@ -261,7 +287,9 @@ inline void qk16(const typename QOf<Mode>::type* __restrict q, int64_t ld, int64
       continue;
     }
     V16 acc[4][R];
-    for (int j = 0; j < 4; ++j) qk_lanes<R, Mode>(q, ld, D, kr[j0 + j < nk ? j0 + j : j0], acc[j]);  // past nk: unused
+    const KT* k4[4];
+    for (int j = 0; j < 4; ++j) k4[j] = kr[j0 + j < nk ? j0 + j : j0];  // past nk: scored, unused
+    qk_lanes<R, Mode>(q, ld, D, k4, acc);
     for (int r = 0; r < R; ++r) {
       // level u + 8: keys (0, 1) and (2, 3) -> 8 lanes each
       const V16 h01 = pick<0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23>(acc[0][r], acc[1][r]) +
@@ -565,14 +593,19 @@ void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ks
           if (!P.mask.keep[P.mask.keep_st.at(b, h, i, c0 + jj)]) row[jj] = ninf, seen &= ~(uint64_t(1) << jj);
       }
       vis[r] = seen;
-      const float mx = attnkit::row_max(row, n, m[r]);
-      // A row with nothing kept so far keeps max -inf: shift by 0 so exp(-inf) = 0, not NaN.
-      const float shift = mx == ninf ? 0.f : mx;
-      const float sum = exp_row(row, n, shift);
-      const float alpha = std::exp(m[r] - shift);  // 0 while the row had nothing kept
-      if (alpha != 1.f) scale_row(o + r * Dv, alpha, Dv);
-      l[r] = l[r] * alpha + sum;
-      m[r] = mx;
+      // Lazy rescale: m[r] is the reference the row's exps are taken against, moved (and o, l
+      // rescaled) only when a chunk's max passes it by more than kRescaleAbove; below that the
+      // exps stay under e^kRescaleAbove, far from overflow. The result is the same softmax (o and l
+      // share the reference), without a pass over o each time the max creeps up.
+      const float mx = attnkit::row_max(row, n, ninf);
+      if (mx > m[r] + kRescaleAbove) {  // also a row's first kept key (m = -inf); never for a NaN max
+        const float alpha = std::exp(m[r] - mx);  // 0 while the row had nothing kept
+        if (alpha != 1.f) scale_row(o + r * Dv, alpha, Dv);
+        l[r] *= alpha;
+        m[r] = mx;
+      }
+      // A row with nothing kept so far keeps -inf: shift by 0 so exp(-inf) = 0, not NaN.
+      l[r] += exp_row(row, n, m[r] == ninf ? 0.f : m[r]);
     }
     // The values of the keys some row may see (a key no row sees is never read), then o += p v.
     // Every key a row sees is added, even at probability 0 (a score of -inf, or one that underflows):
