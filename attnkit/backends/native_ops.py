@@ -20,6 +20,7 @@ PyTorch needs beyond that:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -102,7 +103,7 @@ def kernel_spec(scale: float, *, q_offset=0, kv_offset=0, left=None, right=None,
                     floats.append(term.cap)
                 elif term.kind == "alibi":
                     ints += [ALIBI, len(slopes), 0]
-                    slopes.append(term.slopes.detach().to(stat).expand(num_heads))
+                    slopes.append(term.slopes.detach().to(stat).expand(num_heads).reshape(1, num_heads))
                 elif term.kind == "relative_bias":
                     values = relative_values(term, num_heads, stat)
                     ints += [REL, used, term.max_distance]
@@ -110,10 +111,10 @@ def kernel_spec(scale: float, *, q_offset=0, kv_offset=0, left=None, right=None,
                     used += values.numel()
                 else:
                     raise ValueError(f"kernel_spec: a {term.kind!r} term ({term.mod!r}) has no kernel form")
-            if slopes:
-                t[SLOPES] = torch.stack(slopes).contiguous()
+            if slopes:  # one ALiBi term (the usual case): its own slopes, viewed (no per-call copy)
+                t[SLOPES] = (slopes[0] if len(slopes) == 1 else torch.cat(slopes)).contiguous()
             if rel:
-                t[REL_VALUES] = torch.cat(rel).contiguous()
+                t[REL_VALUES] = rel[0] if len(rel) == 1 else torch.cat(rel)
     return KernelSpec(t, ints, floats)
 
 
@@ -121,8 +122,29 @@ def relative_values(term, num_heads: int, dtype: torch.dtype) -> Tensor:
     """A ``relative_bias`` term's value per clamped distance ``d = pos(k) - pos(q)`` in
     ``-max_distance .. max_distance``, ``(num_heads, 2 max_distance + 1)``: T5's bucket is the same for
     every distance past ``max_distance`` on either side, so the kernel reads ``values[h, clamp(d)]``."""
-    L = term.max_distance
-    return term.distance_bias(torch.arange(-L, L + 1), num_heads, dtype).detach().contiguous()
+    table = term.table
+    key = (id(table), table._version, num_heads, dtype, term.max_distance, term.bidirectional)
+    found = _RELATIVE.get(key)
+    if found is None or found[0] is not table:  # held with its values: its id is not reused meanwhile
+        if len(_RELATIVE) >= 16:
+            _RELATIVE.clear()
+        values = table.detach().to(dtype)[:, _clamped_buckets(table.shape[1], term.max_distance, term.bidirectional)]
+        found = _RELATIVE[key] = (table, values.expand(num_heads, -1).contiguous())
+    return found[1]
+
+
+# table -> its values per clamped distance, kept while the table is unchanged (its version counter)
+_RELATIVE: dict = {}
+
+
+@functools.lru_cache(maxsize=16)
+def _clamped_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> Tensor:
+    """T5's bucket of every distance in ``-max_distance .. max_distance`` (a function of the three
+    settings alone: computed once, then one gather of the table per call)."""
+    from ..score_mods import t5_bucket
+
+    return t5_bucket(torch.arange(-max_distance, max_distance + 1), num_buckets=num_buckets,
+                     max_distance=max_distance, bidirectional=bidirectional)
 
 
 def _stat_dtype(q: Tensor) -> torch.dtype:
