@@ -347,3 +347,20 @@ def test_softcap_is_bitwise_the_prefill_kernels(cap):
     _, lse_decode = attention(q, k, v, backend="decode", options=DecodeOptions(implementation="native"), **kw)
     _, lse_prefill = attention(q, k, v, backend="native", **kw)
     assert torch.equal(lse_decode, lse_prefill), (lse_decode - lse_prefill).abs().max()
+
+
+@native
+def test_relative_bias_values_follow_the_table_in_place():
+    """The kernel's values per clamped distance are kept per table: an in-place update of the table
+    (a training step, a load) is read by the next call."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    k, v = torch.randn(1, 2, 60, 16, generator=g), torch.randn(1, 2, 60, 16, generator=g)
+    mod = RelativeBias(torch.randn(4, 8, generator=g), max_distance=16, bidirectional=False)
+    opts = DecodeOptions(implementation="native")
+    before = attention(q, k, v, mask=Causal(), score_mod=mod, backend="decode", options=opts)
+    with torch.no_grad():
+        mod.table.mul_(3.0)
+    after = attention(q, k, v, mask=Causal(), score_mod=mod, backend="decode", options=opts)
+    ref = attention(q, k, v, mask=Causal(), score_mod=mod, backend="naive")
+    assert not torch.allclose(before, after) and torch.allclose(after, ref, atol=1e-5)
