@@ -343,8 +343,11 @@ class DecodeBackend(Backend):
     (inference, float32/bfloat16/float16, ``Tq <= 16``), else :func:`decode_attention` /
     :func:`paged_decode_attention` in PyTorch ops, its twin. Equals the naive backend (same masked
     softmax, fp32 statistics); any mask, bias, GQA without expanding K/V, offsets, LSE. Score
-    modifiers (``SoftCap``, ``ALiBi``) and sinks run in the kernel only. Gradients flow through the
-    PyTorch ops (correct, not memory-optimized)."""
+    modifiers (``SoftCap``, ``ALiBi``, ``RelativeBias``) and sinks run in the kernel only. Gradients
+    flow through the PyTorch ops (correct, not memory-optimized). With
+    ``DecodeOptions(quantized_query=True)`` an int8 cache's scores come from integer dot products over
+    a per-row int8 ``q`` (an opt-in error, stated on :class:`DecodeOptions`); everything else equals
+    the twin to float32 rounding."""
 
     name = "decode"
     work = Work(materializes=True)  # its PyTorch-op twin builds (Tq, Tk) scores; the kernel: decodes()

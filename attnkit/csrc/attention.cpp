@@ -7,7 +7,8 @@
 // float32 accumulation; scores, softmax statistics, the LSE and the gradient accumulators are
 // float32. (The caller decides, by measurement, whether to upcast to float32 instead.)
 //
-// The mask arrives as its structure: a tile grid (0 EMPTY: skipped, 1 PARTIAL: masked per element,
+// The mask and the score modifiers arrive as the kernel spec (spec.h), the one contract the decode
+// kernel reads too. The mask arrives as its structure: a tile grid (0 EMPTY: skipped, 1 PARTIAL: masked per element,
 // 2 FULL: no mask work), and for PARTIAL tiles the positional parts evaluated here from a few
 // integers or index vectors (band bounds and key lengths as one kept range per row; key validity,
 // document ids, a block layout) plus, for any other mask, a byte keep tile computed by the caller.
