@@ -177,19 +177,21 @@ def test_quantized_query_error_is_within_its_bound(D, q_scale):
 
 @native
 def test_quantized_query_keeps_rows_apart_and_nan_rows_nan():
-    """A NaN query row is NaN (as the exact path makes it), the other rows keep their bits; a zero row
-    gives the mean of its values."""
+    """A NaN query row is NaN (as the exact path makes it), the other rows keep their bits; a zero row,
+    and one too small to quantize (all below 4e-37), give the mean of their values."""
     g = torch.Generator().manual_seed(1)
     h, dk, dv = _int8_handle(g, 1, 2, 90, 32)
-    q = torch.randn(1, 4, 1, 32, generator=g)
+    q = torch.randn(1, 6, 1, 32, generator=g)
     opts = DecodeOptions(implementation="native", quantized_query=True)
     base = attention(q, h, h, backend="decode", options=opts)
     q2 = q.clone()
     q2[0, 1] = float("nan")
     q2[0, 2] = 0.0
+    q2[0, 4] = q[0, 4] * 1e-39
     out = attention(q2, h, h, backend="decode", options=opts)
-    assert out[0, 1].isnan().all() and torch.equal(out[0, 0], base[0, 0]) and torch.equal(out[0, 3], base[0, 3])
-    torch.testing.assert_close(out[0, 2, 0], dv[0, 1].mean(0), atol=1e-5, rtol=0)
+    assert out[0, 1].isnan().all() and all(torch.equal(out[0, i], base[0, i]) for i in (0, 3, 5))
+    torch.testing.assert_close(out[0, 2, 0], dv[0, 0].mean(0), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[0, 4, 0], dv[0, 1].mean(0), atol=1e-5, rtol=0)
 
 
 @native

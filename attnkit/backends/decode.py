@@ -82,8 +82,9 @@ class DecodeOptions:
 
     * ``bf16_dot``: bfloat16 queries over a bfloat16 cache run ``q·k`` as bf16 dot products with
       float32 accumulation (AVX512_BF16's ``vdpbf16ps``) where the CPU has them; ``False``, or
-      elsewhere, converts the keys to float32 as they are read. Both are exact products of the
-      stored values (only the summation order differs).
+      elsewhere, converts the keys to float32 as they are read. Both multiply the stored values
+      exactly (the summation order differs, and the instruction reads subnormal bfloat16 values,
+      below 1.2e-38, as zero).
     * ``quantized_query`` (opt-in): an int8 cache's ``q·k`` runs as integer dot products
       (AVX512_VNNI's ``vpdpbusd``, else portable int32 vectors: the same integers) against ``q``
       quantized per row to int8 (step ``max|q| / 127``). The default reads the int8 cache exactly

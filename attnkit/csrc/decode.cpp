@@ -509,10 +509,11 @@ void load_queries(const Problem& P, int64_t b, int64_t hk, typename QOf<Mode>::t
       float amax = 0.f;
       bool finite = true;
       for (int64_t c = 0; c < D; ++c) finite &= std::isfinite(src[c]), amax = std::max(amax, std::fabs(src[c]));
-      if (!finite || amax == 0.f) {  // zeros: NaN times them (a NaN/Inf row), or an all-zero q's scores 0
+      const float inv = 127.f / amax;
+      if (!finite || !std::isfinite(inv)) {  // zeros: NaN times them (a NaN/Inf row), else scores 0 (a
+        // row of zeros, or all below 4e-37: its exact scores round to no change of the softmax either)
         rs[r] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
       } else {
-        const float inv = 127.f / amax;
         for (int64_t c = 0; c < D; ++c)
           row[c] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(src[c] * inv))));
         rs[r] = amax / 127.f * P.scale;
