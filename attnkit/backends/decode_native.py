@@ -82,12 +82,26 @@ KERNEL_SCORE_MOD_KINDS = frozenset({"softcap", "alibi", "relative_bias"})
 
 
 def score_mod_reason(score_mod) -> str | None:
-    """Why the kernel cannot run ``score_mod`` (a term with no kernel form), or None."""
-    for term in () if score_mod is None else score_mod.terms():
+    """Why the kernel cannot run ``score_mod`` (a term with no kernel form), or None. Kept per score
+    modifier object (its terms' kinds never change; a model passes one object to every layer)."""
+    if score_mod is None:
+        return None
+    found = _MOD_REASONS.get(id(score_mod))
+    if found is not None and found[0] is score_mod:  # held with its answer: its id is not reused meanwhile
+        return found[1]
+    reason = None
+    for term in score_mod.terms():
         if term.kind not in KERNEL_SCORE_MOD_KINDS:
-            return (f"the native decode kernel runs the score modifiers {', '.join(sorted(KERNEL_SCORE_MOD_KINDS))}, "
-                    f"not {term.kind} ({term.mod!r})")
-    return None
+            reason = (f"the native decode kernel runs the score modifiers "
+                      f"{', '.join(sorted(KERNEL_SCORE_MOD_KINDS))}, not {term.kind} ({term.mod!r})")
+            break
+    if len(_MOD_REASONS) >= 32:
+        _MOD_REASONS.clear()
+    _MOD_REASONS[id(score_mod)] = (score_mod, reason)
+    return reason
+
+
+_MOD_REASONS: dict = {}  # id(score_mod) -> (score_mod, why the kernel cannot run it or None)
 
 
 def kernel_reasons(inp: AttentionInputs) -> list[str]:
