@@ -35,6 +35,8 @@ Read the ratios, not the absolute numbers; the load average is printed.
 
     python benchmarks/bench_decode_attention.py                      # the figures (about 2-3 minutes)
     python benchmarks/bench_decode_attention.py --context 2048 --rounds 1 --min-run-time 0.05   # smoke
+    python benchmarks/bench_decode_attention.py --sections single --single-contexts 1024,4096,16384,65536 \
+        --heads 8/1 --head-dim 64                                     # one row set per context
 """
 
 from __future__ import annotations
@@ -304,6 +306,9 @@ def run_section(title: str, fns: dict, baseline: str, args, bandwidth_fn) -> tup
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--single-contexts", type=lambda x: [int(c) for c in x.split(",")], default=None,
+                        help="run the `single` section at each of these contexts (e.g. 1024,4096,16384,65536) "
+                             "instead of --context alone")
     parser.add_argument("--heads", default="32/8", help="query/key-value heads")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -326,14 +331,18 @@ def main() -> None:
     result = dict(threads=args.threads, load_average=os.getloadavg(), heads=[Hq, Hkv], context=T, head_dim=D,
                   rounds=args.rounds, sections={})
     sections = args.sections.split(",")
-    if "single" in sections:
-        fns, base = single_cases(T, Hq, Hkv, D, g)
+    for ctx in (args.single_contexts or [T]) if "single" in sections else ():
+        fns, base = single_cases(ctx, Hq, Hkv, D, g)
         ref = fns["sdpa fp32"][0]()
         for name, (fn, _) in fns.items():  # a benchmark of wrong results is worth nothing
             err = (fn().float() - ref).abs().max().item()
             assert err < (0.05 if "int8" in name or "bf16" in name else 1e-4), (name, err)
-        rows, bw = run_section(f"one sequence, context {T}", fns, base, args, tri)
-        result["sections"]["single"] = dict(rows=rows, triad_gb_per_s=bw)
+        rows, bw = run_section(f"one sequence, context {ctx}", fns, base, args, tri)
+        single = dict(rows=rows, triad_gb_per_s=bw, context=ctx)
+        if args.single_contexts:  # one entry per context
+            result["sections"].setdefault("single_contexts", {})[ctx] = single
+        else:
+            result["sections"]["single"] = single
     if "batch" in sections:
         fns, base, lengths = batch_cases(T, Hq, Hkv, D, g)
         rows, bw = run_section(f"paged batch of {len(lengths)}, contexts {lengths}", fns, base, args, tri)
