@@ -52,33 +52,39 @@ def test_gpt_compiles_fullgraph_on_native_and_equals_eager():
 
 @needs_build
 def test_native_operators_pass_opcheck():
-    from attnkit.score_mods import ALiBi, SoftCap, score_mod_spec
+    from attnkit.backends import native_ops
+    from attnkit.score_mods import ALiBi, SoftCap
 
     torch.manual_seed(0)
     q = torch.randn(1, 4, 17, 8, requires_grad=True)
     k, v = (torch.randn(1, 2, 17, 8, requires_grad=True) for _ in range(2))
     inp = AttentionInputs.create(q, k, v, mask=Causal() & SlidingWindow(5, 0))
     plan = native.plan_for(inp, native.NativeOptions(8, 8))
-    head = (q, k, v, 8**-0.5, plan.q_offset, plan.kv_offset, plan.block_q, plan.block_k, *plan.args)
-    empty = torch.empty(0)
-    no_mods = (empty, empty, 0, [], [], empty)
-    dist, dmin, ops, caps = score_mod_spec(ALiBi(torch.rand(4)) >> SoftCap(2.0)).distance_form(0, 17, 0, 17, 4,
-                                                                                             torch.float32)
+    common = dict(q_offset=plan.q_offset, kv_offset=plan.kv_offset, **plan.mask, num_heads=4, Tq=17, Tk=17,
+                  distance_vectors=True)
+    no_mods = native_ops.kernel_spec(8**-0.5, **common)
     bias = torch.randn(1, 4, 1, 17).expand(1, 4, 17, 17)
-    mods = (bias, dist, dmin, ops, caps, torch.randn(4))
+    mods = native_ops.kernel_spec(8**-0.5, **common, bias=bias, score_mod=ALiBi(torch.rand(4)) >> SoftCap(2.0),
+                                  sinks=torch.randn(4))
+    assert mods.ints[native_ops.NUM_INTS_CHAIN_START:] == [native_ops.ADD, 0, 0, native_ops.CAP, 0, 0]
+    tiles = (plan.block_q, plan.block_k)
     flags = torch.zeros(1, 2, 17, dtype=torch.uint8)
     flags[0, 1, 3] = 1
+
+    def args(spec, bad):
+        return (q, k, v, spec.tensors, spec.ints, spec.floats, *tiles, bad)
+
     for bad in (torch.empty(0, dtype=torch.uint8), flags):
-        torch.library.opcheck(torch.ops.attnkit_native.forward.default, (*head, *no_mods, bad))
-    for settings in (no_mods, mods):
-        out, lse, _ = torch.ops.attnkit_native.forward(*head, *settings, flags)
+        torch.library.opcheck(torch.ops.attnkit_native.forward.default, args(no_mods, bad))
+    for spec in (no_mods, mods):
+        out, lse, _ = torch.ops.attnkit_native.forward(*args(spec, flags))
         dout = torch.randn_like(out)
         detached = [x.detach() for x in (q, k, v)]
         for need in ((False, False), (True, True)):
             torch.library.opcheck(torch.ops.attnkit_native.backward.default,
-                                  (*detached, dout, lse.detach(), (dout * out).sum(-1).detach(), *head[3:], *settings,
-                                   *need))
-    torch.library.opcheck(torch.ops.attnkit_native.forward.default, (*head, *mods, flags))
+                                  (*detached, dout, lse.detach(), (dout * out).sum(-1).detach(), spec.tensors,
+                                   spec.ints, spec.floats, *tiles, *need))
+    torch.library.opcheck(torch.ops.attnkit_native.forward.default, args(mods, flags))
 
 
 @needs_build

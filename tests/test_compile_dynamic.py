@@ -134,13 +134,16 @@ def test_kernel_reads_the_grid_stride_from_the_grid():
     k, v = (torch.randn(1, 2, 45, 8, generator=g) for _ in range(2))
     inp = AttentionInputs.create(q, k, v, mask=SlidingWindow(9, 0) & KeyPadding([40]))
     plan = native.plan_for(inp, native.NativeOptions(8, 16))
-    grid, *rest = plan.args
+    from attnkit.backends import native_ops
+
+    grid = plan.mask["grid"]
     assert grid.shape == (6, 4)  # 5 x 3 tiles and the spare ones
-    empty = torch.empty(0)
 
     def run(grid):
-        return torch.ops.attnkit_native.forward(q, k, v, 8**-0.5, plan.q_offset, plan.kv_offset, 8, 16, grid, *rest,
-                                                empty, empty, 0, [], [], empty, torch.empty(0, dtype=torch.uint8))[0]
+        spec = native_ops.kernel_spec(8**-0.5, q_offset=plan.q_offset, kv_offset=plan.kv_offset,
+                                      **{**plan.mask, "grid": grid})
+        return torch.ops.attnkit_native.forward(q, k, v, spec.tensors, spec.ints, spec.floats, 8, 16,
+                                                torch.empty(0, dtype=torch.uint8))[0]
 
     assert torch.equal(run(grid), run(grid[:5, :3].contiguous()))
     with pytest.raises(RuntimeError, match="tile grid"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnkit import Causal, KeyPadding, SlidingWindow, attention, explain
-from attnkit.score_mods import ALiBi, SoftCap
+from attnkit.score_mods import ALiBi, RelativeBias, SoftCap
 from attnkit.backends.decode import DecodeOptions
 from attnkit.backends.decode_native import _extension, split_tokens
 from attnkit.cache import quantize_int8
@@ -90,7 +90,7 @@ def _reference(q, k, v, lengths, mask, score_mod, sinks, dtype):
     return torch.cat(outs)
 
 
-def _check(fmt, dtype, lengths, Tq, Hq=8, Hkv=2, D=40, mask=None, score_mod=None, sinks=None, seed=0):
+def _check(fmt, dtype, lengths, Tq, Hq=8, Hkv=2, D=40, mask=None, score_mod=None, sinks=None, seed=0, **options):
     g = torch.Generator().manual_seed(seed)
     B, S = len(lengths), max(lengths)
     q = torch.randn(B, Hq, Tq, D, generator=g).to(dtype)
@@ -102,7 +102,7 @@ def _check(fmt, dtype, lengths, Tq, Hq=8, Hkv=2, D=40, mask=None, score_mod=None
     if fmt.endswith("int8"):
         q = q.float()
     out = attention(q, hk, hv, mask=mask, score_mod=score_mod, sinks=sinks, backend="decode",
-                    options=DecodeOptions(implementation="native"))
+                    options=DecodeOptions(implementation="native", **options))
     ref = _reference(q, dk, dv, lengths, mask, score_mod, sinks, torch.float64)
     low = _reference(q, dk, dv, lengths, mask, score_mod, sinks, q.dtype)
     err, lowp = (out.double() - ref).abs().max().item(), (low.double() - ref).abs().max().item()
@@ -124,8 +124,74 @@ def test_every_format_matches_float64(fmt, lengths):
 @native
 @pytest.mark.parametrize("fmt", ["dense", "paged"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_caches(fmt, dtype):
-    _check(fmt, dtype, (333,) if fmt == "dense" else (333, 40), 3, mask=Causal())
+@pytest.mark.parametrize("bf16_dot", [True, False], ids=["dot", "convert"])
+def test_low_precision_caches(fmt, dtype, bf16_dot):
+    """bfloat16 runs bf16 dot products where the CPU has them (else, and with bf16_dot=False, the keys
+    converted to float32): either path passes the float64 rule, odd head dims (dot-product tails) too."""
+    lengths = (333,) if fmt == "dense" else (333, 40)
+    _check(fmt, dtype, lengths, 3, mask=Causal(), bf16_dot=bf16_dot)
+    _check(fmt, dtype, lengths, 1, D=59, mask=Causal(), bf16_dot=bf16_dot)
+
+
+@native
+def test_explain_names_the_dot_products_the_cpu_runs():
+    from attnkit.backends.decode_native import dot_products
+
+    q, k = torch.randn(1, 4, 1, 32, dtype=torch.bfloat16), torch.randn(1, 2, 50, 32, dtype=torch.bfloat16)
+    text = str(explain(q, k, k, backend="decode"))
+    assert ("bf16 dot products (AVX512_BF16)" in text) == dot_products()[0], text
+    assert "converted to float32" in str(explain(q.half(), k.half(), k.half(), backend="decode"))
+
+
+def _int8_handle(g, B, Hkv, T, D):
+    k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+    h = KVHandle("int8", kq, vq, (T,) * B, torch.float32, True, ks, vs)
+    return h, kq.float() * ks[..., None], vq.float() * vs[..., None]
+
+
+@native
+@pytest.mark.parametrize("D", [128, 59, 64, 200])
+@pytest.mark.parametrize("q_scale", [1.0, 4.0])
+def test_quantized_query_error_is_within_its_bound(D, q_scale):
+    """quantized_query=True rounds q per row to int8 (step max|q| / 127): each score moves by at most
+    eps_j = scale * step / 2 * sum_c |k_jc|, so the output moves by at most max|v| * (exp(2 max eps) - 1)
+    from attention over the dequantized cache in float64; the exact default stays at float32 rounding,
+    and the quantized path is really taken (its error is well above the exact one)."""
+    g = torch.Generator().manual_seed(D)
+    B, Hq, Hkv, T = 2, 8, 2, 700
+    h, dk, dv = _int8_handle(g, B, Hkv, T, D)
+    q = torch.randn(B, Hq, 2, D, generator=g) * q_scale
+    ref = attention(q.double(), dk.double(), dv.double(), mask=Causal(), backend="naive")
+    exact = attention(q, h, h, mask=Causal(), backend="decode", options=DecodeOptions(implementation="native"))
+    quant = attention(q, h, h, mask=Causal(), backend="decode",
+                      options=DecodeOptions(implementation="native", quantized_query=True))
+    step = q.double().abs().amax(-1) / 127  # (B, Hq, Tq)
+    k_l1 = dk.double().abs().sum(-1).repeat_interleave(Hq // Hkv, 1)  # (B, Hq, T)
+    eps = (D**-0.5 * step[..., None] / 2 * k_l1[:, :, None, :]).amax()
+    bound = dv.abs().max().item() * (torch.exp(2 * eps).item() - 1)
+    err_q, err_x = (quant.double() - ref).abs().max().item(), (exact.double() - ref).abs().max().item()
+    assert err_x <= 1e-5 and err_q <= bound + 1e-6, (err_x, err_q, bound)
+    assert err_q > 10 * err_x, (err_q, err_x)
+
+
+@native
+def test_quantized_query_keeps_rows_apart_and_nan_rows_nan():
+    """A NaN query row is NaN (as the exact path makes it), the other rows keep their bits; a zero row,
+    and one too small to quantize (all below 4e-37), give the mean of their values."""
+    g = torch.Generator().manual_seed(1)
+    h, dk, dv = _int8_handle(g, 1, 2, 90, 32)
+    q = torch.randn(1, 6, 1, 32, generator=g)
+    opts = DecodeOptions(implementation="native", quantized_query=True)
+    base = attention(q, h, h, backend="decode", options=opts)
+    q2 = q.clone()
+    q2[0, 1] = float("nan")
+    q2[0, 2] = 0.0
+    q2[0, 4] = q[0, 4] * 1e-39
+    out = attention(q2, h, h, backend="decode", options=opts)
+    assert out[0, 1].isnan().all() and all(torch.equal(out[0, i], base[0, i]) for i in (0, 3, 5))
+    torch.testing.assert_close(out[0, 2, 0], dv[0, 0].mean(0), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[0, 4, 0], dv[0, 1].mean(0), atol=1e-5, rtol=0)
 
 
 @native
@@ -139,13 +205,20 @@ def test_masks_and_queries(fmt, Tq, mask):
 
 @native
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("mods", ["alibi", "softcap", "sinks", "all"])
+@pytest.mark.parametrize("mods", ["alibi", "softcap", "sinks", "relative", "relative-causal", "all"])
 def test_score_mods_and_sinks(fmt, mods):
     Hq = 8
-    score_mod = {"alibi": ALiBi.geometric(Hq), "softcap": SoftCap(2.0), "sinks": None,
-                 "all": ALiBi.geometric(Hq) >> SoftCap(3.0)}[mods]
+    g = torch.Generator().manual_seed(1)
+    # max_distance 16 < the 97 keys: the values per clamped distance cover every farther key
+    rel = RelativeBias(torch.randn(Hq, 8, generator=g), max_distance=16)
+    score_mod = {"alibi": ALiBi.geometric(Hq), "softcap": SoftCap(2.0), "sinks": None, "relative": rel,
+                 "relative-causal": RelativeBias(torch.randn(Hq, 6, generator=g), max_distance=20,
+                                                 bidirectional=False),
+                 "all": ALiBi.geometric(Hq) >> SoftCap(3.0) >> rel}[mods]
     sinks = torch.randn(Hq) if mods in ("sinks", "all") else None
     lengths = (97,) if fmt == "dense" else (97, 30, 5)
+    if mods.startswith("relative"):  # a bidirectional bias sees keys past the query too: no causal mask
+        _check(fmt, torch.float32, lengths, 2, Hq=Hq, score_mod=score_mod)
     _check(fmt, torch.float32, lengths, 3, Hq=Hq, mask=Causal(), score_mod=score_mod, sinks=sinks)
     _check(fmt, torch.float32, lengths, 1, Hq=Hq, mask=SlidingWindow(4, 0), score_mod=score_mod, sinks=sinks)
 
@@ -187,7 +260,7 @@ def test_fully_masked_rows_are_zero_and_key_padding():
 
 
 @native
-@pytest.mark.parametrize("fmt", ["paged", "paged-int8", "int8"])
+@pytest.mark.parametrize("fmt", ["paged", "paged-int8", "int8", "paged-int8-qq", "paged-bf16"])
 def test_batch_invariance_is_bitwise(fmt):
     """A sequence decoded alone or in a ragged batch gives the same bits (same kernel, same shapes
     per sequence: its splits follow its own kept span only)."""
@@ -195,14 +268,15 @@ def test_batch_invariance_is_bitwise(fmt):
     g = torch.Generator().manual_seed(3)
     Hq, Hkv, D, Tq = 8, 2, 64, 1
     B, S = len(lengths), max(lengths)
-    q = torch.randn(B, Hq, Tq, D, generator=g)
-    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
-    (h, _), _ = _handle(fmt, k, v, lengths)
-    batch = attention(q, h, h, mask=Causal(), backend="decode", options=DecodeOptions(implementation="native"))
+    dtype = torch.bfloat16 if fmt.endswith("bf16") else torch.float32
+    q = torch.randn(B, Hq, Tq, D, generator=g).to(dtype)
+    k, v = torch.randn(B, Hkv, S, D, generator=g).to(dtype), torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    (h, _), _ = _handle(fmt.removesuffix("-qq").removesuffix("-bf16"), k, v, lengths)
+    opts = DecodeOptions(implementation="native", quantized_query=fmt.endswith("-qq"))
+    batch = attention(q, h, h, mask=Causal(), backend="decode", options=opts)
     for b in range(B):
         one = h.rows([b])
-        alone = attention(q[b:b + 1], one, one, mask=Causal(), backend="decode",
-                          options=DecodeOptions(implementation="native"))
+        alone = attention(q[b:b + 1], one, one, mask=Causal(), backend="decode", options=opts)
         assert torch.equal(alone, batch[b:b + 1]), b
 
 
@@ -242,17 +316,53 @@ def test_vmap_runs_the_twin():
     torch.testing.assert_close(torch.vmap(f)(q, k), torch.stack([f(q[i], k[i]) for i in range(2)]))
 
 
-def test_decode_declares_the_score_mod_kinds_it_runs():
-    """Relative biases have no kernel form: decode declines them by kind, and the cache is read
-    through its dense conversion by a backend that runs them."""
-    from attnkit.score_mods import RelativeBias
-
+def test_decode_reads_relative_biases_in_place():
+    """A relative bias runs in the kernel (its values per clamped distance): a paged cache is read in
+    place, and the result is the naive backend's over the dense keys."""
     q = torch.randn(1, 4, 1, 16)
     k = torch.randn(1, 2, 40, 16)
     (h, _), _ = _handle("paged", k, k, (40,))
     mod = RelativeBias(torch.randn(4, 8), max_distance=16)
     e = explain(q, h, h, mask=Causal(), score_mod=mod)
-    assert e.chosen != "decode" and any("relative_bias" in r for r in e.reasons["decode"]), e.reasons["decode"]
+    if _REASON is None:
+        assert e.chosen == "decode", e.reasons
     out = attention(q, h, h, mask=Causal(), score_mod=mod)
     ref = attention(q, k, k, mask=Causal(), score_mod=mod, backend="naive")
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+@native
+@pytest.mark.parametrize("cap", [0.7, 5.0, 30.0])
+def test_softcap_is_bitwise_the_prefill_kernels(cap):
+    """Both kernels cap a score with one function (spec.h): with integer queries and keys (every dot
+    product exact in any order) and one key block, the scores, exps and their sum are the same
+    operations in the same order, so the LSE agrees bit for bit (whatever the ISA)."""
+    from attnkit.backends import native
+
+    if native.unavailable_reason():
+        pytest.skip(native.unavailable_reason())
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-3, 4, (1, 4, 1, 16), generator=g).float()
+    k = torch.randint(-3, 4, (1, 2, 50, 16), generator=g).float()
+    v = torch.randn(1, 2, 50, 16, generator=g)
+    kw = dict(mask=Causal(), score_mod=SoftCap(cap), scale=0.25, return_lse=True)
+    _, lse_decode = attention(q, k, v, backend="decode", options=DecodeOptions(implementation="native"), **kw)
+    _, lse_prefill = attention(q, k, v, backend="native", **kw)
+    assert torch.equal(lse_decode, lse_prefill), (lse_decode - lse_prefill).abs().max()
+
+
+@native
+def test_relative_bias_values_follow_the_table_in_place():
+    """The kernel's values per clamped distance are kept per table: an in-place update of the table
+    (a training step, a load) is read by the next call."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    k, v = torch.randn(1, 2, 60, 16, generator=g), torch.randn(1, 2, 60, 16, generator=g)
+    mod = RelativeBias(torch.randn(4, 8, generator=g), max_distance=16, bidirectional=False)
+    opts = DecodeOptions(implementation="native")
+    before = attention(q, k, v, mask=Causal(), score_mod=mod, backend="decode", options=opts)
+    with torch.no_grad():
+        mod.table.mul_(3.0)
+    after = attention(q, k, v, mask=Causal(), score_mod=mod, backend="decode", options=opts)
+    ref = attention(q, k, v, mask=Causal(), score_mod=mod, backend="naive")
+    assert not torch.allclose(before, after) and torch.allclose(after, ref, atol=1e-5)

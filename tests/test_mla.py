@@ -206,9 +206,10 @@ def test_the_kernel_reads_the_values_as_a_view_of_the_keys(kind, monkeypatch):
         decode_spans = ext.decode_spans
 
         @staticmethod
-        def decode(q, k, v, ks, vs, *rest):
+        def decode(q, k, v, cache, *rest):
+            ks, vs = cache[:2]  # cache: k_scale, v_scale, block_table, rows
             seen.append((k.data_ptr() == v.data_ptr(), v.shape[-1], v.stride(), ks.data_ptr() == vs.data_ptr()))
-            return ext.decode(q, k, v, ks, vs, *rest)
+            return ext.decode(q, k, v, cache, *rest)
 
     monkeypatch.setattr(decode_native, "_extension", lambda: (Spy, None))
     cache, _ = _storage(kind, 1, max_len=64)

@@ -28,7 +28,9 @@ What the kernel reads (everything else: :func:`kernel_reasons` says why, and the
 * masks through their structure: the band bounds (``Causal``, ``SlidingWindow``: only the keys
   inside the band are read), ``KeyPadding`` lengths, and any other mask materialized as a byte
   keep tensor (``B·Hq·Tq·Tk`` bytes: small at ``Tq <= 16``);
-* score modifiers ``SoftCap`` and ``ALiBi`` (in chain order), sinks, an additive bias;
+* score modifiers ``SoftCap``, ``ALiBi`` and ``RelativeBias`` (in chain order, read through the kernel
+  spec that the prefill kernel reads too: see :func:`attnkit.backends.native_ops.kernel_spec`), sinks,
+  an additive bias;
 * inference only (no gradients), float32/bfloat16/float16 queries, ``Tq <= 16``.
 """
 
@@ -41,8 +43,10 @@ from torch import Tensor
 
 from ..inputs import AttentionInputs
 from ..masks import Mask, mask_params
+from .native_ops import kernel_spec
 
-__all__ = ["kernel_reasons", "native_decode", "split_tokens", "score_mod_data", "reads_structure",
+__all__ = ["kernel_reasons", "native_decode", "split_tokens", "score_mod_reason", "reads_structure", "qmode",
+           "dot_products", "qmode_note",
            "KERNEL_SCORE_MOD_KINDS", "KERNEL_MAX_QUERIES"]
 
 #: The most queries one decode-kernel call takes (speculative and chunked decode); more is a prefill.
@@ -52,7 +56,6 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EMPTY_F = torch.empty(0)
 _EMPTY_B = torch.empty(0, 1, 1, 1, dtype=torch.bool)
 _EMPTY_L = torch.empty(0, dtype=torch.long)
-_EMPTY_BIAS = _EMPTY_F.view(0, 1, 1, 1)
 # Split sizes: multiples of this many keys, at least _MIN_SPLIT and at most _MAX_SPLIT (a split's
 # partial result is G·Tq·(Dv + 2) floats; bigger splits merge less, smaller ones balance threads).
 _SPLIT_ALIGN, _MIN_SPLIT, _MAX_SPLIT = 256, 256, 4096
@@ -75,23 +78,30 @@ def _extension():
 
 
 #: The score modifier kinds (:class:`~attnkit.score_mods.ScoreModTerm`) the kernel runs.
-KERNEL_SCORE_MOD_KINDS = frozenset({"softcap", "alibi"})
+KERNEL_SCORE_MOD_KINDS = frozenset({"softcap", "alibi", "relative_bias"})
 
 
-def score_mod_data(score_mod) -> tuple[list[int], list[float], list[Tensor | None]] | str:
-    """The kernel's form of a score modifier, read from its data (:meth:`ScoreMod.terms`): codes
-    (1 soft-cap, 2 ALiBi), caps and ALiBi slopes, in chain order; or a reason string when a term
-    has no kernel form."""
-    codes, caps, slopes = [], [], []
-    for term in () if score_mod is None else score_mod.terms():
-        if term.kind == "softcap":
-            codes.append(1), caps.append(term.cap), slopes.append(None)
-        elif term.kind == "alibi":
-            codes.append(2), caps.append(0.0), slopes.append(term.slopes)
-        else:
-            return (f"the native decode kernel runs the score modifiers {', '.join(sorted(KERNEL_SCORE_MOD_KINDS))}, "
-                    f"not {term.kind} ({term.mod!r})")
-    return codes, caps, slopes
+def score_mod_reason(score_mod) -> str | None:
+    """Why the kernel cannot run ``score_mod`` (a term with no kernel form), or None. Kept per score
+    modifier object (its terms' kinds never change; a model passes one object to every layer)."""
+    if score_mod is None:
+        return None
+    found = _MOD_REASONS.get(id(score_mod))
+    if found is not None and found[0] is score_mod:  # held with its answer: its id is not reused meanwhile
+        return found[1]
+    reason = None
+    for term in score_mod.terms():
+        if term.kind not in KERNEL_SCORE_MOD_KINDS:
+            reason = (f"the native decode kernel runs the score modifiers "
+                      f"{', '.join(sorted(KERNEL_SCORE_MOD_KINDS))}, not {term.kind} ({term.mod!r})")
+            break
+    if len(_MOD_REASONS) >= 32:
+        _MOD_REASONS.clear()
+    _MOD_REASONS[id(score_mod)] = (score_mod, reason)
+    return reason
+
+
+_MOD_REASONS: dict = {}  # id(score_mod) -> (score_mod, why the kernel cannot run it or None)
 
 
 def kernel_reasons(inp: AttentionInputs) -> list[str]:
@@ -113,9 +123,9 @@ def kernel_reasons(inp: AttentionInputs) -> list[str]:
     if inp.requires_grad or (inp.sinks is not None and inp.sinks.requires_grad and torch.is_grad_enabled()):
         reasons.append("the native decode kernel has no backward pass (inputs require grad)")
     if inp.score_mod is not None:
-        data = score_mod_data(inp.score_mod)
-        if isinstance(data, str):
-            reasons.append(data)
+        reason = score_mod_reason(inp.score_mod)
+        if reason is not None:
+            reasons.append(reason)
         elif torch.is_grad_enabled() and any(t.requires_grad for t in inp.score_mod.parameters()):
             reasons.append("the native decode kernel has no backward pass (learnable score modifier)")
     return reasons
@@ -158,9 +168,11 @@ def _mask_data(mask: Mask | None, inp: AttentionInputs):
     return p.band.left, p.band.right, limits, keep
 
 
-def native_decode(inp: AttentionInputs, split: int | None = None):
-    """Run the kernel (``kernel_reasons(inp) == []``): ``out`` or ``(out, lse)`` like a backend."""
+def native_decode(inp: AttentionInputs, options=None):
+    """Run the kernel (``kernel_reasons(inp) == []``): ``out`` or ``(out, lse)`` like a backend;
+    ``options``: the call's :class:`~attnkit.backends.decode.DecodeOptions` (or None)."""
     ext, _ = _extension()
+    split = None if options is None else options.native_split_tokens
     handle = inp.k if inp.kv_format != "dense" else None
     B, Tq, Tk = inp.B, inp.Tq, inp.Tk
     left, right, limits, keep = _mask_data(inp.mask, inp)
@@ -190,18 +202,53 @@ def native_decode(inp: AttentionInputs, split: int | None = None):
         vs = _EMPTY_F if handle.v_scale is None else handle.v_scale
         table = _EMPTY_L if handle.block_table is None else handle.block_table
     k, v = _last_contiguous(k), _last_contiguous(v)
-    bias = _EMPTY_BIAS if inp.bias is None else _four(inp.bias.float(), inp)
-    codes, caps, slopes = score_mod_data(inp.score_mod)
-    slope_t = torch.stack([(s if s is not None else torch.zeros(inp.Hq)).detach().float().expand(inp.Hq)
-                           for s in slopes]).contiguous() if 2 in codes else _EMPTY_F
-    sinks = _EMPTY_F if inp.sinks is None else inp.sinks.detach().float().contiguous()
-    band = [int(left is not None), left or 0, int(right is not None), right or 0]
+    bias = None if inp.bias is None else _four(inp.bias.float(), inp)
+    spec = kernel_spec(inp.scale, kv_offset=kv_offset, left=left, right=right, keep=None if keep is None else keep_t,
+                       bias=bias, score_mod=inp.score_mod, sinks=None if inp.sinks is None else inp.sinks.detach(),
+                       num_heads=inp.Hq, Tq=Tq, Tk=Tk)
     q = inp.q.float().contiguous()
-    out, lse = ext.decode(q, k, v, ks, vs, table, rows_t, kv_offset, inp.scale, band, keep_t, bias, codes, caps,
-                          slope_t, sinks)
+    mode = qmode(inp.dtype, k.dtype, options)
+    out, lse = ext.decode(q, k, v, [ks, vs, table, rows_t], spec.tensors, spec.ints, spec.floats, mode)
     if out.dtype != inp.dtype:
         out = out.to(inp.dtype)
     return (out, lse) if inp.return_lse else out
+
+
+#: How the kernel computes q·k (decode.cpp's QMode): float32, bf16 dot products, int8 dot products.
+FLOAT, BF16_DOT, INT8_DOT = 0, 1, 2
+
+
+@functools.lru_cache(maxsize=1)
+def dot_products() -> tuple[bool, bool]:
+    """``(bf16 dot products, int8 dot products in hardware)``: whether this build runs on this CPU
+    AVX512_BF16's ``vdpbf16ps`` and AVX512_VNNI's ``vpdpbusd`` (from the CPU's features)."""
+    ext, _ = _extension()
+    if ext is None:
+        return False, False
+    bf16, vnni = ext.dot_products()
+    return bool(bf16), bool(vnni)
+
+
+def qmode(q_dtype: torch.dtype, kv_dtype: torch.dtype, options=None) -> int:
+    """The kernel's q·k for these dtypes and options: :data:`BF16_DOT` for bfloat16 queries over a
+    bfloat16 cache where the CPU has bf16 dot products (unless ``bf16_dot=False``), :data:`INT8_DOT`
+    for an int8 cache with ``quantized_query=True``, else :data:`FLOAT`."""
+    if (kv_dtype == torch.bfloat16 and q_dtype == torch.bfloat16 and (options is None or options.bf16_dot)
+            and dot_products()[0]):
+        return BF16_DOT
+    if kv_dtype == torch.int8 and options is not None and options.quantized_query:
+        return INT8_DOT
+    return FLOAT
+
+
+def qmode_note(mode: int) -> str:
+    """How ``mode`` computes q·k, for ``explain()``."""
+    if mode == BF16_DOT:
+        return "q·k as bf16 dot products (AVX512_BF16), float32 accumulation"
+    if mode == INT8_DOT:
+        how = "AVX512_VNNI" if dot_products()[1] else "portable int32 vectors"
+        return f"q·k as int8 dot products over a per-row quantized q ({how})"
+    return "keys converted to float32 as read"
 
 
 _ROWS: dict = {}  # rows -> their (B, 4) int64 tensor, which the kernel only reads

@@ -60,7 +60,6 @@ from ..csrc import build as csrc_build, loader
 from ..hardware import half_matmul_is_fast, half_matmul_reason
 from ..inputs import AttentionInputs
 from ..masks import And, Mask, mask_params
-from ..score_mods import score_mod_spec
 from ._common import nonfinite_keys, nonfinite_queries, zero_keys
 from . import native_ops, nonfinite
 from .nonfinite import all_finite, host_may_branch
@@ -136,17 +135,14 @@ def half_tiles_note(dtype: torch.dtype) -> str:
     return f"{name} inputs upcast to float32 tiles ({why}; NativeOptions(half_tiles=True) forces {name} tiles)"
 
 
-_EMPTY_LONG = torch.empty(0, dtype=torch.long)
-_EMPTY_BOOL = torch.empty(0, dtype=torch.bool)
 _EMPTY_BYTE = torch.empty(0, dtype=torch.uint8)
-_EMPTY_F = torch.empty(0)  # an absent bias, distance vector or sinks
 
 
 @dataclass(frozen=True, eq=False)
 class _Plan:
     """The kernel's mask arguments for one (mask, shape, offsets): built once, cached."""
 
-    args: tuple  # grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra
+    mask: dict  # kernel_spec's mask keywords: left, right, grid, lengths, valid, doc, layout, layout_bs, extra...
     q_offset: int
     kv_offset: int
     block_q: int
@@ -157,20 +153,16 @@ def _build_plan(mask: Mask | None, B: int, H: int, Tq: int, Tk: int, q_offset: i
                 bq: int, bk: int) -> _Plan:
     grid = tile_grid(mask, Tq, Tk, q_offset, kv_offset, bq, bk, B, H, spare=True)  # no dimension of 1 to trace
     params = mask_params(mask, B)
-    extra_index, extra = _EMPTY_LONG, _EMPTY_BYTE
+    extra_index, extra = None, None
     if params.rest:
         rest = params.rest[0] if len(params.rest) == 1 else And(*params.rest)
         keep_tiles = _all_keep_tiles if torch.compiler.is_compiling() else _keep_tiles
         extra_index, extra = keep_tiles(rest, grid, Tq, Tk, q_offset, kv_offset, bq, bk, B, H)
-    left, right = params.band.left, params.band.right
-    band = [int(left is not None), left or 0, int(right is not None), right or 0]
-    args = (grid, band, _or(params.lengths, _EMPTY_LONG), _or(params.valid, _EMPTY_BOOL), _or(params.doc, _EMPTY_LONG),
-            _or(params.layout, _EMPTY_BOOL), params.layout_block_size, extra_index, extra)
-    return _Plan(tuple(a.contiguous() if isinstance(a, Tensor) else a for a in args), q_offset, kv_offset, bq, bk)
-
-
-def _or(x, default):
-    return default if x is None else x
+    tensors = dict(grid=grid, lengths=params.lengths, valid=params.valid, doc=params.doc, layout=params.layout,
+                   extra_index=extra_index, extra=extra)
+    fields = {name: x.contiguous() for name, x in tensors.items() if x is not None}
+    fields.update(left=params.band.left, right=params.band.right, layout_bs=params.layout_block_size)
+    return _Plan(fields, q_offset, kv_offset, bq, bk)
 
 
 def _keep_tiles(mask: Mask, grid: Tensor, Tq, Tk, q_offset, kv_offset, bq, bk, B, H) -> tuple[Tensor, Tensor]:
@@ -330,19 +322,15 @@ class NativeBackend(Backend):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
         flags = _EMPTY_BYTE if bad is None else bad.to(torch.uint8).contiguous()
         stat = torch.promote_types(q.dtype, torch.float32)  # scores, statistics and modifiers
-        bias, dist, dmin, ops, caps, sinks = _EMPTY_F, _EMPTY_F, 0, [], [], _EMPTY_F
-        if inp.score_mod is not None:
-            dist, dmin, ops, caps = score_mod_spec(inp.score_mod).distance_form(
-                inp.q_offset, inp.Tq, inp.kv_offset, inp.Tk, inp.Hq, stat)
-            dist = _EMPTY_F if dist is None else dist
+        bias = None
         if inp.bias is not None:  # cast in its own (broadcast) shape, expanded with stride 0: never materialized
             bias = inp.bias.reshape((1,) * (4 - inp.bias.dim()) + tuple(inp.bias.shape)).to(stat)
             bias = bias.expand(inp.B, inp.Hq, inp.Tq, inp.Tk)
-        if inp.sinks is not None:
-            sinks = inp.sinks.to(stat).contiguous()
-        out, lse, seen = native_ops.forward(
-            q.contiguous(), k.contiguous(), v.contiguous(), inp.scale, plan.q_offset, plan.kv_offset, plan.block_q,
-            plan.block_k, *plan.args, bias, dist, dmin, ops, caps, sinks, flags)
+        spec = native_ops.kernel_spec(inp.scale, q_offset=plan.q_offset, kv_offset=plan.kv_offset, **plan.mask,
+                                      bias=bias, score_mod=inp.score_mod, sinks=inp.sinks, num_heads=inp.Hq,
+                                      Tq=inp.Tq, Tk=inp.Tk, stat=stat, distance_vectors=True)
+        out, lse, seen = native_ops.forward(q.contiguous(), k.contiguous(), v.contiguous(), spec, plan.block_q,
+                                            plan.block_k, flags)
         # a NaN/Inf query makes its own row NaN (a row with no allowed key stays 0), whatever the kernel skips
         hit = None if bad is None else seen.bool()
         if bad_q is not None:

@@ -1,7 +1,9 @@
 """The native kernel's operators, ``torch.ops.attnkit_native.forward`` and ``.backward``, made traceable.
 
-The C++ file defines the operators and their CPU kernels; this module registers, through
-``torch.library``, what PyTorch needs beyond that:
+The C++ file defines the operators and their CPU kernels; this module builds their grouped mask and
+score-modifier arguments (:func:`kernel_spec`, the one builder of the kernel spec that the prefill and
+the decode kernel both read, ``attnkit/csrc/spec.h``) and registers, through ``torch.library``, what
+PyTorch needs beyond that:
 
 * **fake (meta) kernels**, so ``torch.compile`` (and ``torch.export``) trace the operators without
   running them: output shapes and dtypes come from the inputs alone (:func:`forward_outputs`, the
@@ -19,21 +21,130 @@ The C++ file defines the operators and their CPU kernels; this module registers,
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["forward", "forward_outputs", "backward_outputs", "register", "FORWARD", "BACKWARD"]
+__all__ = ["forward", "forward_outputs", "backward_outputs", "register", "kernel_spec", "KernelSpec", "relative_values",
+           "FORWARD", "BACKWARD"]
 
 FORWARD = "attnkit_native::forward"
 BACKWARD = "attnkit_native::backward"
 _REGISTERED: list[bool] = []
 
-# The forward's arguments after (q, k, v) are the kernel's settings (scale, offsets, tile sizes, the
-# mask's structure as data, the score modifiers as data: bias, dist, dmin, ops, caps, sinks) and last
-# the key flags ``bad``; the backward takes the same settings, in the same order, after (q, k, v, dout,
-# lse, delta), then ``need_dist, need_dbias``. A new setting is one more argument in both schemas.
-_SETTINGS = slice(3, -1)
+# The kernel spec's slots (attnkit/csrc/spec.h holds the same lists): tensors, ints, floats.
+(GRID, LENGTHS, VALID, DOC, LAYOUT, EXTRA_INDEX, EXTRA, KEEP, BIAS, DIST, SLOPES, REL_VALUES, SINKS) = range(13)
+NUM_SLOTS = 13
+Q_OFFSET, KV_OFFSET, HAS_LEFT, LEFT, HAS_RIGHT, RIGHT, LAYOUT_BS, DMIN = range(8)
+NUM_INTS_CHAIN_START = 8  # the chain's (op, a, b) triples follow the position ints
+SCALE = 0
+# The score modifiers' chain ops (triples (op, a, b) after the position ints).
+ADD, CAP, ALIBI, REL = 0, 1, 2, 3
+
+_EMPTY = torch.empty(0)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """A call's mask structure and score modifiers as every kernel reads them (``attnkit/csrc/spec.h``):
+    three grouped operator arguments, ``tensors`` (one per slot, empty when absent), ``ints`` (positions,
+    band bounds, then the modifier chain as ``(op, a, b)`` triples) and ``floats`` (the scale, then the
+    soft-caps)."""
+
+    tensors: list
+    ints: list
+    floats: list
+
+
+def kernel_spec(scale: float, *, q_offset=0, kv_offset=0, left=None, right=None, grid=None, lengths=None,
+                valid=None, doc=None, layout=None, layout_bs: int = 0, extra_index=None, extra=None,
+                keep: Tensor | None = None, bias: Tensor | None = None, score_mod=None, sinks: Tensor | None = None,
+                num_heads: int = 0, Tq: int = 0, Tk: int = 0, stat: torch.dtype = torch.float32,
+                distance_vectors: bool = False) -> KernelSpec:
+    """The kernel spec of one call, for the prefill and the decode kernel alike.
+
+    Masks: band bounds ``left``/``right`` (None: unbounded) and the parts the prefill reads per tile
+    (``grid``, ``lengths``, ``valid``, ``doc``, ``layout``, ``extra_index``/``extra``) or the decode
+    kernel's broadcast ``keep (B, Hq, Tq, Tk)``. Score modifiers (``bias`` already a ``(B, Hq, Tq, Tk)``
+    view of ``stat``, ``score_mod``, ``sinks``): with ``distance_vectors`` (the prefill: gradients reach
+    slopes and tables through autograd) ALiBi and relative biases become per-(head, distance) vectors of
+    ``Tq + Tk - 1`` values (:meth:`~attnkit.score_mods.ScoreModSpec.distance_form`); without (decode:
+    nothing per call grows with Tk), ALiBi runs from its slopes and a relative bias from its values per
+    clamped distance (T5's buckets are constant past ``max_distance``), both computed in the kernel."""
+    t = [_EMPTY] * NUM_SLOTS
+    for slot, x in ((GRID, grid), (LENGTHS, lengths), (VALID, valid), (DOC, doc), (LAYOUT, layout),
+                    (EXTRA_INDEX, extra_index), (EXTRA, extra), (KEEP, keep), (BIAS, bias)):
+        if x is not None:
+            t[slot] = x
+    if sinks is not None:
+        t[SINKS] = sinks.to(stat).contiguous()
+    ints = [q_offset, kv_offset, int(left is not None), left or 0, int(right is not None), right or 0, layout_bs, 0]
+    floats = [float(scale)]
+    if score_mod is not None:
+        if distance_vectors:
+            from ..score_mods import score_mod_spec
+
+            dist, dmin, ops, caps = score_mod_spec(score_mod).distance_form(q_offset, Tq, kv_offset, Tk, num_heads,
+                                                                            stat)
+            ints[DMIN] = dmin
+            rank = 0
+            for op in ops:
+                ints += [op, rank if op == ADD else 0, 0]
+                rank += op == ADD
+            floats += caps
+            if dist is not None:
+                t[DIST] = dist
+        else:
+            slopes, rel, used = [], [], 0
+            for term in score_mod.terms():
+                if term.kind == "softcap":
+                    ints += [CAP, 0, 0]
+                    floats.append(term.cap)
+                elif term.kind == "alibi":
+                    ints += [ALIBI, len(slopes), 0]
+                    slopes.append(term.slopes.detach().to(stat).expand(num_heads).reshape(1, num_heads))
+                elif term.kind == "relative_bias":
+                    values = relative_values(term, num_heads, stat)
+                    ints += [REL, used, term.max_distance]
+                    rel.append(values.reshape(-1))
+                    used += values.numel()
+                else:
+                    raise ValueError(f"kernel_spec: a {term.kind!r} term ({term.mod!r}) has no kernel form")
+            if slopes:  # one ALiBi term (the usual case): its own slopes, viewed (no per-call copy)
+                t[SLOPES] = (slopes[0] if len(slopes) == 1 else torch.cat(slopes)).contiguous()
+            if rel:
+                t[REL_VALUES] = rel[0] if len(rel) == 1 else torch.cat(rel)
+    return KernelSpec(t, ints, floats)
+
+
+def relative_values(term, num_heads: int, dtype: torch.dtype) -> Tensor:
+    """A ``relative_bias`` term's value per clamped distance ``d = pos(k) - pos(q)`` in
+    ``-max_distance .. max_distance``, ``(num_heads, 2 max_distance + 1)``: T5's bucket is the same for
+    every distance past ``max_distance`` on either side, so the kernel reads ``values[h, clamp(d)]``."""
+    table = term.table
+    key = (id(table), table._version, num_heads, dtype, term.max_distance, term.bidirectional)
+    found = _RELATIVE.get(key)
+    if found is None or found[0] is not table:  # held with its values: its id is not reused meanwhile
+        if len(_RELATIVE) >= 16:
+            _RELATIVE.clear()
+        values = table.detach().to(dtype)[:, _clamped_buckets(table.shape[1], term.max_distance, term.bidirectional)]
+        found = _RELATIVE[key] = (table, values.expand(num_heads, -1).contiguous())
+    return found[1]
+
+
+# table -> its values per clamped distance, kept while the table is unchanged (its version counter)
+_RELATIVE: dict = {}
+
+
+@functools.lru_cache(maxsize=16)
+def _clamped_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> Tensor:
+    """T5's bucket of every distance in ``-max_distance .. max_distance`` (a function of the three
+    settings alone: computed once, then one gather of the table per call)."""
+    from ..score_mods import t5_bucket
+
+    return t5_bucket(torch.arange(-max_distance, max_distance + 1), num_buckets=num_buckets,
+                     max_distance=max_distance, bidirectional=bidirectional)
 
 
 def _stat_dtype(q: Tensor) -> torch.dtype:
@@ -62,45 +173,27 @@ def backward_outputs(q: Tensor, k: Tensor, v: Tensor, dist: Tensor, need_dist: b
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), d_dist, dbias
 
 
-def _forward_fake(q, k, v, *settings_and_flags):
-    return forward_outputs(q, k, v, settings_and_flags[-1])
+def _forward_fake(q, k, v, spec, ints, floats, block_q, block_k, bad):
+    return forward_outputs(q, k, v, bad)
 
 
-def _backward_fake(q, k, v, dout, lse, delta, *settings_and_needs):
-    *_, dist, _dmin, _ops, _caps, _sinks, need_dist, need_dbias = settings_and_needs
-    return backward_outputs(q, k, v, dist, need_dist, need_dbias)
+def _backward_fake(q, k, v, dout, lse, delta, spec, ints, floats, block_q, block_k, need_dist, need_dbias):
+    return backward_outputs(q, k, v, spec[DIST], need_dist, need_dbias)
 
 
-@functools.cache
-def _index() -> dict[str, int]:
-    """The forward's argument positions by name (from the registered schema)."""
-    schema = torch.ops.attnkit_native.forward.default._schema
-    return {a.name: i for i, a in enumerate(schema.arguments)}
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v = inputs[:3]
+def _save(ctx, q, k, v, spec, output, rest) -> None:
+    """Keep what the backward reads: q, k, v, out, lse and the spec's tensors (saved as autograd saves
+    them), and the other arguments (``rest``: ints, floats, block_q, block_k)."""
     out, lse, _ = output
-    settings = inputs[_SETTINGS]
-    # tensors (mask data, bias, distance vectors, sinks) saved as autograd saves them; the rest kept
-    tensors = [i for i, x in enumerate(settings) if isinstance(x, Tensor)]
-    ctx.save_for_backward(q, k, v, out, lse, *(settings[i] for i in tensors))
-    ctx.settings = list(settings)
-    ctx.tensor_settings = tensors
-    for i in tensors:
-        ctx.settings[i] = None
-    ctx.num_inputs = len(inputs)
+    ctx.save_for_backward(q, k, v, out, lse, *spec)
+    ctx.rest = rest
 
 
-def _backward(ctx, dout, dlse, _dhit):
-    q, k, v, out, lse, *saved = ctx.saved_tensors
-    settings = list(ctx.settings)
-    for i, x in zip(ctx.tensor_settings, saved):
-        settings[i] = x
-    index = _index()
-    bias, dist, sinks = (settings[index[name] - _SETTINGS.start] for name in ("bias", "dist", "sinks"))
-    need = ctx.needs_input_grad
-    need_bias, need_dist, need_sinks = (bool(need[index[name]]) for name in ("bias", "dist", "sinks"))
+def _grads(ctx, dout, dlse, need_spec) -> tuple[Tensor, Tensor, Tensor, list]:
+    """``(dq, dk, dv, the spec tensors' gradients)``; ``need_spec``: which spec tensors want one."""
+    q, k, v, out, lse, *spec = ctx.saved_tensors
+    ints, floats, block_q, block_k = ctx.rest
+    need_bias, need_dist, need_sinks = (bool(need_spec[slot]) for slot in (BIAS, DIST, SINKS))
     # delta_i = sum_j p_ij dp_ij = rowsum(dout * out), in the statistics' type (float32 for bfloat16/float16
     # tiles); the LSE's own gradient enters as -dlse.
     if dout is None:
@@ -109,18 +202,28 @@ def _backward(ctx, dout, dlse, _dhit):
     delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
     if dlse is not None:
         delta = delta - dlse
-    dq, dk, dv, d_dist, dbias = torch.ops.attnkit_native.backward(q, k, v, dout, lse, delta.contiguous(), *settings,
-                                                                  need_dist, need_bias)
-    grads_in: list = [dq, dk, dv] + [None] * (ctx.num_inputs - 3)
+    dq, dk, dv, d_dist, dbias = torch.ops.attnkit_native.backward(q, k, v, dout, lse, delta.contiguous(), spec, ints,
+                                                                  floats, block_q, block_k, need_dist, need_bias)
+    grads: list = [None] * NUM_SLOTS
     if need_bias:  # (B, Hq, Tq, Tk): autograd reduces it to the bias's own shape through its expand
-        grads_in[index["bias"]] = dbias
+        grads[BIAS] = dbias
     if need_dist:  # (n_add, Hq, ndist): autograd carries it on to ALiBi slopes and relative-bias tables
-        grads_in[index["dist"]] = d_dist
+        grads[DIST] = d_dist
     if need_sinks:  # d loss / d sink_h = -sum over h's rows of p_sink delta, p_sink = exp(sink - lse)
-        p_sink = torch.exp(sinks.view(1, -1, 1) - lse)
+        p_sink = torch.exp(spec[SINKS].view(1, -1, 1) - lse)
         p_sink = torch.where(lse == float("-inf"), torch.zeros_like(p_sink), p_sink)  # a -inf sink, no key
-        grads_in[index["sinks"]] = -(p_sink * delta).sum(dim=(0, 2))
-    return tuple(grads_in)
+        grads[SINKS] = -(p_sink * delta).sum(dim=(0, 2))
+    return dq, dk, dv, grads
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, spec, *rest = inputs
+    _save(ctx, q, k, v, spec, output, tuple(rest[:4]))
+
+
+def _backward(ctx, dout, dlse, _dhit):
+    dq, dk, dv, grads = _grads(ctx, dout, dlse, ctx.needs_input_grad[3])
+    return dq, dk, dv, grads, None, None, None, None, None
 
 
 class _Eager(torch.autograd.Function):
@@ -131,24 +234,26 @@ class _Eager(torch.autograd.Function):
     own autograd is not entered."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = torch.ops.attnkit_native.forward(*inputs)
-        _setup_context(ctx, inputs, output)
+    def forward(ctx, q, k, v, ints, floats, block_q, block_k, bad, *spec):  # the spec's tensors last: tracked
+        output = torch.ops.attnkit_native.forward(q, k, v, list(spec), ints, floats, block_q, block_k, bad)
+        _save(ctx, q, k, v, spec, output, (ints, floats, block_q, block_k))
         return output
 
     @staticmethod
-    def backward(ctx, *grads):
-        return _backward(ctx, *grads)
+    def backward(ctx, dout, dlse, _dhit):
+        dq, dk, dv, grads = _grads(ctx, dout, dlse, ctx.needs_input_grad[8:])
+        return dq, dk, dv, None, None, None, None, None, *grads
 
 
-def forward(*inputs) -> tuple[Tensor, Tensor, Tensor]:
-    """``torch.ops.attnkit_native.forward(*inputs)``, differentiable: eager calls that need gradients
-    go through :class:`_Eager`; ``torch.compile``, ``torch.func`` transforms and calls without
-    gradients call the operator (and its registered autograd) itself."""
-    if (torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in inputs)
+def forward(q: Tensor, k: Tensor, v: Tensor, spec: KernelSpec, block_q: int, block_k: int,
+            bad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch.ops.attnkit_native.forward`` on ``spec``'s grouped arguments, differentiable: eager
+    calls that need gradients go through :class:`_Eager`; ``torch.compile``, ``torch.func`` transforms
+    and calls without gradients call the operator (and its registered autograd) itself."""
+    if (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *spec.tensors))
             and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()):
-        return _Eager.apply(*inputs)
-    return torch.ops.attnkit_native.forward(*inputs)
+        return _Eager.apply(q, k, v, spec.ints, spec.floats, block_q, block_k, bad, *spec.tensors)
+    return torch.ops.attnkit_native.forward(q, k, v, spec.tensors, spec.ints, spec.floats, block_q, block_k, bad)
 
 
 def register() -> None:

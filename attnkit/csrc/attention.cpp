@@ -7,7 +7,8 @@
 // float32 accumulation; scores, softmax statistics, the LSE and the gradient accumulators are
 // float32. (The caller decides, by measurement, whether to upcast to float32 instead.)
 //
-// The mask arrives as its structure: a tile grid (0 EMPTY: skipped, 1 PARTIAL: masked per element,
+// The mask and the score modifiers arrive as the kernel spec (spec.h), the one contract the decode
+// kernel reads too. The mask arrives as its structure: a tile grid (0 EMPTY: skipped, 1 PARTIAL: masked per element,
 // 2 FULL: no mask work), and for PARTIAL tiles the positional parts evaluated here from a few
 // integers or index vectors (band bounds and key lengths as one kept range per row; key validity,
 // document ids, a block layout) plus, for any other mask, a byte keep tile computed by the caller.
@@ -40,6 +41,7 @@
 #include <vector>
 
 #include "score_mod.h"
+#include "spec.h"
 #include "tiles.h"
 
 namespace {
@@ -53,23 +55,7 @@ using attnkit::pack_b;
 using attnkit::padded_k;
 using attnkit::vnni_available;
 
-// Everything that decides keep(b, h, i, j) inside a PARTIAL tile.
-struct MaskSpec {
-  const uint8_t* grid;  // (at least nQ, nK): the call's tiles first (a traced call's grid has a spare row and column)
-  int64_t nK;           // the grid's row stride
-  bool has_left, has_right;
-  int64_t left, right;          // -left <= pos(k) - pos(q) <= right
-  const int64_t* lengths;       // (B): pos(k) < lengths[b]; or null
-  const bool* valid;            // (Bv, P): valid[b, pos(k)]; or null
-  int64_t valid_b, valid_p;
-  const int64_t* doc;           // (Bd, P): doc[b, pos(q)] == doc[b, pos(k)]; or null
-  int64_t doc_b, doc_p;
-  const bool* layout;           // (Hl, nQB, nKB) with block size layout_bs; or null
-  int64_t layout_h, layout_r, layout_c, layout_bs;
-  const int64_t* extra_index;   // shaped like grid: tile number in extra, -1 = none; or null
-  const uint8_t* extra;         // (n, Bx, Hx, block_q, block_k)
-  int64_t extra_b, extra_h;
-};
+using attnkit::MaskSpec;
 
 // Fill keep[i * bk + j] for the tile (query rows q0.., key rows k0..) of batch b, query head h.
 void tile_keep(const MaskSpec& m, int64_t b, int64_t h, int64_t qt, int64_t kt, int64_t q0, int64_t nq, int64_t k0,
@@ -101,38 +87,18 @@ void tile_keep(const MaskSpec& m, int64_t b, int64_t h, int64_t qt, int64_t kt, 
   }
 }
 
+// The mask's part of the kernel spec (spec.h), checked against the call's tiles.
 MaskSpec make_spec(const at::Tensor& q, const at::Tensor& k, int64_t block_q, int64_t block_k,
-                   const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
-                   const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout, int64_t layout_bs,
-                   const at::Tensor& extra_index, const at::Tensor& extra) {
+                   c10::ArrayRef<at::Tensor> spec, c10::IntArrayRef ints) {
   TORCH_CHECK(block_q > 0 && block_k > 0, "tile sizes must be positive");
   const int64_t nQ = (q.size(2) + block_q - 1) / block_q, nK = (k.size(2) + block_k - 1) / block_k;
-  TORCH_CHECK(grid.scalar_type() == at::kByte && grid.dim() == 2 && grid.size(0) >= nQ && grid.size(1) >= nK,
+  MaskSpec m = attnkit::make_mask_spec(spec, ints);
+  const at::Tensor& grid = spec[attnkit::GRID];
+  TORCH_CHECK(m.grid && grid.size(0) >= nQ && grid.size(1) >= nK,
               "tile grid: expected uint8 with at least (", nQ, ", ", nK, ") tiles, got ", grid.sizes());
-  TORCH_CHECK(extra_index.numel() == 0 || extra_index.sizes() == grid.sizes(),
-              "extra tile index: expected the grid's shape");
-  TORCH_CHECK(band.size() == 4, "band: expected 4 integers (has_left, left, has_right, right)");
-  MaskSpec m{};
-  m.grid = grid.data_ptr<uint8_t>();
-  m.nK = grid.size(1);
-  m.has_left = band[0] != 0, m.left = band[1], m.has_right = band[2] != 0, m.right = band[3];
-  if (lengths.numel()) m.lengths = lengths.data_ptr<int64_t>();
-  if (valid.numel()) m.valid = valid.data_ptr<bool>(), m.valid_b = valid.size(0), m.valid_p = valid.size(1);
-  if (doc.numel()) m.doc = doc.data_ptr<int64_t>(), m.doc_b = doc.size(0), m.doc_p = doc.size(1);
-  if (layout.numel()) {
-    m.layout = layout.data_ptr<bool>();
-    m.layout_h = layout.size(0), m.layout_r = layout.size(1), m.layout_c = layout.size(2), m.layout_bs = layout_bs;
-  }
-  if (extra_index.numel()) {
-    m.extra_index = extra_index.data_ptr<int64_t>();
-    m.extra = extra.data_ptr<uint8_t>(), m.extra_b = extra.size(1), m.extra_h = extra.size(2);
-  }
+  TORCH_CHECK(!m.keep, "the prefill kernel reads keep tiles (EXTRA), not a keep tensor");
   return m;
 }
-
-// For masks made of band bounds and key lengths only, a PARTIAL tile row keeps one contiguous
-// range of keys: [lo, hi) within the tile, computed from a few integers (no per-element test).
-inline bool ranges_only(const MaskSpec& m) { return !m.valid && !m.doc && !m.layout && !m.extra_index; }
 
 template <typename T>
 inline void mask_row(const MaskSpec& m, int64_t b, int64_t qp, int64_t kp0, int64_t nk, const uint8_t* keep, T* row) {
@@ -142,12 +108,8 @@ inline void mask_row(const MaskSpec& m, int64_t b, int64_t qp, int64_t kp0, int6
     for (int64_t j = 0; j < nk; ++j) row[j] = keep[j] ? row[j] : ninf;
     return;
   }
-  int64_t lo = 0, hi = nk;  // keys kp0 + j for j in [lo, hi) are kept
-  if (m.has_left) lo = std::max(lo, qp - m.left - kp0);
-  if (m.has_right) hi = std::min(hi, qp + m.right - kp0 + 1);
-  if (m.lengths) hi = std::min(hi, m.lengths[b] - kp0);
-  lo = std::min(std::max(lo, int64_t(0)), nk);
-  hi = std::max(std::min(hi, nk), lo);
+  int64_t lo, hi;  // keys kp0 + j for j in [lo, hi) are kept
+  m.band_range(b, qp, kp0, nk, lo, hi);
   std::fill(row, row + lo, ninf);
   std::fill(row + hi, row + nk, ninf);
 }
@@ -198,7 +160,7 @@ void score_tile(const Problem<T>& P, const Tile& t, Acc<T>* s, uint8_t* keep, Ac
                               P.bq * P.bk, s, tanh_keep);
   }
   if (m.grid[t.qt * m.nK + t.kt] != 1) return;
-  const bool per_element = !ranges_only(m);
+  const bool per_element = !m.ranges_only();
   if (per_element) tile_keep(m, t.b, t.h, t.qt, t.kt, t.q0, t.nq, t.k0, t.nk, P.qpos0, P.kpos0, P.bq, P.bk, keep);
   for (int64_t i = 0; i < t.nq; ++i) {
     mask_row(m, t.b, P.qpos0 + t.q0 + i, P.kpos0 + t.k0, t.nk, per_element ? keep + i * P.bk : nullptr, s + i * P.bk);
@@ -599,25 +561,21 @@ void check(const at::Tensor& x, const char* name) {
 using Outs3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using Outs5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-Outs3 forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-              int64_t q_offset, int64_t kv_offset, int64_t block_q, int64_t block_k,
-              const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
-              const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout,
-              int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra,
-              const at::Tensor& bias, const at::Tensor& dist, int64_t dmin, c10::IntArrayRef ops,
-              c10::ArrayRef<double> caps, const at::Tensor& sinks, const at::Tensor& bad) {
-  for (auto* t : {&q, &k, &v, &grid, &bad}) check(*t, "q, k, v, the tile grid and the key flags");
+Outs3 forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::TensorList spec,
+              c10::IntArrayRef ints, c10::ArrayRef<double> floats, int64_t block_q, int64_t block_k,
+              const at::Tensor& bad) {
+  for (auto* t : {&q, &k, &v, &bad}) check(*t, "q, k, v and the key flags");
   TORCH_CHECK(bad.numel() == 0 || (bad.scalar_type() == at::kByte && bad.numel() == k.size(0) * k.size(1) * k.size(2)),
               "key flags: expected an empty or a uint8 (B, Hkv, Tk) tensor");
   const auto stat = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(stat));
   auto hit = bad.numel() ? at::zeros({q.size(0), q.size(1), q.size(2)}, bad.options()) : at::empty({0}, bad.options());
-  MaskSpec m =
-      make_spec(q, k, block_q, block_k, grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
+  MaskSpec m = make_spec(q, k, block_q, block_k, spec, ints);
   ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native_forward", [&] {
-    auto mods = attnkit::make_mods<Acc<scalar_t>>(q, k, q_offset, kv_offset, bias, dist, dmin, ops, caps, sinks);
-    Problem<scalar_t> P(q, k, v, scale, q_offset, kv_offset, block_q, block_k, m, mods);
+    auto mods = attnkit::make_mods<Acc<scalar_t>>(spec, ints, floats, q.size(0), q.size(1), q.size(2), k.size(2));
+    Problem<scalar_t> P(q, k, v, floats[attnkit::SCALE], ints[attnkit::Q_OFFSET], ints[attnkit::KV_OFFSET], block_q,
+                        block_k, m, mods);
     forward_impl<scalar_t>(q, k, v, out, lse, bad, hit, P);
   });
   return {out, lse, hit};
@@ -626,15 +584,11 @@ Outs3 forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, dou
 // Returns dq, dk, dv, then d_dist (n_add, Hq, ndist) when need_dist and there is a dist, and dbias
 // (B, Hq, Tq, Tk) when need_dbias (both in the statistics' dtype; empty when not computed).
 Outs5 backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-               const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& delta, double scale,
-               int64_t q_offset, int64_t kv_offset, int64_t block_q, int64_t block_k,
-               const at::Tensor& grid, c10::IntArrayRef band, const at::Tensor& lengths,
-               const at::Tensor& valid, const at::Tensor& doc, const at::Tensor& layout,
-               int64_t layout_bs, const at::Tensor& extra_index, const at::Tensor& extra,
-               const at::Tensor& bias, const at::Tensor& dist, int64_t dmin, c10::IntArrayRef ops,
-               c10::ArrayRef<double> caps, const at::Tensor& sinks, bool need_dist,
+               const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& delta, at::TensorList spec,
+               c10::IntArrayRef ints, c10::ArrayRef<double> floats, int64_t block_q, int64_t block_k, bool need_dist,
                bool need_dbias) {
-  for (auto* t : {&q, &k, &v, &dout, &lse, &delta, &grid}) check(*t, "backward inputs");
+  const at::Tensor& dist = spec[attnkit::DIST];
+  for (auto* t : {&q, &k, &v, &dout, &lse, &delta}) check(*t, "backward inputs");
   const auto stat = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   TORCH_CHECK(lse.scalar_type() == stat && delta.scalar_type() == stat, "backward: lse and delta must be ", stat);
   auto opts = q.options().dtype(stat);
@@ -646,12 +600,15 @@ Outs5 backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   auto dbias = need_dbias ? at::zeros({q.size(0), q.size(1), q.size(2), k.size(2)}, opts) : at::empty({0}, opts);
   auto dk = at::empty(k.sizes(), k.options()), dv = at::empty(v.sizes(), v.options());
   auto dq_out = q.scalar_type() == stat ? dq : at::empty(q.sizes(), q.options());
-  MaskSpec m =
-      make_spec(q, k, block_q, block_k, grid, band, lengths, valid, doc, layout, layout_bs, extra_index, extra);
+  MaskSpec m = make_spec(q, k, block_q, block_k, spec, ints);
   ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native_backward", [&] {
     using T = scalar_t;
-    auto mods = attnkit::make_mods<Acc<T>>(q, k, q_offset, kv_offset, bias, dist, dmin, ops, caps, sinks);
-    Problem<T> P(q, k, v, scale, q_offset, kv_offset, block_q, block_k, m, mods);
+    auto mods = attnkit::make_mods<Acc<T>>(spec, ints, floats, q.size(0), q.size(1), q.size(2), k.size(2));
+    for (int64_t o = 0; o < mods.n_ops; ++o)
+      TORCH_CHECK(mods.op(o) == attnkit::ADD || mods.op(o) == attnkit::CAP,
+                  "backward: the chain's additive terms as ADD vectors (kernel_spec(distance_vectors=True))");
+    Problem<T> P(q, k, v, floats[attnkit::SCALE], ints[attnkit::Q_OFFSET], ints[attnkit::KV_OFFSET], block_q,
+                 block_k, m, mods);
     Backward<T> bw{P,
                    q.data_ptr<T>(),
                    k.data_ptr<T>(),
@@ -688,16 +645,13 @@ Outs5 backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // Dtypes: out, dq, dk, dv have the inputs' dtype; lse, delta, bias, dist, sinks and their gradients are
 // float32 (float64 for float64).
 TORCH_LIBRARY(attnkit_native, m) {
-  // Positions (offsets, band bounds, the modifiers' first distance) are SymInt: traced with dynamic
+  // The mask and score modifiers arrive as the kernel spec (spec.h; built by native_ops.kernel_spec).
+  // Its ints (offsets, band bounds, the modifiers' first distance) are SymInt: traced with dynamic
   // shapes they follow the lengths without a guard on their values; the CPU kernels get int64_t.
-  m.def("forward(Tensor q, Tensor k, Tensor v, float scale, SymInt q_offset, SymInt kv_offset, int block_q, "
-        "int block_k, Tensor grid, SymInt[] band, Tensor lengths, Tensor valid, Tensor doc, Tensor layout, "
-        "int layout_bs, Tensor extra_index, Tensor extra, Tensor bias, Tensor dist, SymInt dmin, int[] ops, "
-        "float[] caps, Tensor sinks, Tensor bad) -> (Tensor, Tensor, Tensor)");
-  m.def("backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, float scale, "
-        "SymInt q_offset, SymInt kv_offset, int block_q, int block_k, Tensor grid, SymInt[] band, Tensor lengths, "
-        "Tensor valid, Tensor doc, Tensor layout, int layout_bs, Tensor extra_index, Tensor extra, Tensor bias, "
-        "Tensor dist, SymInt dmin, int[] ops, float[] caps, Tensor sinks, bool need_dist, bool need_dbias) "
+  m.def("forward(Tensor q, Tensor k, Tensor v, Tensor[] spec, SymInt[] ints, float[] floats, int block_q, "
+        "int block_k, Tensor bad) -> (Tensor, Tensor, Tensor)");
+  m.def("backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, Tensor[] spec, SymInt[] ints, "
+        "float[] floats, int block_q, int block_k, bool need_dist, bool need_dbias) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.impl("forward", c10::DispatchKey::CPU, TORCH_FN(forward));
   m.impl("backward", c10::DispatchKey::CPU, TORCH_FN(backward));

@@ -48,8 +48,8 @@ class Family:
 
 # ninja tracks the headers; the digests below name them too
 FAMILIES = {
-    "prefill": Family("prefill", "attnkit_native", "attention.cpp", ("tiles.h", "score_mod.h")),
-    "decode": Family("decode", "attnkit_decode", "decode.cpp", ("tiles.h",)),
+    "prefill": Family("prefill", "attnkit_native", "attention.cpp", ("tiles.h", "spec.h", "score_mod.h")),
+    "decode": Family("decode", "attnkit_decode", "decode.cpp", ("tiles.h", "spec.h")),
     "fastpath": Family("fastpath", "attnkit_fastpath", "fastpath.cpp"),
     "gated": Family("gated", "attnkit_gated", "gated.cpp"),
 }

@@ -16,10 +16,11 @@
 // batch at one thread count gives bitwise-equal output. Rows of a batch hold different lengths (no
 // padding to the longest).
 //
-// Score pipeline per (query, key), positions absolute: s = scale * q.k (* k_scale), + bias, then the
-// score modifiers in order (1: soft-cap c * tanh(s / c); 2: ALiBi s - slope[h] * |pos(q) - pos(k)|),
-// then the mask (band bounds, a byte keep tensor) sets -inf. A row that keeps no key gets output 0
-// and LSE -inf (its sink's logit with sinks).
+// Masks and score modifiers arrive as the kernel spec (spec.h), read with the prefill kernel's own
+// code: s = scale * q.k (* k_scale), + bias, then the modifiers in chain order (soft-cap with the
+// prefill's tanh, so a capped score rounds alike; ALiBi from its slopes; a relative bias from its
+// values per clamped distance), then the mask (band bounds, a byte keep view) sets -inf. A row that
+// keeps no key gets output 0 and LSE -inf (its sink's logit with sinks).
 //
 // The NaN/Inf contract of attention() is kept here, with no scan of K/V: keys past a sequence's
 // length or outside its span are never read; a key a row may not see gets the score -inf by
@@ -36,6 +37,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "spec.h"
 #include "tiles.h"
 
 #include <algorithm>
@@ -54,6 +56,9 @@ namespace {
 using attnkit::kLanes;
 constexpr int64_t kChunk = 64;  // keys scored together (a small block of scores per row)
 static_assert(kChunk % kLanes == 0 && kChunk <= 64, "a chunk is whole 16-key blocks, its live keys one 64-bit mask");
+// A row's softmax reference moves only when a score passes it by more than this (natural log units:
+// exps stay below e^8 ~ 3e3, sums over a 4096-key split below 1.3e7: far from float32's range).
+constexpr float kRescaleAbove = 8.f;
 
 // The kernel's vector code is GCC's generic 16-float vectors (kLanes, as in tiles.h) that the
 // compiler maps onto the machine's registers (one zmm, two ymm): ATen's Vectorized<float> is its
@@ -159,20 +164,112 @@ inline V16 pick(V16 a, V16 b) {
   return __builtin_shuffle(a, b, I16{I...});
 }
 
-// out[r] = the 16 lane partials of q_r . k over the head dim for R query rows and one key: lane u
-// takes dims u, u + 16, ... in order, the tail dims add into lanes 0... The rows of q are padded
-// with zeros to a multiple of 16 (row stride ld); a tail lane past D adds 0 * 0. The key is read
-// once, straight through (several rows read in interleaved pieces ran at half the memory speed),
-// and each 16 of its elements are converted once for all R rows.
-template <int R, typename KT>
-inline void qk_lanes(const float* __restrict q, int64_t ld, int64_t D, const KT* __restrict k, V16* __restrict out) {
-  V16 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = V16{};
-  for (int64_t c = 0; c < D; c += kLanes) {
-    const V16 kv = c + kLanes <= D ? load16(k + c) : load_part(k + c, D - c);
-    for (int r = 0; r < R; ++r) acc[r] += load16(q + r * ld + c) * kv;
+// How q . k is computed (chosen per call from the cache's dtype, the options and the CPU's features):
+//   kFloat: q scaled, float32; keys converted to float32 as read, float32 FMAs (exact to the stored keys);
+//   kBf16Dot: bfloat16 q and keys, bf16 dot products with float32 accumulation (AVX512_BF16's
+//     vdpbf16ps; q is bfloat16 already, so nothing is rounded but what the instruction rounds);
+//   kInt8Dot: int8 keys against a per-row int8-quantized q (DecodeOptions(quantized_query=True)): exact
+//     integer dot products (AVX512_VNNI's vpdpbusd, else portable int32 vectors: the same integers),
+//     the row's quantization scale applied to the score.
+enum QMode : int { kFloat = 0, kBf16Dot = 1, kInt8Dot = 2 };
+template <int Mode> struct QOf { using type = float; };
+template <> struct QOf<kBf16Dot> { using type = uint16_t; };
+template <> struct QOf<kInt8Dot> { using type = int8_t; };
+// Elements of a row of the query buffer: q padded with zeros to a whole number of the mode's steps
+// (16 floats, 32 bf16, 64 int8), then for kInt8Dot 64 bytes of per-lane corrections (vpdpbusd).
+inline int64_t q_stride(int mode, int64_t D) {
+  if (mode == kBf16Dot) return (D + 31) / 32 * 32;
+  if (mode == kInt8Dot) return (D + 63) / 64 * 64 + 64;
+  return (D + kLanes - 1) / kLanes * kLanes;
+}
+
+// out[j][r] = the 16 lane partials of q_r . k_j over the head dim for R query rows and four keys
+// (the lane tree of qk16 then adds them): kFloat lane u takes dims u, u + 16, ... in order, the tail
+// dims add into lanes 0...; a tail lane past D adds 0 * 0. Each piece of the query rows is loaded
+// once for the four keys (a row's piece feeds four products), each piece of a key converted once for
+// all R rows; every accumulator is one chain over the head dim in order, whatever the loop nest.
+// kInt8Dot lanes hold exact integers (|q.k| < 2^24 for D <= 1040: exact as floats too).
+template <int R, int Mode, typename KT>
+inline void qk_lanes(const typename QOf<Mode>::type* __restrict q, int64_t ld, int64_t D, const KT* const* k,
+                     V16 (*__restrict out)[R]) {
+  if constexpr (Mode == kFloat) {
+    V16 acc[4][R];
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) acc[j][r] = V16{};
+    for (int64_t c = 0; c < D; c += kLanes) {
+      V16 qv[R];
+      for (int r = 0; r < R; ++r) qv[r] = load16(q + r * ld + c);
+      for (int j = 0; j < 4; ++j) {
+        const V16 kv = c + kLanes <= D ? load16(k[j] + c) : load_part(k[j] + c, D - c);
+        for (int r = 0; r < R; ++r) acc[j][r] += qv[r] * kv;
+      }
+    }
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) out[j][r] = acc[j][r];
+  } else if constexpr (Mode == kBf16Dot) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    __m512 acc[4][R];
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 32) {
+      const __mmask32 tail = c + 32 <= D ? ~__mmask32(0) : static_cast<__mmask32>((uint64_t(1) << (D - c)) - 1);
+      __m512bh qv[R];
+      for (int r = 0; r < R; ++r) qv[r] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + r * ld + c));
+      for (int j = 0; j < 4; ++j) {
+        const __m512bh kv = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(tail, k[j] + c));
+        for (int r = 0; r < R; ++r) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], qv[r], kv);
+      }
+    }
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) out[j][r] = reinterpret_cast<V16>(acc[j][r]);
+#else
+    TORCH_CHECK(false, "decode: bf16 dot products are not compiled in (no AVX512_BF16)");
+#endif
+  } else {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    // vpdpbusd multiplies unsigned by signed bytes: (k + 128) . q, the 128 . q part taken out by the
+    // per-lane corrections stored after the row (-128 times the lane's q elements summed).
+    const int64_t Dp = (D + 63) / 64 * 64;
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512i acc[4][R];
+    for (int r = 0; r < R; ++r) {
+      const __m512i corr = _mm512_loadu_si512(q + r * ld + Dp);
+      for (int j = 0; j < 4; ++j) acc[j][r] = corr;
+    }
+    for (int64_t c = 0; c < D; c += 64) {
+      const __mmask64 tail = c + 64 <= D ? ~__mmask64(0) : (uint64_t(1) << (D - c)) - 1;
+      __m512i qv[R];
+      for (int r = 0; r < R; ++r) qv[r] = _mm512_loadu_si512(q + r * ld + c);
+      for (int j = 0; j < 4; ++j) {
+        const __m512i kv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(tail, k[j] + c), flip);
+        for (int r = 0; r < R; ++r) acc[j][r] = _mm512_dpbusd_epi32(acc[j][r], kv, qv[r]);
+      }
+    }
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) out[j][r] = reinterpret_cast<V16>(_mm512_cvtepi32_ps(acc[j][r]));
+#else
+    typedef int8_t B16 __attribute__((vector_size(16)));
+    I16 acc[4][R];
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) acc[j][r] = I16{};
+    for (int64_t c = 0; c < D; c += kLanes) {
+      I16 qv[R];
+      for (int r = 0; r < R; ++r) {
+        B16 qb;
+        std::memcpy(&qb, q + r * ld + c, sizeof qb);
+        qv[r] = __builtin_convertvector(qb, I16);
+      }
+      for (int j = 0; j < 4; ++j) {
+        B16 kb = {};
+        std::memcpy(&kb, k[j] + c, std::min<int64_t>(kLanes, D - c));
+        const I16 kv = __builtin_convertvector(kb, I16);
+        for (int r = 0; r < R; ++r) acc[j][r] += qv[r] * kv;
+      }
+    }
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) out[j][r] = __builtin_convertvector(acc[j][r], V16);
+#endif
   }
-  for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
 // The scores of R query rows against 16 keys (kr[0..nk), the rest of the lanes unused):
@@ -180,8 +277,9 @@ inline void qk_lanes(const float* __restrict q, int64_t ld, int64_t D, const KT*
 // attnkit::lane_sum (u + 8, then + 4, + 2, + 1) run on 16 keys at once with shuffles. The order
 // depends on D only: never on the batch, the data or the ISA. Every four keys, two tree levels
 // leave one vector per row (4 lanes per key).
-template <int R, typename KT>
-inline void qk16(const float* __restrict q, int64_t ld, int64_t D, const KT* const* kr, int nk, V16* out) {
+template <int R, int Mode, typename KT>
+inline void qk16(const typename QOf<Mode>::type* __restrict q, int64_t ld, int64_t D, const KT* const* kr, int nk,
+                 V16* out) {
   V16 quad[R][4];
   for (int j0 = 0; j0 < kLanes; j0 += 4) {
     if (j0 >= nk) {
@@ -189,7 +287,9 @@ inline void qk16(const float* __restrict q, int64_t ld, int64_t D, const KT* con
       continue;
     }
     V16 acc[4][R];
-    for (int j = 0; j < 4; ++j) qk_lanes<R>(q, ld, D, kr[j0 + j < nk ? j0 + j : j0], acc[j]);  // past nk: unused
+    const KT* k4[4];
+    for (int j = 0; j < 4; ++j) k4[j] = kr[j0 + j < nk ? j0 + j : j0];  // past nk: scored, unused
+    qk_lanes<R, Mode>(q, ld, D, k4, acc);
     for (int r = 0; r < R; ++r) {
       // level u + 8: keys (0, 1) and (2, 3) -> 8 lanes each
       const V16 h01 = pick<0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23>(acc[0][r], acc[1][r]) +
@@ -216,8 +316,8 @@ inline void qk16(const float* __restrict q, int64_t ld, int64_t D, const KT* con
 // and up to 4 rows; the lanes past n are written and unused). pa, pb: kChunk rows to prefetch
 // meanwhile (na, nb bytes each; null entries skipped), 16 keys' rows before each 16 keys are scored
 // (measured: faster than spreading them key by key or issuing the whole chunk's at once).
-template <typename KT>
-inline void qk(const float* q, int64_t ld, int64_t M, int64_t D, const KT* const* kr, int64_t n, float* s,
+template <int Mode, typename KT>
+inline void qk(const typename QOf<Mode>::type* q, int64_t ld, int64_t M, int64_t D, const KT* const* kr, int64_t n, float* s,
                const void* const* pa, int64_t na, const void* const* pb, int64_t nb) {
   for (int64_t j = 0; j < n; j += kLanes) {
     const int nk = static_cast<int>(std::min<int64_t>(kLanes, n - j));
@@ -228,13 +328,13 @@ inline void qk(const float* q, int64_t ld, int64_t M, int64_t D, const KT* const
     V16 out[4];
     int64_t r = 0;
     for (; r + 4 <= M; r += 4) {
-      qk16<4>(q + r * ld, ld, D, kr + j, nk, out);
+      qk16<4, Mode>(q + r * ld, ld, D, kr + j, nk, out);
       for (int i = 0; i < 4; ++i) std::memcpy(s + (r + i) * kChunk + j, &out[i], sizeof(V16));
     }
     const int rest = static_cast<int>(M - r);
-    if (rest == 3) qk16<3>(q + r * ld, ld, D, kr + j, nk, out);
-    if (rest == 2) qk16<2>(q + r * ld, ld, D, kr + j, nk, out);
-    if (rest == 1) qk16<1>(q + r * ld, ld, D, kr + j, nk, out);
+    if (rest == 3) qk16<3, Mode>(q + r * ld, ld, D, kr + j, nk, out);
+    if (rest == 2) qk16<2, Mode>(q + r * ld, ld, D, kr + j, nk, out);
+    if (rest == 1) qk16<1, Mode>(q + r * ld, ld, D, kr + j, nk, out);
     for (int i = 0; i < rest; ++i) std::memcpy(s + (r + i) * kChunk + j, &out[i], sizeof(V16));
   }
 }
@@ -355,10 +455,8 @@ struct Layout {
   }
 };
 
-struct Strided4 {  // a broadcast (B, Hq, Tq, Tk) view: strides in elements (0 where broadcast)
-  int64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-  inline int64_t at(int64_t b, int64_t h, int64_t i, int64_t j) const { return b * s0 + h * s1 + i * s2 + j * s3; }
-};
+using attnkit::MaskSpec;
+using attnkit::Strided4;
 
 struct Problem {
   int64_t B, Hq, Hkv, G, Tq, D, Dv, M;  // M = G * Tq rows per K/V head
@@ -367,15 +465,9 @@ struct Problem {
   const int64_t* rows;  // (B, 4): first key, end key (exclusive), split size, first query position
   Layout kl, vl, ksl, vsl;
   const float* q;  // (B, Hq, Tq, D) contiguous
-  bool has_left, has_right;
-  int64_t left, right;
-  const bool* keep = nullptr;
-  Strided4 keep_st;
-  const float* bias = nullptr;
-  Strided4 bias_st;
-  std::vector<int64_t> mod_codes;
-  std::vector<double> mod_caps;
-  const float* slopes = nullptr;  // (n_mods, Hq): row t for mod t (ALiBi)
+  int qmode = 0;   // QMode: how q . k is computed
+  MaskSpec mask;   // the kernel spec (spec.h): band bounds and a keep view
+  attnkit::ScoreMods<float> mods;
 };
 
 // Prefetches the cache lines holding elements [j0, j0 + n) of a per-key float array (the int8
@@ -395,14 +487,58 @@ inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
 // One split: keys [j0, j1) of sequence b, K/V head hk; writes m, l (M) and o (M, Dv). vis: scratch
 // for M bit sets (the keys of a chunk each row sees).
-template <typename KT>
+// The query rows (sequence b, K/V head hk) in the mode's buffer (q_stride(Mode, D) elements a row,
+// zero past D), and rs[r]: what row r's products are multiplied by (kFloat: 1, q is scaled here;
+// kBf16Dot: the scale; kInt8Dot: the scale times the row's quantization step max|q| / 127, NaN for
+// a row holding NaN/Inf, which then scores NaN as IEEE arithmetic would make it).
+template <int Mode>
+void load_queries(const Problem& P, int64_t b, int64_t hk, typename QOf<Mode>::type* qb, float* rs) {
+  const int64_t D = P.D, Tq = P.Tq, ld = q_stride(Mode, D);
+  for (int64_t r = 0; r < P.M; ++r) {
+    const int64_t g = r / Tq, i = r % Tq;
+    const float* src = P.q + ((b * P.Hq + hk * P.G + g) * Tq + i) * D;
+    auto* row = qb + r * ld;
+    std::memset(static_cast<void*>(row), 0, ld * sizeof(*row));
+    if constexpr (Mode == kFloat) {
+      for (int64_t c = 0; c < D; ++c) row[c] = src[c] * P.scale;
+      rs[r] = 1.f;
+    } else if constexpr (Mode == kBf16Dot) {  // q holds bfloat16 values: its high half is exact
+      for (int64_t c = 0; c < D; ++c) row[c] = static_cast<uint16_t>(__builtin_bit_cast(uint32_t, src[c]) >> 16);
+      rs[r] = P.scale;
+    } else {
+      float amax = 0.f;
+      bool finite = true;
+      for (int64_t c = 0; c < D; ++c) finite &= std::isfinite(src[c]), amax = std::max(amax, std::fabs(src[c]));
+      const float inv = 127.f / amax;
+      if (!finite || !std::isfinite(inv)) {  // zeros: NaN times them (a NaN/Inf row), else scores 0 (a
+        // row of zeros, or all below 4e-37: its exact scores round to no change of the softmax either)
+        rs[r] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+      } else {
+        for (int64_t c = 0; c < D; ++c)
+          row[c] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(src[c] * inv))));
+        rs[r] = amax / 127.f * P.scale;
+      }
+      // vpdpbusd's corrections: lane u adds the bytes 4u..4u+3 of every 64; -128 times their sum
+      int32_t corr[kLanes] = {};
+      const int64_t Dp = ld - 64;
+      for (int64_t c = 0; c < Dp; ++c) corr[(c % 64) / 4] -= 128 * row[c];
+      std::memcpy(row + Dp, corr, sizeof corr);
+    }
+  }
+}
+
+// One split: keys [j0, j1) of sequence b, K/V head hk; writes m, l (M) and o (M, Dv). vis: scratch
+// for M bit sets (the keys of a chunk each row sees); work: the scores and the query buffer.
+template <typename KT, int Mode>
 void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ksp, const float* vsp, int64_t b,
                    int64_t hk, int64_t j0, int64_t j1, float* m, float* l, float* o, float* work, uint64_t* vis) {
+  using QT = typename QOf<Mode>::type;
   const int64_t M = P.M, D = P.D, Dv = P.Dv, Tq = P.Tq;
   const float ninf = -std::numeric_limits<float>::infinity();
-  const int64_t ld = padded(D);
-  float* qs = work;         // (M, ld) scaled queries, zero past D
-  float* s = qs + M * ld;   // (M, kChunk) scores, then probabilities
+  const int64_t ld = q_stride(Mode, D);
+  float* s = work;                 // (M, kChunk) scores, then probabilities
+  float* rs = s + M * kChunk;      // (M) the rows' product scales
+  QT* qs = reinterpret_cast<QT*>(rs + padded(M));  // (M, ld) queries in the mode's type
   const KT* kr[kChunk];
   const KT* kn[kChunk];  // the next chunk's keys
   const KT* vr[kChunk];
@@ -411,14 +547,8 @@ void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ks
   float kscale[kChunk], vscale[kChunk];
   int64_t live[kChunk], koff[kChunk], voff[kChunk], vsoff[kChunk];
   const int64_t qpos0 = P.rows[b * 4 + 3];
-  for (int64_t r = 0; r < M; ++r) {
-    const int64_t g = r / Tq, i = r % Tq;
-    const float* src = P.q + ((b * P.Hq + hk * P.G + g) * Tq + i) * D;
-    for (int64_t c = 0; c < D; ++c) qs[r * ld + c] = src[c] * P.scale;
-    std::fill(qs + r * ld + D, qs + (r + 1) * ld, 0.f);
-    m[r] = ninf;
-    l[r] = 0.f;
-  }
+  load_queries<Mode>(P, b, hk, qs, rs);
+  for (int64_t r = 0; r < M; ++r) m[r] = ninf, l[r] = 0.f;
   std::fill(o, o + M * Dv, 0.f);
   P.kl.offsets(b, hk, j0, std::min(kChunk, j1 - j0), koff);
   for (int64_t jj = 0; jj < std::min(kChunk, j1 - j0); ++jj) kn[jj] = kp + koff[jj];
@@ -439,53 +569,44 @@ void split_partial(const Problem& P, const KT* kp, const KT* vp, const float* ks
       P.ksl.offsets(b, hk, c0, n, koff);
       for (int64_t jj = 0; jj < n; ++jj) kscale[jj] = ksp[koff[jj]];
     }
-    qk(qs, ld, M, D, kr, n, s, pfk, D * int64_t(sizeof(KT)), pfv, Dv * int64_t(sizeof(KT)));
+    qk<Mode>(qs, ld, M, D, kr, n, s, pfk, D * int64_t(sizeof(KT)), pfv, Dv * int64_t(sizeof(KT)));
     for (int64_t r = 0; r < M; ++r) {
       const int64_t g = r / Tq, i = r % Tq, h = hk * P.G + g, qp = qpos0 + i;
       float* row = s + r * kChunk;
+      if constexpr (Mode != kFloat) {
+        for (int64_t jj = 0; jj < n; ++jj) row[jj] *= rs[r];
+      }
       if (ksp) {
         for (int64_t jj = 0; jj < n; ++jj) row[jj] *= kscale[jj];
       }
-      if (P.bias) {
-        for (int64_t jj = 0; jj < n; ++jj) row[jj] += P.bias[P.bias_st.at(b, h, i, c0 + jj)];
-      }
-      for (size_t t = 0; t < P.mod_codes.size(); ++t) {
-        if (P.mod_codes[t] == 1) {
-          const float cap = static_cast<float>(P.mod_caps[t]), inv = 1.f / cap;
-          for (int64_t jj = 0; jj < n; ++jj) row[jj] = cap * std::tanh(row[jj] * inv);
-        } else {
-          const float slope = P.slopes[t * P.Hq + h];
-          for (int64_t jj = 0; jj < n; ++jj) {
-            const int64_t kpos = P.kv_offset + c0 + jj;
-            row[jj] -= slope * static_cast<float>(std::abs(qp - kpos));
-          }
-        }
-      }
-      // keys kv_offset + c0 + jj kept for jj in [lo, hi) by the band
-      int64_t lo = 0, hi = n;
-      const int64_t kpos0 = P.kv_offset + c0;
-      if (P.has_left) lo = std::max(lo, qp - P.left - kpos0);
-      if (P.has_right) hi = std::min(hi, qp + P.right - kpos0 + 1);
-      lo = std::min(std::max(lo, int64_t(0)), n);
-      hi = std::max(std::min(hi, n), lo);
+      // bias and score modifiers: the prefill kernel's code (spec.h), so a soft-cap rounds alike
+      if (P.mods.modifies()) attnkit::apply_score_mods<float>(P.mods, b, h, i, c0, qp, P.kv_offset + c0, 1, n, n, 0, row, nullptr);
+      // keys kv_offset + c0 + jj kept for jj in [lo, hi) by the band (key lengths are in the span)
+      int64_t lo, hi;
+      P.mask.band_range(b, qp, P.kv_offset + c0, n, lo, hi);
       // A key the row may not see gets the score -inf (replaced, never added to: its score may be
       // NaN), and its bit in vis[r] stays clear, so its value is never read for this row.
       std::fill(row, row + lo, ninf);
       std::fill(row + hi, row + n, ninf);
       uint64_t seen = (hi == kChunk ? ~uint64_t(0) : (uint64_t(1) << hi) - 1) & ~((uint64_t(1) << lo) - 1);
-      if (P.keep) {
+      if (P.mask.keep) {
         for (int64_t jj = lo; jj < hi; ++jj)
-          if (!P.keep[P.keep_st.at(b, h, i, c0 + jj)]) row[jj] = ninf, seen &= ~(uint64_t(1) << jj);
+          if (!P.mask.keep[P.mask.keep_st.at(b, h, i, c0 + jj)]) row[jj] = ninf, seen &= ~(uint64_t(1) << jj);
       }
       vis[r] = seen;
-      const float mx = attnkit::row_max(row, n, m[r]);
-      // A row with nothing kept so far keeps max -inf: shift by 0 so exp(-inf) = 0, not NaN.
-      const float shift = mx == ninf ? 0.f : mx;
-      const float sum = exp_row(row, n, shift);
-      const float alpha = std::exp(m[r] - shift);  // 0 while the row had nothing kept
-      if (alpha != 1.f) scale_row(o + r * Dv, alpha, Dv);
-      l[r] = l[r] * alpha + sum;
-      m[r] = mx;
+      // Lazy rescale: m[r] is the reference the row's exps are taken against, moved (and o, l
+      // rescaled) only when a chunk's max passes it by more than kRescaleAbove; below that the
+      // exps stay under e^kRescaleAbove, far from overflow. The result is the same softmax (o and l
+      // share the reference), without a pass over o each time the max creeps up.
+      const float mx = attnkit::row_max(row, n, ninf);
+      if (mx > m[r] + kRescaleAbove) {  // also a row's first kept key (m = -inf); never for a NaN max
+        const float alpha = std::exp(m[r] - mx);  // 0 while the row had nothing kept
+        if (alpha != 1.f) scale_row(o + r * Dv, alpha, Dv);
+        l[r] *= alpha;
+        m[r] = mx;
+      }
+      // A row with nothing kept so far keeps -inf: shift by 0 so exp(-inf) = 0, not NaN.
+      l[r] += exp_row(row, n, m[r] == ninf ? 0.f : m[r]);
     }
     // The values of the keys some row may see (a key no row sees is never read), then o += p v.
     // Every key a row sees is added, even at probability 0 (a score of -inf, or one that underflows):
@@ -522,12 +643,6 @@ Layout layout_of(const at::Tensor& x, const at::Tensor& table) {
   return L;
 }
 
-Strided4 strides4(const at::Tensor& x) {
-  Strided4 s;
-  s.s0 = x.stride(0), s.s1 = x.stride(1), s.s2 = x.stride(2), s.s3 = x.stride(3);
-  return s;
-}
-
 template <typename KT>
 void run(const Problem& P, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_scale,
          const at::Tensor& v_scale, float* out, float* lse, const float* sinks) {
@@ -555,12 +670,25 @@ void run(const Problem& P, const at::Tensor& k, const at::Tensor& v, const at::T
   const int64_t items = nsplit * Hkv;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    std::vector<float> work(M * padded(P.D) + M * kChunk);
+    const int64_t qbytes = M * q_stride(P.qmode, P.D) * (P.qmode == kFloat ? 4 : P.qmode == kBf16Dot ? 2 : 1);
+    std::vector<float> work(M * kChunk + padded(M) + (qbytes + 3) / 4);
     std::vector<uint64_t> vis(M);
     for (int64_t i = next++; i < items; i = next++) {
       const int64_t t = order[i / Hkv], hk = i % Hkv, w = t * Hkv + hk;
-      split_partial<KT>(P, kp, vp, ksp, vsp, sb[t], hk, sj0[t], sj1[t], part_m.data() + w * M,
-                        part_l.data() + w * M, part_o.data() + w * M * Dv, work.data(), vis.data());
+      float *pm = part_m.data() + w * M, *pl = part_l.data() + w * M, *po = part_o.data() + w * M * Dv;
+      if constexpr (std::is_same_v<KT, c10::BFloat16>) {
+        if (P.qmode == kBf16Dot) {
+          split_partial<KT, kBf16Dot>(P, kp, vp, ksp, vsp, sb[t], hk, sj0[t], sj1[t], pm, pl, po, work.data(), vis.data());
+          continue;
+        }
+      }
+      if constexpr (std::is_same_v<KT, int8_t>) {
+        if (P.qmode == kInt8Dot) {
+          split_partial<KT, kInt8Dot>(P, kp, vp, ksp, vsp, sb[t], hk, sj0[t], sj1[t], pm, pl, po, work.data(), vis.data());
+          continue;
+        }
+      }
+      split_partial<KT, kFloat>(P, kp, vp, ksp, vsp, sb[t], hk, sj0[t], sj1[t], pm, pl, po, work.data(), vis.data());
     }
   });
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -621,7 +749,7 @@ at::Tensor decode_spans(const at::Tensor& keep, const at::Tensor& spans) {
   TORCH_CHECK(spans.scalar_type() == at::kLong && spans.is_contiguous() && spans.dim() == 2 &&
                   spans.size(0) == keep.size(0) && spans.size(1) == 2,
               "decode_spans: spans must be a contiguous int64 (B, 2) tensor");
-  const Strided4 st = strides4(keep);
+  const Strided4 st = attnkit::strides4(keep);
   const bool* kp = keep.data_ptr<bool>();
   // distinct heads and queries only (a broadcast dim has stride 0)
   const int64_t B = keep.size(0), H = st.s1 ? keep.size(1) : 1, Tq = st.s2 ? keep.size(2) : 1, Tk = keep.size(3);
@@ -640,11 +768,40 @@ at::Tensor decode_spans(const at::Tensor& keep, const at::Tensor& spans) {
   return out;
 }
 
-std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_table,
-                               const at::Tensor& rows, int64_t kv_offset, double scale, c10::IntArrayRef band,
-                               const at::Tensor& keep, const at::Tensor& bias, c10::IntArrayRef mod_codes,
-                               c10::ArrayRef<double> mod_caps, const at::Tensor& slopes, const at::Tensor& sinks) {
+// Whether this build and this CPU run bf16 dot products (compiled for AVX512_BF16, and the CPU has it:
+// the build stamp declines a copy on another CPU, this checks again at no cost).
+bool bf16_dot_available() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  static const bool ok = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool int8_vnni_available() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  static const bool ok = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// [bf16 dot products (AVX512_BF16), int8 dot products in hardware (AVX512_VNNI; without it the
+// quantized-q path runs portable int32 vectors, with the same integers)], as 0/1.
+std::vector<int64_t> dot_products() { return {bf16_dot_available(), int8_vnni_available()}; }
+
+// cache: k_scale, v_scale (int8 K/V: per-token, per-head float32 scales; else empty), block_table
+// (a paged pool: (B, nb) int64; else empty), rows ((B, 4) int64: first key, end key, split size, first
+// query position per sequence). spec, ints, floats: the kernel spec (spec.h).
+// qmode: QMode (kBf16Dot for bfloat16 K/V with bfloat16 queries where the CPU has AVX512_BF16,
+// kInt8Dot for int8 K/V with a quantized q), else kFloat.
+std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::TensorList cache,
+                               at::TensorList spec, c10::IntArrayRef ints, c10::ArrayRef<double> floats,
+                               int64_t qmode) {
+  TORCH_CHECK(cache.size() == 4, "decode: cache holds k_scale, v_scale, block_table, rows");
+  const at::Tensor &k_scale = cache[0], &v_scale = cache[1], &block_table = cache[2], &rows = cache[3];
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4,
               "decode: q must be a contiguous float32 CPU tensor (B, Hq, Tq, D)");
   const bool paged = block_table.numel() > 0;
@@ -657,15 +814,21 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const a
               "decode: block_table must be int64 with a contiguous last dim");
   TORCH_CHECK(k.scalar_type() != at::kChar || (k_scale.numel() && v_scale.numel()),
               "decode: int8 K/V need k_scale and v_scale");
-  TORCH_CHECK(mod_codes.size() == mod_caps.size(), "decode: one cap per score modifier");
   Problem P{};
   P.B = q.size(0), P.Hq = q.size(1), P.Tq = q.size(2), P.D = q.size(3);
   P.Hkv = paged ? k.size(0) : k.size(1);
   P.Dv = v.size(3);
   TORCH_CHECK(P.Hq % P.Hkv == 0, "decode: Hq must be a multiple of Hkv");
   P.G = P.Hq / P.Hkv, P.M = P.G * P.Tq;
-  P.kv_offset = kv_offset;
-  P.scale = static_cast<float>(scale);
+  P.mask = attnkit::make_mask_spec(spec, ints);
+  TORCH_CHECK(!P.mask.grid && !P.mask.lengths && !P.mask.valid && !P.mask.doc && !P.mask.layout,
+              "decode: the mask arrives as band bounds and a keep view (key lengths in rows)");
+  const int64_t Tk = spec[attnkit::KEEP].numel() ? spec[attnkit::KEEP].size(3)
+                     : spec[attnkit::BIAS].numel() ? spec[attnkit::BIAS].size(3) : 0;
+  P.mods = attnkit::make_mods<float>(spec, ints, floats, P.B, P.Hq, P.Tq, Tk);
+  TORCH_CHECK(!P.mods.dist, "decode: ALiBi and relative biases arrive as slopes and values (not ADD vectors)");
+  P.kv_offset = ints[attnkit::KV_OFFSET];
+  P.scale = static_cast<float>(floats[attnkit::SCALE]);
   P.rows = rows.data_ptr<int64_t>();
   P.kl = layout_of(k, block_table), P.vl = layout_of(v, block_table);
   if (k_scale.numel()) {
@@ -673,28 +836,11 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const a
     P.ksl = layout_of(k_scale, block_table), P.vsl = layout_of(v_scale, block_table);
   }
   P.q = q.data_ptr<float>();
-  P.has_left = band[0] != 0, P.left = band[1], P.has_right = band[2] != 0, P.right = band[3];
-  if (keep.numel()) {
-    TORCH_CHECK(keep.scalar_type() == at::kBool && keep.dim() == 4, "decode: keep must be a 4-d bool tensor");
-    P.keep = keep.data_ptr<bool>(), P.keep_st = strides4(keep);
-  }
-  if (bias.numel()) {
-    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.dim() == 4, "decode: bias must be a 4-d float32 tensor");
-    P.bias = bias.data_ptr<float>(), P.bias_st = strides4(bias);
-  }
-  P.mod_codes.assign(mod_codes.begin(), mod_codes.end());
-  P.mod_caps.assign(mod_caps.begin(), mod_caps.end());
-  for (int64_t c : P.mod_codes) TORCH_CHECK(c == 1 || c == 2, "decode: score modifier codes are 1 (soft-cap) or 2 (ALiBi)");
-  if (slopes.numel()) {
-    TORCH_CHECK(slopes.scalar_type() == at::kFloat && slopes.is_contiguous() && slopes.size(1) == P.Hq,
-                "decode: slopes must be contiguous float32 (n_mods, Hq)");
-    P.slopes = slopes.data_ptr<float>();
-  }
-  const float* sinkp = nullptr;
-  if (sinks.numel()) {
-    TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.numel() == P.Hq, "decode: sinks must be float32 (Hq,)");
-    sinkp = sinks.data_ptr<float>();
-  }
+  TORCH_CHECK(qmode == kFloat || (qmode == kBf16Dot && k.scalar_type() == at::kBFloat16 && bf16_dot_available()) ||
+                  (qmode == kInt8Dot && k.scalar_type() == at::kChar),
+              "decode: qmode ", qmode, " does not apply to ", k.scalar_type(), " K/V on this CPU");
+  P.qmode = static_cast<int>(qmode);
+  const float* sinkp = P.mods.sinks;
   auto out = at::empty({P.B, P.Hq, P.Tq, P.Dv}, q.options());
   auto lse = at::empty({P.B, P.Hq, P.Tq}, q.options());
   switch (k.scalar_type()) {
@@ -714,9 +860,10 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const a
 // The decode family's own library and op namespace (attnkit_decode): it loads, or fails to build,
 // independently of the prefill kernel's (attnkit_native).
 TORCH_LIBRARY(attnkit_decode, m) {
-  m.def("decode(Tensor q, Tensor k, Tensor v, Tensor k_scale, Tensor v_scale, Tensor block_table, Tensor rows, "
-        "int kv_offset, float scale, int[] band, Tensor keep, Tensor bias, int[] mod_codes, float[] mod_caps, "
-        "Tensor slopes, Tensor sinks) -> Tensor[]");
+  m.def("decode(Tensor q, Tensor k, Tensor v, Tensor[] cache, Tensor[] spec, int[] ints, float[] floats, int qmode) "
+        "-> Tensor[]");
+  m.def("dot_products() -> int[]");
+  m.impl("dot_products", c10::DispatchKey::CatchAll, TORCH_FN(dot_products));
   m.impl("decode", c10::DispatchKey::CPU, TORCH_FN(decode));
   m.def("decode_spans(Tensor keep, Tensor spans) -> Tensor");
   m.impl("decode_spans", c10::DispatchKey::CPU, TORCH_FN(decode_spans));
