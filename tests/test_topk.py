@@ -12,6 +12,9 @@ from attnkit.cache import DynamicLayerCache, PagedKVCache, QuantizedLayerCache
 from attnkit.masks import mask_params, tile_grid
 from attnkit.masks.export import evaluated_grid, Tiles
 
+from attnkit.backends.topk import TopKOptions, kernel_reason
+from attnkit.inputs import AttentionInputs
+
 from .reference import keep_grid, reference_attention
 from .test_conformance import Shape, _inputs, _reference, _run, check_flash_rule
 
@@ -126,14 +129,21 @@ CASES = [  # shape, list heads (1 = shared), k
 ]
 
 
+_X = torch.zeros(1, 1, 1, 1)
+KERNEL = kernel_reason(AttentionInputs.create(_X, _X, _X))  # None: the sparse C++ family is built
+IMPLS = [pytest.param(False, id="gather"),
+         pytest.param(True, id="kernel", marks=pytest.mark.skipif(KERNEL is not None, reason=str(KERNEL)))]
+
+
+@pytest.mark.parametrize("native", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["alone", "causal"])
 @pytest.mark.parametrize("shape,heads,k", CASES, ids=[f"{c[0]}-H{c[1]}-k{c[2]}" for c in CASES])
-def test_matches_the_float64_oracle(shape, heads, k, causal, dtype):
+def test_matches_the_float64_oracle(shape, heads, k, causal, dtype, native):
     mask = TopK(lists(shape.B, heads, shape.Tq, shape.Tk, k, seed=shape.Tq))
     mask = mask & Causal() if causal else mask
     qkv, do = _inputs(shape, dtype)
-    out, grads = _run("topk", qkv, do, mask=mask)
+    out, grads = _run("topk", qkv, do, mask=mask, options=TopKOptions(native=native))
     assert out.shape == (shape.B, shape.Hq, shape.Tq, shape.Dv) and out.dtype == dtype
     lowp = _reference(qkv, do, lowp=True, mask=mask)
     check_flash_rule(out, grads, lowp, _reference(qkv, do, mask=mask), dtype)
@@ -151,26 +161,32 @@ def test_non_contiguous_inputs_and_small_blocks(monkeypatch):
     mask = TopK(lists(B, 1, T, T, 7, seed=6)) & Causal() & KeyPadding([T, 15])
     ref = attnkit.attention(q, k, v, mask=mask, backend="naive")
     assert torch.allclose(attnkit.attention(q, k, v, mask=mask, backend="topk"), ref, atol=1e-6)
+    twin = attnkit.attention(q, k, v, mask=mask, backend="topk", options=TopKOptions(native=False))
+    assert torch.allclose(twin, ref, atol=1e-6)
     monkeypatch.setattr(topk, "BLOCK_ELEMENTS", 1)  # one query per block
     assert torch.allclose(attnkit.attention(q, k, v, mask=mask, backend="topk"), ref, atol=1e-6)
 
 
-def test_gradcheck_float64():
+@pytest.mark.parametrize("native", IMPLS)
+def test_gradcheck_float64(native):
     idx = torch.tensor([[4, 0], [1, -1], [3, 3], [-1, -1], [2, 0]]).view(1, 1, 5, 2)
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, n, 3, generator=g, dtype=torch.float64).requires_grad_() for n in (5, 5, 5))
-    for mask in (TopK(idx), TopK(idx) & Causal()):
-        run = lambda q, k, v: attnkit.attention(q, k, v, mask=mask, backend="topk")  # noqa: E731
+    options = TopKOptions(native=native)
+    for mask in (TopK(idx), TopK(idx) & Causal(), TopK(idx.expand(1, 2, 5, 2)) & Causal()):
+        run = lambda q, k, v: attnkit.attention(q, k, v, mask=mask, backend="topk", options=options)  # noqa: E731
         assert torch.autograd.gradcheck(run, (q, k, v))
 
 
-def test_rows_that_keep_nothing_give_zero_and_finite_gradients():
+@pytest.mark.parametrize("native", IMPLS)
+def test_rows_that_keep_nothing_give_zero_and_finite_gradients(native):
     idx = lists(1, 1, 6, 6, 3, seed=8)
     idx[0, 0, 2] = -1  # an empty list
     idx[0, 0, 4] = 5  # only a future key: nothing once intersected with Causal()
     mask = TopK(idx) & Causal()
     q, k, v = (torch.randn(1, 2, 6, 8, requires_grad=True) for _ in range(3))
-    out, lse = attnkit.attention(q, k, v, mask=mask, backend="topk", return_lse=True)
+    out, lse = attnkit.attention(q, k, v, mask=mask, backend="topk", return_lse=True,
+                                 options=TopKOptions(native=native))
     assert (out[:, :, [2, 4]] == 0).all() and torch.isinf(lse[:, :, [2, 4]]).all()
     out.sum().backward()
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
@@ -199,6 +215,28 @@ def test_the_lists_are_never_evaluated_over_every_pair(monkeypatch):
     out = attnkit.attention(q, k, k, mask=TopK(lists(1, 1, 64, 64, 8)) & Causal())
     out.sum().backward()
     assert torch.isfinite(k.grad).all()
+
+
+@pytest.mark.skipif(KERNEL is not None, reason=str(KERNEL))
+def test_the_kernel_is_deterministic_and_runs_by_default():
+    q, k = torch.randn(1, 4, 300, 16, requires_grad=True), torch.randn(1, 1, 300, 16, requires_grad=True)
+    mask = TopK(lists(1, 1, 300, 300, 32)) & Causal()
+    assert "C++ sparse kernel" in str(attnkit.explain(q, k, k, mask=mask))
+    grads = []
+    for _ in range(2):
+        out = attnkit.attention(q, k, k, mask=mask)
+        grads.append(torch.autograd.grad(out, (q, k), torch.ones_like(out)))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_native_true_without_the_kernel_says_so(monkeypatch):
+    import attnkit.backends.topk as topk
+
+    monkeypatch.setattr(topk, "_KERNEL", ["native extension not built: no sparse kernel"])
+    q = torch.randn(1, 1, 2, 4)
+    with pytest.raises(RuntimeError, match="attnkit build"):
+        attnkit.attention(q, q, q, mask=TopK(torch.zeros(1, 1, 2, 1, dtype=torch.long)), backend="topk",
+                          options=TopKOptions(native=True))
 
 
 # -- decoding over caches ------------------------------------------------------------------------

@@ -13,13 +13,22 @@ probabilities from the saved log-sum-exp and scatter-adds the keys' and values' 
 products run in float32 (float64 for float64 inputs); a query whose list keeps nothing gives 0
 (LSE ``-inf``) with zero, finite gradients. Lists are deduplicated once per mask
 (:meth:`attnkit.masks.TopK.lists`): a key listed twice counts once, as in the mask's evaluation.
+
+On the CPU, with the ``sparse`` kernel family built (``attnkit build``), the same computation runs
+in C++ (``attnkit/csrc/sparse.cpp``): one pass per query over its listed keys, each key row loaded
+once for every query head sharing the list, and a backward pass that needs no gathered tiles at all.
+The PyTorch gather above is its twin and its fallback; ``TopKOptions(native=False)`` forces the twin.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
+from .._validate import check_bool
+from ..csrc import loader
 from ..inputs import AttentionInputs
 from ..masks import And, MaskSupport
 from ..registry import Backend, Work, register_backend
@@ -49,6 +58,29 @@ def _unlayout(t: Tensor, Hq: int, Gm: int) -> Tensor:
     return t.reshape(B, Hq, c, X)
 
 
+@dataclass(frozen=True)
+class TopKOptions:
+    """``native``: None (default) runs the C++ kernel where it can (CPU, ``sparse`` family built) and
+    the PyTorch gather elsewhere; False always the PyTorch gather; True the kernel or an error."""
+
+    native: bool | None = None
+
+    def __post_init__(self):
+        check_bool(self.native, "native", owner="TopKOptions", allow_none=True)
+
+
+_KERNEL: list = []  # [None] once the sparse family loaded, [reason] when it cannot
+
+
+def kernel_reason(inp: AttentionInputs) -> str | None:
+    """Why the C++ kernel cannot run ``inp`` (None: it can)."""
+    if inp.device.type != "cpu":
+        return f"the sparse kernel runs on the CPU, not {inp.device.type}"
+    if not _KERNEL:
+        _KERNEL.append(loader.load_library("sparse"))
+    return _KERNEL[0]
+
+
 class _Plan:
     """The call's gather plan: key indices relative to the call ``(B|1, 1|Hkv, Gm, Tq, k)``, the
     keep of each listed pair in the product layout, and the query block size."""
@@ -71,6 +103,7 @@ class _Plan:
         Bi, Hi, Tq, k = j.shape
         self.index = j.view(Bi, 1, 1, Tq, k) if Hi == 1 else j.view(Bi, inp.Hkv, self.Gm, Tq, k)
         self.keep = _layout(keep, inp.Hkv, self.Gm)  # (B|1, Hkv|1, Gm|1, Tq, G'|1, k)
+        self.keep_flat, self.lists_flat = keep, j  # (B|1, Hq|1, Tq, k) each, for the kernel
         self.k = k
         per_row = inp.B * inp.Hkv * self.Gm * k * (inp.D + inp.Dv) + 4 * inp.B * inp.Hq * k
         self.block = max(1, min(inp.Tq, BLOCK_ELEMENTS // max(per_row, 1)))
@@ -145,29 +178,64 @@ class _TopKAttention(torch.autograd.Function):
                 None, None, None)
 
 
+class _SparseKernel(torch.autograd.Function):
+    """The C++ kernel's forward and backward (``torch.ops.attnkit_sparse``) on contiguous float32/64."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, index: Tensor, scale: float):
+        out, lse = torch.ops.attnkit_sparse.forward(q, k, v, index, scale)
+        ctx.save_for_backward(q, k, v, out, lse, index)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, index = ctx.saved_tensors
+        dq, dk, dv = torch.ops.attnkit_sparse.backward(dout.contiguous(), q, k, v, out, lse, index, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def _kernel(inp: AttentionInputs, plan: _Plan, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The C++ kernel on ``inp`` (half precision upcast: the kernel computes in float32/64)."""
+    index = torch.where(plan.keep_flat, plan.lists_flat, -1).contiguous()  # (B|1, Hq|1, Tq, k)
+    q, k, v = (x.to(acc).contiguous() for x in (inp.q, inp.k, inp.v))
+    return _SparseKernel.apply(q, k, v, index, inp.scale)
+
+
 @register_backend
 class TopKBackend(Backend):
     name = "topk"
-    work = Work(loop_ops=12)  # a Python loop over blocks of queries, O(Tq * k) per call
-    summary = "top-k sparse attention: gathers each query's listed keys (TopK), O(Tq*k*D) fwd+bwd"
+    work = Work(loop_ops=12)  # the PyTorch twin: a Python loop over blocks of queries, O(Tq * k) per call
+    summary = "top-k sparse attention: each query's listed keys only (TopK), O(Tq*k*D) fwd+bwd, C++ kernel on CPU"
     supports_lse = True
     mask_support = MaskSupport("key_lists")
+    Options = TopKOptions
 
     @classmethod
     def describe(cls, inp: AttentionInputs) -> str:
         top = inp.mask.topk()
         shared = "one list per query shared by every head" if top.num_heads == 1 else "one list per query head"
-        return f"gathers k={top.k} keys per query ({shared}), never the (Tq, Tk) scores"
+        how = "the C++ sparse kernel" if kernel_reason(inp) is None else f"a PyTorch gather ({kernel_reason(inp)})"
+        return f"reads k={top.k} keys per query ({shared}) with {how}, never the (Tq, Tk) scores"
 
     @classmethod
-    def forward(cls, inp: AttentionInputs, options: None):
+    def forward(cls, inp: AttentionInputs, options: TopKOptions | None):
         if inp.B == 0:
             return empty_batch(inp)
         acc = torch.promote_types(inp.dtype, torch.float32)
+        native = None if options is None else options.native
+        reason = kernel_reason(inp) if native is not False else None
+        if native and reason is not None:
+            raise RuntimeError(f"topk: TopKOptions(native=True), but {reason}. Fix: run `attnkit build`, or pass "
+                               "native=None to fall back to the PyTorch gather.")
         plan = _Plan(inp)
         if inp.Tq == 0 or inp.Tk == 0 or plan.k == 0:  # nothing listed: every row is 0, LSE -inf
             out = connected(inp.q.new_zeros(inp.B, inp.Hq, inp.Tq, inp.Dv), inp.q, inp.k, inp.v)
             lse = torch.full((inp.B, inp.Hq, inp.Tq), float("-inf"), dtype=acc, device=inp.device)
+        elif native is not False and reason is None:
+            out, lse = _kernel(inp, plan, acc)
+            out = out.to(inp.dtype)
         else:
             out, lse = _TopKAttention.apply(inp.q, inp.k, inp.v, plan, inp.scale, acc)
             out = out.to(inp.dtype)

@@ -7,7 +7,9 @@ built for the CPU they run on) into ``attnkit/csrc/_build/<family>/``:
 * ``prefill``: ``attention.cpp``, the fused prefill kernel, forward and backward (ops
   ``torch.ops.attnkit_native``);
 * ``decode``: ``decode.cpp``, the split-K decode kernel (ops ``torch.ops.attnkit_decode``);
-* ``fastpath``: ``fastpath.cpp``, the per-call key and finiteness scan (a small CPython module).
+* ``fastpath``: ``fastpath.cpp``, the per-call key and finiteness scan (a small CPython module);
+* ``sparse``: ``sparse.cpp``, top-k sparse attention over per-query key lists, forward and backward
+  (ops ``torch.ops.attnkit_sparse``).
 
 A family whose source fails to compile takes only itself down: the others still build, load and
 run. The stamp names the torch version and the CPU's instruction-set flags the build was made for
@@ -49,6 +51,7 @@ FAMILIES = {
     "prefill": Family("prefill", "attnkit_native", "attention.cpp", ("tiles.h", "score_mod.h")),
     "decode": Family("decode", "attnkit_decode", "decode.cpp", ("tiles.h",)),
     "fastpath": Family("fastpath", "attnkit_fastpath", "fastpath.cpp"),
+    "sparse": Family("sparse", "attnkit_sparse", "sparse.cpp"),
 }
 NAME = FAMILIES["prefill"].library  # the prefill kernel's op namespace: torch.ops.attnkit_native
 
