@@ -81,30 +81,35 @@ def kernel_reason(inp: AttentionInputs) -> str | None:
     return _KERNEL[0]
 
 
+def _pairs(inp: AttentionInputs) -> tuple[Tensor, Tensor | None]:
+    """``(lists, keep)``: the deduplicated lists ``(B|1, 1|Hq, Tq, k)`` (absolute positions, -1 =
+    nothing) and, when the mask has other conjuncts, which listed pairs they keep ``(B|1, Hq|1, Tq, k)``
+    (None: every listed pair). The other conjuncts are evaluated on the listed pairs only."""
+    mask = inp.mask
+    top = mask.topk()
+    lists = top.lists(inp.device)
+    others = [p for p in mask.conjuncts() if p is not top]
+    if not others:
+        return lists, None
+    rest = others[0] if len(others) == 1 else And(*others)
+    b, h = rest.batch_head_index(inp.B, inp.Hq, device=inp.device)
+    q_pos = torch.arange(inp.Tq, device=inp.device).view(1, 1, -1, 1) + inp.q_offset
+    k_pos = lists.clamp(min=inp.kv_offset)  # padding read at a real position (its pair is dropped anyway)
+    keep = rest.mask_mod(b, h, q_pos, k_pos, q_offset=inp.q_offset, kv_offset=inp.kv_offset) & (lists >= 0)
+    return lists, keep
+
+
 class _Plan:
-    """The call's gather plan: key indices relative to the call ``(B|1, 1|Hkv, Gm, Tq, k)``, the
+    """The PyTorch gather's plan: key indices relative to the call ``(B|1, 1|Hkv, Gm, Tq, k)``, the
     keep of each listed pair in the product layout, and the query block size."""
 
-    def __init__(self, inp: AttentionInputs):
-        mask = inp.mask
-        top = mask.topk()
-        lists = top.lists(inp.device)  # (B|1, 1|Hq, Tq, k), absolute positions, -1 = nothing
+    def __init__(self, inp: AttentionInputs, lists: Tensor, keep: Tensor | None):
+        keep = lists >= 0 if keep is None else keep
         self.Gm = inp.groups if lists.shape[1] > 1 else 1
-        listed = lists >= 0
-        keep = listed
-        others = [p for p in mask.conjuncts() if p is not top]
-        if others:  # the other conjuncts on the listed pairs only (positions inside the call)
-            rest = others[0] if len(others) == 1 else And(*others)
-            b, h = rest.batch_head_index(inp.B, inp.Hq, device=inp.device)
-            q_pos = torch.arange(inp.Tq, device=inp.device).view(1, 1, -1, 1) + inp.q_offset
-            k_pos = torch.where(listed, lists, inp.kv_offset)
-            keep = keep & rest.mask_mod(b, h, q_pos, k_pos, q_offset=inp.q_offset, kv_offset=inp.kv_offset)
-        j = torch.where(listed, lists - inp.kv_offset, 0)
+        j = (lists - inp.kv_offset).clamp(min=0)
         Bi, Hi, Tq, k = j.shape
         self.index = j.view(Bi, 1, 1, Tq, k) if Hi == 1 else j.view(Bi, inp.Hkv, self.Gm, Tq, k)
         self.keep = _layout(keep, inp.Hkv, self.Gm)  # (B|1, Hkv|1, Gm|1, Tq, G'|1, k)
-        self.keep_flat, self.lists_flat = keep, j  # (B|1, Hq|1, Tq, k) each, for the kernel
-        self.k = k
         per_row = inp.B * inp.Hkv * self.Gm * k * (inp.D + inp.Dv) + 4 * inp.B * inp.Hq * k
         self.block = max(1, min(inp.Tq, BLOCK_ELEMENTS // max(per_row, 1)))
 
@@ -196,9 +201,13 @@ class _SparseKernel(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def _kernel(inp: AttentionInputs, plan: _Plan, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+def _kernel(inp: AttentionInputs, lists: Tensor, keep: Tensor | None, acc: torch.dtype) -> tuple[Tensor, Tensor]:
     """The C++ kernel on ``inp`` (half precision upcast: the kernel computes in float32/64)."""
-    index = torch.where(plan.keep_flat, plan.lists_flat, -1).contiguous()  # (B|1, Hq|1, Tq, k)
+    index = lists - inp.kv_offset if inp.kv_offset else lists  # relative to the call; -1 stays below 0
+    index = torch.where(lists >= 0, index, -1) if inp.kv_offset else index
+    if keep is not None:
+        index = torch.where(keep, index, -1)  # (B|1, Hq|1, Tq, k)
+    index = index.contiguous()
     q, k, v = (x.to(acc).contiguous() for x in (inp.q, inp.k, inp.v))
     return _SparseKernel.apply(q, k, v, index, inp.scale)
 
@@ -229,14 +238,15 @@ class TopKBackend(Backend):
         if native and reason is not None:
             raise RuntimeError(f"topk: TopKOptions(native=True), but {reason}. Fix: run `attnkit build`, or pass "
                                "native=None to fall back to the PyTorch gather.")
-        plan = _Plan(inp)
-        if inp.Tq == 0 or inp.Tk == 0 or plan.k == 0:  # nothing listed: every row is 0, LSE -inf
+        lists, keep = _pairs(inp)
+        if inp.Tq == 0 or inp.Tk == 0 or lists.shape[-1] == 0:  # nothing listed: every row is 0, LSE -inf
             out = connected(inp.q.new_zeros(inp.B, inp.Hq, inp.Tq, inp.Dv), inp.q, inp.k, inp.v)
             lse = torch.full((inp.B, inp.Hq, inp.Tq), float("-inf"), dtype=acc, device=inp.device)
         elif native is not False and reason is None:
-            out, lse = _kernel(inp, plan, acc)
+            out, lse = _kernel(inp, lists, keep, acc)
             out = out.to(inp.dtype)
         else:
+            plan = _Plan(inp, lists, keep)
             out, lse = _TopKAttention.apply(inp.q, inp.k, inp.v, plan, inp.scale, acc)
             out = out.to(inp.dtype)
         return (out, lse) if inp.return_lse else out

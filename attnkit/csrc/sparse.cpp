@@ -20,46 +20,84 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
 
 namespace {
 
+// Vector code in GCC's generic 64-byte vectors (16 floats, 8 doubles) that the compiler maps onto the
+// machine's registers (one zmm, two ymm): ATen's Vectorized<T> is its scalar fallback in an extension
+// (no CPU_CAPABILITY is defined here), and the fixed lane count keeps every summation order the same
+// on every instruction set.
+template <typename T>
+struct Lanes;
+template <>
+struct Lanes<float> {
+  typedef float V __attribute__((vector_size(64)));
+  static constexpr int64_t n = 16;
+};
+template <>
+struct Lanes<double> {
+  typedef double V __attribute__((vector_size(64)));
+  static constexpr int64_t n = 8;
+};
+
+template <typename T>
+inline typename Lanes<T>::V load(const T* p) {
+  typename Lanes<T>::V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// The lanes' sum as a tree of halves (a fixed order: the same bits on every instruction set).
+template <typename T>
+inline T hsum(typename Lanes<T>::V v) {
+  typedef T H __attribute__((vector_size(32)));
+  typedef T Q __attribute__((vector_size(16)));
+  H lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  const H h = lo + hi;
+  Q a, b;
+  std::memcpy(&a, &h, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&h) + sizeof a, sizeof b);
+  const Q q = a + b;
+  T s = 0;
+  for (size_t l = 0; l < sizeof(Q) / sizeof(T); ++l) s += q[l];
+  return s;
+}
+
 template <typename T>
 T dot(const T* a, const T* b, int64_t n) {
-  using V = at::vec::Vectorized<T>;
-  V acc(T(0));
+  constexpr int64_t L = Lanes<T>::n;
+  typename Lanes<T>::V acc = {};
   int64_t i = 0;
-  for (; i + V::size() <= n; i += V::size()) {
-    acc = at::vec::fmadd(V::loadu(a + i), V::loadu(b + i), acc);
+  for (; i + L <= n; i += L) {
+    acc += load(a + i) * load(b + i);
   }
-  T s = at::vec::vec_reduce_all<T>([](V& x, V& y) { return x + y; }, acc);
-  for (; i < n; ++i) {
-    s += a[i] * b[i];
-  }
+  T s = hsum<T>(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
 // y += alpha * x
 template <typename T>
 void axpy(T alpha, const T* x, T* y, int64_t n) {
-  using V = at::vec::Vectorized<T>;
-  const V a(alpha);
+  constexpr int64_t L = Lanes<T>::n;
   int64_t i = 0;
-  for (; i + V::size() <= n; i += V::size()) {
-    at::vec::fmadd(a, V::loadu(x + i), V::loadu(y + i)).store(y + i);
+  for (; i + L <= n; i += L) {
+    const typename Lanes<T>::V r = load(y + i) + alpha * load(x + i);
+    std::memcpy(y + i, &r, sizeof r);
   }
-  for (; i < n; ++i) {
-    y[i] += alpha * x[i];
-  }
+  for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
 struct Shape {
