@@ -250,10 +250,12 @@ def _cache(kind):
     return cache[0]
 
 
+@pytest.mark.parametrize("native", IMPLS)
 @pytest.mark.parametrize("kind", ["dynamic", "paged", "int8", "paged-int8"])
 @pytest.mark.parametrize("Tq", [1, 4, 16])
-def test_decoding_through_every_cache(kind, Tq):
-    """A few queries with key lists over a cache equal the same call on the cache's own dense K/V."""
+def test_decoding_through_every_cache(kind, Tq, native, monkeypatch):
+    """A few queries with key lists over a cache equal the same call on the cache's own dense K/V;
+    an int8 or paged cache is read in place (its listed rows only, never a dense copy)."""
     g = torch.Generator().manual_seed(Tq)
     P, Hq, Hkv, D = 29, 4, 2, 16
     cache = _cache(kind)
@@ -262,9 +264,13 @@ def test_decoding_through_every_cache(kind, Tq):
                                            torch.randn(1, Hkv, Tq, D, generator=g))
     q = torch.randn(1, Hq, Tq, D, generator=g)
     mask = TopK(lists(1, 1, Tq, P + Tq, 8, seed=Tq)) & Causal()
-    out = attnkit.attention(q, k_all, v_all, mask=mask, kv_offset=kv_offset)
-    if isinstance(k_all, attnkit.KVHandle):
-        k_all, v_all = k_all.dense()[:2]
-    assert "topk" in str(attnkit.explain(q, k_all, v_all, mask=mask)).split("chosen: ")[1].split()[0]
+    assert str(attnkit.explain(q, k_all, v_all, mask=mask)).split("chosen: ")[1].split()[0] == "topk"
+    handle = isinstance(k_all, attnkit.KVHandle)
+    if handle:
+        dense = k_all.dense()
+        monkeypatch.setattr(attnkit.KVHandle, "dense", lambda *a, **kw: pytest.fail("the whole cache was copied"))
+    out = attnkit.attention(q, k_all, v_all, mask=mask, kv_offset=kv_offset, options=TopKOptions(native=native))
+    if handle:
+        k_all, v_all = dense
     ref = attnkit.attention(q, k_all, v_all, mask=mask, kv_offset=kv_offset, backend="naive")
     assert torch.allclose(out, ref, atol=1e-5)

@@ -99,14 +99,26 @@ def _pairs(inp: AttentionInputs) -> tuple[Tensor, Tensor | None]:
     return lists, keep
 
 
+def _listed_rows(inp: AttentionInputs, lists: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """For K/V in a cache handle (int8, paged): ``(k, v, lists)`` with only the listed keys read,
+    ``(B, Hkv, U, D)`` for the ``U`` distinct positions listed anywhere in the call, and the lists
+    renumbered to them (-1 stays): O(Tq·k) reads per step instead of a copy of the whole cache."""
+    listed = lists >= 0
+    positions = torch.unique(lists[listed])  # sorted
+    if positions.numel() == 0:
+        positions = torch.zeros(1, dtype=torch.long, device=lists.device)
+    k, v = inp.k.gather(positions, dtype)
+    return k, v, torch.where(listed, torch.searchsorted(positions, lists.clamp(min=0)), -1)
+
+
 class _Plan:
     """The PyTorch gather's plan: key indices relative to the call ``(B|1, 1|Hkv, Gm, Tq, k)``, the
     keep of each listed pair in the product layout, and the query block size."""
 
-    def __init__(self, inp: AttentionInputs, lists: Tensor, keep: Tensor | None):
+    def __init__(self, inp: AttentionInputs, lists: Tensor, keep: Tensor | None, kv_offset: int):
         keep = lists >= 0 if keep is None else keep
         self.Gm = inp.groups if lists.shape[1] > 1 else 1
-        j = (lists - inp.kv_offset).clamp(min=0)
+        j = (lists - kv_offset).clamp(min=0)
         Bi, Hi, Tq, k = j.shape
         self.index = j.view(Bi, 1, 1, Tq, k) if Hi == 1 else j.view(Bi, inp.Hkv, self.Gm, Tq, k)
         self.keep = _layout(keep, inp.Hkv, self.Gm)  # (B|1, Hkv|1, Gm|1, Tq, G'|1, k)
@@ -201,15 +213,14 @@ class _SparseKernel(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def _kernel(inp: AttentionInputs, lists: Tensor, keep: Tensor | None, acc: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The C++ kernel on ``inp`` (half precision upcast: the kernel computes in float32/64)."""
-    index = lists - inp.kv_offset if inp.kv_offset else lists  # relative to the call; -1 stays below 0
-    index = torch.where(lists >= 0, index, -1) if inp.kv_offset else index
+def _kernel(q, k, v, lists: Tensor, keep: Tensor | None, kv_offset: int, scale: float,
+            acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The C++ kernel (half precision upcast: the kernel computes in float32/64)."""
+    index = torch.where(lists >= 0, lists - kv_offset, -1) if kv_offset else lists  # relative to the call
     if keep is not None:
         index = torch.where(keep, index, -1)  # (B|1, Hq|1, Tq, k)
-    index = index.contiguous()
-    q, k, v = (x.to(acc).contiguous() for x in (inp.q, inp.k, inp.v))
-    return _SparseKernel.apply(q, k, v, index, inp.scale)
+    q, k, v = (x.to(acc).contiguous() for x in (q, k, v))
+    return _SparseKernel.apply(q, k, v, index.contiguous(), scale)
 
 
 @register_backend
@@ -219,6 +230,7 @@ class TopKBackend(Backend):
     summary = "top-k sparse attention: each query's listed keys only (TopK), O(Tq*k*D) fwd+bwd, C++ kernel on CPU"
     supports_lse = True
     mask_support = MaskSupport("key_lists")
+    kv_formats = frozenset({"dense", "int8", "paged", "paged-int8"})  # a handle's listed rows read in place
     Options = TopKOptions
 
     @classmethod
@@ -239,14 +251,18 @@ class TopKBackend(Backend):
             raise RuntimeError(f"topk: TopKOptions(native=True), but {reason}. Fix: run `attnkit build`, or pass "
                                "native=None to fall back to the PyTorch gather.")
         lists, keep = _pairs(inp)
+        k, v, kv_offset = inp.k, inp.v, inp.kv_offset
         if inp.Tq == 0 or inp.Tk == 0 or lists.shape[-1] == 0:  # nothing listed: every row is 0, LSE -inf
-            out = connected(inp.q.new_zeros(inp.B, inp.Hq, inp.Tq, inp.Dv), inp.q, inp.k, inp.v)
+            out = inp.q.new_zeros(inp.B, inp.Hq, inp.Tq, inp.Dv)
+            out = out if inp.kv_format != "dense" else connected(out, inp.q, inp.k, inp.v)
             lse = torch.full((inp.B, inp.Hq, inp.Tq), float("-inf"), dtype=acc, device=inp.device)
-        elif native is not False and reason is None:
-            out, lse = _kernel(inp, lists, keep, acc)
-            out = out.to(inp.dtype)
+            return (out, lse) if inp.return_lse else out
+        if inp.kv_format != "dense":  # a cache handle: read the listed rows only
+            k, v, lists = _listed_rows(inp, lists, acc)
+            kv_offset = 0
+        if native is not False and reason is None:
+            out, lse = _kernel(inp.q, k, v, lists, keep, kv_offset, inp.scale, acc)
         else:
-            plan = _Plan(inp, lists, keep)
-            out, lse = _TopKAttention.apply(inp.q, inp.k, inp.v, plan, inp.scale, acc)
-            out = out.to(inp.dtype)
+            out, lse = _TopKAttention.apply(inp.q, k, v, _Plan(inp, lists, keep, kv_offset), inp.scale, acc)
+        out = out.to(inp.dtype)
         return (out, lse) if inp.return_lse else out
