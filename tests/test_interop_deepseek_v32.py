@@ -78,3 +78,35 @@ def test_the_mask_slices_like_a_tensor(model):
     assert hf[:, 0].tolist() == [[[True, True, True, False, False], [True, True, True, True, False],
                                   [True, True, True, True, True]]] * 2
     assert isinstance(TopK(torch.zeros(1, 1, 3, 1, dtype=torch.long)).topk(), TopK)
+
+
+def test_lightning_indexer_equals_transformers_indexer(model):
+    """attnkit's indexer on the projections of transformers' DeepseekV32Indexer picks the same keys."""
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as modeling
+
+    from attnkit.nn import lightning_indexer
+
+    m, ids, _ = model
+    layer = m.model.layers[0].self_attn
+    indexer = layer.indexer
+    g = torch.Generator().manual_seed(2)
+    B, S = 2, 13
+    hidden = torch.randn(B, S, m.config.hidden_size, generator=g)
+    q_resid = torch.randn(B, S, m.config.q_lora_rank, generator=g)
+    position_ids = torch.arange(S).expand(B, S)
+    cos, sin = m.model.rotary_emb(hidden, position_ids)
+    causal = torch.ones(S, S, dtype=torch.bool).tril().expand(B, S, S)
+    with torch.no_grad():
+        theirs = indexer(hidden, q_resid, (cos, sin), causal, position_ids)  # (B, S, topk)
+        H, D, rope = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
+        q = indexer.wq_b(q_resid).view(B, S, H, D)
+        k = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)
+        q_rot, k_rot = modeling.apply_rotary_pos_emb(q[..., :rope], k[..., :rope], cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q[..., rope:]], -1).transpose(1, 2)  # (B, H, S, D)
+        k = torch.cat([k_rot, k[..., rope:]], -1).transpose(1, 2)  # (B, 1, S, D)
+        w = indexer.weights_proj(hidden).transpose(1, 2) * H ** -0.5  # (B, H, S)
+        ours = lightning_indexer(q, k, w, indexer.index_topk)[:, 0]  # (B, S, topk), -1 where fewer keys
+    for b in range(B):
+        for i in range(S):
+            mine = sorted(j for j in ours[b, i].tolist() if j >= 0)
+            assert mine == sorted(j for j in theirs[b, i].tolist() if j <= i)  # theirs pads with future keys
