@@ -110,3 +110,34 @@ def test_lightning_indexer_equals_transformers_indexer(model):
         for i in range(S):
             mine = sorted(j for j in ours[b, i].tolist() if j >= 0)
             assert mine == sorted(j for j in theirs[b, i].tolist() if j <= i)  # theirs pads with future keys
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "int8", "paged"])
+def test_latent_decoding_runs_the_indexer_and_attends_its_keys_over_the_latents(model, kind, monkeypatch):
+    """With a latent cache and use_latent_decoding(), V3.2's decode steps run absorbed over the latent
+    rows (mla_decode) with the indexer's lists as a TopK mask, the indexer's keys kept by the cache."""
+    import attnkit.interop.hf_deepseek as hf_deepseek
+    from attnkit.interop import latent_cache, use_latent_decoding
+
+    m, ids, (logits, tokens) = model
+    calls = []
+    real = hf_deepseek.mla_decode
+
+    def spy(q, rows, **kw):
+        calls.append((q.shape[2], kw["mask"].topk().k))
+        return real(q, rows, **kw)
+
+    monkeypatch.setattr(hf_deepseek, "mla_decode", spy)
+    sizes = dict(max_batch_size=2, block_size=5) if kind == "paged" else {}
+    with torch.no_grad(), use_latent_decoding():
+        cache = latent_cache(m.config, kind, max_cache_len=32, **sizes)
+        chunks = [m(ids[:, a:b], past_key_values=cache).logits for a, b in ((0, 9), (9, 12), (12, 13))]
+        generated = m.generate(ids, max_new_tokens=6, do_sample=False,
+                               past_key_values=latent_cache(m.config, kind, max_cache_len=32, **sizes))
+    got = torch.cat(chunks, 1)
+    assert calls and all(k == TOPK for _, k in calls)  # every decode step attended its 5 listed keys
+    err = (got - logits).abs().max() / logits.abs().max()
+    if kind == "int8":
+        assert 0 < err < 0.03
+    else:
+        assert err <= 1e-5 and torch.equal(generated, tokens)

@@ -274,3 +274,19 @@ def test_decoding_through_every_cache(kind, Tq, native, monkeypatch):
         k_all, v_all = dense
     ref = attnkit.attention(q, k_all, v_all, mask=mask, kv_offset=kv_offset, backend="naive")
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("native", IMPLS)
+def test_mla_decode_with_key_lists_reads_the_listed_latent_rows(native):
+    """Absorbed MLA decoding (values a view of the keys' first columns) under TopK lists equals the
+    naive attention on the same rows; the lists go to the topk backend, not the decode kernel."""
+    g = torch.Generator().manual_seed(11)
+    rows = torch.randn(1, 1, 40, 24, generator=g)  # latent 16 + rope 8
+    q = torch.randn(1, 4, 2, 24, generator=g)
+    mask = TopK(lists(1, 1, 2, 40, 6, seed=12)) & Causal()
+    out = attnkit.mla_decode(q, rows, kv_lora_rank=16, scale=0.2, mask=mask)
+    ref = attnkit.attention(q, rows, rows[..., :16], mask=mask, scale=0.2, backend="naive")
+    assert torch.allclose(out, ref, atol=1e-6)
+    twin = attnkit.attention(q, rows, rows[..., :16], mask=mask, scale=0.2, backend="topk",
+                             options=TopKOptions(native=native))
+    assert torch.allclose(twin, ref, atol=1e-6)

@@ -100,14 +100,19 @@ def _pairs(inp: AttentionInputs) -> tuple[Tensor, Tensor | None]:
 
 
 def _listed_rows(inp: AttentionInputs, lists: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """For K/V in a cache handle (int8, paged): ``(k, v, lists)`` with only the listed keys read,
-    ``(B, Hkv, U, D)`` for the ``U`` distinct positions listed anywhere in the call, and the lists
-    renumbered to them (-1 stays): O(Tq·k) reads per step instead of a copy of the whole cache."""
+    """``(k, v, lists)`` with only the listed keys read, ``(B, Hkv, U, D)`` for the ``U`` distinct
+    positions listed anywhere in the call, and the lists renumbered to them (-1 stays): for K/V in a
+    cache handle (int8, paged), or strided (values that are a view of the keys, as MLA's latent
+    rows): O(Tq·k) reads instead of a copy of the whole cache."""
     listed = lists >= 0
     positions = torch.unique(lists[listed])  # sorted
     if positions.numel() == 0:
-        positions = torch.zeros(1, dtype=torch.long, device=lists.device)
-    k, v = inp.k.gather(positions, dtype)
+        positions = torch.full((1,), inp.kv_offset, dtype=torch.long, device=lists.device)
+    if inp.kv_format != "dense":
+        k, v = inp.k.gather(positions, dtype)
+    else:
+        rows = positions - inp.kv_offset
+        k, v = inp.k[:, :, rows], inp.v[:, :, rows]
     return k, v, torch.where(listed, torch.searchsorted(positions, lists.clamp(min=0)), -1)
 
 
@@ -257,7 +262,7 @@ class TopKBackend(Backend):
             out = out if inp.kv_format != "dense" else connected(out, inp.q, inp.k, inp.v)
             lse = torch.full((inp.B, inp.Hq, inp.Tq), float("-inf"), dtype=acc, device=inp.device)
             return (out, lse) if inp.return_lse else out
-        if inp.kv_format != "dense":  # a cache handle: read the listed rows only
+        if inp.kv_format != "dense" or not (k.is_contiguous() and v.is_contiguous()):  # read the listed rows only
             k, v, lists = _listed_rows(inp, lists, acc)
             kv_offset = 0
         if native is not False and reason is None:
