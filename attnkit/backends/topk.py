@@ -69,16 +69,38 @@ class TopKOptions:
         check_bool(self.native, "native", owner="TopKOptions", allow_none=True)
 
 
-_KERNEL: list = []  # [None] once the sparse family loaded, [reason] when it cannot
+_KERNEL: list = []  # [""] once the sparse family loaded, [reason] when it cannot
+
+
+def kernel_unavailable() -> str:
+    """Why the sparse kernel family cannot be loaded (``""`` when it is): loaded once, with fake kernels
+    registered so ``torch.compile`` traces its ops; a constant to ``torch.compile``."""
+    if not _KERNEL:
+        reason = loader.load_library("sparse")
+        if reason is None:  # shapes from the inputs alone
+            torch.library.register_fake("attnkit_sparse::forward")(_forward_fake)
+            torch.library.register_fake("attnkit_sparse::backward")(_backward_fake)
+        _KERNEL.append(reason or "")
+    return _KERNEL[0]
+
+
+kernel_unavailable._dynamo_marked_constant = True  # as attnkit._compat.assume_constant_result marks it
 
 
 def kernel_reason(inp: AttentionInputs) -> str | None:
     """Why the C++ kernel cannot run ``inp`` (None: it can)."""
     if inp.device.type != "cpu":
         return f"the sparse kernel runs on the CPU, not {inp.device.type}"
-    if not _KERNEL:
-        _KERNEL.append(loader.load_library("sparse"))
-    return _KERNEL[0]
+    return kernel_unavailable() or None
+
+
+def _forward_fake(q, k, v, index, scale):
+    B, Hq, Tq, _ = q.shape
+    return q.new_empty(B, Hq, Tq, v.shape[-1]), q.new_empty(B, Hq, Tq)
+
+
+def _backward_fake(dout, q, k, v, out, lse, index, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _pairs(inp: AttentionInputs) -> tuple[Tensor, Tensor | None]:
