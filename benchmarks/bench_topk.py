@@ -1,10 +1,10 @@
 """Top-k sparse attention (``TopK(idx) & Causal()`` on the ``topk`` backend) against dense causal attention.
 
 Forward + backward of one layer's attention, batch 1, ``--heads`` query heads over ``--kv-heads``
-key/value heads of ``--head-dim``, at T = 2048, 8192 and 16384 with k = T/8 keys per query (one list
-per query shared by every head, as DeepSeek-V3.2's indexer gives; random lists, the -1 padding of
-the first queries included). Every case is interleaved in one process (torch.utils.benchmark,
-median of ``--rounds``):
+key/value heads of ``--head-dim``, at T = 2048, 8192 and 16384 with k = T/8 keys per query
+(``--k-divisor``), one list per query shared by every head, as DeepSeek-V3.2's indexer gives
+(random lists, the -1 padding of the first queries included). Every case is interleaved in one
+process (torch.utils.benchmark, median of ``--rounds``):
 
 * ``topk``: ``attention(q, k, v, mask=TopK(idx) & Causal())``, which ``auto`` runs on ``topk``;
 * ``dense``: ``attention(q, k, v, mask=Causal())`` on the fused ``native`` kernel (``tiled`` when the
@@ -57,7 +57,7 @@ def case(T: int, args) -> dict:
     k = torch.randn(*shape(args.kv_heads), generator=g).requires_grad_()
     v = torch.randn(*shape(args.kv_heads), generator=g).requires_grad_()
     do = torch.randn(*shape(args.heads), generator=g)
-    kk = max(1, T // 8)
+    kk = max(1, T // args.k_divisor)
     sparse = TopK(lists(T, kk, T)) & Causal()
     chosen = attnkit.dispatch.select(AttentionInputs.create(q, k, v, mask=sparse)).name
     dense = dense_backend(q, k, v)
@@ -80,6 +80,7 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--k-divisor", type=int, default=8, help="k = T / this (8: the issue's k = T/8)")
     parser.add_argument("--json", help="write the rows to this JSON file")
     args = parser.parse_args(argv)
     if args.quick:
