@@ -312,3 +312,15 @@ def test_compiles_fullgraph_and_equals_eager(native):
     for a, b in zip(grads, torch.autograd.grad(ref.sum(), (q, k, v))):
         torch.testing.assert_close(a, b)
     torch._dynamo.reset()
+
+
+@pytest.mark.skipif(KERNEL is not None, reason=str(KERNEL))
+def test_the_sparse_operators_pass_opcheck():
+    """Schemas, fake kernels and the C++ kernels agree (torch.library.opcheck)."""
+    g = torch.Generator().manual_seed(19)
+    q, k, v = (torch.randn(1, h, 9, 8, generator=g) for h in (4, 2, 2))
+    index = TopK(lists(1, 1, 9, 9, 4, seed=19)).lists()  # sorted, each key once, -1 padding
+    ops = torch.ops.attnkit_sparse
+    out, lse = ops.forward(q, k, v, index, 0.3)
+    torch.library.opcheck(ops.forward.default, (q, k, v, index, 0.3))
+    torch.library.opcheck(ops.backward.default, (torch.ones_like(out), q, k, v, out, lse, index, 0.3))
