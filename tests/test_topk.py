@@ -324,3 +324,23 @@ def test_the_sparse_operators_pass_opcheck():
     out, lse = ops.forward(q, k, v, index, 0.3)
     torch.library.opcheck(ops.forward.default, (q, k, v, index, 0.3))
     torch.library.opcheck(ops.backward.default, (torch.ones_like(out), q, k, v, out, lse, index, 0.3))
+
+
+@pytest.mark.parametrize("native", IMPLS)
+def test_a_half_precision_cache_is_read_at_the_listed_rows(native, monkeypatch):
+    """Decoding over a long bfloat16 K/V upcasts the listed rows only, never the whole cache."""
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(1, 4, 1, 16, generator=g).bfloat16()
+    k, v = (torch.randn(1, 2, 500, 16, generator=g).bfloat16() for _ in range(2))
+    mask = TopK(lists(1, 1, 1, 500, 8, seed=21))
+    ref = attnkit.attention(q, k, v, mask=mask, backend="naive")
+    real = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        assert self.shape[-2] != 500, "the whole cache was converted"
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    out = attnkit.attention(q, k, v, mask=mask, backend="topk", options=TopKOptions(native=native))
+    monkeypatch.undo()
+    assert torch.allclose(out.float(), ref.float(), atol=1e-2)

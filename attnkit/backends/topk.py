@@ -284,7 +284,11 @@ class TopKBackend(Backend):
             out = out if inp.kv_format != "dense" else connected(out, inp.q, inp.k, inp.v)
             lse = torch.full((inp.B, inp.Hq, inp.Tq), float("-inf"), dtype=acc, device=inp.device)
             return (out, lse) if inp.return_lse else out
-        if inp.kv_format != "dense" or not (k.is_contiguous() and v.is_contiguous()):  # read the listed rows only
+        # Read the listed rows only from a cache handle, and where K/V would be copied whole (strided, or
+        # in half precision for the float32 kernel) while the lists name fewer rows than K/V hold (decoding).
+        few = lists.shape[-2] * lists.shape[-1] <= inp.Tk
+        if inp.kv_format != "dense" or (few and (k.dtype != acc or v.dtype != acc or not k.is_contiguous()
+                                                 or not v.is_contiguous())):
             k, v, lists = _listed_rows(inp, lists, acc)
             kv_offset = 0
         if native is not False and reason is None:
