@@ -11,7 +11,15 @@ Measured in one process, interleaved (median of ``--rounds`` rounds), B=1, H=8, 
 4. peak memory of forward+backward at each length, each in a fresh subprocess: the resident
    high-water mark (``/proc/self/status`` VmHWM, reset just before the run) minus the resident size
    with the inputs built (also with ``recompute_segment=1024``; SDPA up to ``--sdpa-max``);
-5. error vs a float64 recurrence (fp32 relative; bf16 vs a bf16 recurrence), at ``--check-length``.
+5. error vs a float64 recurrence (fp32 relative; bf16 vs a bf16 recurrence), at ``--check-length``;
+6. ``kernel``: the native gated kernel (``attnkit build``) at each ``--kernel-lengths`` (4096 and
+   16384): forward and forward+backward of ``gated_linear_attention`` with the kernel, with the
+   PyTorch chunked path (``native=False``) and transformers' ``torch_chunk_gated_delta_rule``, and a
+   2048x2048 fp32 matmul, interleaved round by round with ``torch.utils.benchmark`` (median per
+   case): the kernel's matmul FLOP rate as a share of the matmul's fastest round in the same run;
+   and the raw decode-step op vs SDPA decode at ``--decode-context`` keys.
+
+``--quick`` runs every section at toy sizes (a smoke run, seconds).
 
 The CPU may be shared: read the ratios and repeat. Nothing here asserts a timing.
 
@@ -19,6 +27,8 @@ The CPU may be shared: read the ratios and repeat. Nothing here asserts a timing
         [--out bench-results/gated_delta.json]
     python benchmarks/bench_gated_delta.py --length 256 --lengths 256 --heads 2 --dim 32   # smoke run
     python benchmarks/bench_gated_delta.py --sections sdpa,memory --lengths 4096,16384,65536  # long figures
+    python benchmarks/bench_gated_delta.py --sections kernel --rounds 5   # the native kernel's figures
+    python benchmarks/bench_gated_delta.py --quick                         # smoke run
 """
 
 from __future__ import annotations
@@ -67,6 +77,96 @@ def transformers_rule():
         t = [x.transpose(1, 2) for x in (q, k, v, g, beta)]
         return torch_chunk_gated_delta_rule(*t[:3], g=t[3], beta=t[4])[0].transpose(1, 2)
     return run
+
+
+def ours_pytorch(q, k, v, g, beta):
+    return attnkit.gated_linear_attention(q, k, v, g, beta, native=False)
+
+
+def ours_native(q, k, v, g, beta):
+    return attnkit.gated_linear_attention(q, k, v, g, beta, native=True)
+
+
+def kernel_flops(T: int, H: int, D: int, C: int = 64) -> tuple[float, float]:
+    """The chunked kernel's matmul FLOPs (forward, backward) for B=1: per chunk of ``C`` tokens,
+    forward ``10 C² D + 6 C D²`` (K Kᵀ, Q Kᵀ, u, w, A v_new; w S, K_dᵀ v_new, Q_g S) and backward
+    ``26 C² D + 12 C D²`` (the forward's four intra-chunk products recomputed, then 9 of each kind)."""
+    chunks = H * -(-T // C)
+    return chunks * (10 * C * C * D + 6 * C * D * D), chunks * (26 * C * C * D + 12 * C * D * D)
+
+
+def kernel_section(lengths: list[int], H: int, D: int, rounds: int, context: int, matmul_n: int) -> dict:
+    """Section 6 (see the module docstring)."""
+    from torch.utils import benchmark
+
+    from attnkit.backends.kernelized.gated import kernel
+
+    if kernel.extension_reason() is not None:
+        print(f"kernel section skipped: {kernel.extension_reason()}")
+        return {"skipped": kernel.extension_reason()}
+    out = {}
+    a = torch.randn(matmul_n, matmul_n)
+    trans = transformers_rule()
+    for L in lengths:
+        cases = {"kernel": ours_native, "pytorch": ours_pytorch, "transformers": trans}
+        row = {}
+        for backward in (False, True):
+            key = "fwd_bwd" if backward else "fwd"
+            x = inputs(L, H, D, grad=backward)
+
+            def run(fn, x=x, backward=backward):
+                with torch.set_grad_enabled(backward):
+                    o = fn(*x)
+                    if backward:
+                        for t in x:
+                            t.grad = None
+                        o.sum().backward()
+
+            timers = {name: benchmark.Timer("run(fn)", globals={"run": run, "fn": fn}) for name, fn in cases.items()}
+            timers["matmul"] = benchmark.Timer("a @ a", globals={"a": a})
+            for t in timers.values():  # warm-up
+                t.timeit(1)
+            times = {name: [] for name in timers}
+            for _ in range(rounds):  # interleaved: every case once per round (the matmul 3 times)
+                for name, t in timers.items():
+                    times[name].append(t.timeit(3 if name == "matmul" else 1).median)
+            med = {name: statistics.median(ts) for name, ts in times.items() if name != "matmul"}
+            peak = 2 * matmul_n ** 3 / min(times["matmul"])  # the fastest round: the rate this run reached
+            fwd, bwd = kernel_flops(L, H, D)
+            flops = fwd + (bwd if backward else 0)
+            row[key] = {**{f"{n}_s": t for n, t in med.items()}, "matmul_peak_gflops": peak / 1e9,
+                        "kernel_gflops": flops / med["kernel"] / 1e9,
+                        "kernel_share_of_peak": flops / med["kernel"] / peak,
+                        "speedup_vs_transformers": med["transformers"] / med["kernel"],
+                        "speedup_vs_pytorch": med["pytorch"] / med["kernel"]}
+            r = row[key]
+            print(f"kernel T={L} {key}: kernel {med['kernel'] * 1e3:.1f} ms ({r['kernel_gflops']:.0f} GFLOP/s, "
+                  f"{r['kernel_share_of_peak']:.0%} of the {r['matmul_peak_gflops']:.0f} GFLOP/s matmul), "
+                  f"pytorch {med['pytorch'] * 1e3:.1f} ms, transformers {med['transformers'] * 1e3:.1f} ms "
+                  f"({r['speedup_vs_transformers']:.1f}x)")
+        out[L] = row
+    # the decode step: the op alone (state in place) and through GatedLinearState, vs SDPA decode
+    q1, k1, v1, g1, b1 = inputs(1, H, D, seed=1)
+    qs = q1 * D ** -0.5
+    S = torch.randn(1, H, D, D) * 0.01
+    kc, vc = torch.randn(1, H, context + 1, D), torch.randn(1, H, context + 1, D)
+    state = attnkit.GatedLinearState()
+    state.state = S.clone()
+    timers = {"step_op": benchmark.Timer("step(q, k, v, g, b, S)", globals={
+                  "step": kernel.step, "q": qs, "k": k1, "v": v1, "g": g1, "b": b1, "S": S}),
+              "step_layer": benchmark.Timer("state.step(q, k, v, g=g, beta=b)", globals={
+                  "state": state, "q": q1, "k": k1, "v": v1, "g": g1, "b": b1}),
+              "sdpa": benchmark.Timer("sdpa(q, k, v)", globals={
+                  "sdpa": F.scaled_dot_product_attention, "q": q1, "k": kc, "v": vc})}
+    with torch.no_grad():
+        med = {name: t.blocked_autorange(min_run_time=0.2).median for name, t in timers.items()}
+    out["decode"] = {**{f"{n}_s": t for n, t in med.items()}, "context": context,
+                     "op_ratio_vs_sdpa": med["step_op"] / med["sdpa"],
+                     "layer_ratio_vs_sdpa": med["step_layer"] / med["sdpa"]}
+    print(f"decode step (H={H}, D={D}): kernel op {med['step_op'] * 1e6:.0f} us, through GatedLinearState "
+          f"{med['step_layer'] * 1e6:.0f} us, SDPA decode at Tk={context} {med['sdpa'] * 1e6:.0f} us "
+          f"(op {out['decode']['op_ratio_vs_sdpa']:.2f}x, layer {out['decode']['layer_ratio_vs_sdpa']:.2f}x)")
+    return out
 
 
 def sdpa(q, k, v, g, beta):
@@ -174,8 +274,10 @@ def main() -> None:
     parser.add_argument("--sdpa-max", type=int, default=16384,
                         help="longest T at which causal SDPA fwd+bwd is timed (its CPU backward is slow)")
     parser.add_argument("--chunk-sizes", default="", help="also time attnkit fwd+bwd at these chunk sizes")
-    parser.add_argument("--sections", default="transformers,sdpa,memory,decode,error",
+    parser.add_argument("--sections", default="transformers,sdpa,memory,decode,error,kernel",
                         help="comma list of sections to run")
+    parser.add_argument("--kernel-lengths", default="4096,16384", help="T list for the native kernel section")
+    parser.add_argument("--quick", action="store_true", help="every section at toy sizes (a smoke run)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--measure-peak", default=None, help=argparse.SUPPRESS)  # T,H,D,which: internal
     args = parser.parse_args()
@@ -184,6 +286,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         measure_peak(int(T), int(H), int(D), which)
         return
+    matmul_n = 2048
+    if args.quick:
+        args.rounds, args.heads, args.dim, args.length, args.lengths = 1, 2, 32, 256, "256"
+        args.kernel_lengths, args.decode_context, args.check_length, matmul_n = "256", 64, 64, 256
     sections = set(args.sections.split(","))
     torch.set_num_threads(args.threads)
     H, D, T = args.heads, args.dim, args.length
@@ -231,6 +337,9 @@ def main() -> None:
     if "error" in sections:
         result["error"] = errors(args.check_length, H, D)
         print("error vs float64 recurrence:", {k: f"{v:.2e}" for k, v in result["error"].items()})
+    if "kernel" in sections:
+        result["kernel"] = kernel_section([int(x) for x in args.kernel_lengths.split(",")], H, D, args.rounds,
+                                          args.decode_context, matmul_n)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

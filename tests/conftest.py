@@ -37,6 +37,7 @@ def pytest_report_header(config):
 _FILE_MARKS = {
     "test_packaging.py": "packaging",  # builds a wheel, imports attnkit afresh
     "test_distributed.py": "distributed",  # gloo process groups
+    "test_distributed_gated.py": "distributed",
     "test_train_ddp.py": "distributed",  # torchrun
     "test_compile.py": "compile",
 }

@@ -518,14 +518,15 @@ def test_context_parallel_flag_needs_torchrun(tmp_path, monkeypatch, capsys):
     assert code == 2 and "torchrun --nproc_per_node=2" in err, err  # one line, exit status 2
 
 
-def _readme_job(rank, world):
+def _readme_job(rank, world, heading="# Context parallelism"):
+    """The first ```python block after ``heading`` of the context-parallel guide, run on this rank."""
     import contextlib
     import io
     import pathlib
     import re
 
     readme = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "context-parallel.md").read_text()
-    section = readme.split("# Context parallelism", 1)[1]
+    section = readme.split(heading, 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

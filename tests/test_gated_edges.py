@@ -89,7 +89,7 @@ def test_finite_inputs_run_the_rule_as_given(rule):
     from attnkit.backends.kernelized.gated import chunk_gated_delta_rule, chunk_kda, chunk_ssd
 
     q, k, v, g, beta = gates(rule, 2, 2, 2, 37, 8, 5, seed=2)
-    o = attnkit.gated_linear_attention(q, k, v, g, beta, chunk_size=16, scale=1.0)
+    o = attnkit.gated_linear_attention(q, k, v, g, beta, chunk_size=16, scale=1.0, native=False)
     if rule == "ssd":
         want, _ = chunk_ssd(q, k, v, g, chunk_size=16)
     else:

@@ -58,6 +58,23 @@ def test_override_decides_the_upcast_of_forward_only_calls(half, forced, upcast)
     assert out.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("backend", ["tiled", "sliding_window", "block_sparse"])
+def test_float16_tiles_are_float32_even_where_float16_matmuls_are_fast(half, backend):
+    """A float16 matmul rounds its result to float16 (range 65504): q = k = v = 256 at D = 80 give
+    scores of 5.9e5 even after scaling, so float16 inputs run float32 tiles on every CPU."""
+    half.setenv("ATTNKIT_HALF_MATMUL", "fast")
+    hardware.refresh()
+    assert hardware.half_matmul_is_fast(torch.float16)
+    x = torch.randn(1, 2, 8, 16).half()
+    assert _common.upcast_on_cpu(AttentionInputs.create(x, x, x)).dtype == torch.float32
+    big = torch.full((1, 2, 16, 80), 256.0, dtype=torch.float16)
+    mask = {"tiled": attnkit.Causal(), "sliding_window": attnkit.SlidingWindow(15, 0),
+            "block_sparse": attnkit.BlockSparse.window_global(2, 8, causal=True)}[backend]
+    out = attnkit.attention(big, big, big, mask=mask, backend=backend)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    assert (out.float() - 256.0).abs().max() <= 0.25
+
+
 def test_the_override_is_read_only_by_refresh(half):
     hardware.refresh()
     before = hardware.half_matmul_is_fast(torch.bfloat16)

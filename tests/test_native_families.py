@@ -1,7 +1,7 @@
-"""Each native kernel family (prefill, decode, fastpath, sparse) is its own library: a source that fails to
-compile takes only its own family down. The others build, load and run, the build step says which
-failed and exits 1, and ``attnkit info`` and the backends' reasons name the broken family with the
-compiler's first error line."""
+"""Each native kernel family (prefill, decode, fastpath, gated, sparse) is its own library: a source
+that fails to compile takes only its own family down. The others build, load and run, the build
+step says which failed and exits 1, and ``attnkit info`` and the backends' reasons name the broken
+family with the compiler's first error line."""
 
 from __future__ import annotations
 
@@ -76,6 +76,13 @@ result["sparse_ok"] = bool(torch.allclose(out, attnkit.attention(q, k, v, mask=t
 fast = loader.fastpath()
 result["fastpath_ok"] = fast is not None and fast.finite(torch.ones(5)) is True and \
     fast.finite(torch.tensor([1.0, float("nan")])) is False
+from attnkit.backends.kernelized.gated import kernel as gated_kernel
+result["gated_reason"] = gated_kernel.extension_reason()
+gq, gk, gv = (torch.randn(1, 2, 9, 8, generator=g) for _ in range(3))
+gg, gb = -torch.rand(1, 2, 9, generator=g), torch.rand(1, 2, 9, generator=g)
+want = attnkit.gated_linear_attention(gq, gk, gv, gg, gb, qk_l2norm=True, native=False)
+got = attnkit.gated_linear_attention(gq, gk, gv, gg, gb, qk_l2norm=True)
+result["gated_ok"] = bool(torch.allclose(got, want, atol=1e-5))
 print(json.dumps(result))
 """
 
@@ -110,4 +117,8 @@ def test_a_family_that_fails_to_compile_leaves_the_others_working(broken, tmp_pa
     if broken == "decode":
         assert "broken on purpose" in result["decode_reason"]
     assert result["fastpath_ok"] == (broken != "fastpath")
+    # gated linear attention runs either way: the kernel, or its PyTorch twin when the gated family is broken
+    assert result["gated_ok"] and (result["gated_reason"] is None) == (broken != "gated")
+    if broken == "gated":
+        assert "broken on purpose" in result["gated_reason"]
     assert result["sparse_ok"] and (result["sparse_reason"] is None) == (broken != "sparse")

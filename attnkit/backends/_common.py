@@ -111,14 +111,23 @@ def mask_on(mask, inp: AttentionInputs, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     return keep.expand(broadcast_shapes(keep.shape, (1, 1, *q_pos.shape, k_pos.shape[-1])))
 
 
+def half_tiles_on_cpu(dtype: torch.dtype, requires_grad: bool) -> bool:
+    """Whether a PyTorch-op backend multiplies ``dtype`` tiles in ``dtype`` on a CPU (else in float32).
+
+    bfloat16: where the CPU has half-precision matmul instructions (its features:
+    :func:`attnkit.hardware.half_matmul_is_fast`; without them such matmuls run ~100x slower), and
+    only without gradients (the backward's cancellations need float32 tiles). float16: never, since a
+    float16 matmul rounds its result to float16, whose range (65504) holds neither every q·kᵀ
+    (q = k = 256 at D = 80 gives 5.2e6, 5.9e5 even after scaling) nor a tile's p·v sums."""
+    return dtype == torch.bfloat16 and not requires_grad and half_matmul_is_fast(dtype)
+
+
 def upcast_on_cpu(inp: AttentionInputs) -> AttentionInputs:
-    """float16/bfloat16 inputs on a CPU without half-precision matmul instructions (its features:
-    :func:`attnkit.hardware.half_matmul_is_fast`; without hardware support they run ~100x slower)
-    as float32; the caller casts the output back. Kept as they are for forward-only calls where the CPU
-    has fast ones (gradients keep float32 tiles: their cancellations need the precision)."""
+    """float16/bfloat16 inputs as float32 unless :func:`half_tiles_on_cpu` keeps them; the caller
+    casts the output back."""
     if inp.device.type != "cpu" or inp.dtype not in (torch.float16, torch.bfloat16):
         return inp
-    if not inp.requires_grad and half_matmul_is_fast(inp.dtype):
+    if half_tiles_on_cpu(inp.dtype, inp.requires_grad):
         return inp
     return dataclasses.replace(inp, q=inp.q.float(), k=inp.k.float(), v=inp.v.float())
 

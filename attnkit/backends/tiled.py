@@ -21,11 +21,11 @@ import torch
 from torch import Tensor
 
 from .._validate import check_bool, positive_int
-from ..hardware import half_matmul_is_fast
 from ..inputs import AttentionInputs
 from ..masks import BlockStatus, Mask
 from ..score_mods import ScoreMod
 from ..registry import Backend, Work, register_backend
+from ._common import half_tiles_on_cpu
 
 NEG_INF = float("-inf")
 
@@ -36,9 +36,10 @@ class TiledOptions:
     ``B * Hq * block_q * block_k`` floats: 4 MiB at B=1, Hq=8 and the defaults, measured best of
     256..1024 x 512..4096 at n=4096 on a 2-core CPU).
 
-    ``upcast``: run the tile matmuls of float16/bfloat16 inputs in float32 (``None``: on a CPU whose
-    half-precision matmuls lack hardware support, from its features:
-    :func:`attnkit.hardware.half_matmul_is_fast`; without hardware support they run ~100x slower)."""
+    ``upcast``: run the tile matmuls of float16/bfloat16 inputs in float32 (``None``: as
+    :func:`attnkit.backends._common.half_tiles_on_cpu` decides from the CPU's features: always for
+    float16, whose range cannot hold every score; for bfloat16 where the CPU lacks half-precision
+    matmul instructions or gradients are needed). ``upcast=False`` with float16 inputs may overflow."""
 
     block_q: int = 256
     block_k: int = 512
@@ -356,10 +357,9 @@ class TiledBackend(Backend):
                      inp.B, inp.Hq)
         q, k, v = inp.q.contiguous(), inp.k.contiguous(), inp.v.contiguous()
         upcast = options.upcast
-        if upcast is None:  # measured: half-precision tiles only where this CPU multiplies them fast, and
-            # only without gradients (the backward's cancellations need float32 tiles)
+        if upcast is None:
             upcast = inp.device.type == "cpu" and inp.dtype in (torch.float16, torch.bfloat16) and (
-                inp.requires_grad or not half_matmul_is_fast(inp.dtype))
+                not half_tiles_on_cpu(inp.dtype, inp.requires_grad))
         if upcast and inp.dtype in (torch.float16, torch.bfloat16):
             q, k, v = q.float(), k.float(), v.float()  # O(n) copies; autograd casts the grads back
         out, lse = _TiledFunction.apply(q, k, v, bias, inp.sinks, plan, _flat_params(inp.score_mod))

@@ -186,14 +186,16 @@ def native_precision_line() -> str | None:
 
 def native_kernel_line(prog: str = "attnkit") -> str:
     """Where each native kernel family was looked for, and whether it loaded there (or why not): one
-    line per family (prefill, decode, fastpath, sparse; each its own library)."""
+    line per family (prefill, decode, fastpath, gated, sparse; each its own library)."""
     from ..backends import decode_native, native, topk
+    from ..backends.kernelized.gated import kernel as gated_kernel
     from ..csrc import build, loader
     from ..inputs import AttentionInputs
 
     cpu = torch.zeros(1, 1, 1, 1)
     reasons = {"prefill": native.load_extension()[1], "decode": decode_native._extension()[1],
                "fastpath": None if loader.fastpath() is not None else loader.load_library("fastpath"),
+               "gated": gated_kernel.extension_reason(),
                "sparse": topk.kernel_reason(AttentionInputs.create(cpu, cpu, cpu))}
     lines = []
     for family, reason in reasons.items():

@@ -8,6 +8,8 @@ built for the CPU they run on) into ``attnkit/csrc/_build/<family>/``:
   ``torch.ops.attnkit_native``);
 * ``decode``: ``decode.cpp``, the split-K decode kernel (ops ``torch.ops.attnkit_decode``);
 * ``fastpath``: ``fastpath.cpp``, the per-call key and finiteness scan (a small CPython module);
+* ``gated``: ``gated.cpp``, gated linear attention: the chunked gated delta rule and SSD, forward
+  and backward, and the recurrent decode step (ops ``torch.ops.attnkit_gated``);
 * ``sparse``: ``sparse.cpp``, top-k sparse attention over per-query key lists, forward and backward
   (ops ``torch.ops.attnkit_sparse``).
 
@@ -51,6 +53,7 @@ FAMILIES = {
     "prefill": Family("prefill", "attnkit_native", "attention.cpp", ("tiles.h", "score_mod.h")),
     "decode": Family("decode", "attnkit_decode", "decode.cpp", ("tiles.h",)),
     "fastpath": Family("fastpath", "attnkit_fastpath", "fastpath.cpp"),
+    "gated": Family("gated", "attnkit_gated", "gated.cpp"),
     "sparse": Family("sparse", "attnkit_sparse", "sparse.cpp"),
 }
 NAME = FAMILIES["prefill"].library  # the prefill kernel's op namespace: torch.ops.attnkit_native

@@ -17,7 +17,6 @@ backward. Two strategies:
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -25,8 +24,8 @@ from torch import Tensor
 
 from ..inputs import AttentionInputs
 from ..masks import BlockStatus, Mask, as_mask
-from .comm import Ring, agree, gather_descriptors, heads_to_seq, resolve_timeout, seq_to_heads
-from .layout import SequenceLayout
+from .comm import Ring, agree, digest_ints, exchange_checks, heads_to_seq, resolve_timeout, seq_to_heads
+from .layout import SequenceLayout, check_layout
 from .ring import BlockPair, RingPlan, ring_attention
 
 __all__ = ["context_parallel_attention", "explain_context_parallel", "ContextParallelPlan", "STRATEGIES"]
@@ -216,25 +215,6 @@ def explain_context_parallel(q: Tensor, k: Tensor, v: Tensor, *, mask=None, grou
     return _plan(q, k, v, mask, group, layout, strategy, None, 0.0, timeout)[0].describe()
 
 
-def _exchange(ring: Ring, error: BaseException | None, values: list[int]) -> list[list[int]]:
-    """Every rank's ``values`` after every rank's check: raises this rank's ``error``, or a
-    ValueError naming the ranks that had one (so none goes on to wait for them)."""
-    everyone = gather_descriptors(ring, [0 if error is not None else 1] + values)
-    if error is not None:
-        raise error
-    failed = [r for r, d in enumerate(everyone) if d[0] == 0]
-    if failed:
-        raise ValueError(f"context_parallel_attention: rank(s) {failed} rejected their inputs (their own error "
-                         "says why); every rank stops instead of waiting for them.")
-    return [d[1:] for d in everyone]
-
-
-def _digest_ints(text: str) -> list[int]:
-    """Four non-negative int63s of a string's SHA-256 (to travel in a long tensor)."""
-    raw = hashlib.sha256(text.encode()).digest()
-    return [int.from_bytes(raw[8 * i:8 * i + 8], "little") >> 1 for i in range(4)]
-
-
 def _plan(q, k, v, mask, group, layout, strategy, scale, dropout_p, timeout):
     ring = Ring(group)
     error = None
@@ -242,21 +222,13 @@ def _plan(q, k, v, mask, group, layout, strategy, scale, dropout_p, timeout):
         ring.timeout = resolve_timeout(timeout)
         inp = _check_local(q, k, v, dropout_p)
         B, Hq, Hkv, T = inp.B, inp.Hq, inp.Hkv, inp.Tq
-        if layout is not None:
-            if not isinstance(layout, SequenceLayout):
-                raise TypeError(f"layout: expected a SequenceLayout or None, got {type(layout).__name__}.")
-            if layout.world != ring.world:
-                raise ValueError(f"layout: built for {layout.world} ranks, but the group has {ring.world}. "
-                                 f"Fix: SequenceLayout.zigzag(T, {ring.world}) or similar.")
-            if layout.local_len(ring.rank) != T:
-                raise ValueError(f"q: rank {ring.rank} holds {T} positions, but the layout gives it "
-                                 f"{layout.local_len(ring.rank)}. Fix: pass layout.shard(x, rank) of the full tensors.")
+        check_layout(layout, ring.world, ring.rank, T)
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}.")
         mine = [B, Hq, Hkv, inp.D, inp.Dv, T, _DTYPE_CODES[inp.dtype], STRATEGIES.index(strategy)]
     except (TypeError, ValueError) as exc:
         error, mine = exc, [0] * 8
-    everyone = _exchange(ring, error, mine)
+    everyone = exchange_checks(ring, error, mine)
     same = lambda d: d[:5] + d[6:]  # noqa: E731 - all but this rank's length
     differ = [r for r, d in enumerate(everyone) if same(d) != same(mine)]
     if differ:
@@ -282,10 +254,10 @@ def _plan(q, k, v, mask, group, layout, strategy, scale, dropout_p, timeout):
             pairs, steps, computed, skipped = _ring_pairs(layout, ring.rank, mask, B, Hq)
         plan = ContextParallelPlan(chosen, reason, ring.world, layout, steps, computed, skipped, pairs)
         mask_digest = "none" if mask is None else mask.content_digest(Tfull, Tfull, batch_size=B, num_heads=Hq)
-        digests = _digest_ints(mask_digest) + _digest_ints(repr(layout.segments))
-    except Exception as exc:  # noqa: BLE001 - exchanged, then raised on this rank by _exchange
+        digests = digest_ints(mask_digest) + digest_ints(repr(layout.segments))
+    except Exception as exc:  # noqa: BLE001 - exchanged, then raised on this rank by exchange_checks
         error = exc
-    everyone = _exchange(ring, error, digests)
+    everyone = exchange_checks(ring, error, digests)
     for what, part, fix in (
         ("mask", slice(0, 4), "every rank passes the same mask over the whole sequence (a KeyPadding with "
                               "every row's length, a Document with every position's id, not this rank's own)"),

@@ -14,6 +14,7 @@ failed and its exception. A peer that died or stopped taking part is bounded by 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import math
 import os
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["Ring", "WAIT_LABEL", "TIMEOUT_ENV", "ContextParallelError", "resolve_timeout", "wait_all", "agree",
-           "heads_to_seq", "seq_to_heads", "gather_descriptors"]
+           "heads_to_seq", "seq_to_heads", "gather_descriptors", "exchange_checks", "digest_ints"]
 
 #: Environment variable: seconds any rank waits for a transfer or collective before it raises.
 TIMEOUT_ENV = "ATTNKIT_CP_TIMEOUT"
@@ -134,6 +135,26 @@ def gather_descriptors(ring: Ring, values: list[int]) -> list[list[int]]:
     out = [torch.empty_like(mine) for _ in range(ring.world)]
     wait_all([dist.all_gather(out, mine, group=ring.group, async_op=True)], ring)
     return [t.tolist() for t in out]
+
+
+def exchange_checks(ring: Ring, error: BaseException | None, values: list[int],
+                    what: str = "context_parallel_attention") -> list[list[int]]:
+    """Every rank's ``values`` after every rank's check: raises this rank's ``error``, or a
+    ValueError naming the ranks that had one (so none goes on to wait for them). Collective."""
+    everyone = gather_descriptors(ring, [0 if error is not None else 1] + values)
+    if error is not None:
+        raise error
+    failed = [r for r, d in enumerate(everyone) if d[0] == 0]
+    if failed:
+        raise ValueError(f"{what}: rank(s) {failed} rejected their inputs (their own error says why); every rank "
+                         "stops instead of waiting for them.")
+    return [d[1:] for d in everyone]
+
+
+def digest_ints(text: str) -> list[int]:
+    """Four non-negative int63s of a string's SHA-256 (to travel in a long tensor)."""
+    raw = hashlib.sha256(text.encode()).digest()
+    return [int.from_bytes(raw[8 * i:8 * i + 8], "little") >> 1 for i in range(4)]
 
 
 def agree(ring: Ring, error: BaseException | None, what: str = "context_parallel_attention") -> None:

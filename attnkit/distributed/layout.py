@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .._validate import check_int_at_least as _check_count
 
-__all__ = ["SequenceLayout"]
+__all__ = ["SequenceLayout", "check_layout"]
 
 Range = tuple[int, int]
 
@@ -156,3 +156,18 @@ class SequenceLayout:
             raise ValueError(f"parts: expected one tensor per rank ({self.world}), got {len(parts)}.")
         full = torch.cat(list(parts), dim=dim)
         return full.index_select(dim, torch.argsort(self.order(full.device)))
+
+
+def check_layout(layout, world: int, rank: int, local_len: int) -> None:
+    """``TypeError``/``ValueError`` unless ``layout`` is None or a :class:`SequenceLayout` for
+    ``world`` ranks that gives ``rank`` the ``local_len`` positions its tensors hold."""
+    if layout is None:
+        return
+    if not isinstance(layout, SequenceLayout):
+        raise TypeError(f"layout: expected a SequenceLayout or None, got {type(layout).__name__}.")
+    if layout.world != world:
+        raise ValueError(f"layout: built for {layout.world} ranks, but the group has {world}. "
+                         f"Fix: SequenceLayout.zigzag(T, {world}) or similar.")
+    if layout.local_len(rank) != local_len:
+        raise ValueError(f"q: rank {rank} holds {local_len} positions, but the layout gives it "
+                         f"{layout.local_len(rank)}. Fix: pass layout.shard(x, rank) of the full tensors.")

@@ -4,7 +4,8 @@ The training loop (:func:`attnkit.train.train`) takes context parallelism as a s
 (:class:`attnkit.train.parallel.ContextParallel`); this module holds what it wraps the model with:
 :class:`ContextParallelGroups` (``world = replicas x N`` ranks, ``N`` consecutive ranks per
 sequence), :func:`make_context_parallel` (self-attention layers that call
-:func:`~attnkit.distributed.context_parallel_attention` over their group) and
+:func:`~attnkit.distributed.context_parallel_attention` over their group, and gated-delta layers
+that call :func:`~attnkit.distributed.context_parallel_gated_linear_attention`) and
 :class:`ContextParallelModel` (the model run on a rank's slice with the slice's absolute
 positions, so learned and sinusoidal embeddings and RoPE see the right ones).
 """
@@ -15,10 +16,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..nn.attention import MultiHeadAttention
+from ..nn.gated_delta import GatedDeltaNet
 from .attention import context_parallel_attention
+from .gated import context_parallel_gated_linear_attention
 from .layout import SequenceLayout
 
-__all__ = ["ContextParallelSelfAttention", "ContextParallelGroups", "ContextParallelModel", "make_context_parallel"]
+__all__ = ["ContextParallelSelfAttention", "ContextParallelGatedDeltaNet", "ContextParallelGroups",
+           "ContextParallelModel", "make_context_parallel"]
 
 
 class ContextParallelSelfAttention(MultiHeadAttention):
@@ -59,18 +63,53 @@ class ContextParallelSelfAttention(MultiHeadAttention):
         return self.out_proj(out), None
 
 
+class ContextParallelGatedDeltaNet(GatedDeltaNet):
+    """A :class:`~attnkit.nn.GatedDeltaNet` whose inputs are one rank's slice of the sequence; the
+    rule runs over the whole sequence across ``group``, exchanging state summaries
+    (:func:`~attnkit.distributed.context_parallel_gated_linear_attention`).
+
+    Built from an existing layer by :meth:`from_layer` (same parameters, same state-dict keys)."""
+
+    group: object
+    layout: SequenceLayout
+
+    @classmethod
+    def from_layer(cls, layer: GatedDeltaNet, group, layout: SequenceLayout):
+        if type(layer) is not GatedDeltaNet:
+            raise TypeError(f"layer: expected a GatedDeltaNet, got {type(layer).__name__}.")
+        new = cls.__new__(cls)
+        new.__dict__.update(layer.__dict__)  # shares the parameters, buffers and submodules
+        new.group, new.layout = group, layout
+        return new
+
+    def forward(self, x, *, cache=None, **kwargs):
+        if cache is not None:
+            raise ValueError("cache: a context-parallel gated-delta layer runs one sequence split across ranks and "
+                             "keeps no decoding state. Fix: decode with the model itself (unwrapped), cache and all.")
+        return super().forward(x, **kwargs)
+
+    def mix(self, q, k, v, g, beta):
+        return context_parallel_gated_linear_attention(q, k, v, g, beta, group=self.group, layout=self.layout,
+                                                       qk_l2norm=True, check_gates=False)
+
+
 def make_context_parallel(model: nn.Module, group, layout: SequenceLayout, strategy: str = "ring") -> nn.Module:
-    """Swap every self-attention layer of ``model`` for a :class:`ContextParallelSelfAttention`
-    (in place; returns ``model``). Call the model with a rank's slice ``layout.shard(ids, rank,
-    dim=1)`` and ``positions=layout.positions(rank)``."""
+    """Swap every self-attention layer of ``model`` for a :class:`ContextParallelSelfAttention` and
+    every gated-delta layer for a :class:`ContextParallelGatedDeltaNet` (in place; returns
+    ``model``). Call the model with a rank's slice ``layout.shard(ids, rank, dim=1)`` and
+    ``positions=layout.positions(rank)``."""
     swapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is MultiHeadAttention and not child.config.cross_attention:
                 setattr(module, name, ContextParallelSelfAttention.from_layer(child, group, layout, strategy))
                 swapped += 1
+            elif type(child) is GatedDeltaNet:
+                setattr(module, name, ContextParallelGatedDeltaNet.from_layer(child, group, layout))
+                swapped += 1
     if not swapped:
-        raise ValueError(f"model: {type(model).__name__} has no MultiHeadAttention self-attention layer to split.")
+        raise ValueError(f"model: {type(model).__name__} has no MultiHeadAttention self-attention or GatedDeltaNet "
+                         "layer to split.")
     return model
 
 

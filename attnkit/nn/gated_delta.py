@@ -57,6 +57,11 @@ class GatedDeltaNet(nn.Module):
         """A fresh decoding state for this layer (``StateCache(layer.make_state)``)."""
         return GatedLinearState(qk_l2norm=True)
 
+    def mix(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+        """The rule over the whole sequence, ``(B, Hv, T, D)`` (a context-parallel layer overrides it
+        to run the rule across the ranks holding the sequence)."""
+        return gated_linear_attention(q, k, v, g, beta, qk_l2norm=True, check_gates=False)
+
     def forward(self, x: Tensor, *, mask: Mask | Tensor | None = None, bias: Tensor | None = None,
                 positions: Tensor | None = None, cache: BaseLayerCache | None = None) -> Tensor:
         """``x (B, T, E) -> (B, T, E)``, causal. ``mask`` must be None or plain causal (the rule sees
@@ -82,9 +87,6 @@ class GatedDeltaNet(nn.Module):
         b_logit, a = self.ab_proj(x).transpose(1, 2).float().split(Hv, dim=1)  # (B, Hv, T) each
         beta = torch.sigmoid(b_logit)
         g = -self.A_log.float().exp()[:, None] * F.softplus(a + self.dt_bias.float()[:, None])
-        if cache is None:
-            o = gated_linear_attention(q, k, v, g, beta, qk_l2norm=True, check_gates=False)
-        else:
-            o = cache.step(q, k, v, g=g, beta=beta)
+        o = self.mix(q, k, v, g, beta) if cache is None else cache.step(q, k, v, g=g, beta=beta)
         o = self.norm(o.transpose(1, 2)) * F.silu(self.gate_proj(x).view(B, T, Hv, D))  # (B, T, Hv, D)
         return self.out_proj(o.reshape(B, T, Hv * D))

@@ -7,8 +7,9 @@ config and runs the same loop with either:
   the global batch and runs the whole sequence;
 * :class:`ContextParallel` — ``--context-parallel N``: ``N`` consecutive processes share each
   sequence (zigzag slices, absolute positions), their self-attention layers call
-  :func:`~attnkit.distributed.context_parallel_attention`, and the ``world / N`` groups of them are
-  data-parallel replicas over the rows.
+  :func:`~attnkit.distributed.context_parallel_attention` (gated-delta layers
+  :func:`~attnkit.distributed.context_parallel_gated_linear_attention`), and the ``world / N`` groups
+  of them are data-parallel replicas over the rows.
 
 Both hand every process a loss summed over its own tokens and divided by the answer tokens of the
 *global* batch, and both sum gradients over every process (DDP's mean times the world), so any

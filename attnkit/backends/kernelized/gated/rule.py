@@ -29,9 +29,11 @@ from torch import Tensor
 
 from ...._validate import finite_only, positive_int, score_scale
 from ..._common import finite_rows, poison_rows
+from . import kernel
 from .gated_delta import chunk_gated_delta_rule
 from .kda import chunk_kda
 from .recurrence import recurrent_rule
+from .scan import forgetting_gates
 from .ssd import chunk_ssd
 
 __all__ = ["gated_linear_attention", "explain_gated", "rule_name", "prepare"]
@@ -125,9 +127,39 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, *, 
     return q, k, v, g, beta
 
 
+def _recurrent(method: str, T: int) -> bool:
+    return method == "recurrent" or (method == "auto" and T == 1) or T == 0
+
+
+def native_reason(device: torch.device, dtype: torch.dtype, T: int, grad: bool, method: str,
+                  native: bool | None) -> str | None:
+    """Why the native gated kernel does not run inputs of this compute ``dtype`` (None: it runs them);
+    ``grad``: autograd records the call."""
+    if native is False:
+        return "native=False asks for the PyTorch path"
+    if T == 0:
+        return "no tokens"
+    if _recurrent(method, T):
+        return kernel.step_reason(device, dtype, grad)
+    return kernel.chunked_reason(device, dtype)
+
+
 def _run(q, k, v, g, beta, state, method: str, chunk_size: int | None,
-         recompute_segment: int | None = None) -> tuple[Tensor, Tensor]:
-    if method == "recurrent" or (method == "auto" and q.shape[2] == 1) or q.shape[2] == 0:
+         recompute_segment: int | None = None, native: bool | None = None,
+         in_place: bool = False) -> tuple[Tensor, Tensor]:
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, state))
+    why_not = native_reason(q.device, q.dtype, q.shape[2], grad, method, native)
+    if native and why_not is not None:
+        raise ValueError(f"native=True: the native gated kernel declines these inputs ({why_not}). Fix: "
+                         "native=None runs the PyTorch path where the kernel declines.")
+    if _recurrent(method, q.shape[2]):
+        if why_not is None:
+            if in_place and state is not None and state.is_contiguous():
+                S = state  # the caller's state, written in place (no copy)
+            else:
+                S = q.new_zeros(q.shape[:2] + (q.shape[-1], v.shape[-1])) if state is None \
+                    else state.clone(memory_format=torch.contiguous_format)
+            return kernel.step(q, k, v, g, beta, S), S  # S updated in place
         return recurrent_rule(q, k, v, g, beta, state)
     T = q.shape[2]
     if recompute_segment is not None and T > recompute_segment and torch.is_grad_enabled():
@@ -140,10 +172,12 @@ def _run(q, k, v, g, beta, state, method: str, chunk_size: int | None,
                      beta.split(recompute_segment, dim=2) if beta is not None else [None] * T)
         for q_s, k_s, v_s, g_s, b_s in pieces:
             o, state = torch.utils.checkpoint.checkpoint(_run, q_s, k_s, v_s, g_s, b_s, state, method, chunk_size,
-                                                         use_reentrant=False)
+                                                         None, native, use_reentrant=False)
             outs.append(o)
         return torch.cat(outs, dim=2), state
     rule = rule_name(g, beta)
+    if why_not is None:  # every rule in the native kernel
+        return kernel.chunked(q, k, v, forgetting_gates(g), beta, state, chunk_size)
     opts = {} if chunk_size is None else {"chunk_size": chunk_size}
     if rule == "ssd":
         return chunk_ssd(q, k, v, g, initial_state=state, **opts)
@@ -199,6 +233,7 @@ def gated_linear_attention(
     scale: float | None = None, qk_l2norm: bool = False, initial_state: Tensor | None = None,
     return_state: bool = False, cu_seqlens: Tensor | None = None, method: str = "auto",
     chunk_size: int | None = None, recompute_segment: int | None = None, check_gates: bool = True,
+    native: bool | None = None, state_in_place: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Causal gated linear attention: the gated delta rule, KDA or SSD (chosen by ``g`` and ``beta``).
 
@@ -218,7 +253,15 @@ def gated_linear_attention(
     token, the naive twin) or ``"auto"`` (recurrent for one token, else chunked).
     ``recompute_segment`` (tokens) trades time for memory in training: backward recomputes each
     segment from its starting state instead of keeping every chunk's intermediates (the result is
-    the same). Returns ``o (B, Hv, T, Dv)`` in q's dtype (and the state).
+    the same). ``native``: None (default) runs the native gated kernel (``attnkit build``) where it
+    can — every rule chunked, forward and backward, in float32 (bf16/fp16 inputs are computed in
+    float32), and the recurrent step outside autograd — and the PyTorch path otherwise (float64, a
+    step under autograd, an unbuilt kernel: :func:`explain_gated` says why); False always runs the
+    PyTorch path; True requires the kernel (``ValueError`` with the reason where it declines). Both
+    paths compute the same function. ``state_in_place=True`` overwrites ``initial_state`` (float32)
+    with the final state instead of returning a new tensor (decoding: the kernel's step then
+    writes it directly, no copy); not under autograd. Returns ``o (B, Hv, T, Dv)`` in q's dtype (and
+    the state).
 
     NaN/Inf in one token reach only what can see it, on either method: a bad query makes its own
     output NaN; a bad key, value, gate (NaN or +inf; ``-inf`` is a decay of 0) or beta makes that
@@ -228,6 +271,13 @@ def gated_linear_attention(
     and ±Inf raise ``ValueError``, as in ``attnkit.attention``)."""
     if method not in _METHODS:
         raise ValueError(f"method: expected one of {_METHODS}, got {method!r}.")
+    if native not in (None, True, False):
+        raise TypeError(f"native: expected None (the kernel where it runs), True or False, got {native!r}.")
+    if state_in_place and (not isinstance(initial_state, Tensor) or initial_state.dtype != torch.float32
+                           or (torch.is_grad_enabled() and initial_state.requires_grad)):
+        raise ValueError(f"state_in_place=True: expected a float32 initial_state outside autograd to overwrite, got "
+                         f"{getattr(initial_state, 'dtype', initial_state)!r}. Fix: pass the state (e.g. the "
+                         "final state of the previous call) or drop state_in_place.")
     positive_int(chunk_size, "chunk_size", allow_none=True)
     positive_int(recompute_segment, "recompute_segment", allow_none=True)
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_gates=check_gates)
@@ -240,7 +290,8 @@ def gated_linear_attention(
     state = None if initial_state is None else initial_state.to(q.dtype)
     offsets = None if cu_seqlens is None else cu_seqlens.tolist()
     if offsets is None:
-        o, final = _run(q, k, v, g, beta, state, method, chunk_size, recompute_segment)
+        o, final = _run(q, k, v, g, beta, state, method, chunk_size, recompute_segment, native,
+                        state_in_place and state is initial_state)
     else:
         lengths = [b - a for a, b in zip(offsets, offsets[1:])]
         pieces = zip(*(x.split(lengths, dim=2) for x in (q, k, v, g)),
@@ -248,28 +299,39 @@ def gated_linear_attention(
         outs, finals = [], []
         for i, (q_s, k_s, v_s, g_s, b_s) in enumerate(pieces):  # split, not slices (see _run)
             o_i, f_i = _run(q_s, k_s, v_s, g_s, b_s, None if state is None else state[i : i + 1], method,
-                            chunk_size, recompute_segment)
+                            chunk_size, recompute_segment, native)
             outs.append(o_i)
             finals.append(f_i)
         o, final = torch.cat(outs, dim=2), torch.cat(finals, dim=0)
     if flags is not None:
         o, final = _poison(o, final, *flags, offsets)
+    if state_in_place and final is not initial_state:
+        final = initial_state.copy_(final)
     o = o.to(out_dtype)
     return (o, final) if return_state else o
 
 
 def explain_gated(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None = None, *,
-                  method: str = "auto", cu_seqlens: Tensor | None = None) -> str:
+                  method: str = "auto", cu_seqlens: Tensor | None = None, native: bool | None = None) -> str:
     """What :func:`gated_linear_attention` would run for these inputs, in one paragraph (no compute)."""
     check_inputs(q, k, v, g, beta, None, cu_seqlens, check_gates=False)
     rule = rule_name(g, beta)
     T = q.shape[2]
-    how = "recurrent (token by token)" if method == "recurrent" or (method == "auto" and T == 1) else "chunked"
+    recurrent = _recurrent(method, T)
+    how = "recurrent (token by token)" if recurrent else "chunked"
+    dtype = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else torch.float32
     groups = v.shape[1] // k.shape[1]
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta))
+    why_not = native_reason(q.device, dtype, T, grad, method, native)
     lines = [f"rule: {rule} ({'per-channel' if g.dim() == 4 else 'per-head'} gates, "
              f"{'delta rule' if beta is not None else 'no delta'})",
-             f"method: {how}, compute dtype {'float64' if torch.float64 in (q.dtype, v.dtype) else 'float32'}",
+             f"method: {how}, compute dtype {str(dtype).removeprefix('torch.')}",
              f"heads: {k.shape[1]} key heads" + (f", each shared by {groups} value heads" if groups > 1 else "")]
+    what = "the recurrent step" if recurrent else "the chunked kernel"
+    if why_not is None:
+        lines.append(f"kernel: native gated kernel ({what}, attnkit_gated)")
+    else:
+        lines.append(f"kernel: PyTorch path (the native gated kernel declines: {why_not})")
     if cu_seqlens is not None:
         lines.append(f"packed: {cu_seqlens.numel() - 1} sequences, state reset at each boundary")
     return "\n".join(lines)

@@ -9,6 +9,7 @@ into ``attnkit.cache.StateCache`` (``StateCache(lambda: GatedLinearState(...))``
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .rule import gated_linear_attention
@@ -18,7 +19,8 @@ __all__ = ["GatedLinearState"]
 
 class GatedLinearState:
     """The running state of one gated-linear-attention layer (``scale``, ``qk_l2norm`` as in
-    :func:`gated_linear_attention`)."""
+    :func:`gated_linear_attention`). Outside autograd, ``step`` updates the held float32 ``state``
+    tensor in place (no copy per token): ``state.clone()`` keeps a snapshot."""
 
     def __init__(self, *, scale: float | None = None, qk_l2norm: bool = False) -> None:
         self.scale = scale
@@ -28,8 +30,11 @@ class GatedLinearState:
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, *, g: Tensor, beta: Tensor | None = None) -> Tensor:
         """Attend ``T`` new tokens ``(B, H, T, ·)`` over everything seen, and absorb them."""
+        # decoding outside autograd writes the held state in place (no copy of it per token)
+        in_place = self.state is not None and self.state.dtype == torch.float32 and not (
+            torch.is_grad_enabled() and self.state.requires_grad)
         o, self.state = gated_linear_attention(q, k, v, g, beta, scale=self.scale, qk_l2norm=self.qk_l2norm,
-                                               initial_state=self.state, return_state=True)
+                                               initial_state=self.state, return_state=True, state_in_place=in_place)
         self.seq_len += q.shape[2]
         return o
 
