@@ -131,6 +131,26 @@ class KVHandle:
 
         return pages(self.k, self.k_scale), pages(self.v, self.v_scale)
 
+    def gather(self, positions: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """The keys and values at absolute ``positions (U,)`` (int64, each below every row's length)
+        of every row, as ``(B, Hkv, U, D)`` / ``(B, Hkv, U, Dv)`` tensors of ``dtype`` (default: the
+        cache's dtype): O(U) reads, for a backend that needs a few listed keys of a long cache."""
+        dtype = self.dtype if dtype is None else dtype
+        if not self.paged:
+            def read(x, s):
+                x = x[:, :, positions]
+                return x.to(dtype) if s is None else dequantize_int8(x, s[:, :, positions], dtype)
+            return read(self.k, self.k_scale), read(self.v, self.v_scale)
+        bs = self.k.shape[2]
+        blocks, slots = self.block_table[:, positions // bs], positions % bs  # (B, U), (U,)
+
+        def pages(pool, scales):
+            x = pool[:, blocks, slots]  # (Hkv, B, U, D)
+            x = x.to(dtype) if scales is None else dequantize_int8(x, scales[:, blocks, slots], dtype)
+            return x.transpose(0, 1)  # (B, Hkv, U, D)
+
+        return pages(self.k, self.k_scale), pages(self.v, self.v_scale)
+
     # -- ragged rows -----------------------------------------------------------------------------
     def length_keep(self, slots: int | None = None) -> Tensor | None:
         """``(B, 1, 1, slots)`` bool: True on each row's keys ``0 .. lengths[b] - 1`` (None when

@@ -59,7 +59,8 @@ def mla_decode(q: Tensor, k: Tensor | KVHandle, *, kv_lora_rank: int, scale: flo
         implementation: ``"auto"`` (the native decode kernel where it runs, else its PyTorch-op
             twin), ``"native"`` (the kernel, or ``ValueError`` with its reasons) or ``"torch"`` (the
             twin). Calls the decode backend cannot take (gradients; more than 16 queries) go
-            through :func:`attnkit.attention`'s dispatcher with ``implementation="auto"``.
+            through :func:`attnkit.attention`'s dispatcher with ``implementation="auto"``, and so do
+            masks with ``TopK`` key lists (DeepSeek-V3.2): the ``topk`` backend reads the listed rows only.
     """
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"implementation: expected one of {_IMPLEMENTATIONS}, got {implementation!r}.")
@@ -79,7 +80,8 @@ def mla_decode(q: Tensor, k: Tensor | KVHandle, *, kv_lora_rank: int, scale: flo
                          "Fix: pass scale=(qk_nope_head_dim + qk_rope_head_dim) ** -0.5.")
     k, v = alias_values(k, kv_lora_rank)
     grads = q.requires_grad or (isinstance(k, Tensor) and k.requires_grad)
-    on_decode = q.shape[2] <= KERNEL_MAX_QUERIES and not grads
+    lists = isinstance(mask, Mask) and mask.topk() is not None  # TopK: the topk backend reads the listed rows
+    on_decode = q.shape[2] <= KERNEL_MAX_QUERIES and not grads and not lists
     if on_decode or implementation != "auto":
         backend, options = "decode", DecodeOptions(implementation=implementation)
     else:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import Causal, Custom, Document, KeyPadding, SlidingWindow
+from attnkit import Causal, Custom, Document, KeyPadding, SlidingWindow, TopK
 from attnkit.inputs import AttentionInputs
 from attnkit.masks import BlockSparse
 
@@ -70,6 +70,13 @@ def _doc_ids(B, T):
     return cuts.long().cumsum(dim=1)
 
 
+def _topk(s, k=7):
+    """Key lists (B, 1, Tq, k) over the call's keys: unsorted, with repeats and -1 padding."""
+    g = torch.Generator().manual_seed(s.Tq + s.Tk)
+    idx = torch.randint(0, s.Tk, (s.B, 1, s.Tq, k), generator=g)
+    return idx.masked_fill(torch.rand(s.B, 1, s.Tq, k, generator=g) < 0.2, -1)
+
+
 # name -> builder(shape) -> mask
 MASKS = {
     "none": lambda s: None,
@@ -85,6 +92,8 @@ MASKS = {
     "SlidingWindow|Document": lambda s: SlidingWindow(4, 0) | Document(_doc_ids(s.B, max(s.Tq, s.Tk))),
     "BigBird": lambda s: BlockSparse.bigbird(-(-max(s.Tq, s.Tk) // 16), 16, seed=3),
     "Strided": lambda s: BlockSparse.strided(-(-max(s.Tq, s.Tk) // 16), 16, stride=3),
+    "TopK": lambda s: TopK(_topk(s)),
+    "TopK&Causal": lambda s: TopK(_topk(s)) & Causal(),
 }
 # Behaviour not fixed yet, in one place: (mask name, predicate on the shape) -> reason. Strict: a
 # fix makes the case pass and the mark fail loudly, so it is dropped with the fix.

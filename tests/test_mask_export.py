@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attnkit.masks import (BlockSparse, Causal, Custom, Dense, Document, GlobalTokens, KeyPadding,
-                           Padding, SlidingWindow, longformer, mask_params, tile_grid)
+                           Padding, SlidingWindow, TopK, longformer, mask_params, tile_grid)
 
 g = torch.Generator().manual_seed(0)
 MASKS = {
@@ -22,6 +22,8 @@ MASKS = {
     "longformer": longformer(4, [0, 9]),
     "custom": Custom(lambda b, h, q, k: (q + k + h) % 3 == 0),
     "document_and_window": Document(torch.arange(80) // 7) & SlidingWindow(6, 0),
+    "topk": TopK(torch.randint(-1, 45, (2, 1, 37, 20), generator=g)),  # lists for Tq=37 over 45 keys
+    "topk_per_head": TopK(torch.randint(-1, 45, (1, 4, 37, 6), generator=g)) & Causal(),
 }
 
 

@@ -1,7 +1,7 @@
-"""Each native kernel family (prefill, decode, fastpath, gated) is its own library: a source that fails to
-compile takes only its own family down. The others build, load and run, the build step says which
-failed and exits 1, and ``attnkit info`` and the backends' reasons name the broken family with the
-compiler's first error line."""
+"""Each native kernel family (prefill, decode, fastpath, gated, sparse) is its own library: a source
+that fails to compile takes only its own family down. The others build, load and run, the build
+step says which failed and exits 1, and ``attnkit info`` and the backends' reasons name the broken
+family with the compiler's first error line."""
 
 from __future__ import annotations
 
@@ -68,6 +68,11 @@ with torch.no_grad():
     out = attnkit.attention(q[:, :, -1:].float(), k.float(), v.float(), backend="decode")
 result["decode_ok"] = bool(torch.allclose(out, ref[:, :, -1:].float(), atol=1e-5))
 result["decode_kernel_ran"] = bool(calls)
+top = attnkit.TopK((torch.arange(9).view(1, 1, 9, 1) - torch.arange(3)).clamp(min=-1))
+result["sparse_reason"] = attnkit.backends.topk.kernel_reason(attnkit.AttentionInputs.create(q, k, v))
+out = attnkit.attention(q, k, v, mask=top & attnkit.Causal(), backend="topk")
+result["sparse_ok"] = bool(torch.allclose(out, attnkit.attention(q, k, v, mask=top & attnkit.Causal(),
+                                                                 backend="naive"), atol=1e-10))
 fast = loader.fastpath()
 result["fastpath_ok"] = fast is not None and fast.finite(torch.ones(5)) is True and \
     fast.finite(torch.tensor([1.0, float("nan")])) is False
@@ -116,3 +121,4 @@ def test_a_family_that_fails_to_compile_leaves_the_others_working(broken, tmp_pa
     assert result["gated_ok"] and (result["gated_reason"] is None) == (broken != "gated")
     if broken == "gated":
         assert "broken on purpose" in result["gated_reason"]
+    assert result["sparse_ok"] and (result["sparse_reason"] is None) == (broken != "sparse")

@@ -1,8 +1,10 @@
 """KV caches for autoregressive decoding: contiguous layer caches (:mod:`.layers`), int8
 quantized caches (:mod:`.quantized`), the paged cache for many sequences (:mod:`.paged`) and
-the latent cache of multi-head latent attention (:mod:`.latent`)."""
+the latent cache of multi-head latent attention (:mod:`.latent`) and the lightning indexer's key
+store (:mod:`.indexer`)."""
 
 from .direct import DirectLayerCache
+from .indexer import IndexerKeyCache
 from .kv import KVCache
 from .latent import LatentLayerCache, latent_update
 from .layers import (
@@ -29,6 +31,7 @@ __all__ = [
     "PagedKVCache",
     "PagedLayerCache",
     "LatentLayerCache",
+    "IndexerKeyCache",
     "latent_update",
     "quantize_int8",
     "dequantize_int8",

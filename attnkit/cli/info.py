@@ -23,7 +23,7 @@ from ..dispatch import table as measured_table
 from ..bench.cases import MASK_SPECS, BenchConfig
 from ..bench.report import format_table
 from ..dispatch import explain
-from ..masks import Custom, Dense, Document, KeyPadding, Mask, SlidingWindow
+from ..masks import Causal, Custom, Dense, Document, KeyPadding, Mask, SlidingWindow, TopK
 from ..inputs import FLOAT_DTYPES
 from ..registry import ALL_DEVICES, list_backends
 from .options import add_deprecated_alias, device, positive_int
@@ -107,12 +107,13 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
 
 def probe_masks(batch: int = 2, n: int = PROBE_LENGTH) -> dict[str, Mask | None]:
     """The masks the capability table asks each backend about: every ``bench`` mask, plus the
-    kinds ``bench`` does not sweep (a dense bool tensor, ``Document``, ``Custom``)."""
+    kinds ``bench`` does not sweep (a dense bool tensor, ``Document``, ``Custom``, ``TopK`` lists)."""
     config = replace(BenchConfig(), batch=batch, window=n // 4, block=n // 8)
     masks: dict[str, Mask | None] = {name: spec.build(n, config) for name, spec in MASK_SPECS.items()}
     masks["dense-bool"] = Dense(torch.ones(n, n, dtype=torch.bool).tril())
     masks["document"] = Document(torch.arange(n).div(n // 2, rounding_mode="floor").expand(batch, n))
     masks["custom"] = Custom(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
+    masks["topk"] = TopK(torch.arange(n // 8).expand(1, 1, n, n // 8)) & Causal()  # the first n/8 keys
     return masks
 
 
@@ -185,14 +186,17 @@ def native_precision_line() -> str | None:
 
 def native_kernel_line(prog: str = "attnkit") -> str:
     """Where each native kernel family was looked for, and whether it loaded there (or why not): one
-    line per family (prefill, decode, fastpath, gated; each its own library)."""
-    from ..backends import decode_native, native
+    line per family (prefill, decode, fastpath, gated, sparse; each its own library)."""
+    from ..backends import decode_native, native, topk
     from ..backends.kernelized.gated import kernel as gated_kernel
     from ..csrc import build, loader
+    from ..inputs import AttentionInputs
 
+    cpu = torch.zeros(1, 1, 1, 1)
     reasons = {"prefill": native.load_extension()[1], "decode": decode_native._extension()[1],
                "fastpath": None if loader.fastpath() is not None else loader.load_library("fastpath"),
-               "gated": gated_kernel.extension_reason()}
+               "gated": gated_kernel.extension_reason(),
+               "sparse": topk.kernel_reason(AttentionInputs.create(cpu, cpu, cpu))}
     lines = []
     for family, reason in reasons.items():
         where = build.library_path(family)

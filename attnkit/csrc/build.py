@@ -9,7 +9,9 @@ built for the CPU they run on) into ``attnkit/csrc/_build/<family>/``:
 * ``decode``: ``decode.cpp``, the split-K decode kernel (ops ``torch.ops.attnkit_decode``);
 * ``fastpath``: ``fastpath.cpp``, the per-call key and finiteness scan (a small CPython module);
 * ``gated``: ``gated.cpp``, gated linear attention: the chunked gated delta rule and SSD, forward
-  and backward, and the recurrent decode step (ops ``torch.ops.attnkit_gated``).
+  and backward, and the recurrent decode step (ops ``torch.ops.attnkit_gated``);
+* ``sparse``: ``sparse.cpp``, top-k sparse attention over per-query key lists, forward and backward
+  (ops ``torch.ops.attnkit_sparse``).
 
 A family whose source fails to compile takes only itself down: the others still build, load and
 run. The stamp names the torch version and the CPU's instruction-set flags the build was made for
@@ -52,6 +54,7 @@ FAMILIES = {
     "decode": Family("decode", "attnkit_decode", "decode.cpp", ("tiles.h", "spec.h")),
     "fastpath": Family("fastpath", "attnkit_fastpath", "fastpath.cpp"),
     "gated": Family("gated", "attnkit_gated", "gated.cpp"),
+    "sparse": Family("sparse", "attnkit_sparse", "sparse.cpp"),
 }
 NAME = FAMILIES["prefill"].library  # the prefill kernel's op namespace: torch.ops.attnkit_native
 

@@ -1,8 +1,8 @@
 """Loading the built kernel libraries (``attnkit build``): the one place that checks their
-stamp and loads them, one family at a time (``prefill``, ``decode``, ``fastpath``, ``gated``: see
-:mod:`attnkit.csrc.build`), for the ``native`` and ``decode`` backends' ops, gated linear
-attention's ops and the per-call helpers in C (:func:`fastpath`). A family that is not built leaves
-the others usable."""
+stamp and loads them, one family at a time (``prefill``, ``decode``, ``fastpath``, ``gated``,
+``sparse``: see :mod:`attnkit.csrc.build`), for the ``native``, ``decode`` and ``topk`` backends'
+ops, gated linear attention's ops and the per-call helpers in C (:func:`fastpath`). A family that
+is not built leaves the others usable."""
 
 from __future__ import annotations
 

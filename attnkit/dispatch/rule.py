@@ -16,6 +16,10 @@ Read top to bottom, for one call:
 4. **The memory guard**: a backend that would materialize more than :data:`MATERIALIZE_LIMIT` mask
    elements goes last (a memory bound, not a speed crossover).
 
+5. **Key lists**: a mask of per-query key lists (a ``TopK`` conjunct) goes first to the backends
+   that declare the ``"key_lists"`` mask form: they compute the listed pairs only, O(Tq·k), where any
+   other backend evaluates the lists over every (query, key) pair.
+
 Then the other registered backends, ``naive`` last. The caller takes the first exact backend with
 no reasons against the input. Nothing here is timed or probed: the same input, install and table
 give the same order in every process, whatever the machine's load.
@@ -111,7 +115,8 @@ def builtin_order(inp: AttentionInputs) -> tuple[str, ...]:
 def priority(inp: AttentionInputs) -> tuple[str, ...]:
     """The order in which ``auto`` tries backends for ``inp`` (the whole rule; see the module
     docstring): the measured table's ranking where it has a row, else :func:`builtin_order`; the
-    memory guard; then every other registered backend, ``naive`` last."""
+    memory guard; then every other registered backend; the key lists' backends first for a
+    ``TopK`` mask; ``naive`` last."""
     known, registered = list_backends(), registered_names()
     measured = table.preferred(inp) if uses_table(inp) else None
     if measured is None:
@@ -121,4 +126,7 @@ def priority(inp: AttentionInputs) -> tuple[str, ...]:
         heavy = {n for n in order if _materialized(known[n], inp) > MATERIALIZE_LIMIT}
         order = [n for n in order if n not in heavy] + [n for n in order if n in heavy]
     order += [n for n in registered if n not in order and n != "naive"]
+    if inp.mask is not None and inp.mask.topk() is not None:  # step 5: the key lists' own backends first
+        gathers = [n for n in order if "key_lists" in known[n].mask_support.forms]
+        order = gathers + [n for n in order if n not in gathers]
     return tuple(order + ["naive"] * ("naive" in registered))

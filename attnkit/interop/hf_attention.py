@@ -24,6 +24,10 @@ Two registrations are needed, because transformers builds masks separately from 
   chunked attention are read as ``Document(ids) & Causal()``, so kernels skip the tiles between two
   sequences. A pattern it cannot recognize (blockwise, vmap'ed custom functions) becomes a ``Dense``
   of HF's own boolean mask, which is exact on every backend.
+
+DeepSeek-V3.2 hands the attention function its indexer's top-k key indices (``indices=``, ``(B, Tq,
+k)``): they become a :class:`~attnkit.masks.TopK` mask intersected with the model's mask, which the
+``topk`` backend runs by gathering the listed keys (never the ``(Tq, Tk)`` mask eager builds).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from torch import Tensor
 
 from ..functional import attention, attention_weights
 from ..inputs import split_additive_mask
-from ..masks import And, Causal, Dense, Document, KeyPadding, Mask, Padding, SlidingWindow
+from ..masks import And, Causal, Dense, Document, KeyPadding, Mask, Padding, SlidingWindow, TopK
 from ..score_mods import CustomScoreMod, SoftCap
 from ._deps import require
 from .hf_cache import vouched
@@ -65,6 +69,20 @@ class HFMask:
 
     def contiguous(self) -> HFMask:  # generate() calls it on the masks it prepares for static caches
         return self
+
+    def keep(self) -> Tensor:
+        """The mask as HF's boolean tensor ``(B, 1, Tq, Tk)`` (True = attend), built on demand."""
+        B, _, Tq, Tk = self.shape
+        if self.mask is None:
+            return torch.ones((), dtype=torch.bool).expand(self.shape)
+        keep = self.mask.materialize(Tq, Tk, q_offset=self.q_offset, kv_offset=self.kv_offset, batch_size=B,
+                                     num_heads=1)
+        return keep.expand(self.shape)
+
+    def __getitem__(self, index) -> Tensor:
+        """Model code that slices its mask (DeepSeek-V3.2's indexer reads ``attention_mask[:, 0]``)
+        gets that slice of :meth:`keep`."""
+        return self.keep()[index]
 
 
 def _offset(value) -> int:
@@ -344,13 +362,18 @@ def attnkit_attention_forward(
         if causal and Tq > 1:
             # As transformers' sdpa: without a mask, causal means top-left aligned (an empty static
             # cache's prefill), so keys past the last query are never seen.
-            key, value = key[:, :, :Tq], value[:, :, :Tq]
+            if kwargs.get("indices") is None:  # (key lists index the keys as given: keep them whole)
+                key, value = key[:, :, :Tq], value[:, :, :Tq]
             mask, q_offset = Causal(), 0
     else:
         raise TypeError(
             f"attention_mask: expected an attnkit HFMask, a tensor or None, got {type(attention_mask).__name__}. "
             "Fix: load the model with attn_implementation='attnkit' after register_hf_attention()."
         )
+    indices = kwargs.get("indices")
+    if indices is not None:  # DeepSeek-V3.2: each query's top-k keys (B, Tq, k), indices into this call's keys
+        lists = TopK(torch.where(indices >= 0, indices.long() + kv_offset, -1)[:, None])
+        mask = lists if mask is None else mask & lists
     if Tq > 1 and isinstance(mask, Causal) and not _WARNED_PACKED[0]:
         _warn_if_packed(kwargs.get("position_ids"))
     config = getattr(module, "config", None)

@@ -15,19 +15,26 @@ once for every head); prompts (more than 16 new tokens) and training keep the pe
 
 The cache also serves transformers' own attention layer (outside the block): ``update`` then
 returns the latents and rotary keys as it expects.
+
+DeepSeek-V3.2 decodes the same way: its layers run their lightning indexer (whose keys the latent
+cache keeps too, ``update_indexer``) and attend the indexer's top-k keys over the latents, the
+mask ``TopK(indices) & <the model's mask>``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 from ..backends.decode_native import KERNEL_MAX_QUERIES
+from ..cache import DynamicLayerCache, IndexerKeyCache
 from ..cache.latent import alias_values
 from ..kv_handle import KVHandle
+from ..masks import TopK
 from ..mla import mla_decode
 from ._deps import require
 from .hf_attention import HFMask
@@ -35,6 +42,7 @@ from .hf_cache import hf_cache
 
 __all__ = ["latent_cache", "use_latent_decoding"]
 _MODELING = "transformers.models.deepseek_v3.modeling_deepseek_v3"
+_MODELING_V32 = "transformers.models.deepseek_v32.modeling_deepseek_v32"
 
 
 _CLASSES: dict = {}
@@ -62,6 +70,24 @@ def _latent_class(base):
                 rows = rows.dense()[0]
             return rows[..., :rank], rows[..., rank:]
 
+        def update_indexer(self, keys: Tensor) -> Tensor:
+            """DeepSeek-V3.2's indexer keys ``(B, S, D)``: appended to this layer's
+            :class:`~attnkit.cache.IndexerKeyCache`; returns every key held, ``(B, T, D)``."""
+            store = self.__dict__.get("indexer_store")
+            if store is None:
+                store = self.indexer_store = IndexerKeyCache(DynamicLayerCache())
+            return store.update(keys[:, None])[0][:, 0]
+
+        def reset(self) -> None:
+            base.reset(self)
+            if self.__dict__.get("indexer_store") is not None:
+                self.indexer_store.reset()
+
+        def reorder_cache(self, beam_idx) -> None:
+            base.reorder_cache(self, beam_idx)
+            if self.__dict__.get("indexer_store") is not None:
+                self.indexer_store.reorder(beam_idx)
+
     _CLASSES[base] = LatentLayer
     return LatentLayer
 
@@ -87,27 +113,31 @@ def _latent_layer(module, past_key_values):
     return layer if hasattr(layer, "update_rows") else None
 
 
-def _forward(original):
+def _forward(original, module: str):
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
         layer = _latent_layer(self, past_key_values)
         B, T = hidden_states.shape[:-1]
+        indexer = getattr(self, "indexer", None)  # DeepSeek-V3.2
         absorbed = (layer is not None and T <= KERNEL_MAX_QUERIES and not (torch.is_grad_enabled() and self.training)
-                    and (attention_mask is None or isinstance(attention_mask, HFMask)))
+                    and (attention_mask is None or isinstance(attention_mask, HFMask))
+                    and (indexer is None or attention_mask is not None))
         if not absorbed:  # transformers' own layer (per-head form); a latent cache serves it too
             return original(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
-        modeling = require(_MODELING, "use_latent_decoding")
+        modeling = require(module, "use_latent_decoding")
         R, rope = self.kv_lora_rank, self.qk_rope_head_dim
+        q_resid = None
         if self.q_lora_rank is None:
             q = self.q_proj(hidden_states)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+            q = self.q_b_proj(q_resid)
         q = q.view(B, T, -1, self.qk_head_dim).transpose(1, 2)  # (B, H, T, nope + rope)
         q_nope, q_rot = q.split([self.qk_nope_head_dim, rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([R, rope], dim=-1)
         latent = self.kv_a_layernorm(latent).view(B, 1, T, R)
         k_rot = k_rot.view(B, 1, T, rope)
         cos, sin = position_embeddings
-        interleave = self.config.rope_interleave
+        interleave = indexer is not None or self.config.rope_interleave  # V3.2 always interleaves
         rotate = modeling.apply_rotary_pos_emb_interleave if interleave else modeling.apply_rotary_pos_emb
         q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
         rows = layer.update_rows(torch.cat([latent, k_rot], dim=-1), R)  # (B, 1, Tk, R + rope) or a handle
@@ -117,6 +147,11 @@ def _forward(original):
         mask, q_offset, kv_offset = None, None, 0
         if isinstance(attention_mask, HFMask):
             mask, q_offset, kv_offset = attention_mask.mask, attention_mask.q_offset, attention_mask.kv_offset
+        if indexer is not None:  # each new token's top-k keys (the indexer's keys kept by the latent cache)
+            indices = indexer(hidden_states, q_resid, position_embeddings, attention_mask[:, 0], None,
+                              past_key_values=past_key_values)  # (B, T, k), key positions
+            lists = TopK(torch.where(indices >= 0, indices.long() + kv_offset, -1)[:, None])
+            mask = lists if mask is None else mask & lists
         out = mla_decode(torch.cat([q_latent, q_rot], dim=-1), rows, kv_lora_rank=R, scale=self.scaling, mask=mask,
                          q_offset=q_offset, kv_offset=kv_offset, kv_finite=layer.store.finite)  # (B, H, T, R)
         out = torch.einsum("bhtr,hvr->bthv", out, w[:, self.qk_nope_head_dim:])  # (B, T, H, v_head_dim)
@@ -128,16 +163,21 @@ def _forward(original):
 
 @contextlib.contextmanager
 def use_latent_decoding() -> Iterator[None]:
-    """Within the block, transformers' DeepSeek-V3 attention layers decode over a :func:`latent_cache`
-    in the absorbed form (see the module docstring); restored on exit, also after an exception."""
-    modeling = require(_MODELING, "use_latent_decoding")
-    cls = modeling.DeepseekV3Attention
-    original = cls.forward
-    if getattr(original, "attnkit_latent", False):  # nested: already on
-        yield
-        return
-    cls.forward = _forward(original)
+    """Within the block, transformers' DeepSeek-V3 (and, where installed, V3.2) attention layers
+    decode over a :func:`latent_cache` in the absorbed form (see the module docstring); restored on
+    exit, also after an exception."""
+    classes = [(require(_MODELING, "use_latent_decoding").DeepseekV3Attention, _MODELING)]
     try:
+        classes.append((importlib.import_module(_MODELING_V32).DeepseekV32Attention, _MODELING_V32))
+    except ImportError:  # a transformers without DeepSeek-V3.2
+        pass
+    patched = []
+    try:
+        for cls, module in classes:
+            if not getattr(cls.forward, "attnkit_latent", False):  # nested: already on
+                patched.append((cls, cls.forward))
+                cls.forward = _forward(cls.forward, module)
         yield
     finally:
-        cls.forward = original
+        for cls, original in patched:
+            cls.forward = original

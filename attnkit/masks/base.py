@@ -18,7 +18,7 @@ Every mask can
 
 * answer structural questions through one API (the only place that walks ``And``/``Or``):
   :meth:`Mask.leaves`, :meth:`Mask.conjuncts`, :meth:`Mask.band`, :meth:`Mask.split_globals`,
-  :meth:`Mask.block_layout`, :meth:`Mask.is_causal`, :attr:`Mask.query_independent` and
+  :meth:`Mask.block_layout`, :meth:`Mask.topk`, :meth:`Mask.is_causal`, :attr:`Mask.query_independent` and
   :meth:`Mask.structure_key`; backends decide what they can skip or fuse from these answers;
 * ``mask_mod(b, h, q_idx, kv_idx)`` — evaluate on broadcasting index tensors (absolute positions);
 * ``materialize(Tq, Tk, ...)`` — a boolean tensor broadcastable to ``(B, H, Tq, Tk)``;
@@ -145,6 +145,10 @@ class Mask:
 
     def block_layout(self) -> Mask | None:
         """The ``BlockSparse`` conjunct that bounds this mask, or None."""
+        return None
+
+    def topk(self) -> Mask | None:
+        """The ``TopK`` conjunct (per-query key lists) that bounds this mask, or None."""
         return None
 
     def is_causal(self) -> bool:
@@ -478,6 +482,10 @@ class And(_Combination):
 
     def is_causal(self):
         return all(p.is_causal() for p in self.parts)
+
+    def topk(self):
+        found = [p for p in self.parts if p.topk() is not None]
+        return found[0].topk() if found else None
 
     def tile_grid(self, tiles):
         grid = self.parts[0].tile_grid(tiles)

@@ -12,7 +12,7 @@ short calls only: traced with dynamic shapes, a length crossing one tile then ne
 (a kernel reads the grid's row stride from the grid itself).
 
 :func:`mask_params` gives one :class:`MaskParams`: the conjuncts' positional parameters (band
-bounds, key lengths, key validity, document ids, a block layout), which a kernel evaluates per
+bounds, key lengths, key validity, document ids, a block layout, per-query key lists), which a kernel evaluates per
 element from a few integers or index vectors, and the conjuncts it cannot describe that way
 (``rest``, evaluated by ``mask_mod``). Each class contributes its own fields
 (:meth:`Mask.export_params`); nothing outside ``masks/`` asks which class a mask is.
@@ -209,6 +209,9 @@ class MaskParams:
     * ``valid (B|1, P)`` bool: ``valid[b, pos(k)]`` (``Padding``);
     * ``doc (B|1, P)`` int64: ``doc[b, pos(q)] == doc[b, pos(k)]`` (``Document``, the first one);
     * ``layout (H|1, nQB, nKB)`` bool with ``layout_block_size`` (``BlockSparse``, the first one);
+    * ``topk (B|1, H|1, Tq, k)`` int64: the call's ``i``-th query keeps the absolute key positions
+      listed in ``topk[b, h, i]`` (``TopK``, the first one; sorted: the ``-1`` padding first, then each key once).
+      ``TopK`` is in ``rest`` as well, so a kernel that does not read the lists still applies them;
     * ``rest``: every other conjunct (and any second ``Document``/``BlockSparse``), as masks;
     * ``beyond_band``: every conjunct the band does not describe alone (for a kernel that takes
       the band as integers and calls ``mask_mod`` for the rest).
@@ -221,6 +224,7 @@ class MaskParams:
     doc: Tensor | None = None
     layout: Tensor | None = None
     layout_block_size: int = 1
+    topk: Tensor | None = None
     rest: tuple[Mask, ...] = field(default=())
     beyond_band: tuple[Mask, ...] = field(default=())
 

@@ -4,18 +4,19 @@ A backend sets ``mask_support = MaskSupport("causal", "per_key")`` (say); ``str(
 capability tables print and :meth:`MaskSupport.reason` is what dispatch reports, so the two cannot
 disagree. A mask is supported when it has at least one of the declared forms:
 
-============  ===================================================================================
-form          the mask (``None`` = no mask) ...
-============  ===================================================================================
-``any``       anything, including no mask
-``none``      no mask
-``causal``    is exactly causal (``Causal()``, repeated, or ``SlidingWindow(None, 0)``)
-``per_key``   is an ``And`` of causal parts and query-independent parts (``KeyPadding``,
-              ``Padding``, ``Dense (B|1, H|1, 1, Tk)``): one keep per key, plus causality
-``band``      has a bounded band (``SlidingWindow`` with both bounds, or with ``Causal()``),
-              possibly ``& any masks`` and ``| GlobalTokens(...)``
-``layout``    has a ``BlockSparse`` conjunct (alone or ``& any masks``)
-============  ===================================================================================
+==============  ===================================================================================
+form            the mask (``None`` = no mask) ...
+==============  ===================================================================================
+``any``         anything, including no mask
+``none``        no mask
+``causal``      is exactly causal (``Causal()``, repeated, or ``SlidingWindow(None, 0)``)
+``per_key``     is an ``And`` of causal parts and query-independent parts (``KeyPadding``,
+                ``Padding``, ``Dense (B|1, H|1, 1, Tk)``): one keep per key, plus causality
+``band``        has a bounded band (``SlidingWindow`` with both bounds, or with ``Causal()``),
+                possibly ``& any masks`` and ``| GlobalTokens(...)``
+``layout``      has a ``BlockSparse`` conjunct (alone or ``& any masks``)
+``key_lists``   has a ``TopK`` conjunct (per-query key lists, alone or ``& any masks``)
+==============  ===================================================================================
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ _FORMS: dict[str, tuple[str, str, Callable[[Mask | None], bool]]] = {
              "masks and | GlobalTokens(...)", lambda m: m is not None and _band(m)),
     "layout": ("BlockSparse layout", "alone or in an And, e.g. BlockSparse.bigbird(...)",
                lambda m: m is not None and m.block_layout() is not None),
+    "key_lists": ("TopK key lists", "alone or in an And, e.g. TopK(indices) & Causal()",
+             lambda m: m is not None and m.topk() is not None),
 }
 
 

@@ -1,6 +1,7 @@
 """Modules built on :func:`attnkit.attention`."""
 
 from .attention import AttentionConfig, MultiHeadAttention
+from .indexer import indexer_scores, lightning_indexer, varlen_lightning_indexer
 from .latent_attention import LatentAttentionConfig, MultiHeadLatentAttention
 from .layers import DecoderLayer, EncoderLayer, FeedForward, TransformerConfig
 from .models import GPT, Decoder, Embeddings, Encoder, EncoderDecoder, ViT, ViTConfig
@@ -16,6 +17,9 @@ __all__ = [
     "AttentionConfig",
     "MultiHeadAttention",
     "LatentAttentionConfig",
+    "indexer_scores",
+    "lightning_indexer",
+    "varlen_lightning_indexer",
     "MultiHeadLatentAttention",
     "TransformerConfig",
     "FeedForward",
