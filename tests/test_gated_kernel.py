@@ -96,6 +96,27 @@ def test_chunked_kernel_repeats_bitwise(rule):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+@pytest.mark.parametrize("rule", RULES)
+def test_chunked_kernel_under_inference_mode_on_every_thread(rule):
+    """Under torch.inference_mode() the inputs are inference tensors; the kernel's worker threads do not
+    inherit the mode, and updating such a tensor in place outside it is an error. Every (batch, head) on
+    a thread of its own, with the state given: the same result as under no_grad."""
+    q, k, v, g, beta, state = (x.float() if x is not None else None for x in with_rule(rule, 2, 3, 70, 16, 12, seed=6))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            ref = kernel.chunked(q, k, v, g, beta, state, 16)
+        with torch.inference_mode():
+            args = [None if x is None else x.clone() for x in (q, k, v, g, beta, state)]  # inference tensors
+            got = kernel.chunked(*args, 16)
+            out, final = attnkit.gated_linear_attention(*args[:5], initial_state=args[5], return_state=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert torch.isfinite(out).all() and final is not None
+
+
 def test_gated_linear_attention_runs_the_kernel_by_default():
     """Float32 runs the kernel for every rule (explain says so), equal to the PyTorch path; bf16
     inputs are computed in float32; float64 and native=False run the PyTorch path with the reason."""

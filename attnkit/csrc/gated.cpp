@@ -34,6 +34,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -267,7 +268,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_forward(
   Tensor inv_all = keep && delta ? at::empty({BH, N, C, C}, opts) : at::empty({0}, opts);
   Tensor states_all = keep ? at::empty({BH, N, Dk, Dv}, opts) : at::empty({0}, opts);
   Tensor vnew_all = keep && delta ? at::empty({BH, N, C, Dv}, opts) : at::empty({0}, opts);
+  const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the workers do not inherit it
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+    std::optional<c10::InferenceMode> inference_in_worker;  // in place on inference tensors needs the mode
+    if (inference) inference_in_worker.emplace();
     at::AutoDispatchBelowAutograd below_in_worker;  // plain tensor arithmetic in every worker thread
     // inference keeps one segment's states and v_new, reused
     Tensor states_seg = keep ? Tensor() : at::empty({std::min(seg, N), Dk, Dv}, opts);
@@ -325,7 +329,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_backward(
   Tensor dq = at::empty({BH, N * C, Dk}, opts), dk = at::empty({BH, N * C, Dk}, opts);
   Tensor dv = at::empty({BH, N * C, Dv}, opts), dg = at::empty_like(p.gp);
   Tensor dbeta = at::zeros({BH, N * C}, opts), dS0 = at::empty({BH, Dk, Dv}, opts);
+  const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+    std::optional<c10::InferenceMode> inference_in_worker;
+    if (inference) inference_in_worker.emplace();
     at::AutoDispatchBelowAutograd below_in_worker;
     for (int64_t bh = begin; bh < end; ++bh) {
       Tensor dS = has_df ? df[bh].clone() : at::zeros({Dk, Dv}, opts);
