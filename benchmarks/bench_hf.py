@@ -11,6 +11,16 @@
    int8 caches (``attnkit.interop.hf_cache``) against sdpa's DynamicCache; padded and packed (position ids
    restarting, ``use_cache=False``) training steps over ``--train-lengths``. Each cell: speed as the median
    of interleaved per-round ratios, and the share of the call spent in attention (one extra timed pass).
+4. ``linear``: a small Qwen3-Next (hidden 512, three gated-delta layers and one attention layer, 8 linear
+   value heads of 128, a small mixture of experts) with transformers' own torch path for its gated-delta
+   layers against the same model inside ``attnkit.interop.use_attnkit_linear_attention()``: a training
+   step over ``--linear-length`` tokens and ``generate()`` of ``--linear-new-tokens`` greedy tokens after a
+   ``--linear-prompt``-token prompt (same tokens checked), each with the share of the call spent in the
+   gated-delta functions on each side.
+5. ``deepseek``: a small DeepSeek-V3.2 (hidden 512, 2 layers, 8 heads, the lightning indexer keeping
+   ``--ds-topk`` keys per query): ``generate()`` of ``--linear-new-tokens`` greedy tokens after a
+   ``--ds-prompt``-token prompt, ``attn_implementation="attnkit"`` (the indexer's lists read as a TopK
+   mask) against ``"sdpa"`` (transformers scatters them into a dense mask), same tokens checked.
 
 Runs are interleaved (HF, attnkit, HF, attnkit, ...) so that load on a shared machine hits both;
 the ratio of medians is reported against HF as the named baseline. Timings go to the terminal and
@@ -20,6 +30,8 @@ to bench-results/bench_hf.json; nothing is asserted.
     python benchmarks/bench_hf.py --only encoder --repeats 10
     python benchmarks/bench_hf.py --new-tokens 32 --repeats 1   # a quick look
     python benchmarks/bench_hf.py --only interop --context 1024 --train-lengths 128,256 --decode-steps 8
+    python benchmarks/bench_hf.py --only linear --linear-length 1024 --linear-new-tokens 8 --repeats 1
+    python benchmarks/bench_hf.py --only deepseek --ds-prompt 512 --ds-topk 64 --linear-new-tokens 4 --repeats 1
 """
 
 from __future__ import annotations
@@ -325,6 +337,146 @@ def interop_figures(args) -> list[dict]:
     return rows
 
 
+def small_qwen3_next(seed: int = 0):
+    """A small Qwen3-Next: hidden 512, layers [gated delta] * 3 + [attention], 4 key / 8 value linear heads
+    of 128, 8/2 attention heads of 64, 4 experts (2 per token), vocab 32000, fp32."""
+    import transformers
+
+    config = transformers.Qwen3NextConfig(
+        vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=4, linear_num_value_heads=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=256, shared_expert_intermediate_size=256, max_position_embeddings=32768,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], pad_token_id=0)
+    torch.manual_seed(seed)
+    return transformers.Qwen3NextForCausalLM(config).eval()
+
+
+class LinearClock:
+    """Seconds spent inside Qwen3-Next's gated-delta functions, whichever are installed when the block
+    is entered (transformers' own, or attnkit's adapters inside ``use_attnkit_linear_attention()``): the
+    forward's calls (their backward runs in autograd, uncounted, so a training step's share is a lower
+    bound)."""
+
+    NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+
+    def __init__(self):
+        from transformers.models.qwen3_next import modeling_qwen3_next
+
+        self.module, self.seconds, self.saved = modeling_qwen3_next, 0.0, {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            inner = self.saved[name] = getattr(self.module, name)
+
+            def timed(*args, inner=inner, **kwargs):
+                start = time.perf_counter()
+                out = inner(*args, **kwargs)
+                self.seconds += time.perf_counter() - start
+                return out
+
+            setattr(self.module, name, timed)
+        return self
+
+    def __exit__(self, *exc):
+        for name, inner in self.saved.items():
+            setattr(self.module, name, inner)
+
+
+def linear_figures(args) -> list[dict]:
+    """Qwen3-Next's gated-delta layers: transformers' torch path vs attnkit's kernel, training and generate()."""
+    import contextlib
+
+    from attnkit.interop import use_attnkit_linear_attention
+
+    model = small_qwen3_next()
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, model.config.vocab_size, (1, args.linear_length), generator=gen)
+    prompt = ids[:, : args.linear_prompt]
+    sides = {"transformers": contextlib.nullcontext, "attnkit": use_attnkit_linear_attention}
+
+    def train(side, clock=contextlib.nullcontext()):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        with sides[side](), clock:
+            loss = model(ids, labels=ids, use_cache=False).loss
+            loss.backward()
+        model.eval()
+        return loss.item()
+
+    def generate(side, clock=contextlib.nullcontext()):
+        with sides[side](), clock, torch.inference_mode():
+            return model.generate(prompt, max_new_tokens=args.linear_new_tokens, do_sample=False, pad_token_id=0)
+
+    def share(side, fn):
+        clock = LinearClock()  # entered inside the side's block, so it times whichever functions it installed
+        start = time.perf_counter()
+        fn(side, clock)
+        return clock.seconds / (time.perf_counter() - start)
+
+    rows = []
+    losses = {side: train(side) for side in sides}
+    tokens = {side: generate(side) for side in sides}
+    cells = {f"training step, {args.linear_length} tokens": (train, {"loss_diff": abs(losses["attnkit"] -
+                                                                                    losses["transformers"])}),
+             f"generate() {args.linear_new_tokens} tokens after {args.linear_prompt}": (
+                 generate, {"same_tokens": bool(torch.equal(tokens["attnkit"], tokens["transformers"]))})}
+    for cell, (fn, extra) in cells.items():
+        times = _interleaved({side: (lambda side=side: fn(side)) for side in sides}, args.repeats)
+        row = {"arch": "qwen3_next", "cell": cell, "transformers_s": statistics.median(times["transformers"]),
+               "attnkit_s": statistics.median(times["attnkit"]), "speed": _ratio(times, "attnkit", "transformers"),
+               "linear_share": {side: share(side, fn) for side in sides}, **extra}
+        rows.append(row)
+        print(f"qwen3_next: {cell}: transformers {row['transformers_s'] * 1e3:.1f} ms, attnkit "
+              f"{row['attnkit_s'] * 1e3:.1f} ms, attnkit {row['speed']:.2f}x transformers' speed (median of "
+              f"interleaved ratios); gated-delta share transformers {row['linear_share']['transformers']:.0%}, "
+              f"attnkit {row['linear_share']['attnkit']:.0%}; " + ", ".join(f"{k} {v}" for k, v in extra.items()),
+              flush=True)
+    return rows
+
+
+def small_deepseek_v32(topk: int, seed: int = 0):
+    """A small DeepSeek-V3.2: hidden 512, 2 layers (one dense MLP, one of 4 experts), 8 heads (latent 256,
+    rotary 32, nope 64, values 64), indexer 4 heads of 64 keeping ``topk`` keys, vocab 32000, fp32."""
+    import transformers
+
+    config = transformers.DeepseekV32Config(
+        vocab_size=32000, hidden_size=512, intermediate_size=1408, moe_intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=256, q_lora_rank=256, qk_nope_head_dim=64,
+        qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=32768, pad_token_id=0,
+        index_topk=topk, index_head_dim=64, index_n_heads=4)
+    torch.manual_seed(seed)
+    return transformers.DeepseekV32ForCausalLM(config).eval()
+
+
+def deepseek_figures(args) -> list[dict]:
+    """DeepSeek-V3.2's generate(): attnkit (TopK on the sparse backend) vs sdpa (a dense mask)."""
+    from attnkit.interop import register_hf_attention
+
+    register_hf_attention()
+    model = small_deepseek_v32(args.ds_topk)
+    ids = torch.randint(1, model.config.vocab_size, (1, args.ds_prompt), generator=torch.Generator().manual_seed(4))
+    impls = ("sdpa", "attnkit")
+
+    def generate(impl):
+        model.set_attn_implementation(impl)
+        with torch.inference_mode():
+            return model.generate(ids, max_new_tokens=args.linear_new_tokens, do_sample=False, pad_token_id=0)
+
+    tokens = {impl: generate(impl) for impl in impls}
+    times = _interleaved({impl: (lambda impl=impl: generate(impl)) for impl in impls}, args.repeats)
+    row = {"arch": "deepseek_v32", "cell": f"generate() {args.linear_new_tokens} tokens after {args.ds_prompt}, "
+           f"top-{args.ds_topk}", "sdpa_s": statistics.median(times["sdpa"]),
+           "attnkit_s": statistics.median(times["attnkit"]), "speed": _ratio(times, "attnkit", "sdpa"),
+           "same_tokens": bool(torch.equal(tokens["sdpa"], tokens["attnkit"]))}
+    row["tokens_per_s"] = {impl: args.linear_new_tokens / row[f"{impl}_s"] for impl in impls}
+    print(f"deepseek_v32: {row['cell']}: sdpa {row['sdpa_s']:.2f} s ({row['tokens_per_s']['sdpa']:.1f} tokens/s, "
+          f"prefill included), attnkit {row['attnkit_s']:.2f} s ({row['tokens_per_s']['attnkit']:.1f} tokens/s), "
+          f"attnkit {row['speed']:.2f}x sdpa's speed; same_tokens {row['same_tokens']}", flush=True)
+    return [row]
+
+
 RECORD_START, RECORD_END = "<!-- hf_interop: written by benchmarks/bench_hf.py --record -->", "<!-- hf_interop end -->"
 
 
@@ -362,7 +514,9 @@ def write_record(path: Path, rows: list[dict], argv: list[str], page: Path) -> N
                       "(2 layers, hidden 512, 8/2 heads of 64, vocab 32000, fp32) through "
                       "transformers with attn_implementation='attnkit' against 'sdpa', same weights, interleaved "
                       "runs in one process: seconds per call (medians), attnkit's speed as the median of per-round "
-                      "ratios, and the share of each call spent inside the attention function",
+                      "ratios, and the share of each call spent inside the attention function (in a training step "
+                      "the forward's calls only: attention's backward runs in autograd, uncounted, so there the "
+                      "share is a lower bound and the speed if attention were free an upper one)",
               "rows": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
@@ -382,7 +536,12 @@ def write_record(path: Path, rows: list[dict], argv: list[str], page: Path) -> N
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["decode", "encoder", "interop"], default=None)
+    parser.add_argument("--only", choices=["decode", "encoder", "interop", "linear", "deepseek"], default=None)
+    parser.add_argument("--ds-prompt", type=int, default=4096, help="deepseek: generate()'s prompt tokens")
+    parser.add_argument("--ds-topk", type=int, default=512, help="deepseek: the indexer's keys per query")
+    parser.add_argument("--linear-length", type=int, default=4096, help="linear: training step tokens")
+    parser.add_argument("--linear-prompt", type=int, default=512, help="linear: generate()'s prompt tokens")
+    parser.add_argument("--linear-new-tokens", type=int, default=64, help="linear: generate()'s new tokens")
     parser.add_argument("--archs", default="llama,qwen2", help=f"interop: some of {','.join(ARCHS)}")
     parser.add_argument("--context", type=int, default=8192, help="interop: prefill length and decode context")
     parser.add_argument("--decode-steps", type=int, default=24, help="interop: interleaved decode steps per side")
@@ -414,12 +573,15 @@ def main(argv=None) -> int:
     if args.only in (None, "encoder"):
         results.append(encoder_figure(args))
     interop = interop_figures(args) if args.only in (None, "interop") else []
+    linear = linear_figures(args) if args.only in (None, "linear") else []
+    deepseek = deepseek_figures(args) if args.only in (None, "deepseek") else []
     for r in results:
         extra = f"same tokens: {r['same_tokens']}" if "same_tokens" in r else f"max |diff| {r['max_abs_diff']:.1e}"
         print(f"{r['figure']}\n  HF {r['hf']:.1f} {r['unit']}  attnkit {r['attnkit']:.1f} {r['unit']}  "
               f"ratio attnkit/HF {r['ratio']:.2f}x  ({extra})\n  runs (s): {r['runs']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results, "interop": interop},
+    args.out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results, "interop": interop,
+                                    "linear": linear, "deepseek": deepseek},
                                    indent=2) + "\n")
     print(f"wrote {args.out}")
     if args.record is not None and interop:
