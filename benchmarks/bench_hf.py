@@ -140,7 +140,7 @@ ARCHS = ("llama", "qwen2")
 
 
 def small_decoder(arch: str, seed: int = 0):
-    """The issue's small decoder: 2 layers, hidden 512, 8 query and 2 key/value heads of 64, fp32."""
+    """A small decoder: 2 layers, hidden 512, 8 query and 2 key/value heads of 64, fp32."""
     import transformers
 
     common = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
