@@ -180,6 +180,22 @@ def test_a_kill_between_the_step_rename_and_latest_resumes_the_newer_step(tmp_pa
     assert (out / "latest").read_text().strip() == "step-000005"
 
 
+def test_resuming_a_finished_run_clears_a_killed_writers_temporary(tmp_path):
+    """The window the random kills above found: a kill after the run's last save, while the loss curve
+    was being written, leaves its temporary; resuming the finished run writes nothing else, yet clears it
+    (a writer still running is never touched)."""
+    out = tmp_path / "run"
+    train(tiny_train_config(out, steps=2, seq_len=16), tiny_gpt_config(embed_dim=16))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid no process holds now
+    stale, live = out / f".loss.png.tmp-{dead.pid}-x1", out / f".loss.png.tmp-{os.getppid()}-x2"
+    stale.write_bytes(b"half a png"), live.write_bytes(b"a save in progress")
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir() if p not in (stale, live))
+    train(TrainConfig(resume=str(out), steps=2, device="cpu"))
+    assert not stale.exists() and live.exists()
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir() if p != live) == before
+
+
 def test_a_rotated_out_checkpoint_is_never_left_half_deleted(tmp_path, monkeypatch):
     import shutil
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, fields, replace
 import torch
 from torch import nn
 
+from ..io.files import remove_stale_temporaries
 from .checkpoint import (
     checkpoint_names, checkpoint_order, load_checkpoint, load_model_weights, model_from_header, newest_checkpoint,
     restore_training_state, save_checkpoint,
@@ -82,7 +83,7 @@ def train(cfg: TrainConfig, model_config=None, *, stop_at: int | None = None,
     ``TrainConfig`` default) and the settings of the invocation itself (``out``, ``device``,
     ``progress``, ``log_every``, ``profile``, ``quantize``), which always come from ``cfg``. Resuming
     a finished run (``steps`` equal to its step) trains nothing and writes nothing: evaluation and
-    ``quantize`` are read-only there."""
+    ``quantize`` are read-only there (it only removes the temporaries a killed writer left)."""
     if not cfg.resume:  # every rank refuses a used --out alike, before the process group starts
         check_new_run(cfg.out, cfg.overwrite)
     ctx = setup_distributed(cfg.device)
@@ -108,6 +109,10 @@ def _train(cfg: TrainConfig, model_config, ctx: DistContext, stop_at: int | None
     start_step = meta["step"] if meta is not None else 0
     end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     writes = end > start_step  # a finished run is only analysed: nothing is written
+    if meta is not None and ctx.is_main and same_directory(cfg.out, _run_dir_of(cfg.resume)):
+        # a writer killed after the run's last save (writing its loss curve, say) left a temporary that no
+        # later save would clear: removed, whether or not this resume writes anything
+        remove_stale_temporaries(cfg.out)
     data = load_data(cfg.data)  # a bad --data is refused before anything is written
     if isinstance(data, SyntheticTask):
         cfg = replace(cfg, seq_len=data.seq_len)
