@@ -31,6 +31,8 @@
 #include <tuple>
 #include <vector>
 
+#include "tiles.h"
+
 namespace {
 
 // Vector code in GCC's generic 64-byte vectors (16 floats, 8 doubles) that the compiler maps onto the
@@ -127,63 +129,12 @@ Shape shape_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   return s;
 }
 
-// exp(x[i] - shift) in place for i < n, the sum returned. float: Cephes' expf polynomial on 16-lane
-// vectors (within 2 ulp; the same arithmetic on every instruction set, a short tail padded); double:
-// std::exp. An argument below -87 gives 0 or a subnormal, never a wrong magnitude.
-inline float exp_shift(float* x, int64_t n, float shift) {
-  typedef float V __attribute__((vector_size(64)));
-  typedef int32_t I __attribute__((vector_size(64)));
-  V sum = {};
-  for (int64_t i = 0; i < n; i += 16) {
-    const int64_t m = std::min<int64_t>(16, n - i);
-    V v;
-    if (m == 16) {
-      std::memcpy(&v, x + i, sizeof v);
-    } else {
-      float tmp[16];
-      std::fill(tmp, tmp + 16, shift - 100.0f);  // padding: exp(-100) adds nothing visible, and is dropped
-      std::memcpy(tmp, x + i, m * sizeof(float));
-      std::memcpy(&v, tmp, sizeof v);
-    }
-    v = v - shift;
-    v = v < -87.3f ? V{} - 87.3f : v;
-    const V fx = v * 1.44269504088896341f;
-    V n_ = __builtin_convertvector(__builtin_convertvector(fx + (fx >= 0 ? V{} + 0.5f : V{} - 0.5f), I), V);
-    V r = v - n_ * 0.693359375f + n_ * 2.12194440e-4f;
-    V y = V{} + 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    const I bits = (__builtin_convertvector(n_, I) + 127) << 23;
-    V pow2;
-    std::memcpy(&pow2, &bits, sizeof pow2);
-    y = y * pow2;
-    if (m == 16) {
-      std::memcpy(x + i, &y, sizeof y);
-      sum += y;
-    } else {
-      float tmp[16];
-      std::memcpy(tmp, &y, sizeof y);
-      std::memcpy(x + i, tmp, m * sizeof(float));
-      for (int64_t l = m; l < 16; ++l) tmp[l] = 0.0f;
-      V kept;
-      std::memcpy(&kept, tmp, sizeof kept);
-      sum += kept;
-    }
-  }
-  return hsum<float>(sum);
-}
-
-inline double exp_shift(double* x, int64_t n, double shift) {
-  double sum = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    x[i] = std::exp(x[i] - shift);
-    sum += x[i];
-  }
-  return sum;
+// exp(x[i] - shift) in place for i < n, the sum returned: the prefill kernel's row exponential
+// (tiles.h: Cephes' expf polynomial for float, std::exp for double, summed in a fixed 16-lane order, so
+// the same arithmetic on every instruction set).
+template <typename T>
+inline T exp_shift(T* x, int64_t n, T shift) {
+  return attnkit::exp_row<T, T>(x, n, T(1), shift, x);
 }
 
 // The listed keys of one list, compacted: keys[0 .. count) (padding and dropped pairs skipped).
