@@ -17,7 +17,8 @@ Measured in one process, interleaved (median of ``--rounds`` rounds), B=1, H=8, 
    PyTorch chunked path (``native=False``) and transformers' ``torch_chunk_gated_delta_rule``, and a
    2048x2048 fp32 matmul, interleaved round by round with ``torch.utils.benchmark`` (median per
    case): the kernel's matmul FLOP rate as a share of the matmul's fastest round in the same run;
-   and the raw decode-step op vs SDPA decode at ``--decode-context`` keys.
+   and the raw decode-step op vs SDPA decode at ``--decode-context`` keys. ``--kernel-dtype bf16`` runs
+   the same with bfloat16 inputs on every side (the peak then a bfloat16 matmul).
 
 ``--quick`` runs every section at toy sizes (a smoke run, seconds).
 
@@ -95,7 +96,8 @@ def kernel_flops(T: int, H: int, D: int, C: int = 64) -> tuple[float, float]:
     return chunks * (10 * C * C * D + 6 * C * D * D), chunks * (26 * C * C * D + 12 * C * D * D)
 
 
-def kernel_section(lengths: list[int], H: int, D: int, rounds: int, context: int, matmul_n: int) -> dict:
+def kernel_section(lengths: list[int], H: int, D: int, rounds: int, context: int, matmul_n: int,
+                   dtype: torch.dtype = torch.float32) -> dict:
     """Section 6 (see the module docstring)."""
     from torch.utils import benchmark
 
@@ -105,14 +107,14 @@ def kernel_section(lengths: list[int], H: int, D: int, rounds: int, context: int
         print(f"kernel section skipped: {kernel.extension_reason()}")
         return {"skipped": kernel.extension_reason()}
     out = {}
-    a = torch.randn(matmul_n, matmul_n)
+    a = torch.randn(matmul_n, matmul_n).to(dtype)  # the peak of the inputs' dtype
     trans = transformers_rule()
     for L in lengths:
         cases = {"kernel": ours_native, "pytorch": ours_pytorch, "transformers": trans}
         row = {}
         for backward in (False, True):
             key = "fwd_bwd" if backward else "fwd"
-            x = inputs(L, H, D, grad=backward)
+            x = inputs(L, H, D, dtype=dtype, grad=backward)
 
             def run(fn, x=x, backward=backward):
                 with torch.set_grad_enabled(backward):
@@ -140,7 +142,8 @@ def kernel_section(lengths: list[int], H: int, D: int, rounds: int, context: int
                         "speedup_vs_transformers": med["transformers"] / med["kernel"],
                         "speedup_vs_pytorch": med["pytorch"] / med["kernel"]}
             r = row[key]
-            print(f"kernel T={L} {key}: kernel {med['kernel'] * 1e3:.1f} ms ({r['kernel_gflops']:.0f} GFLOP/s, "
+            name = str(dtype).removeprefix("torch.")
+            print(f"kernel {name} T={L} {key}: kernel {med['kernel'] * 1e3:.1f} ms ({r['kernel_gflops']:.0f} GFLOP/s, "
                   f"{r['kernel_share_of_peak']:.0%} of the {r['matmul_peak_gflops']:.0f} GFLOP/s matmul), "
                   f"pytorch {med['pytorch'] * 1e3:.1f} ms, transformers {med['transformers'] * 1e3:.1f} ms "
                   f"({r['speedup_vs_transformers']:.1f}x)")
@@ -277,6 +280,9 @@ def main() -> None:
     parser.add_argument("--sections", default="transformers,sdpa,memory,decode,error,kernel",
                         help="comma list of sections to run")
     parser.add_argument("--kernel-lengths", default="4096,16384", help="T list for the native kernel section")
+    parser.add_argument("--kernel-dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="the kernel section's input dtype (the same inputs on every side; the peak is a "
+                             "matmul in this dtype)")
     parser.add_argument("--quick", action="store_true", help="every section at toy sizes (a smoke run)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--measure-peak", default=None, help=argparse.SUPPRESS)  # T,H,D,which: internal
@@ -339,7 +345,8 @@ def main() -> None:
         print("error vs float64 recurrence:", {k: f"{v:.2e}" for k, v in result["error"].items()})
     if "kernel" in sections:
         result["kernel"] = kernel_section([int(x) for x in args.kernel_lengths.split(",")], H, D, args.rounds,
-                                          args.decode_context, matmul_n)
+                                          args.decode_context, matmul_n,
+                                          {"fp32": torch.float32, "bf16": torch.bfloat16}[args.kernel_dtype])
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
