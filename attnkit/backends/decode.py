@@ -89,9 +89,8 @@ class DecodeOptions:
       (AVX512_VNNI's ``vpdpbusd``, else portable int32 vectors: the same integers) against ``q``
       quantized per row to int8 (step ``max|q| / 127``). The default reads the int8 cache exactly
       (keys converted to float32). The rounding of ``q`` perturbs each score by at most
-      ``0.5 · step · Σ|k|`` times the scale (measured on Gaussian data, D=128, 4096 keys: outputs
-      within about 1e-3 of attention over the dequantized cache, 1% of their largest magnitude,
-      against 1e-7 exact; see ``docs/guide/decoding.md``).
+      ``0.5 · step · Σ|k|`` times the scale (the bound on the output is in
+      ``docs/guide/decoding.md``; the tests check it against the dequantized cache in float64).
       It applies to int8 caches only; other caches are read exactly either way."""
 
     segment_tokens: int | None = None
