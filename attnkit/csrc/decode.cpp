@@ -643,78 +643,120 @@ Layout layout_of(const at::Tensor& x, const at::Tensor& table) {
   return L;
 }
 
+// Merges the splits [t0, t1) of sequence b, K/V head hk into out and lse, in split order: each
+// split's partial (m, l, o) weighted by exp(m - max), the query head's sink added to the mass.
+void merge_splits(const Problem& P, int64_t b, int64_t hk, int64_t t0, int64_t t1, const float* part_m,
+                  const float* part_l, const float* part_o, float* out, float* lse, const float* sinks) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t Hkv = P.Hkv, M = P.M, Dv = P.Dv, Tq = P.Tq;
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t g = r / Tq, i = r % Tq, h = hk * P.G + g;
+    float mx = sinks ? sinks[h] : ninf;
+    for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, part_m[(t * Hkv + hk) * M + r]);
+    const float shift = mx == ninf ? 0.f : mx;
+    float l = sinks ? std::exp(sinks[h] - shift) : 0.f;
+    float* ob = out + ((b * P.Hq + h) * Tq + i) * Dv;
+    std::fill(ob, ob + Dv, 0.f);
+    for (int64_t t = t0; t < t1; ++t) {
+      // A split where the row sees nothing (m = -inf, l = 0, o = 0) adds 0 * 0; one where every
+      // key it sees scores -inf adds 0 * o, NaN where a value it sees is NaN/Inf (as IEEE gives).
+      const int64_t at_ = (t * Hkv + hk) * M + r;
+      const float wgt = std::exp(part_m[at_] - shift);
+      l += part_l[at_] * wgt;
+      axpy(ob, wgt, part_o + at_ * Dv, Dv);
+    }
+    const float inv = l == 0.f ? 0.f : 1.f / l;
+    scale_row(ob, inv, Dv);
+    lse[(b * P.Hq + h) * Tq + i] = l == 0.f ? ninf : shift + std::log(l);
+  }
+}
+
+// A buffer of at least n elements kept by the calling thread between calls (a decode step runs
+// this kernel once per layer: no allocation per call once the largest call has run).
+template <typename T>
+T* scratch(std::vector<T>& buffer, size_t n) {
+  if (buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
+
 template <typename KT>
 void run(const Problem& P, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_scale,
          const at::Tensor& v_scale, float* out, float* lse, const float* sinks) {
-  const int64_t B = P.B, Hkv = P.Hkv, M = P.M, Dv = P.Dv, Tq = P.Tq;
+  const int64_t B = P.B, Hkv = P.Hkv, M = P.M, Dv = P.Dv;
   // The splits of every sequence, in order: (sequence, first key, end key). No padding.
-  std::vector<int64_t> sb, sj0, sj1, first(B + 1, 0);
+  thread_local std::vector<int64_t> index;
+  int64_t nsplit = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t lo = P.rows[b * 4], hi = P.rows[b * 4 + 1], split = P.rows[b * 4 + 2];
-    first[b] = static_cast<int64_t>(sb.size());
-    for (int64_t j = lo; j < hi; j += split) sb.push_back(b), sj0.push_back(j), sj1.push_back(std::min(hi, j + split));
+    nsplit += hi > lo ? (hi - lo + split - 1) / split : 0;
   }
-  first[B] = static_cast<int64_t>(sb.size());
-  const int64_t nsplit = first[B];
-  std::vector<float> part_m(nsplit * Hkv * M), part_l(nsplit * Hkv * M), part_o(nsplit * Hkv * M * Dv);
+  // sb, sj0, sj1 (nsplit each), first (B + 1), order (nsplit), remaining (B * Hkv)
+  int64_t* sb = scratch(index, 4 * nsplit + B + 1 + B * Hkv);
+  int64_t *sj0 = sb + nsplit, *sj1 = sj0 + nsplit, *order = sj1 + nsplit, *first = order + nsplit;
+  int64_t* remaining = first + B + 1;
+  for (int64_t b = 0, t = 0; b < B; ++b) {
+    const int64_t lo = P.rows[b * 4], hi = P.rows[b * 4 + 1], split = P.rows[b * 4 + 2];
+    first[b] = t;
+    for (int64_t j = lo; j < hi; j += split, ++t) sb[t] = b, sj0[t] = j, sj1[t] = std::min(hi, j + split);
+    for (int64_t hk = 0; hk < Hkv; ++hk) remaining[b * Hkv + hk] = t - first[b];
+  }
+  first[B] = nsplit;
+  thread_local std::vector<float> partials;
+  float* part_m = scratch(partials, nsplit * Hkv * M * (Dv + 2));
+  float *part_l = part_m + nsplit * Hkv * M, *part_o = part_l + nsplit * Hkv * M;
   const KT* kp = k.data_ptr<KT>();
   const KT* vp = v.data_ptr<KT>();
   const float* ksp = k_scale.numel() ? k_scale.data_ptr<float>() : nullptr;
   const float* vsp = v_scale.numel() ? v_scale.data_ptr<float>() : nullptr;
-  // Work items (split, head), longest split first, taken by the threads as they come free: the
-  // order and the thread that reduces an item change no bit of its result.
-  std::vector<int64_t> order(nsplit);
+  // A sequence that reads no key (an empty span) is merged here: output 0, LSE -inf (or its sinks').
+  for (int64_t b = 0; b < B; ++b)
+    if (first[b] == first[b + 1])
+      for (int64_t hk = 0; hk < Hkv; ++hk) merge_splits(P, b, hk, 0, 0, part_m, part_l, part_o, out, lse, sinks);
+  // Work items (split, head), longest split first, taken by the threads as they come free; the
+  // thread that finishes a (sequence, head)'s last split merges its splits, in split order. Which
+  // thread reduces a split or merges a head, and in what order the items finish, change no bit.
   for (int64_t t = 0; t < nsplit; ++t) order[t] = t;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return sj1[a] - sj0[a] > sj1[b] - sj0[b]; });
+  std::stable_sort(order, order + nsplit, [&](int64_t a, int64_t b) { return sj1[a] - sj0[a] > sj1[b] - sj0[b]; });
   const int64_t items = nsplit * Hkv;
+  // Splits of one width (a batch of equal spans, one sequence) are dealt out in fixed contiguous
+  // blocks, so a thread reads the same heads call after call (its own cache keeps them); others are
+  // taken as threads come free.
+  bool equal = true;
+  for (int64_t t = 1; t < nsplit; ++t) equal &= sj1[t] - sj0[t] == sj1[0] - sj0[0];
+  const int64_t slots = std::min<int64_t>(items, at::get_num_threads());
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
     const int64_t qbytes = M * q_stride(P.qmode, P.D) * (P.qmode == kFloat ? 4 : P.qmode == kBf16Dot ? 2 : 1);
-    std::vector<float> work(M * kChunk + padded(M) + (qbytes + 3) / 4);
-    std::vector<uint64_t> vis(M);
-    for (int64_t i = next++; i < items; i = next++) {
-      const int64_t t = order[i / Hkv], hk = i % Hkv, w = t * Hkv + hk;
-      float *pm = part_m.data() + w * M, *pl = part_l.data() + w * M, *po = part_o.data() + w * M * Dv;
+    thread_local std::vector<float> work_buffer;
+    thread_local std::vector<uint64_t> vis_buffer;
+    float* work = scratch(work_buffer, M * kChunk + padded(M) + (qbytes + 3) / 4);
+    uint64_t* vis = scratch(vis_buffer, M);
+    auto item = [&](int64_t i) {
+      const int64_t t = order[i / Hkv], hk = i % Hkv, w = t * Hkv + hk, b = sb[t];
+      float *pm = part_m + w * M, *pl = part_l + w * M, *po = part_o + w * M * Dv;
+      bool done = false;
       if constexpr (std::is_same_v<KT, c10::BFloat16>) {
         if (P.qmode == kBf16Dot) {
-          split_partial<KT, kBf16Dot>(P, kp, vp, ksp, vsp, sb[t], hk, sj0[t], sj1[t], pm, pl, po, work.data(), vis.data());
-          continue;
+          split_partial<KT, kBf16Dot>(P, kp, vp, ksp, vsp, b, hk, sj0[t], sj1[t], pm, pl, po, work, vis);
+          done = true;
         }
       }
       if constexpr (std::is_same_v<KT, int8_t>) {
         if (P.qmode == kInt8Dot) {
-          split_partial<KT, kInt8Dot>(P, kp, vp, ksp, vsp, sb[t], hk, sj0[t], sj1[t], pm, pl, po, work.data(), vis.data());
-          continue;
+          split_partial<KT, kInt8Dot>(P, kp, vp, ksp, vsp, b, hk, sj0[t], sj1[t], pm, pl, po, work, vis);
+          done = true;
         }
       }
-      split_partial<KT, kFloat>(P, kp, vp, ksp, vsp, sb[t], hk, sj0[t], sj1[t], pm, pl, po, work.data(), vis.data());
-    }
-  });
-  const float ninf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = w / Hkv, hk = w % Hkv;
-      for (int64_t r = 0; r < M; ++r) {
-        const int64_t g = r / Tq, i = r % Tq, h = hk * P.G + g;
-        float mx = sinks ? sinks[h] : ninf;
-        for (int64_t t = first[b]; t < first[b + 1]; ++t) mx = std::max(mx, part_m[(t * Hkv + hk) * M + r]);
-        const float shift = mx == ninf ? 0.f : mx;
-        float l = sinks ? std::exp(sinks[h] - shift) : 0.f;
-        float* ob = out + ((b * P.Hq + h) * Tq + i) * Dv;
-        std::fill(ob, ob + Dv, 0.f);
-        for (int64_t t = first[b]; t < first[b + 1]; ++t) {
-          // A split where the row sees nothing (m = -inf, l = 0, o = 0) adds 0 * 0; one where every
-          // key it sees scores -inf adds 0 * o, NaN where a value it sees is NaN/Inf (as IEEE gives).
-          const int64_t at_ = (t * Hkv + hk) * M + r;
-          const float wgt = std::exp(part_m[at_] - shift);
-          l += part_l[at_] * wgt;
-          axpy(ob, wgt, part_o.data() + at_ * Dv, Dv);
-        }
-        const float inv = l == 0.f ? 0.f : 1.f / l;
-        scale_row(ob, inv, Dv);
-        lse[(b * P.Hq + h) * Tq + i] = l == 0.f ? ninf : shift + std::log(l);
-      }
+      if (!done) split_partial<KT, kFloat>(P, kp, vp, ksp, vsp, b, hk, sj0[t], sj1[t], pm, pl, po, work, vis);
+      // acquire-release: the thread that takes the count to 0 sees every other split's partial
+      if (__atomic_sub_fetch(&remaining[b * Hkv + hk], 1, __ATOMIC_ACQ_REL) == 0)
+        merge_splits(P, b, hk, first[b], first[b + 1], part_m, part_l, part_o, out, lse, sinks);
+    };
+    if (equal) {
+      for (int64_t slot = begin; slot < end; ++slot)
+        for (int64_t i = slot * items / slots; i < (slot + 1) * items / slots; ++i) item(i);
+    } else {
+      for (int64_t i = next++; i < items; i = next++) item(i);
     }
   });
 }
@@ -865,6 +907,9 @@ TORCH_LIBRARY(attnkit_decode, m) {
   m.def("dot_products() -> int[]");
   m.impl("dot_products", c10::DispatchKey::CatchAll, TORCH_FN(dot_products));
   m.impl("decode", c10::DispatchKey::CPU, TORCH_FN(decode));
+  // No gradient flows through this op (attention() runs the kernel for inference only): taken at the
+  // autograd key too, so a call skips PyTorch's boxed not-implemented fallback (a per-call cost).
+  m.impl("decode", c10::DispatchKey::AutogradCPU, TORCH_FN(decode));
   m.def("decode_spans(Tensor keep, Tensor spans) -> Tensor");
   m.impl("decode_spans", c10::DispatchKey::CPU, TORCH_FN(decode_spans));
 }
