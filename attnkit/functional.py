@@ -130,10 +130,10 @@ def attention(
         return _ragged_rows(q, k, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, backend=backend,
                             options=options, return_lse=return_lse, score_mod=score_mod, sinks=sinks,
                             kv_finite=kv_finite)
-    if attn_mask is None and is_causal is False and bias is None and score_mod is None and sinks is None:
+    if attn_mask is None and is_causal is False and bias is None:
         # the common call: validation and selection cached per call class (dispatch.resolve_call)
         impl, inp, host = resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite,
-                                       backend)
+                                       backend, score_mod, sinks)
     else:
         inp = AttentionInputs.create(
             q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, q_offset=q_offset,

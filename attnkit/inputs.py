@@ -325,6 +325,13 @@ class AttentionInputs:
         cache of it keeps no tensor alive)."""
         return {**self.__dict__, "q": None, "k": None, "v": None}
 
+    def memo(self) -> dict | None:
+        """The dispatcher's memo for this call's class (:func:`attnkit.dispatch.resolve_call`): a dict
+        shared by every call with the same cache key, where a backend keeps what it derives from that
+        key alone (never from tensor contents, nor from anything outside the key, such as the thread
+        count, unless it keys on it); None for inputs built outside that cache."""
+        return self.__dict__.get("_memo")
+
     def dense(self) -> AttentionInputs:
         """These inputs with a KV handle replaced by contiguous K/V in the query dtype (the one
         declared conversion, :meth:`KVHandle.dense`); themselves when K/V are tensors."""
@@ -333,6 +340,7 @@ class AttentionInputs:
         k, v = self.k.dense(self.dtype)
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__, k=k, v=v, kv_format="dense")
+        new.__dict__.pop("_memo", None)  # another call class
         return new
 
     def __repr__(self) -> str:  # shapes, not tensor contents

@@ -179,6 +179,12 @@ class ScoreMod:
     def __rshift__(self, other: ScoreMod) -> ScoreMod:
         return Chain(self, as_score_mod(other, "other"))
 
+    def call_key(self) -> tuple:
+        """What validation and backend selection read of this modifier, for the dispatcher's per-call
+        cache: the object (its terms never change) and each tensor's shape, dtype, device and
+        whether it requires grad (a learnable table, or one moved with ``.data =``, keys anew)."""
+        return (self, *[(t.shape, t.dtype, t.device, t.requires_grad) for t in self.parameters()])
+
     def validate(self, B: int, H: int, device: torch.device) -> None:
         """Raise ``ValueError`` if the modifier cannot serve a call with ``H`` query heads on ``device``."""
         if self.num_heads not in (None, 1, H):

@@ -195,3 +195,75 @@ def test_an_entry_decided_before_a_table_reload_is_never_used(ran):
     calls._CALLS[key] = (attnkit.list_backends()["naive"], fields, names, cpu, generation)  # stored late
     attnkit.attention(q, kv, kv)
     assert ran[-1] == auto
+
+
+def _decode_step(H=4, T=40, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, T, D, generator=g)
+
+
+def test_score_modifiers_and_sinks_are_part_of_the_key(ran, monkeypatch):
+    """Calls with a score modifier or sinks take the cache too: the same objects hit, another
+    object is validated anew, and an equal soft-cap (a value) hits."""
+    from attnkit.score_mods import ALiBi, SoftCap
+
+    created = []
+    real = AttentionInputs.create
+    monkeypatch.setattr(AttentionInputs, "create", lambda *a, **kw: created.append(1) or real(*a, **kw))
+    qs, ks = _decode_step()
+    alibi, sinks = ALiBi.geometric(4), torch.zeros(4)
+    for _ in range(3):
+        attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=alibi, sinks=sinks)
+    assert len(created) == 1
+    attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=ALiBi.geometric(4), sinks=sinks)
+    attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=alibi, sinks=torch.zeros(4))
+    assert len(created) == 3
+    for _ in range(2):
+        attnkit.attention(qs, ks, ks, score_mod=SoftCap(20.0))
+    assert len(created) == 4
+    with pytest.raises(ValueError, match="sinks"):  # a cached class still refuses a bad argument
+        attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=alibi, sinks=torch.zeros(3))
+
+
+def test_in_place_changes_to_modifiers_and_sinks_reach_the_next_call(ran):
+    """What a backend keeps per call class (the decode kernel's arguments) follows in-place updates
+    of slopes, relative-bias tables and sinks, and the thread count."""
+    from attnkit.score_mods import ALiBi, RelativeBias
+
+    qs, ks = _decode_step(T=300)
+    # float64 slopes and sinks: the kernel reads float32 copies of them, which must follow the originals
+    alibi = ALiBi(ALiBi.geometric(4).slopes.double())
+    rel = RelativeBias(torch.randn(4, 16), max_distance=64, bidirectional=False)
+    sinks = torch.zeros(4, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    try:
+        for step in range(9):
+            for mod in (alibi, rel):
+                for _ in range(2):  # a miss, then a hit
+                    out = attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=mod, sinks=sinks)
+                ref = attnkit.attention(qs.double(), ks.double(), ks.double(), mask=Causal(), backend="naive",
+                                        score_mod=type(mod)(**{f: getattr(mod, f).double() if f in ("slopes", "table")
+                                                               else getattr(mod, f) for f in mod.__dataclass_fields__}),
+                                        sinks=sinks.double())
+                torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+            # one change at a time, so each must be seen on its own
+            (lambda: alibi.slopes.mul_(1.5), lambda: rel.table.add_(torch.randn(4, 16)), lambda: sinks.add_(1.0),
+             lambda: torch.set_num_threads(1 if torch.get_num_threads() > 1 else 2))[step % 4]()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_learnable_modifier_selects_anew_when_it_starts_requiring_grad(ran):
+    from attnkit.score_mods import RelativeBias
+
+    qs, ks = _decode_step()
+    rel = RelativeBias(torch.randn(4, 16), max_distance=64, bidirectional=False)
+    first = attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=rel)
+    assert first.grad_fn is None
+    rel.table.requires_grad_(True)
+    out = attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=rel)
+    out.sum().backward()
+    assert rel.table.grad is not None and rel.table.grad.abs().sum() > 0
+    torch.testing.assert_close(out.detach(), first)
+    with torch.no_grad():
+        assert attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=rel).grad_fn is None

@@ -105,7 +105,18 @@ _MOD_REASONS: dict = {}  # id(score_mod) -> (score_mod, why the kernel cannot ru
 
 
 def kernel_reasons(inp: AttentionInputs) -> list[str]:
-    """Why the native decode kernel cannot run ``inp`` ([] = it can)."""
+    """Why the native decode kernel cannot run ``inp`` ([] = it can; the list is not to be changed:
+    it is kept in the dispatcher's memo, every input it reads being in the call's key)."""
+    memo = inp.memo()
+    if memo is not None:
+        found = memo.get("decode_kernel_reasons")
+        if found is None:
+            found = memo["decode_kernel_reasons"] = _kernel_reasons(inp)
+        return found
+    return _kernel_reasons(inp)
+
+
+def _kernel_reasons(inp: AttentionInputs) -> list[str]:
     if torch.compiler.is_compiling():  # checked first: loading the extension is not traceable
         return ["the native decode kernel is opaque to torch.compile (the PyTorch-op twin traces)"]
     reasons = []
@@ -172,6 +183,38 @@ def native_decode(inp: AttentionInputs, options=None):
     """Run the kernel (``kernel_reasons(inp) == []``): ``out`` or ``(out, lse)`` like a backend;
     ``options``: the call's :class:`~attnkit.backends.decode.DecodeOptions` (or None)."""
     ext, _ = _extension()
+    handle = inp.k if inp.kv_format != "dense" else None
+    if handle is None:
+        k, v, ks, vs, table = inp.k, inp.v, _EMPTY_F, _EMPTY_F, _EMPTY_L
+    else:
+        k, v = handle.k, handle.v
+        ks = _EMPTY_F if handle.k_scale is None else handle.k_scale
+        vs = _EMPTY_F if handle.v_scale is None else handle.v_scale
+        table = _EMPTY_L if handle.block_table is None else handle.block_table
+    k, v = _last_contiguous(k), _last_contiguous(v)
+    rows_t, spec, mode = _plan(inp, options, ext, k.dtype)
+    q = inp.q.float().contiguous()
+    out, lse = ext.decode(q, k, v, [ks, vs, table, rows_t], spec.tensors, spec.ints, spec.floats, mode)
+    if out.dtype != inp.dtype:
+        out = out.to(inp.dtype)
+    return (out, lse) if inp.return_lse else out
+
+
+def _plan(inp: AttentionInputs, options, ext, kv_dtype: torch.dtype):
+    """``(rows, spec, qmode)``: the kernel's per-call arguments besides the tensors. Dense K/V under
+    a band-only mask (or none) depend on the call's class alone, the thread count (the splits), the
+    options and the versions of the score modifier's and sinks' tensors (a view of them, or a copy
+    when they change dtype): kept in the dispatcher's memo (:meth:`AttentionInputs.memo`) per those."""
+    memo = inp.memo() if inp.kv_format == "dense" else None
+    if memo is not None:
+        versions = () if inp.score_mod is None else tuple([t._version for t in inp.score_mod.parameters()])
+        key = (torch.get_num_threads(), options, versions, None if inp.sinks is None else inp.sinks._version)
+        plans = memo.get("decode_plan")
+        if plans is None:
+            plans = memo["decode_plan"] = {}
+        found = plans.get(key)
+        if found is not None:
+            return found
     split = None if options is None else options.native_split_tokens
     handle = inp.k if inp.kv_format != "dense" else None
     B, Tq, Tk = inp.B, inp.Tq, inp.Tk
@@ -194,24 +237,16 @@ def native_decode(inp: AttentionInputs, options=None):
         spans = ext.decode_spans(keep_t, torch.tensor(spans, dtype=torch.long)).tolist()
     rows = [(lo, hi, split or split_tokens(hi - lo, inp.Hkv), qpos[b]) for b, (lo, hi) in enumerate(spans)]
     rows_t = _rows_tensor(tuple(rows))
-    if handle is None:
-        k, v, ks, vs, table = inp.k, inp.v, _EMPTY_F, _EMPTY_F, _EMPTY_L
-    else:
-        k, v = handle.k, handle.v
-        ks = _EMPTY_F if handle.k_scale is None else handle.k_scale
-        vs = _EMPTY_F if handle.v_scale is None else handle.v_scale
-        table = _EMPTY_L if handle.block_table is None else handle.block_table
-    k, v = _last_contiguous(k), _last_contiguous(v)
     bias = None if inp.bias is None else _four(inp.bias.float(), inp)
     spec = kernel_spec(inp.scale, kv_offset=kv_offset, left=left, right=right, keep=None if keep is None else keep_t,
                        bias=bias, score_mod=inp.score_mod, sinks=None if inp.sinks is None else inp.sinks.detach(),
                        num_heads=inp.Hq, Tq=Tq, Tk=Tk)
-    q = inp.q.float().contiguous()
-    mode = qmode(inp.dtype, k.dtype, options)
-    out, lse = ext.decode(q, k, v, [ks, vs, table, rows_t], spec.tensors, spec.ints, spec.floats, mode)
-    if out.dtype != inp.dtype:
-        out = out.to(inp.dtype)
-    return (out, lse) if inp.return_lse else out
+    plan = rows_t, spec, qmode(inp.dtype, kv_dtype, options)
+    if memo is not None and limits is None and keep is None and bias is None:
+        if len(plans) >= 8:
+            plans.clear()
+        plans[key] = plan
+    return plan
 
 
 #: How the kernel computes q·k (decode.cpp's QMode): float32, bf16 dot products, int8 dot products.

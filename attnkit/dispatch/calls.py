@@ -24,6 +24,7 @@ from ..csrc import loader
 from ..inputs import AttentionInputs
 from ..masks import Mask
 from ..masks.export import value_keyed
+from ..score_mods import ScoreMod
 from ..registry import Backend, get_backend, list_backends, names_now
 from . import table, tuning
 from .rule import priority
@@ -120,28 +121,29 @@ table.ON_RELOAD.append(clear)
 
 
 def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite,
-                 backend: str) -> tuple[type[Backend], AttentionInputs, bool | None]:
-    """``attention()``'s common call (dense tensors, no bias, score modifier or sinks): the backend,
+                 backend: str, score_mod=None, sinks=None) -> tuple[type[Backend], AttentionInputs, bool | None]:
+    """``attention()``'s common call (dense tensors, no bias or SDPA-style mask): the backend,
     validated inputs and whether the host may branch on them (:func:`attnkit.backends.nonfinite.host_may_branch`;
     None: not known here), cached per call: shapes, dtypes, devices, mask, offsets, scale, dropout,
-    LSE, ``kv_finite``, whether gradients are needed, the backend asked for and the scope
+    LSE, ``kv_finite``, whether gradients are needed, the score modifier and sinks (the objects, with
+    their tensors' shapes, dtypes, devices and ``requires_grad``:
+    :meth:`~attnkit.score_mods.ScoreMod.call_key`), the backend asked for and the scope
     (``use_backend``, autotuning, each backend's ``reason_contexts``). A hit skips validation and
     selection, both pure functions of that key (strides are not in it: neither reads them); an
     entry is used only while the registry it was decided under holds. With the built extension
     the tensors and scalars are keyed in one C call (:func:`attnkit.csrc.loader.key`), which also
     proves the tensors plain (no subclass or ``torch.func`` wrapper): the host may then branch on
-    CPU tensors."""
+    CPU tensors, and the inputs carry the entry's memo (:meth:`AttentionInputs.memo`)."""
+    args = (q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend, score_mod, sinks)
     if _is_compiling():
-        return (*_resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend),
-                None)
+        return (*_resolve_slow(*args), None)
     # Shapes, dtypes, devices, whether gradients are needed and the scalars with their types (1 == True ==
     # 1.0 as Python keys, but a call validation would refuse must never hit).
     scalars = loader.key(q, k, v, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite)
     plain = scalars is not None
     if not plain:
         if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
-            return (*_resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite,
-                                   backend), None)
+            return (*_resolve_slow(*args), None)
         scalars = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                    torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
                    scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite,
@@ -153,30 +155,40 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
         names = names_now()
         contexts = _CONTEXT_VARS[0] = (names, tuple(var for name in names for var in known[name].reason_contexts))
     contexts = contexts[1]
-    key = (scalars, mask, backend, _SCOPED.get(), tuning.enabled(),
-           contexts and tuple([var.get() for var in contexts]))
     cache, size = ((_CALLS, _CALLS_SIZE) if mask is None or (isinstance(mask, Mask) and value_keyed(mask))
                    else (_BY_IDENTITY, _BY_IDENTITY_SIZE))
     try:
+        if score_mod is None and sinks is None:
+            mods = None
+        else:  # the objects are kept alive by their entry: an id is never reused meanwhile
+            mods = (score_mod.call_key() if isinstance(score_mod, ScoreMod) else score_mod,
+                    sinks if sinks is None else (sinks, sinks.shape, sinks.dtype, sinks.device, sinks.requires_grad),
+                    torch.is_grad_enabled())
+        key = (scalars, mask, backend, _SCOPED.get(), tuning.enabled(),
+               contexts and tuple([var.get() for var in contexts]), mods)
         hit = cache.get(key)
-    except (TypeError, RuntimeError):  # an unhashable or tensor-valued argument (a scale tensor): no cache
-        return (*_resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend),
-                None)
+    except (TypeError, RuntimeError, AttributeError):  # unhashable, tensor-valued (a scale tensor), not a tensor
+        return (*_resolve_slow(*args), None)
     if hit is not None and hit[2] is names and hit[4] == _GENERATION[0]:
         return hit[0], AttentionInputs.trusted(hit[1], q, k, v), plain and hit[3]
     generation = _GENERATION[0]
-    impl, inp = _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend)
+    impl, inp = _resolve_slow(*args)
     if not isinstance(mask, (Mask, type(None))):
         return impl, inp, None  # a raw tensor: wrapped anew each call, its entry could never hit
     if len(cache) >= size:
         cache.clear()
-    cache[key] = (impl, inp.cache_fields(), names, inp.q.is_cpu, generation)
+    fields = inp.cache_fields()
+    if plain:  # no subclass or wrapper: what a backend derives from the key holds for every hit
+        fields["_memo"] = {}
+    cache[key] = (impl, fields, names, inp.q.is_cpu, generation)
     return impl, inp, None
 
 
-def _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend):
+def _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend,
+                  score_mod=None, sinks=None):
     inp = AttentionInputs.create(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, q_offset=q_offset,
-                                 kv_offset=kv_offset, return_lse=return_lse, kv_finite=kv_finite)
+                                 kv_offset=kv_offset, return_lse=return_lse, kv_finite=kv_finite,
+                                 score_mod=score_mod, sinks=sinks)
     return resolve(inp, backend)
 
 
