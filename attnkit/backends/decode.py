@@ -389,7 +389,8 @@ class DecodeBackend(Backend):
             return False
         if kernel_reasons(inp):
             return False
-        _KERNEL_RUNS.ref = weakref.ref(inp)  # forward, called next with this inp, need not ask again
+        if inp.memo() is None:  # (with a memo, kernel_reasons is a look-up)
+            _KERNEL_RUNS.ref = weakref.ref(inp)  # forward, called next with this inp, need not ask again
         return True
 
     @classmethod
