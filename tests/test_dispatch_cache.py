@@ -44,6 +44,7 @@ def ran(monkeypatch):
                         lambda impl, inp, options, host=None: names.append(impl.name) or real(impl, inp, options, host))
     monkeypatch.setattr(calls, "_CALLS", {})
     monkeypatch.setattr(calls, "_BY_IDENTITY", {})
+    monkeypatch.setattr(calls, "_BY_MODIFIER", {})
     return names
 
 
@@ -223,6 +224,13 @@ def test_score_modifiers_and_sinks_are_part_of_the_key(ran, monkeypatch):
     assert len(created) == 4
     with pytest.raises(ValueError, match="sinks"):  # a cached class still refuses a bad argument
         attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=alibi, sinks=torch.zeros(3))
+    # a modifier holding tensors is known by its identity, in a cache of its own: one built anew per
+    # call churns that cache only, never the plain calls' decisions
+    attnkit.attention(qs, ks, ks, mask=Causal())
+    plain = dict(calls._CALLS)
+    for _ in range(calls._BY_MODIFIER_SIZE + 5):
+        attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=ALiBi.geometric(4))
+    assert calls._CALLS == plain and 0 < len(calls._BY_MODIFIER) <= calls._BY_MODIFIER_SIZE
 
 
 def test_in_place_changes_to_modifiers_and_sinks_reach_the_next_call(ran):

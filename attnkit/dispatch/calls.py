@@ -24,7 +24,7 @@ from ..csrc import loader
 from ..inputs import AttentionInputs
 from ..masks import Mask
 from ..masks.export import value_keyed
-from ..score_mods import ScoreMod
+from ..score_mods import CustomScoreMod, ScoreMod
 from ..registry import Backend, get_backend, list_backends, names_now
 from . import table, tuning
 from .rule import priority
@@ -104,6 +104,10 @@ _CALLS_SIZE = 512
 # so an entry keeps its mask alive; a few suffice (a model's layers share one mask per forward).
 _BY_IDENTITY: dict = {}
 _BY_IDENTITY_SIZE = 16
+# Calls with sinks or a score modifier holding tensors (ALiBi slopes, a relative-bias table), keyed by
+# the objects' identity: a model passes one per layer; one built anew per call only churns this cache.
+_BY_MODIFIER: dict = {}
+_BY_MODIFIER_SIZE = 64
 _CONTEXT_VARS: list = [((), ())]  # (registered names, their backends' reason_contexts)
 
 
@@ -115,6 +119,7 @@ def clear() -> None:
     _GENERATION[0] += 1
     _CALLS.clear()
     _BY_IDENTITY.clear()
+    _BY_MODIFIER.clear()
 
 
 table.ON_RELOAD.append(clear)
@@ -164,6 +169,8 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
             mods = (score_mod.call_key() if isinstance(score_mod, ScoreMod) else score_mod,
                     sinks if sinks is None else (sinks, sinks.shape, sinks.dtype, sinks.device, sinks.requires_grad),
                     torch.is_grad_enabled())
+            if cache is _CALLS and (sinks is not None or not _value_hashed(score_mod)):
+                cache, size = _BY_MODIFIER, _BY_MODIFIER_SIZE
         key = (scalars, mask, backend, _SCOPED.get(), tuning.enabled(),
                contexts and tuple([var.get() for var in contexts]), mods)
         hit = cache.get(key)
@@ -182,6 +189,13 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
         fields["_memo"] = {}
     cache[key] = (impl, fields, names, inp.q.is_cpu, generation)
     return impl, inp, None
+
+
+def _value_hashed(score_mod) -> bool:
+    """Whether ``score_mod`` (or None) compares and hashes by value and holds no tensor (``SoftCap(30.0)``
+    equals a new ``SoftCap(30.0)``); a modifier holding tensors, or a callable, is known by its identity."""
+    return score_mod is None or (isinstance(score_mod, ScoreMod) and not isinstance(score_mod, CustomScoreMod)
+                                 and type(score_mod).__hash__ is not object.__hash__ and not score_mod.parameters())
 
 
 def _resolve_slow(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_lse, kv_finite, backend,
