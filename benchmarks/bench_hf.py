@@ -502,6 +502,20 @@ def interop_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _without_paths(argv: list[str]) -> list[str]:
+    """The command line less the options that name output files (``--record``, ``--out``): the record
+    states how the figures were made, not where this run wrote them."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--record", "--out"):
+            skip = True
+        elif not a.startswith(("--record=", "--out=")):
+            kept.append(a)
+    return kept
+
+
 def write_record(path: Path, rows: list[dict], argv: list[str], page: Path) -> None:
     """The figure record (command, CPU, threads, torch, load) and its table on the figures page."""
     import transformers
@@ -585,8 +599,8 @@ def main(argv=None) -> int:
                                    indent=2) + "\n")
     print(f"wrote {args.out}")
     if args.record is not None and interop:
-        write_record(args.record, interop, [a for a in raw if not a.startswith("--record") and a != str(args.record)],
-                     Path(__file__).resolve().parents[1] / "docs" / "figures.md")
+        page = Path(__file__).resolve().parents[1] / "docs" / "figures.md"
+        write_record(args.record, interop, _without_paths(raw), page)
         print(f"wrote {args.record} and its table on docs/figures.md")
     return 0
 
