@@ -182,7 +182,8 @@ class ScoreMod:
     def call_key(self) -> tuple:
         """What validation and backend selection read of this modifier, for the dispatcher's per-call
         cache: the object (its terms never change) and each tensor's shape, dtype, device and
-        whether it requires grad (a learnable table, or one moved with ``.data =``, keys anew)."""
+        whether it requires grad (a table that starts requiring grad, or is moved to another dtype or
+        device, keys anew)."""
         return (self, *[(t.shape, t.dtype, t.device, t.requires_grad) for t in self.parameters()])
 
     def validate(self, B: int, H: int, device: torch.device) -> None:

@@ -233,9 +233,18 @@ def test_score_modifiers_and_sinks_are_part_of_the_key(ran, monkeypatch):
     assert calls._CALLS == plain and 0 < len(calls._BY_MODIFIER) <= calls._BY_MODIFIER_SIZE
 
 
+def _kernel_memo_used(qs, ks, **kwargs) -> bool:
+    """Whether the decode kernel ran this call from a cache entry's memo (needs the built extension)."""
+    _, inp, _ = calls.resolve_call(qs, ks, ks, kwargs.get("mask"), None, 0.0, None, 0, False, None, "auto",
+                                   kwargs.get("score_mod"), kwargs.get("sinks"))
+    memo = inp.memo()
+    return memo is not None and bool(memo.get("decode_plan"))
+
+
 def test_in_place_changes_to_modifiers_and_sinks_reach_the_next_call(ran):
     """What a backend keeps per call class (the decode kernel's arguments) follows in-place updates
-    of slopes, relative-bias tables and sinks, and the thread count."""
+    of slopes, relative-bias tables and sinks, ``.data =`` assignments, and the thread count."""
+    from attnkit.backends.decode_native import kernel_reasons
     from attnkit.score_mods import ALiBi, RelativeBias
 
     qs, ks = _decode_step(T=300)
@@ -245,7 +254,7 @@ def test_in_place_changes_to_modifiers_and_sinks_reach_the_next_call(ran):
     sinks = torch.zeros(4, dtype=torch.float64)
     threads = torch.get_num_threads()
     try:
-        for step in range(9):
+        for step in range(13):
             for mod in (alibi, rel):
                 for _ in range(2):  # a miss, then a hit
                     out = attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=mod, sinks=sinks)
@@ -254,9 +263,14 @@ def test_in_place_changes_to_modifiers_and_sinks_reach_the_next_call(ran):
                                                                else getattr(mod, f) for f in mod.__dataclass_fields__}),
                                         sinks=sinks.double())
                 torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+                if not kernel_reasons(AttentionInputs.create(qs, ks, ks, mask=Causal(), score_mod=mod, sinks=sinks)):
+                    assert ran[-3:-1] == ["decode", "decode"]  # the kernel ran both (then the reference)
+                    assert _kernel_memo_used(qs, ks, mask=Causal(), score_mod=mod, sinks=sinks)
             # one change at a time, so each must be seen on its own
             (lambda: alibi.slopes.mul_(1.5), lambda: rel.table.add_(torch.randn(4, 16)), lambda: sinks.add_(1.0),
-             lambda: torch.set_num_threads(1 if torch.get_num_threads() > 1 else 2))[step % 4]()
+             lambda: torch.set_num_threads(1 if torch.get_num_threads() > 1 else 2),
+             lambda: setattr(sinks, "data", torch.randn(4, dtype=torch.float64)),
+             lambda: setattr(alibi.slopes, "data", alibi.slopes * 0.5))[step % 6]()
     finally:
         torch.set_num_threads(threads)
 
@@ -275,3 +289,28 @@ def test_a_learnable_modifier_selects_anew_when_it_starts_requiring_grad(ran):
     torch.testing.assert_close(out.detach(), first)
     with torch.no_grad():
         assert attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=rel).grad_fn is None
+
+
+def test_inference_tensors_and_tuples_of_modifiers_stay_exact(ran):
+    """Tensors made under inference mode have no version counter: calls with them are never served
+    from a memo of what was derived from their values. A tuple of modifiers is validated per call
+    (its parts' tensors are not in a key)."""
+    from attnkit.score_mods import ALiBi, RelativeBias, SoftCap
+
+    qs, ks = _decode_step()
+    with torch.inference_mode():
+        alibi, sinks = ALiBi(ALiBi.geometric(4).slopes.double()), torch.zeros(4, dtype=torch.float64)
+        for _ in range(3):
+            out = attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=alibi, sinks=sinks)
+            ref = attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=alibi, sinks=sinks, backend="naive")
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+            sinks.add_(1.0)
+            alibi.slopes.mul_(2.0)
+    rel = RelativeBias(torch.randn(4, 16), max_distance=64, bidirectional=False)
+    pair = (rel, SoftCap(50.0))
+    first = attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=pair)
+    rel.table.requires_grad_(True)
+    out = attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=pair)
+    out.sum().backward()
+    assert rel.table.grad is not None and rel.table.grad.abs().sum() > 0
+    torch.testing.assert_close(out.detach(), first)

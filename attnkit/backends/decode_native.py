@@ -43,7 +43,7 @@ from torch import Tensor
 
 from ..inputs import AttentionInputs
 from ..masks import Mask, mask_params
-from .native_ops import kernel_spec
+from .native_ops import kernel_spec, tensor_state
 
 __all__ = ["kernel_reasons", "native_decode", "split_tokens", "score_mod_reason", "reads_structure", "qmode",
            "dot_products", "qmode_note",
@@ -203,12 +203,18 @@ def native_decode(inp: AttentionInputs, options=None):
 def _plan(inp: AttentionInputs, options, ext, kv_dtype: torch.dtype):
     """``(rows, spec, qmode)``: the kernel's per-call arguments besides the tensors. Dense K/V under
     a band-only mask (or none) depend on the call's class alone, the thread count (the splits), the
-    options and the versions of the score modifier's and sinks' tensors (a view of them, or a copy
-    when they change dtype): kept in the dispatcher's memo (:meth:`AttentionInputs.memo`) per those."""
+    options and the state of the score modifier's and sinks' tensors (the spec holds a view of them,
+    or a copy where it changes their dtype; :func:`~attnkit.backends.native_ops.tensor_state`): kept in
+    the dispatcher's memo (:meth:`AttentionInputs.memo`) per those, unless one is an inference tensor."""
     memo = inp.memo() if inp.kv_format == "dense" else None
     if memo is not None:
-        versions = () if inp.score_mod is None else tuple([t._version for t in inp.score_mod.parameters()])
-        key = (torch.get_num_threads(), options, versions, None if inp.sinks is None else inp.sinks._version)
+        held = (() if inp.score_mod is None else inp.score_mod.parameters()) + (() if inp.sinks is None else
+                                                                                (inp.sinks,))
+        states = tuple([tensor_state(t) for t in held])
+        if None in states:  # an inference tensor: no counter tells its values apart
+            memo = None
+    if memo is not None:
+        key = (torch.get_num_threads(), options, states)
         plans = memo.get("decode_plan")
         if plans is None:
             plans = memo["decode_plan"] = {}

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["forward", "forward_outputs", "backward_outputs", "register", "kernel_spec", "KernelSpec", "relative_values",
-           "FORWARD", "BACKWARD"]
+           "tensor_state", "FORWARD", "BACKWARD"]
 
 FORWARD = "attnkit_native::forward"
 BACKWARD = "attnkit_native::backward"
@@ -123,14 +123,27 @@ def relative_values(term, num_heads: int, dtype: torch.dtype) -> Tensor:
     ``-max_distance .. max_distance``, ``(num_heads, 2 max_distance + 1)``: T5's bucket is the same for
     every distance past ``max_distance`` on either side, so the kernel reads ``values[h, clamp(d)]``."""
     table = term.table
-    key = (id(table), table._version, num_heads, dtype, term.max_distance, term.bidirectional)
-    found = _RELATIVE.get(key)
+    state = tensor_state(table)
+    key = (id(table), state, num_heads, dtype, term.max_distance, term.bidirectional)
+    found = None if state is None else _RELATIVE.get(key)
     if found is None or found[0] is not table:  # held with its values: its id is not reused meanwhile
-        if len(_RELATIVE) >= 16:
-            _RELATIVE.clear()
         values = table.detach().to(dtype)[:, _clamped_buckets(table.shape[1], term.max_distance, term.bidirectional)]
-        found = _RELATIVE[key] = (table, values.expand(num_heads, -1).contiguous())
+        found = (table, values.expand(num_heads, -1).contiguous())
+        if state is not None:
+            if len(_RELATIVE) >= 16:
+                _RELATIVE.clear()
+            _RELATIVE[key] = found
     return found[1]
+
+
+def tensor_state(t: Tensor) -> tuple | None:
+    """What tells ``t``'s current values apart, for a cache of something derived from them: its storage
+    address (``.data = other`` moves it) and version counter (every in-place op bumps it); None for an
+    inference tensor, which has no counter (never cached). Edits through ``t.data`` bypass the counter,
+    as they bypass autograd's own checks."""
+    if t.is_inference():
+        return None
+    return t.data_ptr(), t._version
 
 
 # table -> its values per clamped distance, kept while the table is unchanged (its version counter)

@@ -907,9 +907,6 @@ TORCH_LIBRARY(attnkit_decode, m) {
   m.def("dot_products() -> int[]");
   m.impl("dot_products", c10::DispatchKey::CatchAll, TORCH_FN(dot_products));
   m.impl("decode", c10::DispatchKey::CPU, TORCH_FN(decode));
-  // No gradient flows through this op (attention() runs the kernel for inference only): taken at the
-  // autograd key too, so a call skips PyTorch's boxed not-implemented fallback (a per-call cost).
-  m.impl("decode", c10::DispatchKey::AutogradCPU, TORCH_FN(decode));
   m.def("decode_spans(Tensor keep, Tensor spans) -> Tensor");
   m.impl("decode_spans", c10::DispatchKey::CPU, TORCH_FN(decode_spans));
 }

@@ -162,11 +162,13 @@ def resolve_call(q, k, v, mask, scale, dropout_p, q_offset, kv_offset, return_ls
     contexts = contexts[1]
     cache, size = ((_CALLS, _CALLS_SIZE) if mask is None or (isinstance(mask, Mask) and value_keyed(mask))
                    else (_BY_IDENTITY, _BY_IDENTITY_SIZE))
+    if score_mod is not None and not isinstance(score_mod, ScoreMod):  # a list, tuple or callable: its parts'
+        return (*_resolve_slow(*args), None)                             # tensors are not in a key
     try:
         if score_mod is None and sinks is None:
             mods = None
         else:  # the objects are kept alive by their entry: an id is never reused meanwhile
-            mods = (score_mod.call_key() if isinstance(score_mod, ScoreMod) else score_mod,
+            mods = (score_mod if score_mod is None else score_mod.call_key(),
                     sinks if sinks is None else (sinks, sinks.shape, sinks.dtype, sinks.device, sinks.requires_grad),
                     torch.is_grad_enabled())
             if cache is _CALLS and (sinks is not None or not _value_hashed(score_mod)):
