@@ -306,6 +306,12 @@ def test_inference_tensors_and_tuples_of_modifiers_stay_exact(ran):
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
             sinks.add_(1.0)
             alibi.slopes.mul_(2.0)
+        table = RelativeBias(torch.randn(4, 16), max_distance=64, bidirectional=False)
+        for _ in range(3):
+            out = attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=table)
+            ref = attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=table, backend="naive")
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+            table.table.mul_(-1.5)
     rel = RelativeBias(torch.randn(4, 16), max_distance=64, bidirectional=False)
     pair = (rel, SoftCap(50.0))
     first = attnkit.attention(qs, ks, ks, mask=Causal(), score_mod=pair)
