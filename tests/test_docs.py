@@ -105,7 +105,7 @@ def test_every_figure_has_its_record():
         assert record.name in figures_page, f"docs/figures.md does not show {record.name}"
         assert str(data["command"]) in figures_page, f"docs/figures.md does not show the command of {record.name}"
         # how the figures were made, never where one run wrote its files
-        assert not re.search(r"--out\b|--record\b|/tmp/|/home/|/work/", str(data["command"])), data["command"]
+        assert not re.search(r"--out\b|--record\b|(^|\s)/", str(data["command"])), data["command"]  # an absolute path
     stems = {r.stem for r in records}
     unrecorded = [str(p.relative_to(ROOT)) for p in DOCS.rglob("*")
                   if p.suffix in (".png", ".svg", ".jpg", ".json") and "_build" not in p.relative_to(DOCS).parts
